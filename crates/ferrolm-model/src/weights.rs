@@ -1,0 +1,287 @@
+//! Weight loading: safetensors checkpoints (one file, or shards listed in
+//! `model.safetensors.index.json`), memory-mapped, kept in their file dtype; and random weights
+//! of any config for benchmarks.
+//!
+//! Invariant: a [`Tensor`] always holds exactly `shape.iter().product()` elements of its dtype.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ferrolm_backend::{DType, WeightView};
+use half::{bf16, f16};
+use memmap2::Mmap;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use safetensors::{Dtype as StDtype, SafeTensors};
+
+use crate::ModelError;
+
+/// Where a tensor's elements live.
+#[derive(Debug)]
+enum Storage {
+    /// Bytes `[start, end)` of a mapped file, suitably aligned for the dtype.
+    Mapped { map: Arc<Mmap>, start: usize, end: usize },
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+}
+
+/// A weight tensor in its storage dtype.
+#[derive(Debug)]
+pub struct Tensor {
+    dtype: DType,
+    shape: Vec<usize>,
+    storage: Storage,
+}
+
+impl Tensor {
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    pub fn num_elements(&self) -> usize {
+        self.shape.iter().product()
+    }
+
+    pub fn size_in_bytes(&self) -> usize {
+        self.num_elements() * self.dtype.size_in_bytes()
+    }
+
+    pub fn from_f32(shape: Vec<usize>, data: Vec<f32>) -> Tensor {
+        assert_eq!(shape.iter().product::<usize>(), data.len());
+        Tensor { dtype: DType::F32, shape, storage: Storage::F32(data) }
+    }
+
+    pub fn view(&self) -> WeightView<'_> {
+        match &self.storage {
+            Storage::Mapped { map, start, end } => {
+                let bytes = &map[*start..*end];
+                // Alignment was checked when the tensor was created.
+                match self.dtype {
+                    DType::F32 => WeightView::F32(bytemuck::cast_slice(bytes)),
+                    DType::F16 => WeightView::F16(bytemuck::cast_slice(bytes)),
+                    DType::BF16 => WeightView::BF16(bytemuck::cast_slice(bytes)),
+                }
+            }
+            Storage::F32(v) => WeightView::F32(v),
+            Storage::F16(v) => WeightView::F16(v),
+            Storage::BF16(v) => WeightView::BF16(v),
+        }
+    }
+
+    pub fn to_f32_vec(&self) -> Vec<f32> {
+        self.view().to_f32_vec()
+    }
+
+    /// Concatenates tensors of equal dtype and trailing dims along dim 0 (fusing q/k/v or gate/up
+    /// into one GEMM). The result is owned memory.
+    pub fn concat_rows(parts: &[Tensor]) -> Tensor {
+        let first = &parts[0];
+        let cols: usize = first.shape[1..].iter().product();
+        let rows: usize = parts.iter().map(|p| p.shape[0]).sum();
+        let mut shape = first.shape.clone();
+        shape[0] = rows;
+        let storage = match first.dtype {
+            DType::F32 => Storage::F32(concat(parts, |v| match v {
+                WeightView::F32(s) => s,
+                _ => unreachable!("dtype checked"),
+            })),
+            DType::F16 => Storage::F16(concat(parts, |v| match v {
+                WeightView::F16(s) => s,
+                _ => unreachable!("dtype checked"),
+            })),
+            DType::BF16 => Storage::BF16(concat(parts, |v| match v {
+                WeightView::BF16(s) => s,
+                _ => unreachable!("dtype checked"),
+            })),
+        };
+        debug_assert_eq!(rows * cols, shape.iter().product::<usize>());
+        Tensor { dtype: first.dtype, shape, storage }
+    }
+
+    /// Converts to `dtype` (owned) unless it is already in it.
+    pub fn into_dtype(self, dtype: DType) -> Tensor {
+        if self.dtype == dtype {
+            return self;
+        }
+        let values = self.to_f32_vec();
+        let storage = match dtype {
+            DType::F32 => Storage::F32(values),
+            DType::F16 => Storage::F16(values.iter().map(|&x| f16::from_f32(x)).collect()),
+            DType::BF16 => Storage::BF16(values.iter().map(|&x| bf16::from_f32(x)).collect()),
+        };
+        Tensor { dtype, shape: self.shape, storage }
+    }
+}
+
+fn concat<T: Copy>(parts: &[Tensor], get: impl Fn(WeightView<'_>) -> &[T]) -> Vec<T> {
+    assert!(parts.iter().all(|p| p.dtype == parts[0].dtype), "concat_rows: mixed dtypes");
+    let mut out = Vec::with_capacity(parts.iter().map(Tensor::num_elements).sum());
+    for p in parts {
+        out.extend_from_slice(get(p.view()));
+    }
+    out
+}
+
+#[derive(Debug, Clone)]
+struct TensorLocation {
+    file: usize,
+    dtype: DType,
+    shape: Vec<usize>,
+    start: usize,
+    end: usize,
+}
+
+/// A source of named tensors.
+pub struct WeightSource(Source);
+
+enum Source {
+    /// Memory-mapped safetensors files.
+    SafeTensors { maps: Vec<Arc<Mmap>>, files: Vec<PathBuf>, index: HashMap<String, TensorLocation> },
+    /// Random values of the requested shape, deterministic per (seed, name).
+    Random { dtype: DType, seed: u64 },
+}
+
+fn map_dtype(dtype: StDtype) -> Option<DType> {
+    match dtype {
+        StDtype::F32 => Some(DType::F32),
+        StDtype::F16 => Some(DType::F16),
+        StDtype::BF16 => Some(DType::BF16),
+        _ => None,
+    }
+}
+
+impl WeightSource {
+    /// Opens `dir/model.safetensors`, or the shards named by `dir/model.safetensors.index.json`.
+    pub fn open_dir(dir: &Path) -> Result<WeightSource, ModelError> {
+        let index_path = dir.join("model.safetensors.index.json");
+        let files: Vec<PathBuf> = if index_path.exists() {
+            let index = crate::config::read_json(&index_path)?;
+            let map = index.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::InvalidJson {
+                path: index_path.clone(),
+                message: "no `weight_map` object".into(),
+            })?;
+            let mut names: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_owned)).collect();
+            names.sort();
+            names.dedup();
+            names.iter().map(|n| dir.join(n)).collect()
+        } else {
+            let single = dir.join("model.safetensors");
+            if !single.exists() {
+                return Err(ModelError::NoWeights(dir.to_owned()));
+            }
+            vec![single]
+        };
+        Self::open_files(files)
+    }
+
+    pub fn open_files(files: Vec<PathBuf>) -> Result<WeightSource, ModelError> {
+        let mut maps = Vec::with_capacity(files.len());
+        let mut index = HashMap::new();
+        for (file_idx, path) in files.iter().enumerate() {
+            let file = File::open(path).map_err(|e| ModelError::io(path, e))?;
+            // SAFETY: the file is opened read-only; ferrolm does not modify checkpoint files while
+            // serving them (as every mmap-based loader assumes).
+            let map = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::io(path, e))?;
+            let corrupt = |message: String| ModelError::CorruptWeights { path: path.clone(), message };
+            let st = SafeTensors::deserialize(&map).map_err(|e| corrupt(e.to_string()))?;
+            let base = map.as_ptr() as usize;
+            for (name, view) in st.iter() {
+                let dtype = map_dtype(view.dtype())
+                    .ok_or_else(|| corrupt(format!("tensor `{name}` has unsupported dtype {:?}", view.dtype())))?;
+                let data = view.data();
+                let start = data.as_ptr() as usize - base;
+                index.insert(
+                    name.to_owned(),
+                    TensorLocation { file: file_idx, dtype, shape: view.shape().to_vec(), start, end: start + data.len() },
+                );
+            }
+            maps.push(Arc::new(map));
+        }
+        Ok(WeightSource(Source::SafeTensors { maps, files, index }))
+    }
+
+    pub fn random(dtype: DType, seed: u64) -> WeightSource {
+        WeightSource(Source::Random { dtype, seed })
+    }
+
+    pub fn contains(&self, name: &str) -> bool {
+        match &self.0 {
+            Source::SafeTensors { index, .. } => index.contains_key(name),
+            Source::Random { .. } => true,
+        }
+    }
+
+    /// Loads `name`, checking that it has exactly `shape`.
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError> {
+        match &self.0 {
+            Source::SafeTensors { maps, files, index } => {
+                let loc = index.get(name).ok_or_else(|| ModelError::MissingTensor(name.to_owned()))?;
+                if loc.shape != shape {
+                    return Err(ModelError::ShapeMismatch { name: name.to_owned(), expected: shape.to_vec(), found: loc.shape.clone() });
+                }
+                let map = &maps[loc.file];
+                let bytes = &map[loc.start..loc.end];
+                let expected_bytes = shape.iter().product::<usize>() * loc.dtype.size_in_bytes();
+                if bytes.len() != expected_bytes {
+                    return Err(ModelError::CorruptWeights {
+                        path: files[loc.file].clone(),
+                        message: format!("tensor `{name}` holds {} bytes, its shape needs {expected_bytes}", bytes.len()),
+                    });
+                }
+                let aligned = (bytes.as_ptr() as usize) % loc.dtype.size_in_bytes() == 0;
+                let storage = if aligned {
+                    Storage::Mapped { map: Arc::clone(map), start: loc.start, end: loc.end }
+                } else {
+                    copy_unaligned(bytes, loc.dtype)
+                };
+                Ok(Tensor { dtype: loc.dtype, shape: shape.to_vec(), storage })
+            }
+            Source::Random { dtype, seed } => Ok(random_tensor(name, shape, *dtype, *seed)),
+        }
+    }
+
+    /// Loads a small tensor (norm weights, biases) as f32 values.
+    pub fn get_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
+        Ok(self.get(name, shape)?.to_f32_vec())
+    }
+}
+
+fn copy_unaligned(bytes: &[u8], dtype: DType) -> Storage {
+    match dtype {
+        DType::F32 => Storage::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+        DType::F16 => Storage::F16(bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect()),
+        DType::BF16 => Storage::BF16(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()),
+    }
+}
+
+fn name_seed(name: &str, seed: u64) -> u64 {
+    // FNV-1a: deterministic across runs and platforms.
+    name.bytes().fold(0xcbf2_9ce4_8422_2325 ^ seed, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
+}
+
+/// Random weights that keep activations in a sane range: norms near 1, matrices uniform with the
+/// variance of a fan-in initialisation.
+fn random_tensor(name: &str, shape: &[usize], dtype: DType, seed: u64) -> Tensor {
+    let mut rng = ChaCha8Rng::seed_from_u64(name_seed(name, seed));
+    let n: usize = shape.iter().product();
+    let is_norm = name.contains("norm");
+    let fan_in = *shape.last().unwrap_or(&1) as f32;
+    let bound = if shape.len() == 1 { 0.02 } else { (3.0 / fan_in).sqrt() };
+    let mut sample = move || {
+        let x: f32 = rng.random_range(-bound..bound);
+        if is_norm { 1.0 + x } else { x }
+    };
+    let storage = match dtype {
+        DType::F32 => Storage::F32((0..n).map(|_| sample()).collect()),
+        DType::F16 => Storage::F16((0..n).map(|_| f16::from_f32(sample())).collect()),
+        DType::BF16 => Storage::BF16((0..n).map(|_| bf16::from_f32(sample())).collect()),
+    };
+    Tensor { dtype, shape: shape.to_vec(), storage }
+}

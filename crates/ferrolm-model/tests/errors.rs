@@ -1,0 +1,125 @@
+//! Bad model directories give one clear error each, never a panic.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use ferrolm_model::{Model, ModelError};
+use serde_json::Value;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/fixtures")).join(name)
+}
+
+/// A writable copy of a fixture.
+fn copy_fixture(name: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("tempdir");
+    for entry in fs::read_dir(fixture(name)).expect("fixture") {
+        let entry = entry.expect("entry");
+        fs::copy(entry.path(), dir.path().join(entry.file_name())).expect("copy");
+    }
+    dir
+}
+
+fn edit_config(dir: &Path, edit: impl FnOnce(&mut Value)) {
+    let path = dir.join("config.json");
+    let mut v: Value = serde_json::from_str(&fs::read_to_string(&path).expect("read")).expect("json");
+    edit(&mut v);
+    fs::write(path, serde_json::to_string(&v).expect("ser")).expect("write");
+}
+
+fn load_err(dir: &Path) -> String {
+    match Model::from_dir(dir) {
+        Ok(_) => panic!("loading {} should fail", dir.display()),
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(!msg.contains('\n'), "error should be one line: {msg}");
+            msg
+        }
+    }
+}
+
+#[test]
+fn both_layouts_load() -> Result<(), ModelError> {
+    // Sharded + old keys, and single file + new keys.
+    Model::from_dir(&fixture("llama"))?;
+    Model::from_dir(&fixture("llama3_gqa"))?;
+    Ok(())
+}
+
+#[test]
+fn missing_directory() {
+    let msg = load_err(Path::new("/nonexistent/model"));
+    assert!(msg.contains("/nonexistent/model"), "{msg}");
+}
+
+#[test]
+fn missing_config() {
+    let dir = copy_fixture("qwen2_tied");
+    fs::remove_file(dir.path().join("config.json")).expect("rm");
+    assert!(load_err(dir.path()).contains("config.json"));
+}
+
+#[test]
+fn invalid_config_json() {
+    let dir = copy_fixture("qwen2_tied");
+    fs::write(dir.path().join("config.json"), "{ not json").expect("write");
+    assert!(load_err(dir.path()).contains("not valid JSON"));
+}
+
+#[test]
+fn unknown_architecture() {
+    let dir = copy_fixture("qwen2_tied");
+    edit_config(dir.path(), |v| v["architectures"] = serde_json::json!(["GPT2LMHeadModel"]));
+    let msg = load_err(dir.path());
+    assert!(msg.contains("GPT2LMHeadModel") && msg.contains("LlamaForCausalLM"), "{msg}");
+}
+
+#[test]
+fn missing_weights() {
+    let dir = copy_fixture("qwen2_tied");
+    fs::remove_file(dir.path().join("model.safetensors")).expect("rm");
+    assert!(load_err(dir.path()).contains("no weights"));
+}
+
+#[test]
+fn missing_tensor_is_named() {
+    // Untying the embeddings makes the loader look for a tensor the checkpoint lacks.
+    let dir = copy_fixture("qwen2_tied");
+    edit_config(dir.path(), |v| v["tie_word_embeddings"] = serde_json::json!(false));
+    let msg = load_err(dir.path());
+    assert!(msg.contains("`lm_head.weight`"), "{msg}");
+}
+
+#[test]
+fn wrong_shape_is_named() {
+    let dir = copy_fixture("qwen2_tied");
+    edit_config(dir.path(), |v| v["intermediate_size"] = serde_json::json!(100));
+    let msg = load_err(dir.path());
+    assert!(msg.contains("model.layers.0.mlp.gate_proj.weight") && msg.contains("[100, 64]"), "{msg}");
+}
+
+#[test]
+fn truncated_safetensors() {
+    let dir = copy_fixture("qwen2_tied");
+    let path = dir.path().join("model.safetensors");
+    let bytes = fs::read(&path).expect("read");
+    fs::write(&path, &bytes[..bytes.len() / 2]).expect("write");
+    let msg = load_err(dir.path());
+    assert!(msg.contains("corrupt or truncated") && msg.contains("model.safetensors"), "{msg}");
+}
+
+#[test]
+fn garbage_safetensors() {
+    let dir = copy_fixture("qwen2_tied");
+    fs::write(dir.path().join("model.safetensors"), b"\xff\xff\xff\xff\xff\xff\xff\x7fgarbage").expect("write");
+    assert!(load_err(dir.path()).contains("corrupt or truncated"));
+    fs::write(dir.path().join("model.safetensors"), b"abc").expect("write");
+    assert!(load_err(dir.path()).contains("corrupt or truncated"));
+}
+
+#[test]
+fn missing_shard() {
+    let dir = copy_fixture("llama");
+    fs::remove_file(dir.path().join("model-00002-of-00003.safetensors")).expect("rm");
+    assert!(load_err(dir.path()).contains("model-00002-of-00003.safetensors"));
+}
