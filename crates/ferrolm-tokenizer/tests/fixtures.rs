@@ -1,0 +1,206 @@
+//! Golden tests against the HF fixture directories in testdata/fixtures: tokenization equals
+//! the ids HF produced, chat templates render as HF renders them, and loading failures name
+//! the file that is wrong.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use ferrolm_tokenizer::{ChatMessage, Tokenizer, TokenizerError};
+
+const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/fixtures");
+const FIXTURE_NAMES: [&str; 7] =
+    ["llama", "llama3_gqa", "mistral_swa", "qwen2_tied", "qwen3_qknorm", "phi3_fused", "gemma_geglu"];
+
+type BoxError = Box<dyn std::error::Error>;
+type TestResult = Result<(), BoxError>;
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(FIXTURES).join(name)
+}
+
+/// `reference.json`'s `tokenize` list: (text, ids HF gave with no special tokens added).
+fn reference_tokenization(name: &str) -> Result<Vec<(String, Vec<u32>)>, BoxError> {
+    let text = fs::read_to_string(fixture(name).join("reference.json"))?;
+    let reference: serde_json::Value = serde_json::from_str(&text)?;
+    let cases = reference["tokenize"].as_array().ok_or("reference.json has no tokenize list")?;
+    cases
+        .iter()
+        .map(|case| {
+            let text = case["text"].as_str().ok_or("tokenize case without text")?.to_string();
+            let ids = serde_json::from_value::<Vec<u32>>(case["ids"].clone())?;
+            Ok((text, ids))
+        })
+        .collect()
+}
+
+/// A scratch model directory holding a copy of the llama fixture's tokenizer files.
+fn scratch_copy() -> Result<tempfile::TempDir, BoxError> {
+    let dir = tempfile::tempdir()?;
+    for file in ["tokenizer.json", "tokenizer_config.json"] {
+        fs::copy(fixture("llama").join(file), dir.path().join(file))?;
+    }
+    Ok(dir)
+}
+
+#[test]
+fn tokenization_matches_reference_for_every_fixture() -> TestResult {
+    for name in FIXTURE_NAMES {
+        let tokenizer = Tokenizer::from_dir(&fixture(name))?;
+        let cases = reference_tokenization(name)?;
+        assert!(!cases.is_empty(), "{name}: no reference texts");
+        for (text, want) in cases {
+            assert_eq!(tokenizer.encode(&text, false)?, want, "{name}: {text:?}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn decode_round_trips_reference_texts() -> TestResult {
+    for name in FIXTURE_NAMES {
+        let tokenizer = Tokenizer::from_dir(&fixture(name))?;
+        for (text, ids) in reference_tokenization(name)? {
+            assert_eq!(tokenizer.decode(&ids, false)?, text, "{name}");
+            assert_eq!(tokenizer.decode(&ids, true)?, text, "{name}");
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn special_tokens_and_vocabulary() -> TestResult {
+    let tokenizer = Tokenizer::from_dir(&fixture("llama"))?;
+    assert_eq!(tokenizer.vocab_size(), 320);
+    assert_eq!(tokenizer.bos_token_id(), Some(0));
+    assert_eq!(tokenizer.eos_token_id(), Some(1));
+    assert_eq!(tokenizer.token_to_id("<pad>"), Some(2));
+    assert_eq!(tokenizer.id_to_token(1).as_deref(), Some("</s>"));
+    assert_eq!(tokenizer.id_to_token(320), None);
+    assert!(tokenizer.is_special(0) && tokenizer.is_special(1) && tokenizer.is_special(2));
+    assert!(!tokenizer.is_special(3));
+    assert_eq!(tokenizer.config().model_max_length, None);
+
+    // Special tokens written in the text are recognised; decode can leave them out.
+    let ids = tokenizer.encode("<s>hi</s>", false)?;
+    assert_eq!(ids.first(), Some(&0));
+    assert_eq!(ids.last(), Some(&1));
+    assert_eq!(tokenizer.decode(&ids, false)?, "<s>hi</s>");
+    assert_eq!(tokenizer.decode(&ids, true)?, "hi");
+    Ok(())
+}
+
+#[test]
+fn add_special_tokens_follows_tokenizer_config() -> TestResult {
+    // The fixture's post-processor adds nothing and its config leaves add_bos_token unset.
+    let tokenizer = Tokenizer::from_dir(&fixture("llama"))?;
+    assert_eq!(tokenizer.encode("hi", true)?, tokenizer.encode("hi", false)?);
+
+    let dir = scratch_copy()?;
+    let config_path = dir.path().join("tokenizer_config.json");
+    let mut config: serde_json::Value = serde_json::from_str(&fs::read_to_string(&config_path)?)?;
+    config["add_bos_token"] = serde_json::Value::Bool(true);
+    config["eos_token"] = serde_json::json!({"content": "</s>", "lstrip": false});
+    fs::write(&config_path, serde_json::to_string(&config)?)?;
+    let tokenizer = Tokenizer::from_dir(dir.path())?;
+    let plain = tokenizer.encode("hi", false)?;
+    let with_bos = tokenizer.encode("hi", true)?;
+    assert_eq!(with_bos[0], 0);
+    assert_eq!(&with_bos[1..], plain.as_slice());
+    // A BOS the text already starts with is not doubled.
+    assert_eq!(tokenizer.encode("<s>hi", true)?, with_bos);
+    assert_eq!(tokenizer.eos_token_id(), Some(1));
+    Ok(())
+}
+
+#[test]
+fn decode_rejects_unknown_ids() -> TestResult {
+    let tokenizer = Tokenizer::from_dir(&fixture("llama"))?;
+    let err = tokenizer.decode(&[5, 320], false).err().ok_or("decode accepted id 320")?;
+    assert!(matches!(err, TokenizerError::UnknownTokenId { id: 320, vocab_size: 320 }), "{err}");
+    assert_eq!(err.to_string(), "token id 320 is not in the vocabulary (size 320)");
+    Ok(())
+}
+
+#[test]
+fn fixture_chat_templates_render_as_hf() -> TestResult {
+    let conversation = [ChatMessage::new("user", "Hello"), ChatMessage::new("assistant", "Hi there")];
+    let without_prompt = "<s>user\nHello</s>\n<s>assistant\nHi there</s>\n";
+    for name in FIXTURE_NAMES {
+        let tokenizer = Tokenizer::from_dir(&fixture(name))?;
+        let template = tokenizer.chat_template().ok_or(format!("{name}: no chat template"))?;
+        assert_eq!(template.render(&conversation, false, None)?, without_prompt, "{name}");
+        assert_eq!(template.render(&conversation, true, None)?, format!("{without_prompt}<s>assistant\n"), "{name}");
+        // The same conversation as JSON values renders the same.
+        let as_json = serde_json::to_value(conversation.clone())?;
+        let messages = as_json.as_array().ok_or("not an array")?;
+        assert_eq!(template.render(messages, false, None)?, without_prompt, "{name}");
+    }
+    Ok(())
+}
+
+#[test]
+fn chat_template_jinja_takes_precedence_over_config() -> TestResult {
+    let dir = scratch_copy()?;
+    let tokenizer = Tokenizer::from_dir(dir.path())?;
+    let from_config = tokenizer.chat_template().ok_or("no template from tokenizer_config.json")?;
+    assert!(from_config.source().contains("m['role']"));
+
+    fs::write(dir.path().join("chat_template.jinja"), "{{ bos_token }}{{ messages|length }}{{ eos_token }}")?;
+    let tokenizer = Tokenizer::from_dir(dir.path())?;
+    let template = tokenizer.chat_template().ok_or("no template from chat_template.jinja")?;
+    assert_eq!(template.render(&[ChatMessage::new("user", "x")], false, None)?, "<s>1</s>");
+    Ok(())
+}
+
+#[test]
+fn missing_directory_is_reported() {
+    let path = Path::new(FIXTURES).join("no_such_model");
+    let err = Tokenizer::from_dir(&path).err();
+    assert!(matches!(err, Some(TokenizerError::DirNotFound(_))), "{err:?}");
+    let msg = err.map(|e| e.to_string()).unwrap_or_default();
+    assert!(msg.contains("no_such_model") && msg.contains("does not exist"), "{msg}");
+}
+
+#[test]
+fn missing_tokenizer_json_is_reported() -> TestResult {
+    let dir = tempfile::tempdir()?;
+    let err = Tokenizer::from_dir(dir.path()).err().ok_or("loaded a directory without tokenizer.json")?;
+    assert!(matches!(err, TokenizerError::TokenizerJsonMissing(_)), "{err}");
+    assert!(err.to_string().contains("tokenizer.json not found"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn corrupt_tokenizer_json_is_reported() -> TestResult {
+    let dir = scratch_copy()?;
+    for corrupt in ["{ not json", r#"{"version": "1.0", "model": {"type": "Nope"}}"#] {
+        fs::write(dir.path().join("tokenizer.json"), corrupt)?;
+        let err = Tokenizer::from_dir(dir.path()).err().ok_or("loaded a corrupt tokenizer.json")?;
+        let msg = err.to_string();
+        assert!(matches!(err, TokenizerError::Parse { .. }), "{msg}");
+        assert!(msg.starts_with("failed to parse") && msg.contains("tokenizer.json"), "{msg}");
+        assert!(!msg.contains('\n'), "{msg}");
+    }
+    Ok(())
+}
+
+#[test]
+fn corrupt_tokenizer_config_is_reported() -> TestResult {
+    let dir = scratch_copy()?;
+    fs::write(dir.path().join("tokenizer_config.json"), "[1, 2")?;
+    let err = Tokenizer::from_dir(dir.path()).err().ok_or("loaded a corrupt tokenizer_config.json")?;
+    assert!(err.to_string().contains("tokenizer_config.json"), "{err}");
+    Ok(())
+}
+
+#[test]
+fn bad_template_syntax_is_reported_with_its_file() -> TestResult {
+    let dir = scratch_copy()?;
+    fs::write(dir.path().join("chat_template.jinja"), "{% for m in messages %}{{ m.content }")?;
+    let err = Tokenizer::from_dir(dir.path()).err().ok_or("loaded a broken template")?;
+    let msg = err.to_string();
+    assert!(matches!(err, TokenizerError::ChatTemplateSyntax(_)), "{msg}");
+    assert!(msg.starts_with("chat template syntax error:") && msg.contains("chat_template.jinja"), "{msg}");
+    assert!(msg.contains("line 1"), "{msg}");
+    Ok(())
+}
