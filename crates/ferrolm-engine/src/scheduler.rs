@@ -1,0 +1,438 @@
+//! Token-budget scheduling with continuous batching over the paged KV cache.
+//!
+//! There is no prefill or decode phase. Each request has `num_computed_tokens`, and each step
+//! it is given `min(budget left, num_tokens - num_computed_tokens)` tokens (also capped by
+//! `long_prefill_token_threshold`), where `num_tokens` counts the prompt and the outputs so far.
+//! A long prompt thus runs in chunks beside other requests' decodes, and a prefix-cache hit
+//! simply starts a request with tokens already computed.
+//!
+//! Order: running requests first, in the order they were admitted; then waiting ones in arrival
+//! order (preempted ones at the front) while the budget, `max_num_seqs` and the free blocks
+//! allow. A waiting request that does not fit stops admission: nobody behind it jumps the queue.
+//!
+//! Preemption by recompute: when a running request cannot get blocks, the newest running
+//! request loses all of its blocks and goes back to the front of the waiting queue with
+//! `num_computed_tokens = 0` (its outputs kept), and the allocation is retried; the newest may
+//! be the request itself. No waiting request is admitted in a step that preempted.
+//!
+//! Invariants, between steps and after `schedule()`:
+//! - Every live request is in exactly one of `waiting` (status Waiting or Preempted, no blocks,
+//!   nothing computed) and `running` (status Running, holding blocks);
+//!   `running.len() <= max_num_seqs`.
+//! - The oldest running request progresses in every step: everyone newer can be preempted for
+//!   it, and `add_request` accepts only requests that fit the pool on their own. Hence every
+//!   request finishes.
+//!
+//! Step protocol: `schedule()`, run the batch, then `update_from_output()` with the sampled
+//! tokens. Only then do computed tokens advance and full blocks enter the prefix cache, so no
+//! request can hit a block whose K and V are not written yet. Calling `schedule()` again
+//! without an update drops the previous step: its tokens are scheduled anew.
+
+mod output;
+#[cfg(test)]
+mod proptests;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, VecDeque};
+
+pub use output::{ScheduledRequest, SchedulerOutput};
+
+use crate::kv::{BlockId, ComputedBlocks, KvCacheManager, PrefixCacheStats};
+use crate::request::{FinishReason, Request, RequestId, RequestStatus};
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Most requests running at once.
+    pub max_num_seqs: usize,
+    /// Token budget of one step, summed over all scheduled requests.
+    pub max_num_batched_tokens: usize,
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// Blocks in the KV pool.
+    pub num_blocks: usize,
+    /// Longest sequence (prompt + outputs) a request may reach.
+    pub max_model_len: usize,
+    /// Most tokens one request gets in a step, so that one long prompt cannot take the whole
+    /// budget from the prompts queued behind it.
+    pub long_prefill_token_threshold: Option<usize>,
+    pub enable_prefix_caching: bool,
+}
+
+impl SchedulerConfig {
+    /// Defaults for everything but the pool size and the model's length: 256 sequences,
+    /// 2048 tokens a step, blocks of 16 tokens, no per-request chunk cap, prefix caching on.
+    pub fn new(num_blocks: usize, max_model_len: usize) -> Self {
+        SchedulerConfig {
+            max_num_seqs: 256,
+            max_num_batched_tokens: 2048,
+            block_size: 16,
+            num_blocks,
+            max_model_len,
+            long_prefill_token_threshold: None,
+            enable_prefix_caching: true,
+        }
+    }
+
+    pub fn validate(&self) -> Result<(), SchedulerError> {
+        let positive = [
+            (self.max_num_seqs, "max_num_seqs"),
+            (self.max_num_batched_tokens, "max_num_batched_tokens"),
+            (self.block_size, "block_size"),
+            (self.num_blocks, "num_blocks"),
+            (self.max_model_len, "max_model_len"),
+            (self.long_prefill_token_threshold.unwrap_or(1), "long_prefill_token_threshold"),
+        ];
+        if let Some((_, name)) = positive.iter().find(|(v, _)| *v == 0) {
+            return Err(SchedulerError::InvalidConfig(format!("{name} must be at least 1")));
+        }
+        // Block ids are u32 with u32::MAX reserved as the free list's end marker.
+        if self.num_blocks >= u32::MAX as usize {
+            return Err(SchedulerError::InvalidConfig(format!(
+                "num_blocks must be below {}, got {}",
+                u32::MAX,
+                self.num_blocks
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SchedulerError {
+    #[error("invalid scheduler config: {0}")]
+    InvalidConfig(String),
+    #[error("request {0} is already queued or running")]
+    DuplicateRequest(RequestId),
+    #[error("request {0} has an empty prompt")]
+    EmptyPrompt(RequestId),
+    #[error("request {0}: max_tokens must be at least 1")]
+    ZeroMaxTokens(RequestId),
+    #[error(
+        "request {request_id}: prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) \
+         exceeds the model's maximum length of {max_model_len} tokens"
+    )]
+    TooLong { request_id: RequestId, num_prompt_tokens: usize, max_tokens: usize, max_model_len: usize },
+    #[error(
+        "request {request_id} may need {num_blocks_needed} KV cache blocks but the pool has only \
+         {num_blocks}; lower max_tokens or the prompt length"
+    )]
+    ExceedsKvCache { request_id: RequestId, num_blocks_needed: usize, num_blocks: usize },
+    #[error("no sampled token for request {0}, which caught up with its tokens this step")]
+    MissingSampledTokens(RequestId),
+}
+
+/// Snapshot of the scheduler's gauges and counters, for metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SchedulerStats {
+    pub num_running: usize,
+    pub num_waiting: usize,
+    /// Fraction of KV blocks held by requests.
+    pub kv_cache_usage: f64,
+    pub prefix_cache: PrefixCacheStats,
+    /// Preemptions since start.
+    pub num_preemptions: u64,
+}
+
+#[derive(Clone, Debug)]
+pub struct Scheduler {
+    config: SchedulerConfig,
+    kv: KvCacheManager,
+    requests: HashMap<RequestId, Request>,
+    waiting: VecDeque<RequestId>,
+    /// In admission order: the last one is the newest, the first to be preempted.
+    running: Vec<RequestId>,
+    /// `(request, num_scheduled_tokens)` of the step in flight, applied by
+    /// `update_from_output`.
+    in_flight: Vec<(RequestId, usize)>,
+    next_arrival_index: u64,
+    num_preemptions: u64,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Result<Self, SchedulerError> {
+        config.validate()?;
+        let kv = KvCacheManager::new(config.num_blocks, config.block_size, config.enable_prefix_caching);
+        Ok(Scheduler {
+            config,
+            kv,
+            requests: HashMap::new(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            in_flight: Vec::new(),
+            next_arrival_index: 0,
+            num_preemptions: 0,
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    pub fn kv_cache_manager(&self) -> &KvCacheManager {
+        &self.kv
+    }
+
+    /// Queues a request, or rejects one that could never run: longer than `max_model_len`,
+    /// or needing more blocks than the whole pool.
+    pub fn add_request(&mut self, mut request: Request) -> Result<(), SchedulerError> {
+        let request_id = request.request_id();
+        if self.requests.contains_key(&request_id) {
+            return Err(SchedulerError::DuplicateRequest(request_id));
+        }
+        if request.num_prompt_tokens() == 0 {
+            return Err(SchedulerError::EmptyPrompt(request_id));
+        }
+        if request.max_tokens() == 0 {
+            return Err(SchedulerError::ZeroMaxTokens(request_id));
+        }
+        let max_len = request.num_prompt_tokens() + request.max_tokens();
+        if max_len > self.config.max_model_len {
+            return Err(SchedulerError::TooLong {
+                request_id,
+                num_prompt_tokens: request.num_prompt_tokens(),
+                max_tokens: request.max_tokens(),
+                max_model_len: self.config.max_model_len,
+            });
+        }
+        // The last sampled token is never run, so at most max_len - 1 tokens hold K and V.
+        // Checking the worst case keeps the guarantee that a lone request always finishes,
+        // rather than preempting itself forever.
+        let num_blocks_needed = (max_len - 1).div_ceil(self.config.block_size);
+        if num_blocks_needed > self.config.num_blocks {
+            return Err(SchedulerError::ExceedsKvCache {
+                request_id,
+                num_blocks_needed,
+                num_blocks: self.config.num_blocks,
+            });
+        }
+        request.status = RequestStatus::Waiting;
+        request.num_computed_tokens = 0;
+        request.arrival_index = self.next_arrival_index;
+        self.next_arrival_index += 1;
+        self.waiting.push_back(request_id);
+        self.requests.insert(request_id, request);
+        Ok(())
+    }
+
+    /// Picks this step's requests and tokens and allocates their blocks.
+    pub fn schedule(&mut self) -> SchedulerOutput {
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut out = SchedulerOutput::default();
+
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let start = self.requests[&id].num_computed_tokens();
+            let n = self.num_new_tokens(&self.requests[&id], start, budget);
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let scheduled = loop {
+                let none = ComputedBlocks::default();
+                if let Some(table) = self.kv.allocate_slots(&self.requests[&id], n, &none) {
+                    let table = table.to_vec();
+                    break Some(table);
+                }
+                // `i < running.len()`, so there is always a newest one to take blocks from.
+                let Some(victim) = self.running.pop() else {
+                    break None;
+                };
+                self.preempt(victim);
+                out.preempted.push(victim);
+                if victim == id {
+                    break None;
+                }
+            };
+            let Some(table) = scheduled else {
+                // It preempted itself: it was the newest, nothing left behind it.
+                break;
+            };
+            let req = &self.requests[&id];
+            out.scheduled.push(scheduled_request(req, start, n, table, false));
+            budget -= n;
+            i += 1;
+        }
+
+        // NOTE: a step that had to preempt is short of blocks; admitting anyone now would only
+        // set up the next preemption.
+        if out.preempted.is_empty() {
+            self.admit_waiting(&mut budget, &mut out);
+        }
+
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget;
+        self.in_flight = out.scheduled.iter().map(|s| (s.request_id, s.num_scheduled_tokens)).collect();
+        out
+    }
+
+    fn admit_waiting(&mut self, budget: &mut usize, out: &mut SchedulerOutput) {
+        while *budget > 0 && self.running.len() < self.config.max_num_seqs {
+            let Some(&id) = self.waiting.front() else {
+                break;
+            };
+            let req = &self.requests[&id];
+            let hit = self.kv.get_computed_blocks(req);
+            let start = hit.num_computed_tokens();
+            let n = self.num_new_tokens(req, start, *budget);
+            let Some(table) = self.kv.allocate_slots(req, n, &hit) else {
+                break;
+            };
+            let table = table.to_vec();
+            self.waiting.pop_front();
+            self.running.push(id);
+            let Some(req) = self.requests.get_mut(&id) else {
+                break;
+            };
+            req.status = RequestStatus::Running;
+            req.num_computed_tokens = start;
+            req.num_cached_tokens.get_or_insert(start);
+            out.scheduled.push(scheduled_request(req, start, n, table, true));
+            *budget -= n;
+        }
+    }
+
+    fn num_new_tokens(&self, request: &Request, num_computed: usize, budget: usize) -> usize {
+        let remaining = request.num_tokens() - num_computed;
+        let capped = self.config.long_prefill_token_threshold.map_or(remaining, |t| remaining.min(t));
+        capped.min(budget)
+    }
+
+    fn preempt(&mut self, request_id: RequestId) {
+        self.kv.free(request_id);
+        if let Some(req) = self.requests.get_mut(&request_id) {
+            req.status = RequestStatus::Preempted;
+            req.num_computed_tokens = 0;
+            req.num_preemptions += 1;
+        }
+        self.waiting.push_front(request_id);
+        self.num_preemptions += 1;
+    }
+
+    /// Applies the step in flight: computed tokens advance by what was scheduled, full blocks
+    /// enter the prefix cache, and requests that caught up with their tokens get their sampled
+    /// tokens (those of a partial prefill chunk are ignored). Finished requests (max_tokens,
+    /// max_model_len, stop token) release their blocks at once and are returned.
+    ///
+    /// `sampled` must hold at least one token for every request whose `samples_next_token` was
+    /// set; otherwise nothing changes and the error names the first one missing. Requests
+    /// finished or aborted since `schedule()` are skipped.
+    pub fn update_from_output(&mut self, sampled: &[(RequestId, Vec<u32>)]) -> Result<Vec<Request>, SchedulerError> {
+        let sampled: HashMap<RequestId, &[u32]> = sampled.iter().map(|(id, t)| (*id, t.as_slice())).collect();
+        for &(id, n) in &self.in_flight {
+            let Some(req) = self.requests.get(&id) else {
+                continue;
+            };
+            let catches_up = req.num_computed_tokens() + n >= req.num_tokens();
+            if catches_up && sampled.get(&id).is_none_or(|t| t.is_empty()) {
+                return Err(SchedulerError::MissingSampledTokens(id));
+            }
+        }
+
+        let mut finished = Vec::new();
+        for (id, n) in std::mem::take(&mut self.in_flight) {
+            let Some(req) = self.requests.get_mut(&id) else {
+                continue;
+            };
+            req.num_computed_tokens += n;
+            self.kv.cache_blocks(req, req.num_computed_tokens);
+            if req.num_computed_tokens < req.num_tokens() {
+                continue;
+            }
+            for &token in sampled.get(&id).copied().unwrap_or_default() {
+                req.append_output_token(token);
+                if let Some(reason) = req.check_stop(self.config.max_model_len) {
+                    finished.push((id, reason));
+                    break;
+                }
+            }
+        }
+        Ok(finished.into_iter().filter_map(|(id, reason)| self.finish_request(id, reason)).collect())
+    }
+
+    /// Finishes a waiting or running request now (the engine matched a stop string, say),
+    /// releasing its blocks. `None` if the request is unknown or already finished.
+    pub fn finish_request(&mut self, request_id: RequestId, reason: FinishReason) -> Option<Request> {
+        let mut req = self.requests.remove(&request_id)?;
+        if req.status == RequestStatus::Running {
+            self.running.retain(|&r| r != request_id);
+        } else {
+            self.waiting.retain(|&r| r != request_id);
+        }
+        self.kv.free(request_id);
+        self.in_flight.retain(|&(r, _)| r != request_id);
+        req.status = RequestStatus::Finished(reason);
+        Some(req)
+    }
+
+    /// Drops a request wherever it is and frees its blocks at once.
+    pub fn abort(&mut self, request_id: RequestId) -> Option<Request> {
+        self.finish_request(request_id, FinishReason::Abort)
+    }
+
+    pub fn request(&self, request_id: RequestId) -> Option<&Request> {
+        self.requests.get(&request_id)
+    }
+
+    /// Running requests, oldest first.
+    pub fn running(&self) -> &[RequestId] {
+        &self.running
+    }
+
+    /// Waiting requests in the order they will be admitted.
+    pub fn waiting(&self) -> impl Iterator<Item = RequestId> + '_ {
+        self.waiting.iter().copied()
+    }
+
+    pub fn has_unfinished_requests(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    pub fn kv_cache_usage(&self) -> f64 {
+        self.kv.usage()
+    }
+
+    pub fn prefix_cache_hit_rate(&self) -> f64 {
+        self.kv.prefix_cache_stats().hit_rate()
+    }
+
+    pub fn num_preemptions(&self) -> u64 {
+        self.num_preemptions
+    }
+
+    pub fn stats(&self) -> SchedulerStats {
+        SchedulerStats {
+            num_running: self.num_running(),
+            num_waiting: self.num_waiting(),
+            kv_cache_usage: self.kv_cache_usage(),
+            prefix_cache: self.kv.prefix_cache_stats(),
+            num_preemptions: self.num_preemptions,
+        }
+    }
+}
+
+fn scheduled_request(
+    req: &Request,
+    start: usize,
+    n: usize,
+    block_table: Vec<BlockId>,
+    is_new: bool,
+) -> ScheduledRequest {
+    ScheduledRequest {
+        request_id: req.request_id(),
+        num_computed_tokens: start,
+        num_scheduled_tokens: n,
+        token_ids: req.all_token_ids()[start..start + n].to_vec(),
+        block_table,
+        is_new,
+        samples_next_token: start + n == req.num_tokens(),
+    }
+}

@@ -1,0 +1,75 @@
+//! What the scheduler hands the engine for one step: per request, which tokens to run, from
+//! which position, into which blocks.
+//!
+//! Invariants of a [`SchedulerOutput`]:
+//! - Running requests come first, in running order, then requests admitted this step, in the
+//!   order they were admitted. A request appears at most once; preempted ones not at all.
+//! - `total_num_scheduled_tokens` is the sum of `num_scheduled_tokens`, at most
+//!   `max_num_batched_tokens`, and each request has at least one token.
+//! - Each `block_table` covers `num_computed_tokens + num_scheduled_tokens` positions.
+
+use crate::kv::BlockId;
+use crate::request::RequestId;
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ScheduledRequest {
+    pub request_id: RequestId,
+    /// Tokens already in the KV cache before this step: the position of the first scheduled
+    /// token.
+    pub num_computed_tokens: usize,
+    pub num_scheduled_tokens: usize,
+    /// `[num_scheduled_tokens]`: the tokens at positions
+    /// `num_computed_tokens..num_computed_tokens + num_scheduled_tokens`.
+    pub token_ids: Vec<u32>,
+    /// The request's whole block table after this step's allocation.
+    pub block_table: Vec<BlockId>,
+    /// Admitted from the waiting queue this step, fresh or resumed after preemption: the
+    /// engine holds no per-step state for it yet.
+    pub is_new: bool,
+    /// The step catches the request up with its tokens, so the last scheduled row's logits
+    /// are sampled. False for a prefill chunk that leaves part of the prompt for later.
+    pub samples_next_token: bool,
+}
+
+impl ScheduledRequest {
+    /// Context length after this step (vLLM's `seq_lens`).
+    pub fn seq_len(&self) -> usize {
+        self.num_computed_tokens + self.num_scheduled_tokens
+    }
+
+    /// Block table as plain ids, the form the backend's block tables take.
+    pub fn block_ids(&self) -> Vec<u32> {
+        self.block_table.iter().map(|b| b.0).collect()
+    }
+
+    /// `[num_scheduled_tokens]`: where each scheduled token's K and V are written,
+    /// `block_id * block_size + offset`.
+    pub fn slot_mapping(&self, block_size: usize) -> Vec<usize> {
+        (self.num_computed_tokens..self.seq_len())
+            .map(|pos| self.block_table[pos / block_size].index() * block_size + pos % block_size)
+            .collect()
+    }
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SchedulerOutput {
+    pub scheduled: Vec<ScheduledRequest>,
+    /// Requests that lost their blocks this step; they are back in the waiting queue.
+    pub preempted: Vec<RequestId>,
+    pub total_num_scheduled_tokens: usize,
+}
+
+impl SchedulerOutput {
+    /// Nothing to run this step.
+    pub fn is_empty(&self) -> bool {
+        self.scheduled.is_empty()
+    }
+
+    pub fn num_reqs(&self) -> usize {
+        self.scheduled.len()
+    }
+
+    pub fn get(&self, request_id: RequestId) -> Option<&ScheduledRequest> {
+        self.scheduled.iter().find(|s| s.request_id == request_id)
+    }
+}

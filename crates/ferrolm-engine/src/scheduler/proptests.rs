@@ -1,0 +1,339 @@
+//! Property tests: random arrivals, prompts with shared prefixes, aborts and tiny block pools,
+//! driven by a fake model whose next token depends on the whole context. After every
+//! `schedule()` and every `update_from_output()` the block accounting is checked in full; a
+//! fake KV cache checks that every position a request attends to holds that request's token,
+//! which catches a wrong prefix hit, slot mapping or block table. Every request must finish
+//! with exactly the outputs it would produce alone.
+
+use std::collections::{HashMap, HashSet};
+
+use proptest::prelude::*;
+
+use super::tests::{reference_outputs, sample};
+use super::*;
+use crate::kv::hash_block_tokens;
+
+/// Small, so that stop tokens are sampled now and then.
+const VOCAB: u32 = 16;
+const STOP: u32 = 0;
+
+#[derive(Clone, Debug)]
+struct Arrival {
+    /// Which of three base sequences the prompt starts with, and how much of it.
+    base: u32,
+    shared: usize,
+    tail_len: usize,
+    tail_seed: u32,
+    max_tokens: usize,
+    stop: bool,
+    prompt_logprobs: bool,
+}
+
+#[derive(Clone, Debug)]
+enum Event {
+    Arrive(Arrival),
+    /// Aborts the n-th live request (modulo their number).
+    Abort(usize),
+    /// The engine finishes the n-th live request on a stop string.
+    FinishStop(usize),
+}
+
+#[derive(Clone, Debug)]
+struct Scenario {
+    config: SchedulerConfig,
+    /// Events before each step; once they run out, steps continue until all requests finish.
+    steps: Vec<Vec<Event>>,
+}
+
+fn arrival() -> impl Strategy<Value = Arrival> {
+    (0..3u32, 0..24usize, 0..16usize, any::<u32>(), 1..16usize, any::<bool>(), prop::bool::weighted(0.1)).prop_map(
+        |(base, shared, tail_len, tail_seed, max_tokens, stop, prompt_logprobs)| Arrival {
+            base,
+            shared,
+            tail_len,
+            tail_seed,
+            max_tokens,
+            stop,
+            prompt_logprobs,
+        },
+    )
+}
+
+fn event() -> impl Strategy<Value = Event> {
+    prop_oneof![
+        8 => arrival().prop_map(Event::Arrive),
+        1 => any::<usize>().prop_map(Event::Abort),
+        1 => any::<usize>().prop_map(Event::FinishStop),
+    ]
+}
+
+fn config() -> impl Strategy<Value = SchedulerConfig> {
+    (
+        1..=24usize,
+        prop::sample::select(vec![1usize, 2, 4, 8]),
+        1..=6usize,
+        1..=40usize,
+        prop::option::of(1..=16usize),
+        8..=96usize,
+        any::<bool>(),
+    )
+        .prop_map(|(num_blocks, block_size, max_num_seqs, budget, threshold, max_model_len, caching)| {
+            SchedulerConfig {
+                max_num_seqs,
+                max_num_batched_tokens: budget,
+                block_size,
+                num_blocks,
+                max_model_len,
+                long_prefill_token_threshold: threshold,
+                enable_prefix_caching: caching,
+            }
+        })
+}
+
+fn scenario(num_steps: usize, events_per_step: usize) -> impl Strategy<Value = Scenario> {
+    let steps = prop::collection::vec(prop::collection::vec(event(), 0..=events_per_step), 0..=num_steps);
+    (config(), steps).prop_map(|(config, steps)| Scenario { config, steps })
+}
+
+fn prompt(a: &Arrival) -> Vec<u32> {
+    let base = (0..a.shared as u32).map(|i| 100 * (a.base + 1) + i);
+    let tail = (0..a.tail_len as u32).map(|i| 1000 + a.tail_seed.wrapping_mul(31).wrapping_add(i) % 97);
+    base.chain(tail).collect()
+}
+
+/// What `add_request` must answer for a request of this shape.
+fn expected_admission(
+    cfg: &SchedulerConfig,
+    id: RequestId,
+    prompt_len: usize,
+    max_tokens: usize,
+) -> Result<(), SchedulerError> {
+    if prompt_len == 0 {
+        return Err(SchedulerError::EmptyPrompt(id));
+    }
+    if prompt_len + max_tokens > cfg.max_model_len {
+        return Err(SchedulerError::TooLong {
+            request_id: id,
+            num_prompt_tokens: prompt_len,
+            max_tokens,
+            max_model_len: cfg.max_model_len,
+        });
+    }
+    let needed = (prompt_len + max_tokens - 1).div_ceil(cfg.block_size);
+    if needed > cfg.num_blocks {
+        return Err(SchedulerError::ExceedsKvCache {
+            request_id: id,
+            num_blocks_needed: needed,
+            num_blocks: cfg.num_blocks,
+        });
+    }
+    Ok(())
+}
+
+fn fail(msg: String) -> Result<(), TestCaseError> {
+    Err(TestCaseError::fail(msg))
+}
+
+/// Block accounting and request state, checked after every `schedule()` (with the step in
+/// flight) and every `update_from_output()`.
+fn check_invariants(
+    s: &Scheduler,
+    in_flight: Option<&SchedulerOutput>,
+    live: &HashSet<RequestId>,
+) -> Result<(), TestCaseError> {
+    let kv = s.kv_cache_manager();
+    let pool = kv.block_pool();
+    let bs = pool.block_size();
+    pool.check_invariants().map_err(TestCaseError::fail)?;
+
+    let running: HashSet<RequestId> = s.running().iter().copied().collect();
+    let waiting: Vec<RequestId> = s.waiting().collect();
+    let holders: HashSet<RequestId> = kv.request_ids().collect();
+    prop_assert_eq!(&holders, &running, "exactly the running requests hold blocks");
+    prop_assert_eq!(running.len(), s.running().len(), "a request runs twice");
+    prop_assert!(running.len() <= s.config().max_num_seqs);
+    let mut queued: HashSet<RequestId> = waiting.iter().copied().collect();
+    prop_assert_eq!(queued.len(), waiting.len(), "a request is queued twice");
+    prop_assert!(queued.is_disjoint(&running));
+    queued.extend(running.iter().copied());
+    prop_assert_eq!(&queued, live, "live requests are exactly the running and waiting ones");
+
+    let mut refs = vec![0u32; pool.num_blocks()];
+    for &id in s.running() {
+        let req = s.request(id).ok_or_else(|| TestCaseError::fail(format!("{id} unknown")))?;
+        prop_assert_eq!(req.status(), RequestStatus::Running);
+        let table = kv.block_table(id);
+        let distinct: HashSet<BlockId> = table.iter().copied().collect();
+        prop_assert_eq!(distinct.len(), table.len(), "{} holds a block twice: {:?}", id, table);
+        for b in table {
+            refs[b.index()] += 1;
+        }
+        let scheduled = in_flight.and_then(|o| o.get(id)).map_or(0, |r| r.num_scheduled_tokens);
+        let covered = req.num_computed_tokens() + scheduled;
+        prop_assert!(covered <= req.num_tokens());
+        prop_assert_eq!(table.len(), covered.div_ceil(bs), "{} table {:?} vs {} tokens", id, table, covered);
+        // A cached block's hash must be the chained hash of this request's tokens.
+        let mut parent = None;
+        for (i, chunk) in req.all_token_ids().chunks_exact(bs).take(req.num_computed_tokens() / bs).enumerate() {
+            let h = hash_block_tokens(parent, chunk);
+            if let Some(cached) = pool.block_hash(table[i]) {
+                prop_assert_eq!(cached, h, "{} block {} holds another prefix", id, i);
+            }
+            parent = Some(h);
+        }
+    }
+    for &id in &waiting {
+        let req = s.request(id).ok_or_else(|| TestCaseError::fail(format!("{id} unknown")))?;
+        prop_assert!(matches!(req.status(), RequestStatus::Waiting | RequestStatus::Preempted));
+        prop_assert_eq!(req.num_computed_tokens(), 0);
+    }
+    let mut referenced = 0;
+    for (i, &r) in refs.iter().enumerate() {
+        let b = BlockId(i as u32);
+        prop_assert_eq!(pool.ref_count(b), r, "ref count of {:?}", b);
+        referenced += usize::from(r > 0);
+    }
+    prop_assert_eq!(pool.num_free_blocks() + referenced, pool.num_blocks());
+    Ok(())
+}
+
+/// Checks the shape of one step's output against the state before it.
+fn check_output(s: &Scheduler, out: &SchedulerOutput, running_before: &[RequestId]) -> Result<(), TestCaseError> {
+    let cfg = s.config();
+    let total: usize = out.scheduled.iter().map(|r| r.num_scheduled_tokens).sum();
+    prop_assert_eq!(total, out.total_num_scheduled_tokens);
+    prop_assert!(total <= cfg.max_num_batched_tokens);
+    if s.has_unfinished_requests() {
+        prop_assert!(!out.is_empty(), "nothing scheduled with requests pending: deadlock");
+    }
+    let mut seen_new = false;
+    for r in &out.scheduled {
+        prop_assert!(r.num_scheduled_tokens >= 1);
+        if let Some(t) = cfg.long_prefill_token_threshold {
+            prop_assert!(r.num_scheduled_tokens <= t);
+        }
+        prop_assert_eq!(r.is_new, !running_before.contains(&r.request_id));
+        prop_assert!(!seen_new || r.is_new, "running requests come before new ones");
+        seen_new |= r.is_new;
+        let req = s.request(r.request_id).ok_or_else(|| TestCaseError::fail("unknown request"))?;
+        prop_assert_eq!(&r.token_ids[..], &req.all_token_ids()[r.num_computed_tokens..r.seq_len()]);
+        prop_assert_eq!(r.samples_next_token, r.seq_len() == req.num_tokens());
+    }
+    for id in &out.preempted {
+        prop_assert!(running_before.contains(id));
+        prop_assert!(out.get(*id).is_none());
+        prop_assert!(!out.scheduled.iter().any(|r| r.is_new), "admission in a preempting step");
+    }
+    Ok(())
+}
+
+/// Writes `(token, position)` where the model would write K and V, after checking that every
+/// earlier position the request attends to holds its own token.
+fn fake_forward(s: &Scheduler, out: &SchedulerOutput, kv: &mut [Option<(u32, usize)>]) -> Result<(), TestCaseError> {
+    let bs = s.config().block_size;
+    for r in &out.scheduled {
+        let req = s.request(r.request_id).ok_or_else(|| TestCaseError::fail("unknown request"))?;
+        let tokens = req.all_token_ids();
+        for (pos, &token) in tokens.iter().enumerate().take(r.num_computed_tokens) {
+            let slot = r.block_table[pos / bs].index() * bs + pos % bs;
+            prop_assert_eq!(kv[slot], Some((token, pos)), "{} reads a wrong KV at position {}", r.request_id, pos);
+        }
+        for (pos, slot) in (r.num_computed_tokens..r.seq_len()).zip(r.slot_mapping(bs)) {
+            kv[slot] = Some((tokens[pos], pos));
+        }
+    }
+    Ok(())
+}
+
+fn run(scenario: &Scenario) -> Result<(), TestCaseError> {
+    let cfg = &scenario.config;
+    let mut s = Scheduler::new(cfg.clone()).map_err(|e| TestCaseError::fail(e.to_string()))?;
+    let mut kv = vec![None; cfg.num_blocks * cfg.block_size];
+    let mut live: HashSet<RequestId> = HashSet::new();
+    let mut live_order: Vec<RequestId> = Vec::new();
+    let mut expected: HashMap<RequestId, Vec<u32>> = HashMap::new();
+    let mut next_id = 0u64;
+    let total_work: usize = 1000;
+    let mut step = 0usize;
+    loop {
+        if step >= scenario.steps.len() && !s.has_unfinished_requests() {
+            break;
+        }
+        if step > scenario.steps.len() + total_work * 20 {
+            return fail(format!("requests still pending after {step} steps"));
+        }
+        for ev in scenario.steps.get(step).into_iter().flatten() {
+            match ev {
+                Event::Arrive(a) => {
+                    let id = RequestId(next_id);
+                    next_id += 1;
+                    let p = prompt(a);
+                    let stop = if a.stop { vec![STOP] } else { vec![] };
+                    let want = expected_admission(cfg, id, p.len(), a.max_tokens);
+                    let request = Request::new(id, p.clone(), a.max_tokens)
+                        .with_stop_token_ids(stop.clone())
+                        .with_prompt_logprobs(a.prompt_logprobs);
+                    prop_assert_eq!(s.add_request(request), want.clone());
+                    if want.is_ok() {
+                        expected.insert(id, reference_outputs(&p, a.max_tokens, &stop, VOCAB));
+                        live.insert(id);
+                        live_order.push(id);
+                    }
+                }
+                Event::Abort(k) | Event::FinishStop(k) => {
+                    if live_order.is_empty() {
+                        continue;
+                    }
+                    let id = live_order.remove(k % live_order.len());
+                    live.remove(&id);
+                    let reason = if matches!(ev, Event::Abort(_)) { FinishReason::Abort } else { FinishReason::Stop };
+                    let req =
+                        s.finish_request(id, reason).ok_or_else(|| TestCaseError::fail(format!("{id} unknown")))?;
+                    prop_assert_eq!(req.status(), RequestStatus::Finished(reason));
+                    prop_assert!(s.kv_cache_manager().block_table(id).is_empty());
+                }
+            }
+        }
+        check_invariants(&s, None, &live)?;
+
+        let running_before = s.running().to_vec();
+        let out = s.schedule();
+        check_output(&s, &out, &running_before)?;
+        check_invariants(&s, Some(&out), &live)?;
+        fake_forward(&s, &out, &mut kv)?;
+
+        let sampled = sample(&s, &out, VOCAB);
+        let finished = s.update_from_output(&sampled).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        for req in finished {
+            let id = req.request_id();
+            prop_assert!(matches!(req.status(), RequestStatus::Finished(FinishReason::Stop | FinishReason::Length)));
+            prop_assert_eq!(Some(req.output_token_ids()), expected.get(&id).map(|v| &v[..]), "outputs of {}", id);
+            prop_assert!(live.remove(&id));
+            live_order.retain(|&r| r != id);
+        }
+        check_invariants(&s, None, &live)?;
+        step += 1;
+    }
+    let pool = s.kv_cache_manager().block_pool();
+    prop_assert_eq!(pool.num_free_blocks(), pool.num_blocks(), "blocks leaked");
+    prop_assert_eq!(s.kv_cache_usage(), 0.0);
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1024, ..ProptestConfig::default() })]
+
+    /// Arrivals, aborts and engine-side finishes spread over time.
+    #[test]
+    fn block_accounting_holds_after_every_step(scenario in scenario(40, 3)) {
+        run(&scenario)?;
+    }
+
+    /// Everything arrives at once in a tiny pool: heavy preemption, yet every request that
+    /// fits the pool on its own finishes, with the outputs it would produce alone.
+    #[test]
+    fn a_burst_of_requests_all_finish(config in config(), arrivals in prop::collection::vec(arrival(), 1..24)) {
+        let steps = vec![arrivals.into_iter().map(Event::Arrive).collect()];
+        run(&Scenario { config, steps })?;
+    }
+}
