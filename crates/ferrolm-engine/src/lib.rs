@@ -5,10 +5,15 @@
 //! `schedule()` → build the flattened batch from the [`SchedulerOutput`] → forward → sample →
 //! `update_from_output()` → emit tokens, hand back finished requests.
 
+pub mod engine;
 pub mod kv;
 pub mod request;
 pub mod scheduler;
 
+pub use engine::{
+    EngineConfig, EngineError, EngineHandle, EngineStats, EngineStatsSnapshot, GenerateRequest, PromptLogprob,
+    RequestOutput, RequestStream,
+};
 pub use kv::{BlockHash, BlockId, BlockPool, ComputedBlocks, KvCacheManager, PrefixCacheStats};
 pub use request::{FinishReason, Request, RequestId, RequestStatus};
 pub use scheduler::{ScheduledRequest, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput, SchedulerStats};

@@ -169,9 +169,8 @@ impl ModelConfig {
             .as_ref()
             .and_then(|a| a.first().cloned())
             .ok_or_else(|| ModelError::Config("no `architectures` entry".into()))?;
-        let architecture = Architecture::from_hf_name(&arch_name).ok_or_else(|| ModelError::UnsupportedArchitecture {
-            name: arch_name.clone(),
-            supported: Architecture::supported_list(),
+        let architecture = Architecture::from_hf_name(&arch_name).ok_or_else(|| {
+            ModelError::UnsupportedArchitecture { name: arch_name.clone(), supported: Architecture::supported_list() }
         })?;
         let _ = raw.model_type;
 
@@ -184,7 +183,8 @@ impl ModelConfig {
         };
         let hidden_size = positive("hidden_size", raw.hidden_size)?;
         let num_attention_heads = positive("num_attention_heads", raw.num_attention_heads)?;
-        let num_key_value_heads = positive("num_key_value_heads", raw.num_key_value_heads.unwrap_or(num_attention_heads))?;
+        let num_key_value_heads =
+            positive("num_key_value_heads", raw.num_key_value_heads.unwrap_or(num_attention_heads))?;
         if num_attention_heads % num_key_value_heads != 0 {
             return Err(ModelError::Config(format!(
                 "num_attention_heads ({num_attention_heads}) is not a multiple of num_key_value_heads ({num_key_value_heads})"
@@ -226,11 +226,15 @@ impl ModelConfig {
             .or(raw.partial_rotary_factor)
             .unwrap_or(1.0) as f32;
         let max_position_embeddings = raw.max_position_embeddings.unwrap_or(2048);
-        let rope_scaling =
-            RopeScaling::from_params(rope_params.as_ref(), max_position_embeddings, raw.original_max_position_embeddings)?;
+        let rope_scaling = RopeScaling::from_params(
+            rope_params.as_ref(),
+            max_position_embeddings,
+            raw.original_max_position_embeddings,
+        )?;
 
         let dtype_name = raw.dtype.clone().or(raw.torch_dtype.clone()).unwrap_or_else(|| "bfloat16".into());
-        let dtype = parse_dtype(&dtype_name).ok_or_else(|| ModelError::Config(format!("unsupported dtype `{dtype_name}`")))?;
+        let dtype =
+            parse_dtype(&dtype_name).ok_or_else(|| ModelError::Config(format!("unsupported dtype `{dtype_name}`")))?;
 
         let attention_bias = raw.attention_bias.unwrap_or(false);
         Ok(ModelConfig {

@@ -94,7 +94,12 @@ pub struct KvCache {
 impl KvCache {
     pub fn new(num_layers: usize, num_blocks: usize, block_size: usize, kv_width: usize) -> KvCache {
         let len = num_blocks * block_size * kv_width;
-        KvCache { num_blocks, block_size, kv_width, layers: (0..num_layers).map(|_| (vec![0.0; len], vec![0.0; len])).collect() }
+        KvCache {
+            num_blocks,
+            block_size,
+            kv_width,
+            layers: (0..num_layers).map(|_| (vec![0.0; len], vec![0.0; len])).collect(),
+        }
     }
 
     /// Bytes held by one block across all layers (K and V).

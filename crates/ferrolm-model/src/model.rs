@@ -109,7 +109,12 @@ impl DecoderLayer {
             q_norm: qk_norm("q_norm")?,
             k_norm: qk_norm("k_norm")?,
             o_proj: Linear::load(src, &format!("{p}.self_attn.o_proj"), h, q, cfg.o_bias)?,
-            post_attention_layernorm: load_norm(src, &format!("{p}.post_attention_layernorm.weight"), h, cfg.norm_unit_offset)?,
+            post_attention_layernorm: load_norm(
+                src,
+                &format!("{p}.post_attention_layernorm.weight"),
+                h,
+                cfg.norm_unit_offset,
+            )?,
             gate_up_proj,
             down_proj: Linear::load(src, &format!("{p}.mlp.down_proj"), h, inter, cfg.mlp_bias)?,
         })
@@ -239,7 +244,16 @@ impl Model {
             self.apply_rope(&mut q, &input.positions, cfg.num_attention_heads);
             self.apply_rope(&mut k, &input.positions, cfg.num_key_value_heads);
             cpu::reshape_and_cache(&k, &v, &input.slot_mapping, kv_size, k_cache, v_cache);
-            cpu::paged_attention(&q, k_cache, v_cache, &meta, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, &mut attn);
+            cpu::paged_attention(
+                &q,
+                k_cache,
+                v_cache,
+                &meta,
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                cfg.head_dim,
+                &mut attn,
+            );
             let o = layer.o_proj.forward(&attn, t);
             cpu::add_rms_norm(&mut residual, &o, &layer.post_attention_layernorm, eps, &mut normed);
             // [T, 2 * intermediate]

@@ -10,13 +10,32 @@ use crate::ModelError;
 pub enum RopeScaling {
     None,
     /// Positions divided by `factor`.
-    Linear { factor: f32 },
+    Linear {
+        factor: f32,
+    },
     /// Llama 3.1's frequency-dependent scaling.
-    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position_embeddings: usize },
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position_embeddings: usize,
+    },
     /// YaRN (static).
-    Yarn { factor: f32, original_max_position_embeddings: usize, beta_fast: f32, beta_slow: f32, attention_factor: f32, truncate: bool },
+    Yarn {
+        factor: f32,
+        original_max_position_embeddings: usize,
+        beta_fast: f32,
+        beta_slow: f32,
+        attention_factor: f32,
+        truncate: bool,
+    },
     /// Phi-3's LongRoPE: per-dimension factors, the long ones for positions past the original context.
-    LongRope { short_factor: Vec<f32>, long_factor: Vec<f32>, original_max_position_embeddings: usize, attention_factor: f32 },
+    LongRope {
+        short_factor: Vec<f32>,
+        long_factor: Vec<f32>,
+        original_max_position_embeddings: usize,
+        attention_factor: f32,
+    },
 }
 
 /// The tables the RoPE op needs: one set of inverse frequencies, or two (LongRoPE) with the
@@ -65,7 +84,8 @@ impl RopeScaling {
             .and_then(Value::as_u64)
             .map(|v| v as usize)
             .or(top_level_original_max);
-        let need_factor = || f(p, "factor").ok_or_else(|| ModelError::Config(format!("{kind} rope scaling needs `factor`")));
+        let need_factor =
+            || f(p, "factor").ok_or_else(|| ModelError::Config(format!("{kind} rope scaling needs `factor`")));
         Ok(match kind {
             "default" => RopeScaling::None,
             "linear" => RopeScaling::Linear { factor: need_factor()? },
@@ -129,7 +149,8 @@ impl RopeScaling {
                     .map(|&f| {
                         let wavelen = 2.0 * std::f32::consts::PI / f;
                         let scaled = if wavelen > low_freq_wavelen { f / factor } else { f };
-                        let is_medium = !(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen);
+                        // Wavelengths are finite and positive, so plain comparisons are total here.
+                        let is_medium = wavelen >= high_freq_wavelen && wavelen <= low_freq_wavelen;
                         if is_medium {
                             let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * scaled / factor + smooth * scaled
@@ -140,7 +161,14 @@ impl RopeScaling {
                     .collect();
                 plain(inv, 1.0)
             }
-            RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, truncate } => {
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                truncate,
+            } => {
                 let d = dim as f32;
                 let correction_dim = |rotations: f32| {
                     d * ((*original_max_position_embeddings as f32) / (rotations * 2.0 * std::f32::consts::PI)).ln()
@@ -224,9 +252,8 @@ mod tests {
         assert_eq!(t.inv_freq[0], base.inv_freq[0]);
         assert_eq!(t.inv_freq[7], base.inv_freq[7] / 8.0);
         // Somewhere in between it interpolates strictly.
-        let mid: Vec<usize> = (0..8)
-            .filter(|&i| t.inv_freq[i] < base.inv_freq[i] && t.inv_freq[i] > base.inv_freq[i] / 8.0)
-            .collect();
+        let mid: Vec<usize> =
+            (0..8).filter(|&i| t.inv_freq[i] < base.inv_freq[i] && t.inv_freq[i] > base.inv_freq[i] / 8.0).collect();
         assert!(!mid.is_empty());
         Ok(())
     }

@@ -22,7 +22,11 @@ use crate::ModelError;
 #[derive(Debug)]
 enum Storage {
     /// Bytes `[start, end)` of a mapped file, suitably aligned for the dtype.
-    Mapped { map: Arc<Mmap>, start: usize, end: usize },
+    Mapped {
+        map: Arc<Mmap>,
+        start: usize,
+        end: usize,
+    },
     F32(Vec<f32>),
     F16(Vec<f16>),
     BF16(Vec<bf16>),
@@ -199,7 +203,13 @@ impl WeightSource {
                 let start = data.as_ptr() as usize - base;
                 index.insert(
                     name.to_owned(),
-                    TensorLocation { file: file_idx, dtype, shape: view.shape().to_vec(), start, end: start + data.len() },
+                    TensorLocation {
+                        file: file_idx,
+                        dtype,
+                        shape: view.shape().to_vec(),
+                        start,
+                        end: start + data.len(),
+                    },
                 );
             }
             maps.push(Arc::new(map));
@@ -224,7 +234,11 @@ impl WeightSource {
             Source::SafeTensors { maps, files, index } => {
                 let loc = index.get(name).ok_or_else(|| ModelError::MissingTensor(name.to_owned()))?;
                 if loc.shape != shape {
-                    return Err(ModelError::ShapeMismatch { name: name.to_owned(), expected: shape.to_vec(), found: loc.shape.clone() });
+                    return Err(ModelError::ShapeMismatch {
+                        name: name.to_owned(),
+                        expected: shape.to_vec(),
+                        found: loc.shape.clone(),
+                    });
                 }
                 let map = &maps[loc.file];
                 let bytes = &map[loc.start..loc.end];
@@ -232,10 +246,13 @@ impl WeightSource {
                 if bytes.len() != expected_bytes {
                     return Err(ModelError::CorruptWeights {
                         path: files[loc.file].clone(),
-                        message: format!("tensor `{name}` holds {} bytes, its shape needs {expected_bytes}", bytes.len()),
+                        message: format!(
+                            "tensor `{name}` holds {} bytes, its shape needs {expected_bytes}",
+                            bytes.len()
+                        ),
                     });
                 }
-                let aligned = (bytes.as_ptr() as usize) % loc.dtype.size_in_bytes() == 0;
+                let aligned = (bytes.as_ptr() as usize).is_multiple_of(loc.dtype.size_in_bytes());
                 let storage = if aligned {
                     Storage::Mapped { map: Arc::clone(map), start: loc.start, end: loc.end }
                 } else {
@@ -255,7 +272,9 @@ impl WeightSource {
 
 fn copy_unaligned(bytes: &[u8], dtype: DType) -> Storage {
     match dtype {
-        DType::F32 => Storage::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()),
+        DType::F32 => {
+            Storage::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        }
         DType::F16 => Storage::F16(bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect()),
         DType::BF16 => Storage::BF16(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()),
     }
@@ -276,7 +295,11 @@ fn random_tensor(name: &str, shape: &[usize], dtype: DType, seed: u64) -> Tensor
     let bound = if shape.len() == 1 { 0.02 } else { (3.0 / fan_in).sqrt() };
     let mut sample = move || {
         let x: f32 = rng.random_range(-bound..bound);
-        if is_norm { 1.0 + x } else { x }
+        if is_norm {
+            1.0 + x
+        } else {
+            x
+        }
     };
     let storage = match dtype {
         DType::F32 => Storage::F32((0..n).map(|_| sample()).collect()),

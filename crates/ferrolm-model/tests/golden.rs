@@ -76,7 +76,8 @@ fn check_fixture(name: &str) {
         // Teacher-forced prompt logprobs, read in chunks of 7 tokens.
         let mut kv = model.new_kv_cache(pool, BLOCK_SIZE);
         let got = prompt_logprobs(&model, &mut kv, &table, &prompt, 7);
-        let want: Vec<f64> = case["prompt_logprobs"].as_array().expect("lp")[1..].iter().map(|v| v.as_f64().expect("f")).collect();
+        let want: Vec<f64> =
+            case["prompt_logprobs"].as_array().expect("lp")[1..].iter().map(|v| v.as_f64().expect("f")).collect();
         assert_eq!(got.len(), want.len());
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert!((g - w).abs() < TOL, "{name} case {case_idx} prompt logprob {i}: got {g}, want {w}");
@@ -87,13 +88,16 @@ fn check_fixture(name: &str) {
         let mut input = ModelInput::default();
         input.push_request(&prompt, 0, &table, BLOCK_SIZE, true, false);
         let mut logits = model.forward(&input, &mut kv);
-        let mut pos = prompt.len();
         for (step, (want_id, step_ref)) in greedy.iter().zip(case["steps"].as_array().expect("steps")).enumerate() {
             let lp = log_softmax(&logits[..vocab]);
             let top5 = step_ref["top5"].as_array().expect("top5");
             for entry in top5 {
                 let (id, want) = (entry[0].as_u64().expect("id") as usize, entry[1].as_f64().expect("lp"));
-                assert!((lp[id] - want).abs() < TOL, "{name} case {case_idx} step {step} token {id}: got {}, want {want}", lp[id]);
+                assert!(
+                    (lp[id] - want).abs() < TOL,
+                    "{name} case {case_idx} step {step} token {id}: got {}, want {want}",
+                    lp[id]
+                );
             }
             let mut order: Vec<usize> = (0..vocab).collect();
             order.sort_by(|&a, &b| lp[b].total_cmp(&lp[a]).then(a.cmp(&b)));
@@ -106,9 +110,8 @@ fn check_fixture(name: &str) {
             let next = *want_id;
             assert_eq!(order[0] as u32, next, "{name} case {case_idx} step {step}: greedy token (margin {margin})");
             let mut input = ModelInput::default();
-            input.push_request(&[next], pos, &table, BLOCK_SIZE, true, false);
+            input.push_request(&[next], prompt.len() + step, &table, BLOCK_SIZE, true, false);
             logits = model.forward(&input, &mut kv);
-            pos += 1;
         }
     }
 }
@@ -129,7 +132,8 @@ golden!(llama, llama3_gqa, mistral_swa, qwen2_tied, qwen3_qknorm, phi3_fused, ge
 fn batched_prefill_equals_single() {
     let (model, reference) = load("llama3_gqa");
     let vocab = model.config.vocab_size;
-    let prompts: Vec<Vec<u32>> = reference["cases"].as_array().expect("cases").iter().map(|c| ids(&c["prompt_ids"])).collect();
+    let prompts: Vec<Vec<u32>> =
+        reference["cases"].as_array().expect("cases").iter().map(|c| ids(&c["prompt_ids"])).collect();
     let pool = 64;
     let mut tables = Vec::new();
     let mut next_block = 0u32;

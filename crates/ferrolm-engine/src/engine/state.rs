@@ -1,0 +1,81 @@
+//! What the engine reports: per-step outputs of a request and the shared counters.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use ferrolm_sampling::TokenLogprobs;
+
+use crate::request::FinishReason;
+
+/// Logprob of one prompt token given the ones before it (with the top entries at that row).
+pub type PromptLogprob = Option<TokenLogprobs>;
+
+/// What one step produced for one sequence of a request (sequence `index` of `n`).
+#[derive(Clone, Debug, Default)]
+pub struct RequestOutput {
+    pub index: u32,
+    /// Tokens sampled this step (one, or none when a stop string swallowed them).
+    pub token_ids: Vec<u32>,
+    /// New text, safe to show: never half a UTF-8 character, never part of a stop string.
+    pub text: String,
+    /// Logprobs of `token_ids`, when asked for.
+    pub logprobs: Vec<TokenLogprobs>,
+    /// With the first output of sequence 0, when asked for: one entry per prompt token (the
+    /// first is `None`).
+    pub prompt_logprobs: Option<Vec<PromptLogprob>>,
+    pub finish_reason: Option<FinishReason>,
+    pub num_prompt_tokens: usize,
+    /// Prompt tokens whose K/V came from the prefix cache.
+    pub num_cached_tokens: usize,
+}
+
+/// Counters the engine thread updates each step; read from any thread.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    pub num_running: AtomicU64,
+    pub num_waiting: AtomicU64,
+    /// Fraction of KV blocks in use, as `f64` bits.
+    kv_usage_bits: AtomicU64,
+    pub prefix_cache_queries: AtomicU64,
+    pub prefix_cache_hits: AtomicU64,
+    pub prompt_tokens: AtomicU64,
+    pub generation_tokens: AtomicU64,
+    pub num_preemptions: AtomicU64,
+    pub num_steps: AtomicU64,
+    pub num_blocks: AtomicU64,
+}
+
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct EngineStatsSnapshot {
+    pub num_running: u64,
+    pub num_waiting: u64,
+    pub kv_usage: f64,
+    pub prefix_cache_queries: u64,
+    pub prefix_cache_hits: u64,
+    pub prompt_tokens: u64,
+    pub generation_tokens: u64,
+    pub num_preemptions: u64,
+    pub num_steps: u64,
+    pub num_blocks: u64,
+}
+
+impl EngineStats {
+    pub(crate) fn set_kv_usage(&self, usage: f64) {
+        self.kv_usage_bits.store(usage.to_bits(), Ordering::Relaxed);
+    }
+
+    pub fn snapshot(&self) -> EngineStatsSnapshot {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        EngineStatsSnapshot {
+            num_running: get(&self.num_running),
+            num_waiting: get(&self.num_waiting),
+            kv_usage: f64::from_bits(get(&self.kv_usage_bits)),
+            prefix_cache_queries: get(&self.prefix_cache_queries),
+            prefix_cache_hits: get(&self.prefix_cache_hits),
+            prompt_tokens: get(&self.prompt_tokens),
+            generation_tokens: get(&self.generation_tokens),
+            num_preemptions: get(&self.num_preemptions),
+            num_steps: get(&self.num_steps),
+            num_blocks: get(&self.num_blocks),
+        }
+    }
+}

@@ -1,0 +1,375 @@
+//! The engine loop: one step = schedule, build the flattened batch, run the model, sample,
+//! update the scheduler, emit outputs, free what finished.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, TryRecvError};
+use std::sync::Arc;
+
+use ferrolm_model::{KvCache, Model, ModelInput};
+use ferrolm_sampling::{token_logprobs, RequestSampler, StopChecker, TokenLogprobs};
+use ferrolm_tokenizer::{IncrementalDetokenizer, Tokenizer};
+use tokio::sync::mpsc as tokio_mpsc;
+
+use super::handle::{Command, EngineConfig, EngineError, GenerateRequest};
+use super::state::{EngineStats, PromptLogprob, RequestOutput};
+use crate::request::{FinishReason, Request, RequestId, RequestStatus};
+use crate::scheduler::{ScheduledRequest, Scheduler};
+
+/// Sequence ids are the client id shifted left by this, plus the sequence index (`n <= 256`).
+const SEQ_BITS: u32 = 8;
+
+/// Per-sequence state that lives as long as the sequence, across preemptions.
+struct Sequence {
+    client_id: u64,
+    index: u32,
+    tx: tokio_mpsc::UnboundedSender<RequestOutput>,
+    sampler: RequestSampler,
+    detokenizer: IncrementalDetokenizer,
+    stop: StopChecker,
+    num_prompt_tokens: usize,
+    wants_logprobs: bool,
+    /// `Some` while prompt logprobs are wanted and not yet sent.
+    prompt_logprobs: Option<PromptLogprobs>,
+    num_cached_tokens: usize,
+}
+
+pub(crate) struct Engine {
+    scheduler: Scheduler,
+    model: Model,
+    kv: KvCache,
+    tokenizer: Arc<Tokenizer>,
+    eos_token_ids: Vec<u32>,
+    sequences: HashMap<RequestId, Sequence>,
+    /// Client id -> its live sequence ids.
+    clients: HashMap<u64, Vec<RequestId>>,
+    rx: mpsc::Receiver<Command>,
+    stats: Arc<EngineStats>,
+    pending: Arc<AtomicUsize>,
+}
+
+/// Prompt logprobs being gathered, filled as prompt chunks run (again after a preemption, with
+/// the same values).
+struct PromptLogprobs {
+    num_top: usize,
+    prompt: Vec<u32>,
+    /// One entry per prompt token; the first stays `None`.
+    values: Vec<PromptLogprob>,
+}
+
+/// A token sampled this step, waiting to be emitted.
+struct Sampled {
+    id: RequestId,
+    logprobs: TokenLogprobs,
+}
+
+impl Engine {
+    pub(crate) fn new(
+        model: Model,
+        tokenizer: Arc<Tokenizer>,
+        config: &EngineConfig,
+        rx: mpsc::Receiver<Command>,
+        stats: Arc<EngineStats>,
+        pending: Arc<AtomicUsize>,
+    ) -> Result<Engine, EngineError> {
+        let scheduler = Scheduler::new(config.scheduler.clone())?;
+        let kv = model.new_kv_cache(config.scheduler.num_blocks, config.scheduler.block_size);
+        stats.num_blocks.store(config.scheduler.num_blocks as u64, Ordering::Relaxed);
+        Ok(Engine {
+            scheduler,
+            model,
+            kv,
+            tokenizer,
+            eos_token_ids: config.eos_token_ids.clone(),
+            sequences: HashMap::new(),
+            clients: HashMap::new(),
+            rx,
+            stats,
+            pending,
+        })
+    }
+
+    pub(crate) fn run(mut self) {
+        loop {
+            // Block when idle; otherwise take whatever arrived since the last step.
+            if !self.scheduler.has_unfinished_requests() {
+                match self.rx.recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(_) => return,
+                }
+            }
+            loop {
+                match self.rx.try_recv() {
+                    Ok(cmd) => self.handle(cmd),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) if self.scheduler.has_unfinished_requests() => break,
+                    Err(TryRecvError::Disconnected) => return,
+                }
+            }
+            self.step();
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Add { client_id, request, tx } => self.add(client_id, request, tx),
+            Command::Abort { client_id } => self.finish_client(client_id, None),
+        }
+    }
+
+    fn add(&mut self, client_id: u64, request: GenerateRequest, tx: tokio_mpsc::UnboundedSender<RequestOutput>) {
+        let GenerateRequest { prompt_token_ids, params } = request;
+        let mut stop_ids = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            stop_ids.extend(&self.eos_token_ids);
+        }
+        let max_tokens = params.max_tokens.unwrap_or(1) as usize;
+        let mut ids = Vec::new();
+        for index in 0..params.n {
+            let id = RequestId((client_id << SEQ_BITS) | index as u64);
+            let seq = RequestSampler::for_sequence(&params, &prompt_token_ids, client_id, index as u64)
+                .map_err(EngineError::from)
+                .and_then(|sampler| {
+                    let detokenizer = IncrementalDetokenizer::new(
+                        Arc::clone(&self.tokenizer),
+                        &prompt_token_ids,
+                        params.skip_special_tokens,
+                    )
+                    .map_err(|_| EngineError::Stopped)?;
+                    Ok(Sequence {
+                        client_id,
+                        index,
+                        tx: tx.clone(),
+                        sampler,
+                        detokenizer,
+                        stop: StopChecker::new(&params.stop),
+                        num_prompt_tokens: prompt_token_ids.len(),
+                        wants_logprobs: params.logprobs.is_some(),
+                        prompt_logprobs: match params.prompt_logprobs {
+                            Some(n) if index == 0 => Some(PromptLogprobs {
+                                num_top: n as usize,
+                                prompt: prompt_token_ids.clone(),
+                                values: vec![None; prompt_token_ids.len()],
+                            }),
+                            _ => None,
+                        },
+                        num_cached_tokens: 0,
+                    })
+                });
+            let req = Request::new(id, prompt_token_ids.clone(), max_tokens)
+                .with_stop_token_ids(stop_ids.clone())
+                .with_min_tokens(params.min_tokens as usize)
+                .with_prompt_logprobs(params.prompt_logprobs.is_some() && index == 0);
+            match seq.and_then(|seq| self.scheduler.add_request(req).map(|()| seq).map_err(EngineError::from)) {
+                Ok(seq) => {
+                    self.sequences.insert(id, seq);
+                    ids.push(id);
+                }
+                Err(err) => {
+                    // Validated by the handle; reaching this is an engine fault. End the stream.
+                    tracing_error(&err);
+                    self.clients.insert(client_id, ids);
+                    self.finish_client(client_id, Some(FinishReason::Abort));
+                    let _ = tx.send(RequestOutput { finish_reason: Some(FinishReason::Abort), ..Default::default() });
+                    return;
+                }
+            }
+        }
+        self.clients.insert(client_id, ids);
+    }
+
+    /// Ends every sequence of a client (an abort when `reason` is `None`: nothing is sent).
+    fn finish_client(&mut self, client_id: u64, reason: Option<FinishReason>) {
+        let Some(ids) = self.clients.remove(&client_id) else { return };
+        for id in ids {
+            self.scheduler.abort(id);
+            if let Some(seq) = self.sequences.remove(&id) {
+                if let Some(reason) = reason {
+                    let _ = seq.tx.send(RequestOutput {
+                        index: seq.index,
+                        finish_reason: Some(reason),
+                        ..Default::default()
+                    });
+                }
+            }
+        }
+        self.pending.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// A sequence finished: forget it, and the client once all of its sequences did.
+    fn retire(&mut self, id: RequestId) {
+        let Some(seq) = self.sequences.remove(&id) else { return };
+        if let Some(ids) = self.clients.get_mut(&seq.client_id) {
+            ids.retain(|&s| s != id);
+            if ids.is_empty() {
+                self.clients.remove(&seq.client_id);
+                self.pending.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+
+    fn step(&mut self) {
+        let out = self.scheduler.schedule();
+        if out.is_empty() {
+            self.publish_stats();
+            return;
+        }
+        let block_size = self.kv.block_size;
+        let mut input = ModelInput::default();
+        // Per scheduled request: whether all its rows' logits are in the output (prompt logprobs).
+        let mut all_rows = Vec::with_capacity(out.scheduled.len());
+        for s in &out.scheduled {
+            let wants_prompt = self
+                .sequences
+                .get(&s.request_id)
+                .is_some_and(|q| q.prompt_logprobs.is_some() && s.num_computed_tokens + 1 < q.num_prompt_tokens);
+            if s.is_new {
+                if let (Some(seq), Some(req)) =
+                    (self.sequences.get_mut(&s.request_id), self.scheduler.request(s.request_id))
+                {
+                    seq.num_cached_tokens = req.num_cached_tokens().unwrap_or(0);
+                }
+            }
+            let table = s.block_ids();
+            input.push_request(
+                &s.token_ids,
+                s.num_computed_tokens,
+                &table,
+                block_size,
+                s.samples_next_token,
+                wants_prompt,
+            );
+            all_rows.push(wants_prompt);
+        }
+        let logits = self.model.forward(&input, &mut self.kv);
+        let vocab = self.model.config.vocab_size;
+
+        let mut row = 0;
+        let mut sampled = Vec::new();
+        let mut failed = Vec::new();
+        for (s, &all) in out.scheduled.iter().zip(&all_rows) {
+            let rows = if all { s.num_scheduled_tokens } else { usize::from(s.samples_next_token) };
+            let Some(seq) = self.sequences.get_mut(&s.request_id) else {
+                row += rows;
+                continue;
+            };
+            if all {
+                record_prompt_logprobs(seq, s, &logits[row * vocab..(row + rows) * vocab], vocab);
+            }
+            if s.samples_next_token {
+                let last = row + rows - 1;
+                match seq.sampler.sample(&logits[last * vocab..(last + 1) * vocab], &self.eos_token_ids) {
+                    Ok(lp) => sampled.push(Sampled { id: s.request_id, logprobs: lp }),
+                    Err(_) => failed.push(s.request_id),
+                }
+            }
+            row += rows;
+        }
+        self.stats.prompt_tokens.fetch_add(
+            out.scheduled
+                .iter()
+                .filter(|s| !s.samples_next_token || s.num_scheduled_tokens > 1)
+                .map(|s| s.num_scheduled_tokens as u64)
+                .sum(),
+            Ordering::Relaxed,
+        );
+        self.stats.generation_tokens.fetch_add(sampled.len() as u64, Ordering::Relaxed);
+        for id in failed {
+            self.scheduler.finish_request(id, FinishReason::Abort);
+            self.send_final(id, FinishReason::Abort);
+        }
+
+        let tokens: Vec<(RequestId, Vec<u32>)> = sampled.iter().map(|s| (s.id, vec![s.logprobs.token])).collect();
+        let finished: HashMap<RequestId, FinishReason> = match self.scheduler.update_from_output(&tokens) {
+            Ok(reqs) => reqs
+                .iter()
+                .filter_map(|r| match r.status() {
+                    RequestStatus::Finished(f) => Some((r.request_id(), f)),
+                    _ => None,
+                })
+                .collect(),
+            Err(err) => {
+                tracing_error(&EngineError::from(err));
+                HashMap::new()
+            }
+        };
+        for s in sampled {
+            let reason = finished.get(&s.id).copied();
+            self.emit(s, reason);
+        }
+        self.stats.num_steps.fetch_add(1, Ordering::Relaxed);
+        self.publish_stats();
+    }
+
+    /// Detokenizes, applies stop strings and sends one step's output of a sequence.
+    fn emit(&mut self, sampled: Sampled, mut finish: Option<FinishReason>) {
+        let id = sampled.id;
+        let Some(seq) = self.sequences.get_mut(&id) else { return };
+        let token = sampled.logprobs.token;
+        let mut delta = seq.detokenizer.push(token).unwrap_or_default();
+        if finish.is_some() {
+            delta.push_str(&seq.detokenizer.finish().unwrap_or_default());
+        }
+        let result = seq.stop.push(&delta);
+        let mut text = result.emit;
+        if result.stopped {
+            if finish.is_none() {
+                self.scheduler.finish_request(id, FinishReason::Stop);
+            }
+            finish = Some(FinishReason::Stop);
+        } else if finish.is_some() {
+            text.push_str(&seq.stop.flush());
+        }
+        let prompt_logprobs = seq.prompt_logprobs.take().map(|p| p.values);
+        let output = RequestOutput {
+            index: seq.index,
+            token_ids: vec![token],
+            text,
+            logprobs: if seq.wants_logprobs { vec![sampled.logprobs] } else { Vec::new() },
+            prompt_logprobs,
+            finish_reason: finish,
+            num_prompt_tokens: seq.num_prompt_tokens,
+            num_cached_tokens: seq.num_cached_tokens,
+        };
+        let client_gone = seq.tx.send(output).is_err();
+        if finish.is_some() {
+            self.retire(id);
+        } else if client_gone {
+            let client = seq.client_id;
+            self.finish_client(client, None);
+        }
+    }
+
+    fn send_final(&mut self, id: RequestId, reason: FinishReason) {
+        if let Some(seq) = self.sequences.get(&id) {
+            let _ = seq.tx.send(RequestOutput { index: seq.index, finish_reason: Some(reason), ..Default::default() });
+        }
+        self.retire(id);
+    }
+
+    fn publish_stats(&self) {
+        let s = self.scheduler.stats();
+        self.stats.num_running.store(s.num_running as u64, Ordering::Relaxed);
+        self.stats.num_waiting.store(s.num_waiting as u64, Ordering::Relaxed);
+        self.stats.set_kv_usage(s.kv_cache_usage);
+        self.stats.prefix_cache_queries.store(s.prefix_cache.queries, Ordering::Relaxed);
+        self.stats.prefix_cache_hits.store(s.prefix_cache.hits, Ordering::Relaxed);
+        self.stats.num_preemptions.store(s.num_preemptions, Ordering::Relaxed);
+    }
+}
+
+/// Stores the logprob of each prompt token that the rows of this chunk predict.
+// logits: [s.num_scheduled_tokens, vocab]
+fn record_prompt_logprobs(seq: &mut Sequence, s: &ScheduledRequest, logits: &[f32], vocab: usize) {
+    let Some(p) = seq.prompt_logprobs.as_mut() else { return };
+    for i in 0..s.num_scheduled_tokens {
+        let next = s.num_computed_tokens + i + 1;
+        if next < p.prompt.len() {
+            p.values[next] = Some(token_logprobs(&logits[i * vocab..(i + 1) * vocab], p.prompt[next], p.num_top));
+        }
+    }
+}
+
+fn tracing_error(err: &EngineError) {
+    tracing::error!(%err, "engine fault");
+}
