@@ -82,12 +82,19 @@ struct HandleInner {
 impl EngineHandle {
     /// Starts the engine thread, which owns `model` and a KV cache of
     /// `config.scheduler.num_blocks` blocks.
-    pub fn start(model: Model, tokenizer: Arc<Tokenizer>, config: EngineConfig) -> Result<EngineHandle, EngineError> {
+    ///
+    /// Without a tokenizer (random-weight benchmarks) outputs carry token ids only: their `text`
+    /// stays empty and stop strings never match.
+    pub fn start(
+        model: Model,
+        tokenizer: impl Into<Option<Arc<Tokenizer>>>,
+        config: EngineConfig,
+    ) -> Result<EngineHandle, EngineError> {
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(EngineStats::default());
         let pending = Arc::new(AtomicUsize::new(0));
         let vocab_size = model.config.vocab_size;
-        let engine = Engine::new(model, tokenizer, &config, rx, Arc::clone(&stats), Arc::clone(&pending))?;
+        let engine = Engine::new(model, tokenizer.into(), &config, rx, Arc::clone(&stats), Arc::clone(&pending))?;
         let thread = std::thread::Builder::new()
             .name("ferrolm-engine".into())
             .spawn(move || engine.run())

@@ -25,7 +25,8 @@ struct Sequence {
     index: u32,
     tx: tokio_mpsc::UnboundedSender<RequestOutput>,
     sampler: RequestSampler,
-    detokenizer: IncrementalDetokenizer,
+    /// `None` when the engine runs without a tokenizer.
+    detokenizer: Option<IncrementalDetokenizer>,
     stop: StopChecker,
     num_prompt_tokens: usize,
     wants_logprobs: bool,
@@ -38,7 +39,7 @@ pub(crate) struct Engine {
     scheduler: Scheduler,
     model: Model,
     kv: KvCache,
-    tokenizer: Arc<Tokenizer>,
+    tokenizer: Option<Arc<Tokenizer>>,
     eos_token_ids: Vec<u32>,
     sequences: HashMap<RequestId, Sequence>,
     /// Client id -> its live sequence ids.
@@ -66,7 +67,7 @@ struct Sampled {
 impl Engine {
     pub(crate) fn new(
         model: Model,
-        tokenizer: Arc<Tokenizer>,
+        tokenizer: Option<Arc<Tokenizer>>,
         config: &EngineConfig,
         rx: mpsc::Receiver<Command>,
         stats: Arc<EngineStats>,
@@ -130,12 +131,17 @@ impl Engine {
             let seq = RequestSampler::for_sequence(&params, &prompt_token_ids, client_id, index as u64)
                 .map_err(EngineError::from)
                 .and_then(|sampler| {
-                    let detokenizer = IncrementalDetokenizer::new(
-                        Arc::clone(&self.tokenizer),
-                        &prompt_token_ids,
-                        params.skip_special_tokens,
-                    )
-                    .map_err(|_| EngineError::Stopped)?;
+                    let detokenizer = match &self.tokenizer {
+                        Some(tokenizer) => Some(
+                            IncrementalDetokenizer::new(
+                                Arc::clone(tokenizer),
+                                &prompt_token_ids,
+                                params.skip_special_tokens,
+                            )
+                            .map_err(|_| EngineError::Stopped)?,
+                        ),
+                        None => None,
+                    };
                     Ok(Sequence {
                         client_id,
                         index,
@@ -306,9 +312,12 @@ impl Engine {
         let id = sampled.id;
         let Some(seq) = self.sequences.get_mut(&id) else { return };
         let token = sampled.logprobs.token;
-        let mut delta = seq.detokenizer.push(token).unwrap_or_default();
-        if finish.is_some() {
-            delta.push_str(&seq.detokenizer.finish().unwrap_or_default());
+        let mut delta = String::new();
+        if let Some(detokenizer) = seq.detokenizer.as_mut() {
+            delta = detokenizer.push(token).unwrap_or_default();
+            if finish.is_some() {
+                delta.push_str(&detokenizer.finish().unwrap_or_default());
+            }
         }
         let result = seq.stop.push(&delta);
         let mut text = result.emit;

@@ -1,0 +1,299 @@
+//! The engine end to end on fixture models: continuous batching, chunked prefill, preemption,
+//! prefix caching, aborts and sampling give the reference tokens and leak nothing.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ferrolm_engine::{
+    EngineConfig, EngineError, EngineHandle, FinishReason, GenerateRequest, RequestOutput, SchedulerConfig,
+};
+use ferrolm_model::Model;
+use ferrolm_sampling::SamplingParams;
+use ferrolm_tokenizer::Tokenizer;
+use serde_json::Value;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/fixtures")).join(name)
+}
+
+struct Setup {
+    num_blocks: usize,
+    block_size: usize,
+    max_num_batched_tokens: usize,
+    max_num_seqs: usize,
+    max_pending_requests: usize,
+}
+
+impl Default for Setup {
+    fn default() -> Self {
+        Setup { num_blocks: 256, block_size: 16, max_num_batched_tokens: 2048, max_num_seqs: 64, max_pending_requests: 1024 }
+    }
+}
+
+fn start(name: &str, setup: Setup) -> (EngineHandle, Arc<Tokenizer>) {
+    let dir = fixture(name);
+    let model = Model::from_dir(&dir).expect("model");
+    let tokenizer = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
+    let scheduler = SchedulerConfig {
+        max_num_seqs: setup.max_num_seqs,
+        max_num_batched_tokens: setup.max_num_batched_tokens,
+        block_size: setup.block_size,
+        num_blocks: setup.num_blocks,
+        max_model_len: 512,
+        long_prefill_token_threshold: None,
+        enable_prefix_caching: true,
+    };
+    let config = EngineConfig { scheduler, max_pending_requests: setup.max_pending_requests, eos_token_ids: vec![1] };
+    (EngineHandle::start(model, Arc::clone(&tokenizer), config).expect("engine"), tokenizer)
+}
+
+fn reference(name: &str) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(fixture(name).join("reference.json")).expect("read")).expect("json")
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    v.as_array().expect("ids").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+}
+
+/// (prompt ids, reference greedy ids) of every case.
+fn cases(name: &str) -> Vec<(Vec<u32>, Vec<u32>)> {
+    reference(name)["cases"].as_array().expect("cases").iter().map(|c| (ids(&c["prompt_ids"]), ids(&c["greedy_ids"]))).collect()
+}
+
+fn greedy(max_tokens: u32) -> SamplingParams {
+    SamplingParams { temperature: 0.0, max_tokens: Some(max_tokens), ignore_eos: true, ..SamplingParams::default() }
+}
+
+/// All outputs of one request, per sequence index.
+fn collect(mut stream: ferrolm_engine::RequestStream) -> Vec<Vec<RequestOutput>> {
+    let mut by_index: Vec<Vec<RequestOutput>> = Vec::new();
+    while let Some(out) = stream.blocking_recv() {
+        let i = out.index as usize;
+        if by_index.len() <= i {
+            by_index.resize_with(i + 1, Vec::new);
+        }
+        by_index[i].push(out);
+    }
+    by_index
+}
+
+fn tokens(outputs: &[RequestOutput]) -> Vec<u32> {
+    outputs.iter().flat_map(|o| o.token_ids.iter().copied()).collect()
+}
+
+fn wait_idle(engine: &EngineHandle) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = engine.stats();
+        if s.num_running == 0 && s.num_waiting == 0 && s.kv_usage == 0.0 && engine.num_pending() == 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "engine did not go idle: {s:?}, pending {}", engine.num_pending());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Submits every case at once and checks each against its greedy reference.
+fn check_concurrent_greedy(name: &str, setup: Setup) -> EngineHandle {
+    let (engine, _) = start(name, setup);
+    let cases = cases(name);
+    let streams: Vec<_> = cases
+        .iter()
+        .map(|(prompt, want)| {
+            let req = GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(want.len() as u32) };
+            engine.submit(req).expect("submit")
+        })
+        .collect();
+    for (i, (stream, (_, want))) in streams.into_iter().zip(&cases).enumerate() {
+        let out = collect(stream);
+        assert_eq!(out.len(), 1);
+        assert_eq!(&tokens(&out[0]), want, "{name} case {i}");
+        assert_eq!(out[0].last().and_then(|o| o.finish_reason), Some(FinishReason::Length));
+    }
+    wait_idle(&engine);
+    engine
+}
+
+#[test]
+fn concurrent_requests_match_reference_on_every_fixture() {
+    for name in ["llama", "llama3_gqa", "mistral_swa", "qwen2_tied", "qwen3_qknorm", "phi3_fused", "gemma_geglu"] {
+        check_concurrent_greedy(name, Setup::default());
+    }
+}
+
+#[test]
+fn chunked_prefill_gives_the_same_tokens() {
+    // A budget of 8 tokens a step splits the 33- and 50-token prompts into many chunks that
+    // share steps with the other requests' decodes.
+    check_concurrent_greedy("mistral_swa", Setup { max_num_batched_tokens: 8, block_size: 4, ..Setup::default() });
+}
+
+#[test]
+fn preemption_under_a_tiny_pool_gives_the_same_tokens() {
+    // Two 30-token prompts that each grow to 60 tokens (15 blocks of 4): both fit at admission
+    // (8 + 8 of 20 blocks) but not at full length, so the newer one must be preempted.
+    let long = cases("llama")[3].0.clone();
+    let prompts = [long[..30].to_vec(), long[20..50].to_vec()];
+    let run = |num_blocks: usize| {
+        let (engine, _) = start("llama", Setup { num_blocks, block_size: 4, ..Setup::default() });
+        let streams: Vec<_> = prompts
+            .iter()
+            .map(|p| engine.submit(GenerateRequest { prompt_token_ids: p.clone(), params: greedy(30) }).expect("submit"))
+            .collect();
+        let outs: Vec<Vec<u32>> = streams.into_iter().map(|s| tokens(&collect(s)[0])).collect();
+        wait_idle(&engine);
+        (outs, engine.stats().num_preemptions)
+    };
+    let (roomy, no_preemptions) = run(256);
+    let (tight, preemptions) = run(20);
+    assert_eq!(no_preemptions, 0);
+    assert!(preemptions > 0, "the pool should have forced a preemption");
+    assert_eq!(roomy, tight);
+    assert!(roomy.iter().all(|t| t.len() == 30));
+}
+
+#[test]
+fn prompt_logprobs_match_reference() {
+    let (engine, _) = start("qwen3_qknorm", Setup { max_num_batched_tokens: 16, ..Setup::default() });
+    let reference = reference("qwen3_qknorm");
+    for case in reference["cases"].as_array().expect("cases") {
+        let prompt = ids(&case["prompt_ids"]);
+        let params = SamplingParams { prompt_logprobs: Some(2), logprobs: Some(5), ..greedy(3) };
+        let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params }).expect("submit"));
+        let first = &out[0][0];
+        let got = first.prompt_logprobs.as_ref().expect("prompt logprobs");
+        assert_eq!(got.len(), prompt.len());
+        assert!(got[0].is_none());
+        for (i, want) in case["prompt_logprobs"].as_array().expect("lp").iter().enumerate().skip(1) {
+            let lp = got[i].as_ref().expect("logprob");
+            assert_eq!(lp.token, prompt[i]);
+            assert!((lp.logprob as f64 - want.as_f64().expect("f")).abs() < 1e-4, "position {i}");
+            assert_eq!(lp.top_logprobs.len(), 2);
+        }
+        // Top-5 logprobs of the first generated token.
+        let step0 = &case["steps"][0]["top5"];
+        let top = &first.logprobs[0].top_logprobs;
+        for (j, (id, lp)) in top.iter().enumerate() {
+            assert_eq!(*id as u64, step0[j][0].as_u64().expect("id"));
+            assert!((*lp as f64 - step0[j][1].as_f64().expect("lp")).abs() < 1e-4);
+        }
+    }
+}
+
+#[test]
+fn shared_prefix_hits_the_cache_and_n_samples_share_it() {
+    let (engine, _) = start("llama3_gqa", Setup { block_size: 4, ..Setup::default() });
+    let (prompt, want) = cases("llama3_gqa")[3].clone();
+    let first = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(4) }).expect("submit"));
+    assert_eq!(first[0][0].num_cached_tokens, 0);
+    let again = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(4) }).expect("submit"));
+    assert!(again[0][0].num_cached_tokens >= 4 * ((prompt.len() - 1) / 4), "cached {}", again[0][0].num_cached_tokens);
+    assert_eq!(tokens(&again[0]), want[..4]);
+    assert!(engine.stats().prefix_cache_hits > 0);
+
+    // n = 3 seeded samples: three sequences, each finishing once.
+    let params = SamplingParams { n: 3, temperature: 1.0, seed: Some(7), ..greedy(6) };
+    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params }).expect("submit"));
+    assert_eq!(out.len(), 3);
+    for seq in &out {
+        assert_eq!(tokens(seq).len(), 6);
+        assert_eq!(seq.iter().filter(|o| o.finish_reason.is_some()).count(), 1);
+    }
+    wait_idle(&engine);
+}
+
+#[test]
+fn seeded_sampling_does_not_depend_on_the_batch() {
+    let (engine, _) = start("qwen2_tied", Setup::default());
+    let cases = cases("qwen2_tied");
+    let params = SamplingParams { temperature: 0.9, top_p: 0.95, seed: Some(1234), ..greedy(16) };
+    let alone = collect(engine.submit(GenerateRequest { prompt_token_ids: cases[1].0.clone(), params: params.clone() }).expect("s"));
+    // The same request again, now beside three others with different seeds.
+    let mut streams = Vec::new();
+    for (i, (prompt, _)) in cases.iter().enumerate() {
+        let p = if i == 1 { params.clone() } else { SamplingParams { seed: Some(i as u64), ..params.clone() } };
+        streams.push(engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: p }).expect("submit"));
+    }
+    let outs: Vec<_> = streams.into_iter().map(collect).collect();
+    assert_eq!(tokens(&outs[1][0]), tokens(&alone[0]));
+    let other_seed = SamplingParams { seed: Some(99), ..params };
+    let different = collect(engine.submit(GenerateRequest { prompt_token_ids: cases[1].0.clone(), params: other_seed }).expect("s"));
+    assert_ne!(tokens(&different[0]), tokens(&alone[0]), "a different seed should change 16 sampled tokens");
+}
+
+#[test]
+fn stop_string_cuts_text_and_finishes() {
+    let (engine, tokenizer) = start("llama", Setup::default());
+    let (prompt, want) = cases("llama")[0].clone();
+    let full = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(12) }).expect("s"));
+    let text: String = full[0].iter().map(|o| o.text.as_str()).collect();
+    assert_eq!(text, tokenizer.decode(&want, true).expect("decode"));
+    // Stop at a piece of the text that starts after the first character.
+    let chars: Vec<char> = text.chars().collect();
+    let start = chars.len() / 2;
+    let stop: String = chars[start..start + 2].iter().collect();
+    let expected: String = text[..text.find(&stop).expect("stop occurs")].to_string();
+    let params = SamplingParams { stop: vec![stop.clone()], ..greedy(12) };
+    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params }).expect("s"));
+    let got: String = out[0].iter().map(|o| o.text.as_str()).collect();
+    assert_eq!(got, expected);
+    assert_eq!(out[0].last().and_then(|o| o.finish_reason), Some(FinishReason::Stop));
+    wait_idle(&engine);
+}
+
+#[test]
+fn eos_finishes_with_stop_unless_ignored() {
+    let (engine, _) = start("llama", Setup::default());
+    let (prompt, want) = cases("llama")[0].clone();
+    // Make the model's 3rd greedy token count as a stop token.
+    let params = SamplingParams { stop_token_ids: vec![want[2]], ignore_eos: false, ..greedy(12) };
+    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params }).expect("s"));
+    let got = tokens(&out[0]);
+    let first_stop = want.iter().position(|&t| t == want[2]).expect("present");
+    assert_eq!(got, want[..=first_stop]);
+    assert_eq!(out[0].last().and_then(|o| o.finish_reason), Some(FinishReason::Stop));
+}
+
+#[test]
+fn dropping_a_stream_aborts_and_frees_blocks() {
+    let (engine, _) = start("llama", Setup::default());
+    let (prompt, _) = cases("llama")[3].clone();
+    let mut stream = engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(400) }).expect("s");
+    assert!(stream.blocking_recv().is_some());
+    drop(stream);
+    wait_idle(&engine);
+    // The engine still serves.
+    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(2) }).expect("s"));
+    assert_eq!(tokens(&out[0]).len(), 2);
+    wait_idle(&engine);
+}
+
+#[test]
+fn bad_requests_are_refused_with_clear_errors() {
+    let (engine, _) = start("llama", Setup { num_blocks: 8, ..Setup::default() });
+    let submit = |prompt: Vec<u32>, params: SamplingParams| engine.submit(GenerateRequest { prompt_token_ids: prompt, params });
+    assert!(matches!(submit(vec![], greedy(4)), Err(EngineError::EmptyPrompt)));
+    let err = submit(vec![5, 320], greedy(4)).err().expect("out of vocab");
+    assert!(err.to_string().contains("320"), "{err}");
+    let err = submit(vec![5; 500], greedy(20)).err().expect("too long");
+    assert!(err.to_string().contains("500") && err.to_string().contains("512"), "{err}");
+    assert!(matches!(submit(vec![5; 512], greedy(1)), Err(EngineError::PromptTooLong { .. })));
+    let err = submit(vec![5], SamplingParams { top_p: 0.0, ..greedy(4) }).err().expect("bad top_p");
+    assert!(err.to_string().contains("top_p"), "{err}");
+    // 8 blocks of 16 hold 128 tokens: 200 can never fit.
+    let err = submit(vec![5; 100], greedy(100)).err().expect("never fits");
+    assert!(err.to_string().contains("blocks"), "{err}");
+}
+
+#[test]
+fn a_full_queue_pushes_back() {
+    let (engine, _) = start("llama", Setup { max_pending_requests: 2, ..Setup::default() });
+    let a = engine.submit(GenerateRequest { prompt_token_ids: vec![5, 6], params: greedy(300) }).expect("a");
+    let b = engine.submit(GenerateRequest { prompt_token_ids: vec![5, 7], params: greedy(300) }).expect("b");
+    let c = engine.submit(GenerateRequest { prompt_token_ids: vec![5, 8], params: greedy(3) });
+    assert!(matches!(c, Err(EngineError::Overloaded { .. })));
+    drop((a, b));
+    wait_idle(&engine);
+    assert!(engine.submit(GenerateRequest { prompt_token_ids: vec![5, 8], params: greedy(3) }).is_ok());
+}
