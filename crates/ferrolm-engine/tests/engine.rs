@@ -27,7 +27,13 @@ struct Setup {
 
 impl Default for Setup {
     fn default() -> Self {
-        Setup { num_blocks: 256, block_size: 16, max_num_batched_tokens: 2048, max_num_seqs: 64, max_pending_requests: 1024 }
+        Setup {
+            num_blocks: 256,
+            block_size: 16,
+            max_num_batched_tokens: 2048,
+            max_num_seqs: 64,
+            max_pending_requests: 1024,
+        }
     }
 }
 
@@ -58,7 +64,12 @@ fn ids(v: &Value) -> Vec<u32> {
 
 /// (prompt ids, reference greedy ids) of every case.
 fn cases(name: &str) -> Vec<(Vec<u32>, Vec<u32>)> {
-    reference(name)["cases"].as_array().expect("cases").iter().map(|c| (ids(&c["prompt_ids"]), ids(&c["greedy_ids"]))).collect()
+    reference(name)["cases"]
+        .as_array()
+        .expect("cases")
+        .iter()
+        .map(|c| (ids(&c["prompt_ids"]), ids(&c["greedy_ids"])))
+        .collect()
 }
 
 fn greedy(max_tokens: u32) -> SamplingParams {
@@ -139,7 +150,9 @@ fn preemption_under_a_tiny_pool_gives_the_same_tokens() {
         let (engine, _) = start("llama", Setup { num_blocks, block_size: 4, ..Setup::default() });
         let streams: Vec<_> = prompts
             .iter()
-            .map(|p| engine.submit(GenerateRequest { prompt_token_ids: p.clone(), params: greedy(30) }).expect("submit"))
+            .map(|p| {
+                engine.submit(GenerateRequest { prompt_token_ids: p.clone(), params: greedy(30) }).expect("submit")
+            })
             .collect();
         let outs: Vec<Vec<u32>> = streams.into_iter().map(|s| tokens(&collect(s)[0])).collect();
         wait_idle(&engine);
@@ -185,9 +198,13 @@ fn prompt_logprobs_match_reference() {
 fn shared_prefix_hits_the_cache_and_n_samples_share_it() {
     let (engine, _) = start("llama3_gqa", Setup { block_size: 4, ..Setup::default() });
     let (prompt, want) = cases("llama3_gqa")[3].clone();
-    let first = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(4) }).expect("submit"));
+    let first = collect(
+        engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(4) }).expect("submit"),
+    );
     assert_eq!(first[0][0].num_cached_tokens, 0);
-    let again = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(4) }).expect("submit"));
+    let again = collect(
+        engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(4) }).expect("submit"),
+    );
     assert!(again[0][0].num_cached_tokens >= 4 * ((prompt.len() - 1) / 4), "cached {}", again[0][0].num_cached_tokens);
     assert_eq!(tokens(&again[0]), want[..4]);
     assert!(engine.stats().prefix_cache_hits > 0);
@@ -208,7 +225,9 @@ fn seeded_sampling_does_not_depend_on_the_batch() {
     let (engine, _) = start("qwen2_tied", Setup::default());
     let cases = cases("qwen2_tied");
     let params = SamplingParams { temperature: 0.9, top_p: 0.95, seed: Some(1234), ..greedy(16) };
-    let alone = collect(engine.submit(GenerateRequest { prompt_token_ids: cases[1].0.clone(), params: params.clone() }).expect("s"));
+    let alone = collect(
+        engine.submit(GenerateRequest { prompt_token_ids: cases[1].0.clone(), params: params.clone() }).expect("s"),
+    );
     // The same request again, now beside three others with different seeds.
     let mut streams = Vec::new();
     for (i, (prompt, _)) in cases.iter().enumerate() {
@@ -218,7 +237,9 @@ fn seeded_sampling_does_not_depend_on_the_batch() {
     let outs: Vec<_> = streams.into_iter().map(collect).collect();
     assert_eq!(tokens(&outs[1][0]), tokens(&alone[0]));
     let other_seed = SamplingParams { seed: Some(99), ..params };
-    let different = collect(engine.submit(GenerateRequest { prompt_token_ids: cases[1].0.clone(), params: other_seed }).expect("s"));
+    let different = collect(
+        engine.submit(GenerateRequest { prompt_token_ids: cases[1].0.clone(), params: other_seed }).expect("s"),
+    );
     assert_ne!(tokens(&different[0]), tokens(&alone[0]), "a different seed should change 16 sampled tokens");
 }
 
@@ -226,7 +247,8 @@ fn seeded_sampling_does_not_depend_on_the_batch() {
 fn stop_string_cuts_text_and_finishes() {
     let (engine, tokenizer) = start("llama", Setup::default());
     let (prompt, want) = cases("llama")[0].clone();
-    let full = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(12) }).expect("s"));
+    let full =
+        collect(engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(12) }).expect("s"));
     let text: String = full[0].iter().map(|o| o.text.as_str()).collect();
     assert_eq!(text, tokenizer.decode(&want, true).expect("decode"));
     // Stop at a piece of the text that starts after the first character.
@@ -259,7 +281,8 @@ fn eos_finishes_with_stop_unless_ignored() {
 fn dropping_a_stream_aborts_and_frees_blocks() {
     let (engine, _) = start("llama", Setup::default());
     let (prompt, _) = cases("llama")[3].clone();
-    let mut stream = engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(400) }).expect("s");
+    let mut stream =
+        engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(400) }).expect("s");
     assert!(stream.blocking_recv().is_some());
     drop(stream);
     wait_idle(&engine);
@@ -272,7 +295,8 @@ fn dropping_a_stream_aborts_and_frees_blocks() {
 #[test]
 fn bad_requests_are_refused_with_clear_errors() {
     let (engine, _) = start("llama", Setup { num_blocks: 8, ..Setup::default() });
-    let submit = |prompt: Vec<u32>, params: SamplingParams| engine.submit(GenerateRequest { prompt_token_ids: prompt, params });
+    let submit =
+        |prompt: Vec<u32>, params: SamplingParams| engine.submit(GenerateRequest { prompt_token_ids: prompt, params });
     assert!(matches!(submit(vec![], greedy(4)), Err(EngineError::EmptyPrompt)));
     let err = submit(vec![5, 320], greedy(4)).err().expect("out of vocab");
     assert!(err.to_string().contains("320"), "{err}");
@@ -296,4 +320,52 @@ fn a_full_queue_pushes_back() {
     drop((a, b));
     wait_idle(&engine);
     assert!(engine.submit(GenerateRequest { prompt_token_ids: vec![5, 8], params: greedy(3) }).is_ok());
+}
+
+/// 32 greedy requests of mixed lengths (deterministic pseudo-random prompts).
+fn mixed_prompts() -> Vec<(Vec<u32>, u32)> {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move |bound: u64| {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state % bound
+    };
+    (0..32).map(|_| ((0..1 + next(60)).map(|_| 3 + next(317) as u32).collect(), 1 + next(24) as u32)).collect()
+}
+
+fn run_batch(name: &str, setup: Setup, prompts: &[(Vec<u32>, u32)], together: bool) -> (Vec<Vec<u32>>, u64) {
+    let (engine, _) = start(name, setup);
+    let submit = |(p, n): &(Vec<u32>, u32)| {
+        engine.submit(GenerateRequest { prompt_token_ids: p.clone(), params: greedy(*n) }).expect("submit")
+    };
+    let outs = if together {
+        let streams: Vec<_> = prompts.iter().map(submit).collect();
+        streams.into_iter().map(|s| tokens(&collect(s)[0])).collect()
+    } else {
+        prompts.iter().map(|p| tokens(&collect(submit(p))[0])).collect()
+    };
+    wait_idle(&engine);
+    let preemptions = engine.stats().num_preemptions;
+    (outs, preemptions)
+}
+
+#[test]
+fn batch_invariance_of_32_mixed_requests() {
+    let prompts = mixed_prompts();
+    let name = "llama3_gqa";
+    let (alone, _) = run_batch(name, Setup::default(), &prompts, false);
+    for (i, (out, (_, n))) in alone.iter().zip(&prompts).enumerate() {
+        assert_eq!(out.len(), *n as usize, "request {i}");
+    }
+    let (together, _) = run_batch(name, Setup::default(), &prompts, true);
+    assert_eq!(together, alone, "all at once");
+    let chunked = Setup { max_num_batched_tokens: 7, block_size: 4, ..Setup::default() };
+    let (chunked, _) = run_batch(name, chunked, &prompts, true);
+    assert_eq!(chunked, alone, "chunked prefill, 7 tokens a step");
+    // 24 blocks of 4 tokens: the longest request (84 tokens) fits alone, the batch does not.
+    let tiny = Setup { num_blocks: 24, block_size: 4, ..Setup::default() };
+    let (tiny, preemptions) = run_batch(name, tiny, &prompts, true);
+    assert!(preemptions > 0, "the tiny pool should force preemption");
+    assert_eq!(tiny, alone, "tiny pool with preemption");
 }
