@@ -7,7 +7,10 @@
 
 use std::path::PathBuf;
 
-use ferrolm_model::{KvCache, Model, ModelConfig, ModelInput, WeightSource};
+mod common;
+
+use common::{block_table, ids, log_softmax, prompt_logprobs};
+use ferrolm_model::{Model, ModelConfig, ModelInput, WeightSource};
 use serde_json::Value;
 
 const TOL: f64 = 1e-4;
@@ -15,12 +18,6 @@ const BLOCK_SIZE: usize = 4;
 
 fn fixtures() -> PathBuf {
     PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/fixtures"))
-}
-
-fn log_softmax(logits: &[f32]) -> Vec<f64> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-    let sum: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
-    logits.iter().map(|&x| x as f64 - max - sum.ln()).collect()
 }
 
 fn load(name: &str) -> (Model, Value) {
@@ -31,35 +28,6 @@ fn load(name: &str) -> (Model, Value) {
     let reference: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).expect("reference")).expect("json");
     (model, reference)
-}
-
-/// A sequence's KV blocks: deliberately non-contiguous and descending.
-fn block_table(num_blocks: usize, total_blocks: usize) -> Vec<u32> {
-    (0..num_blocks).map(|i| (total_blocks - 1 - 2 * i) as u32).collect()
-}
-
-fn ids(v: &Value) -> Vec<u32> {
-    v.as_array().expect("ids").iter().map(|x| x.as_u64().expect("id") as u32).collect()
-}
-
-/// Teacher-forced logprobs of the prompt, reading it in chunks of `chunk` tokens.
-fn prompt_logprobs(model: &Model, kv: &mut KvCache, table: &[u32], prompt: &[u32], chunk: usize) -> Vec<f64> {
-    let mut out = Vec::new();
-    let mut start = 0;
-    while start < prompt.len() {
-        let end = (start + chunk).min(prompt.len());
-        let mut input = ModelInput::default();
-        input.push_request(&prompt[start..end], start, table, BLOCK_SIZE, true, true);
-        let logits = model.forward(&input, kv);
-        let vocab = model.config.vocab_size;
-        for (row, pos) in (start..end).enumerate() {
-            if pos + 1 < prompt.len() {
-                out.push(log_softmax(&logits[row * vocab..(row + 1) * vocab])[prompt[pos + 1] as usize]);
-            }
-        }
-        start = end;
-    }
-    out
 }
 
 fn check_fixture(name: &str) {
@@ -75,7 +43,7 @@ fn check_fixture(name: &str) {
 
         // Teacher-forced prompt logprobs, read in chunks of 7 tokens.
         let mut kv = model.new_kv_cache(pool, BLOCK_SIZE);
-        let got = prompt_logprobs(&model, &mut kv, &table, &prompt, 7);
+        let got = prompt_logprobs(&model, &mut kv, &table, BLOCK_SIZE, &prompt, 7);
         let want: Vec<f64> =
             case["prompt_logprobs"].as_array().expect("lp")[1..].iter().map(|v| v.as_f64().expect("f")).collect();
         assert_eq!(got.len(), want.len());
