@@ -1,0 +1,32 @@
+//! CPU backend ops (f32 arithmetic, multi-threaded with rayon).
+//!
+//! Contract shared by every op: row-major buffers, shapes given in the doc comments, output
+//! buffers fully overwritten (never accumulated into unless the name says so). Shape mismatches
+//! are caller bugs and panic with the op's name.
+//!
+//! Layout: `linear` (with its kernels in `gemv` and the dtype widening in `weights`) carries
+//! nearly all of a forward pass's time; the other ops are one module each.
+
+mod activation;
+mod attention;
+mod embedding;
+mod gemv;
+mod kv_cache;
+mod linear;
+mod norm;
+mod rope;
+#[cfg(test)]
+mod testutil;
+mod weights;
+
+pub use activation::{gelu_tanh_and_mul, silu_and_mul};
+pub use attention::{paged_attention, AttentionMetadata};
+pub use embedding::embedding;
+pub use kv_cache::reshape_and_cache;
+pub use linear::{linear, linear_gemm, linear_gemv, GEMV_MAX_M};
+pub use norm::{add_rms_norm, rms_norm, rms_norm_inplace};
+pub use rope::rope;
+
+/// Element count below which an op runs on the calling thread: for a decode step's few rows,
+/// handing work to the thread pool costs more than it saves.
+const PARALLEL_MIN_ELEMS: usize = 1 << 15;

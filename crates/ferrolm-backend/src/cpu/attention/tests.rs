@@ -1,0 +1,197 @@
+//! `paged_attention` against dense attention computed per request from contiguous K/V.
+
+use rand::seq::SliceRandom;
+use rand_chacha::ChaCha8Rng;
+
+use super::*;
+use crate::cpu::reshape_and_cache;
+use crate::cpu::testutil::{assert_close, nan_vec, random_vec, rng};
+
+struct Heads {
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+/// One request of the batch: its K/V over the whole context and its queries (the last `q_len`
+/// positions).
+struct Request {
+    seq_len: usize,
+    q_len: usize,
+    /// `[seq_len, num_kv_heads * head_dim]`
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// `[q_len, num_heads * head_dim]`
+    q: Vec<f32>,
+}
+
+impl Request {
+    fn random(rng: &mut ChaCha8Rng, heads: &Heads, seq_len: usize, q_len: usize) -> Request {
+        let kv_width = heads.num_kv_heads * heads.head_dim;
+        Request {
+            seq_len,
+            q_len,
+            k: random_vec(rng, seq_len * kv_width, 1.0),
+            v: random_vec(rng, seq_len * kv_width, 1.0),
+            q: random_vec(rng, q_len * heads.num_heads * heads.head_dim, 1.5),
+        }
+    }
+}
+
+/// Dense attention of one request in f64: `[q_len, num_heads, head_dim]`.
+fn dense_attention(req: &Request, heads: &Heads, window: Option<usize>, scale: f32) -> Vec<f32> {
+    let (d, kv_width) = (heads.head_dim, heads.num_kv_heads * heads.head_dim);
+    let group = heads.num_heads / heads.num_kv_heads;
+    let mut out = Vec::with_capacity(req.q.len());
+    for i in 0..req.q_len {
+        let pos = req.seq_len - req.q_len + i;
+        for h in 0..heads.num_heads {
+            let kvh = h / group;
+            let q = &req.q[(i * heads.num_heads + h) * d..][..d];
+            let visible: Vec<usize> = (0..=pos).filter(|&j| window.is_none_or(|w| j + w > pos)).collect();
+            let scores: Vec<f64> = visible
+                .iter()
+                .map(|&j| {
+                    let k = &req.k[j * kv_width + kvh * d..][..d];
+                    q.iter().zip(k).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale as f64
+                })
+                .collect();
+            let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            let weights: Vec<f64> = scores.iter().map(|s| (s - max).exp()).collect();
+            let total: f64 = weights.iter().sum();
+            for c in 0..d {
+                let acc: f64 =
+                    visible.iter().zip(&weights).map(|(&j, &w)| w * req.v[j * kv_width + kvh * d + c] as f64).sum();
+                out.push((acc / total) as f32);
+            }
+        }
+    }
+    out
+}
+
+/// Scatters every request's K/V into randomly chosen, non-contiguous blocks of a NaN-filled
+/// cache and runs `paged_attention` on the whole batch.
+fn run_paged(
+    rng: &mut ChaCha8Rng,
+    requests: &[Request],
+    heads: &Heads,
+    block_size: usize,
+    window: Option<usize>,
+    scale: f32,
+) -> Vec<f32> {
+    let kv_width = heads.num_kv_heads * heads.head_dim;
+    let blocks_per_req: Vec<usize> = requests.iter().map(|r| r.seq_len.div_ceil(block_size)).collect();
+    let max_blocks_per_seq = blocks_per_req.iter().max().copied().unwrap_or(0) + 2;
+    // Spare blocks stay NaN: reading one poisons the result.
+    let num_blocks = blocks_per_req.iter().sum::<usize>() + 7;
+    let mut free: Vec<u32> = (0..num_blocks as u32).collect();
+    free.shuffle(rng);
+
+    // Padding entries point outside the cache, so reading one panics.
+    let mut block_tables = vec![u32::MAX; requests.len() * max_blocks_per_seq];
+    let mut k_cache = nan_vec(num_blocks * block_size * kv_width);
+    let mut v_cache = nan_vec(num_blocks * block_size * kv_width);
+    let (mut query_start_loc, mut seq_lens, mut q) = (vec![0u32], Vec::new(), Vec::new());
+    for (r, req) in requests.iter().enumerate() {
+        let table = &mut block_tables[r * max_blocks_per_seq..][..blocks_per_req[r]];
+        for entry in table.iter_mut() {
+            *entry = free.pop().expect("enough blocks");
+        }
+        let slot_mapping: Vec<i64> =
+            (0..req.seq_len).map(|j| (table[j / block_size] as usize * block_size + j % block_size) as i64).collect();
+        reshape_and_cache(&req.k, &req.v, &slot_mapping, kv_width, &mut k_cache, &mut v_cache);
+        query_start_loc.push(query_start_loc[r] + req.q_len as u32);
+        seq_lens.push(req.seq_len as u32);
+        q.extend_from_slice(&req.q);
+    }
+    let meta = AttentionMetadata {
+        query_start_loc: &query_start_loc,
+        seq_lens: &seq_lens,
+        block_tables: &block_tables,
+        max_blocks_per_seq,
+        block_size,
+        sliding_window: window,
+        scale,
+    };
+    let mut out = nan_vec(q.len());
+    paged_attention(&q, &k_cache, &v_cache, &meta, heads.num_heads, heads.num_kv_heads, heads.head_dim, &mut out);
+    out
+}
+
+/// A full prefill, a prefill chunk continuing 28 cached tokens, and decodes at several depths
+/// (including the very first token).
+const BATCH: [(usize, usize); 5] = [(11, 11), (37, 9), (20, 1), (1, 1), (64, 1)];
+
+#[test]
+fn mixed_batch_matches_dense_attention() {
+    let mut rng = rng(9);
+    let head_configs = [
+        Heads { num_heads: 6, num_kv_heads: 2, head_dim: 16 },
+        Heads { num_heads: 6, num_kv_heads: 2, head_dim: 20 },
+        Heads { num_heads: 6, num_kv_heads: 1, head_dim: 8 },
+        Heads { num_heads: 3, num_kv_heads: 3, head_dim: 12 },
+    ];
+    for heads in &head_configs {
+        let scale = 1.0 / (heads.head_dim as f32).sqrt();
+        for block_size in [4, 16] {
+            for window in [None, Some(5), Some(16)] {
+                let requests: Vec<Request> =
+                    BATCH.iter().map(|&(s, q)| Request::random(&mut rng, heads, s, q)).collect();
+                let got = run_paged(&mut rng, &requests, heads, block_size, window, scale);
+                let want: Vec<f32> = requests.iter().flat_map(|r| dense_attention(r, heads, window, scale)).collect();
+                let what = format!(
+                    "heads {}/{} dim {} block_size {block_size} window {window:?}",
+                    heads.num_heads, heads.num_kv_heads, heads.head_dim
+                );
+                assert_close(&got, &want, 1e-5, &what);
+            }
+        }
+    }
+}
+
+#[test]
+fn window_of_one_returns_own_value() {
+    let mut rng = rng(10);
+    let heads = Heads { num_heads: 4, num_kv_heads: 2, head_dim: 8 };
+    let requests: Vec<Request> = BATCH.iter().map(|&(s, q)| Request::random(&mut rng, &heads, s, q)).collect();
+    let got = run_paged(&mut rng, &requests, &heads, 4, Some(1), 0.3);
+    let mut want = Vec::new();
+    for req in &requests {
+        for i in 0..req.q_len {
+            let pos = req.seq_len - req.q_len + i;
+            for h in 0..heads.num_heads {
+                let kvh = h / 2;
+                want.extend_from_slice(&req.v[(pos * 2 + kvh) * 8..][..8]);
+            }
+        }
+    }
+    assert_eq!(got, want);
+}
+
+#[test]
+fn large_scores_do_not_overflow() {
+    let mut rng = rng(11);
+    let heads = Heads { num_heads: 2, num_kv_heads: 1, head_dim: 8 };
+    let mut requests: Vec<Request> = BATCH.iter().map(|&(s, q)| Request::random(&mut rng, &heads, s, q)).collect();
+    for req in &mut requests {
+        req.q.iter_mut().for_each(|x| *x *= 300.0);
+    }
+    let got = run_paged(&mut rng, &requests, &heads, 16, None, 1.0);
+    let want: Vec<f32> = requests.iter().flat_map(|r| dense_attention(r, &heads, None, 1.0)).collect();
+    assert_close(&got, &want, 1e-3, "large scores");
+}
+
+#[test]
+#[should_panic(expected = "queries but a context of")]
+fn rejects_more_queries_than_context() {
+    let meta = AttentionMetadata {
+        query_start_loc: &[0, 3],
+        seq_lens: &[2],
+        block_tables: &[0],
+        max_blocks_per_seq: 1,
+        block_size: 4,
+        sliding_window: None,
+        scale: 1.0,
+    };
+    paged_attention(&[0.0; 3], &[0.0; 4], &[0.0; 4], &meta, 1, 1, 1, &mut [0.0; 3]);
+}
