@@ -12,8 +12,9 @@ use std::sync::Arc;
 use ferrolm_backend::{DType, WeightView};
 use half::{bf16, f16};
 use memmap2::Mmap;
-use rand::{Rng, SeedableRng};
+use rand::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
+use rayon::prelude::*;
 use safetensors::{Dtype as StDtype, SafeTensors};
 
 use crate::ModelError;
@@ -285,26 +286,68 @@ fn name_seed(name: &str, seed: u64) -> u64 {
     name.bytes().fold(0xcbf2_9ce4_8422_2325 ^ seed, |h, b| (h ^ b as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
+/// Elements of a random tensor generated per parallel task.
+const RANDOM_CHUNK: usize = 1 << 16;
+
 /// Random weights that keep activations in a sane range: norms near 1, matrices uniform with the
-/// variance of a fan-in initialisation.
+/// variance of a fan-in initialisation. Generated in parallel (an 8B model is 16 GB of them).
 fn random_tensor(name: &str, shape: &[usize], dtype: DType, seed: u64) -> Tensor {
-    let mut rng = ChaCha8Rng::seed_from_u64(name_seed(name, seed));
     let n: usize = shape.iter().product();
     let is_norm = name.contains("norm");
     let fan_in = *shape.last().unwrap_or(&1) as f32;
     let bound = if shape.len() == 1 { 0.02 } else { (3.0 / fan_in).sqrt() };
-    let mut sample = move || {
-        let x: f32 = rng.random_range(-bound..bound);
-        if is_norm {
-            1.0 + x
-        } else {
-            x
-        }
-    };
+    let offset = if is_norm { 1.0 } else { 0.0 };
+    let rng = ChaCha8Rng::seed_from_u64(name_seed(name, seed));
     let storage = match dtype {
-        DType::F32 => Storage::F32((0..n).map(|_| sample()).collect()),
-        DType::F16 => Storage::F16((0..n).map(|_| f16::from_f32(sample())).collect()),
-        DType::BF16 => Storage::BF16((0..n).map(|_| bf16::from_f32(sample())).collect()),
+        DType::F32 => Storage::F32(uniform(n, &rng, bound, offset, |x| x)),
+        DType::F16 => Storage::F16(uniform(n, &rng, bound, offset, f16::from_f32)),
+        DType::BF16 => Storage::BF16(uniform(n, &rng, bound, offset, bf16::from_f32)),
     };
     Tensor { dtype, shape: shape.to_vec(), storage }
+}
+
+/// `n` values `offset + U(-bound, bound)` from one ChaCha8 stream, converted by `convert`.
+///
+/// Element `i` is made from word `i` of the stream alone, so each chunk jumps to its first word:
+/// the values are those of one sequential draw, whatever the thread count.
+fn uniform<T: Copy + Default + Send>(
+    n: usize,
+    rng: &ChaCha8Rng,
+    bound: f32,
+    offset: f32,
+    convert: impl Fn(f32) -> T + Sync,
+) -> Vec<T> {
+    let mut out = vec![T::default(); n];
+    out.par_chunks_mut(RANDOM_CHUNK).enumerate().for_each(|(c, chunk)| {
+        let mut rng = rng.clone();
+        rng.set_word_pos((c * RANDOM_CHUNK) as u128);
+        for x in chunk {
+            *x = convert(offset + unit_interval(rng.next_u32()) * bound);
+        }
+    });
+    out
+}
+
+/// A 32-bit word as a uniform value in [-1, 1) (its top 24 bits: exact in f32).
+fn unit_interval(word: u32) -> f32 {
+    (word >> 8) as f32 * (2.0 / (1u32 << 24) as f32) - 1.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parallel_random_weights_equal_one_sequential_draw() {
+        let shape = [3, RANDOM_CHUNK + 7];
+        let t = random_tensor("model.layers.0.mlp.up_proj.weight", &shape, DType::F32, 5);
+        let mut rng = ChaCha8Rng::seed_from_u64(name_seed("model.layers.0.mlp.up_proj.weight", 5));
+        let bound = (3.0 / shape[1] as f32).sqrt();
+        let expected: Vec<f32> = (0..3 * shape[1]).map(|_| unit_interval(rng.next_u32()) * bound).collect();
+        assert_eq!(t.to_f32_vec(), expected);
+
+        let norm = random_tensor("model.norm.weight", &[64], DType::BF16, 5).to_f32_vec();
+        assert!(norm.iter().all(|&w| (0.97..=1.03).contains(&w)), "{norm:?}");
+        assert_eq!((unit_interval(0), unit_interval(u32::MAX)), (-1.0, 1.0 - 2.0 / (1u32 << 24) as f32));
+    }
 }

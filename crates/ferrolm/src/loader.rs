@@ -9,9 +9,10 @@ use ferrolm_engine::{EngineConfig, EngineHandle, SchedulerConfig};
 use ferrolm_model::{GenerationConfig, KvCache, Model, ModelConfig};
 use ferrolm_sampling::GenerationDefaults;
 use ferrolm_tokenizer::Tokenizer;
+use serde::Serialize;
 
 /// Flags shared by every command that runs the engine.
-#[derive(Args, Clone, Debug)]
+#[derive(Args, Clone, Debug, Serialize)]
 pub struct EngineArgs {
     /// Hugging Face model directory (config.json, *.safetensors, tokenizer.json).
     #[arg(long, env = "FERROLM_MODEL")]
@@ -45,8 +46,19 @@ pub struct LoadedModel {
     pub defaults: GenerationDefaults,
 }
 
+/// The small model that ships with ferrolm, used when no `--model` is given.
+pub const DEMO_MODEL: &str = "models/ferrolm-demo-py";
+
+/// `--model`, else the shipped demo model: in the current directory, else in the source tree
+/// this binary was built from.
 fn model_dir(args: &EngineArgs) -> Result<PathBuf> {
-    args.model.clone().context("no model given: pass --model DIR (a Hugging Face model directory)")
+    if let Some(dir) = &args.model {
+        return Ok(dir.clone());
+    }
+    let candidates = [PathBuf::from(DEMO_MODEL), Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").join(DEMO_MODEL)];
+    candidates.into_iter().find(|d| d.join("config.json").is_file()).with_context(|| {
+        format!("no --model given and the bundled model ({DEMO_MODEL}) was not found: pass --model DIR")
+    })
 }
 
 /// The sampling defaults of `generation_config.json` (empty when absent).
@@ -66,6 +78,32 @@ pub fn load(args: &EngineArgs) -> Result<LoadedModel> {
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
     let model = Model::from_dir(&dir)?;
 
+    let eos_token_ids = eos_token_ids(&config, &generation, Some(&tokenizer));
+    tracing::info!(model = %dir.display(), architecture = config.architecture.hf_name(), "model loaded");
+    let engine = start_engine(model, Some(Arc::clone(&tokenizer)), eos_token_ids, args)?;
+    Ok(LoadedModel { engine, tokenizer, defaults: generation_defaults(&dir)? })
+}
+
+/// EOS ids of a model: `generation_config.json`, else `config.json`, else the tokenizer's.
+pub fn eos_token_ids(config: &ModelConfig, generation: &GenerationConfig, tokenizer: Option<&Tokenizer>) -> Vec<u32> {
+    let mut ids = generation.eos_token_ids.clone();
+    if ids.is_empty() {
+        ids = config.eos_token_ids.clone();
+    }
+    if ids.is_empty() {
+        ids.extend(tokenizer.and_then(Tokenizer::eos_token_id));
+    }
+    ids
+}
+
+/// Sizes the KV cache and the scheduler from `args` and starts the engine on `model`.
+pub fn start_engine(
+    model: Model,
+    tokenizer: Option<Arc<Tokenizer>>,
+    eos_token_ids: Vec<u32>,
+    args: &EngineArgs,
+) -> Result<EngineHandle> {
+    let config = &model.config;
     let max_model_len = match args.max_model_len {
         Some(n) if n > config.max_position_embeddings => anyhow::bail!(
             "--max-model-len {n} exceeds the model's context length of {}",
@@ -84,13 +122,6 @@ pub fn load(args: &EngineArgs) -> Result<LoadedModel> {
             budget.max(max_model_len.div_ceil(BLOCK_SIZE)).min(most)
         }
     };
-    let mut eos_token_ids = generation.eos_token_ids.clone();
-    if eos_token_ids.is_empty() {
-        eos_token_ids = config.eos_token_ids.clone();
-    }
-    if eos_token_ids.is_empty() {
-        eos_token_ids.extend(tokenizer.eos_token_id());
-    }
     let scheduler = SchedulerConfig {
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
@@ -100,18 +131,11 @@ pub fn load(args: &EngineArgs) -> Result<LoadedModel> {
         long_prefill_token_threshold: None,
         enable_prefix_caching: true,
     };
-    tracing::info!(
-        model = %dir.display(),
-        architecture = config.architecture.hf_name(),
-        num_blocks,
-        kv_tokens = num_blocks * BLOCK_SIZE,
-        max_model_len,
-        "model loaded"
-    );
+    tracing::info!(num_blocks, kv_tokens = num_blocks * BLOCK_SIZE, max_model_len, "engine configured");
     let engine = EngineHandle::start(
         model,
-        Arc::clone(&tokenizer),
+        tokenizer,
         EngineConfig { scheduler, max_pending_requests: args.max_pending_requests, eos_token_ids },
     )?;
-    Ok(LoadedModel { engine, tokenizer, defaults: generation_defaults(&dir)? })
+    Ok(engine)
 }

@@ -43,8 +43,17 @@ fn json_output_matches_reference_greedy_ids() {
         let case = &reference["cases"][2];
         let dir = fixture(name);
         let out = ferrolm(&[
-            "generate", "--model", dir.to_str().unwrap(), "--prompt-ids", &join_ids(&case["prompt_ids"]),
-            "--max-tokens", "12", "--temperature", "0", "--ignore-eos", "--json",
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--prompt-ids",
+            &join_ids(&case["prompt_ids"]),
+            "--max-tokens",
+            "12",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
         ]);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let v: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
@@ -68,8 +77,19 @@ fn several_prompts_run_as_one_batch() {
     std::fs::write(&file, lines.join("\n")).expect("write");
     let model = fixture("qwen2_tied");
     let out = ferrolm(&[
-        "generate", "--model", model.to_str().unwrap(), "--prompts-file", file.to_str().unwrap(), "--prompt",
-        "def f(x):", "--max-tokens", "12", "--temperature", "0", "--ignore-eos", "--json",
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompts-file",
+        file.to_str().unwrap(),
+        "--prompt",
+        "def f(x):",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--json",
     ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let objs: Vec<Value> =
@@ -84,7 +104,17 @@ fn several_prompts_run_as_one_batch() {
 #[test]
 fn text_prompt_streams_text() {
     let model = fixture("llama");
-    let out = ferrolm(&["generate", "--model", model.to_str().unwrap(), "--prompt", "fn main() {", "--max-tokens", "8", "--temperature", "0"]);
+    let out = ferrolm(&[
+        "generate",
+        "--model",
+        model.to_str().unwrap(),
+        "--prompt",
+        "fn main() {",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+    ]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(!out.stdout.is_empty());
 }
@@ -100,7 +130,10 @@ fn unknown_architecture_is_named() {
     let path = dir.path().join("config.json");
     let text = std::fs::read_to_string(&path).expect("read").replace("LlamaForCausalLM", "BloomForCausalLM");
     std::fs::write(&path, text).expect("write");
-    expect_error(&["generate", "--model", dir.path().to_str().unwrap(), "--prompt", "hi"], &["BloomForCausalLM", "Qwen2ForCausalLM"]);
+    expect_error(
+        &["generate", "--model", dir.path().to_str().unwrap(), "--prompt", "hi"],
+        &["BloomForCausalLM", "Qwen2ForCausalLM"],
+    );
 }
 
 #[test]
@@ -130,7 +163,10 @@ fn token_ids_outside_the_vocabulary() {
 fn no_prompt_and_bad_sampling_values() {
     let model = fixture("llama");
     expect_error(&["generate", "--model", model.to_str().unwrap()], &["no prompt"]);
-    expect_error(&["generate", "--model", model.to_str().unwrap(), "--prompt", "a", "--temperature=-1"], &["temperature"]);
+    expect_error(
+        &["generate", "--model", model.to_str().unwrap(), "--prompt", "a", "--temperature=-1"],
+        &["temperature"],
+    );
 }
 
 fn copy_fixture(name: &str) -> tempfile::TempDir {
@@ -144,4 +180,27 @@ fn copy_dir(from: &Path, to: &Path) {
         let entry = entry.expect("entry");
         std::fs::copy(entry.path(), to.join(entry.file_name())).expect("copy");
     }
+}
+
+#[test]
+fn without_model_uses_the_bundled_demo_model() {
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../models/ferrolm-demo-py/reference.json"))
+            .expect("read"),
+    )
+    .expect("json");
+    let case = &reference["cases"][0];
+    let n = case["greedy_ids"].as_array().expect("ids").len().to_string();
+    // Run from elsewhere: the binary finds the model in the tree it was built from.
+    let cwd = tempfile::tempdir().expect("tempdir");
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrolm"))
+        .current_dir(cwd.path())
+        .env_remove("FERROLM_MODEL")
+        .args(["generate", "--prompt-ids", &join_ids(&case["prompt_ids"]), "--max-tokens", &n])
+        .args(["--temperature", "0", "--ignore-eos", "--json"])
+        .output()
+        .expect("run");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).expect("json");
+    assert_eq!(v["token_ids"], case["greedy_ids"]);
 }

@@ -1,0 +1,152 @@
+//! A conversation to prompt tokens: messages are checked and normalised (content given as a list
+//! of text parts becomes one string), rendered with the model's chat template, and tokenized
+//! without adding special tokens again (the template already wrote them).
+
+use ferrolm_tokenizer::{RenderOptions, Tokenizer};
+use serde_json::{Map, Value};
+
+use crate::error::ApiError;
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ChatPromptOptions<'a> {
+    pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
+    pub tools: Option<&'a Value>,
+    pub chat_template_kwargs: Option<&'a Map<String, Value>>,
+}
+
+/// Renders `messages` and returns the prompt text.
+pub fn render(tokenizer: &Tokenizer, messages: &[Value], options: ChatPromptOptions<'_>) -> Result<String, ApiError> {
+    let template = tokenizer.chat_template().ok_or_else(|| {
+        ApiError::invalid(
+            "this model has no chat template (none in tokenizer_config.json or chat_template.jinja); \
+             use /v1/completions with a prompt instead",
+            None,
+        )
+    })?;
+    if messages.is_empty() {
+        return Err(ApiError::invalid("messages must not be empty", Some("messages")));
+    }
+    let messages = messages.iter().enumerate().map(|(i, m)| normalize(i, m)).collect::<Result<Vec<_>, _>>()?;
+    let continue_final = options.continue_final_message.unwrap_or(false);
+    if continue_final && options.add_generation_prompt == Some(true) {
+        return Err(ApiError::invalid(
+            "continue_final_message and add_generation_prompt cannot both be true",
+            Some("continue_final_message"),
+        ));
+    }
+    let render_options = RenderOptions {
+        add_generation_prompt: !continue_final && options.add_generation_prompt.unwrap_or(true),
+        tools: options.tools,
+        documents: None,
+        extra_context: options.chat_template_kwargs,
+    };
+    let rendered = template.render_with(&messages, &render_options)?;
+    if !continue_final {
+        return Ok(rendered);
+    }
+    // End the prompt right after the final message's text, dropping the template's end of turn.
+    let last = messages.last().and_then(|m| m.get("content")).and_then(Value::as_str).unwrap_or_default();
+    let cut = [last, last.trim_end()]
+        .iter()
+        .find_map(|needle| rendered.rfind(needle).map(|at| at + needle.len()))
+        .ok_or_else(|| {
+            ApiError::invalid(
+                "continue_final_message is set but the final message does not appear in the rendered chat",
+                Some("continue_final_message"),
+            )
+        })?;
+    Ok(rendered[..cut].to_string())
+}
+
+/// Renders and tokenizes.
+pub fn prompt_ids(
+    tokenizer: &Tokenizer,
+    messages: &[Value],
+    options: ChatPromptOptions<'_>,
+) -> Result<Vec<u32>, ApiError> {
+    let text = render(tokenizer, messages, options)?;
+    Ok(tokenizer.encode(&text, false)?)
+}
+
+/// A message as the template expects it: an object with a string `role`, and `content` a string
+/// (text parts joined with newlines, as vLLM does for string-content templates).
+fn normalize(i: usize, message: &Value) -> Result<Value, ApiError> {
+    let param = |field: &str| format!("messages[{i}].{field}");
+    let Value::Object(fields) = message else {
+        return Err(ApiError::invalid(format!("messages[{i}] must be an object"), Some(&format!("messages[{i}]"))));
+    };
+    if !fields.get("role").is_some_and(Value::is_string) {
+        return Err(ApiError::invalid(format!("{} must be a string", param("role")), Some(&param("role"))));
+    }
+    let mut out = fields.clone();
+    let content = match fields.get("content") {
+        None | Some(Value::Null) if fields.contains_key("tool_calls") => Value::Null,
+        None | Some(Value::Null) => Value::String(String::new()),
+        Some(Value::String(s)) => Value::String(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for (j, part) in parts.iter().enumerate() {
+                let kind = part.get("type").and_then(Value::as_str);
+                match (kind, part.get("text").and_then(Value::as_str)) {
+                    (Some("text"), Some(text)) => texts.push(text),
+                    (Some("text"), None) => {
+                        let p = format!("{}[{j}].text", param("content"));
+                        return Err(ApiError::invalid(format!("{p} must be a string"), Some(&p)));
+                    }
+                    _ => {
+                        let p = format!("{}[{j}]", param("content"));
+                        return Err(ApiError::invalid(
+                            format!("{p}: only content parts of type \"text\" are supported"),
+                            Some(&p),
+                        ));
+                    }
+                }
+            }
+            Value::String(texts.join("\n"))
+        }
+        Some(_) => {
+            return Err(ApiError::invalid(
+                format!("{} must be a string or a list of text parts", param("content")),
+                Some(&param("content")),
+            ))
+        }
+    };
+    out.insert("content".into(), content);
+    Ok(Value::Object(out))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn text_parts_become_one_string() -> Result<(), ApiError> {
+        let m = normalize(
+            0,
+            &json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}),
+        )?;
+        assert_eq!(m, json!({"role": "user", "content": "a\nb"}));
+        let m = normalize(0, &json!({"role": "assistant", "tool_calls": []}))?;
+        assert_eq!(m["content"], Value::Null);
+        Ok(())
+    }
+
+    #[test]
+    fn malformed_messages_name_the_field() {
+        let cases = [
+            (json!("hi"), "messages[3]"),
+            (json!({"content": "x"}), "messages[3].role"),
+            (json!({"role": "user", "content": 5}), "messages[3].content"),
+            (json!({"role": "user", "content": [{"type": "image_url"}]}), "messages[3].content[0]"),
+            (json!({"role": "user", "content": [{"type": "text"}]}), "messages[3].content[0].text"),
+        ];
+        for (message, want) in cases {
+            match normalize(3, &message) {
+                Err(ApiError::InvalidRequest { param, .. }) => assert_eq!(param.as_deref(), Some(want)),
+                other => panic!("{message}: {other:?}"),
+            }
+        }
+    }
+}

@@ -1,0 +1,191 @@
+//! ferrolm's OpenAI-compatible HTTP server.
+//!
+//! Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`, `GET /health`,
+//! `GET /metrics` (Prometheus text), `POST /tokenize`, `POST /detokenize`.
+//!
+//! - [`routes`]: one module per route family; the router, API-key check and fallbacks.
+//! - [`protocol`]: request and response types as they travel on the wire.
+//! - [`params`]: from a request's optional knobs to the engine's `SamplingParams`.
+//! - `generation`: one API request on the engine (its prompts, merged output streams, choices).
+//! - `sse`: streamed responses; `logprobs`: the two logprob shapes; `chat_prompt`: templates.
+//! - [`error`]: the one mapping from every error to a status and an OpenAI-shaped body.
+//! - [`metrics`]: Prometheus metrics with vLLM's names.
+//!
+//! The server never touches engine state: it submits requests through an [`EngineHandle`] and
+//! reads their output streams. Dropping a stream aborts its request, so a client that goes
+//! away (its handler future or response body dropped) frees its KV blocks.
+
+mod chat_prompt;
+pub mod error;
+mod generation;
+mod json;
+mod logprobs;
+pub mod metrics;
+pub mod params;
+pub mod protocol;
+pub mod routes;
+mod sse;
+mod state;
+
+use std::future::{Future, IntoFuture};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use ferrolm_engine::EngineHandle;
+use ferrolm_sampling::GenerationDefaults;
+use ferrolm_tokenizer::Tokenizer;
+use tokio::net::TcpListener;
+use tokio::sync::{oneshot, watch};
+
+pub use error::ApiError;
+use state::AppState;
+
+/// How the server listens and whom it serves.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub host: String,
+    /// 0 picks a free port; [`Server::local_addr`] tells which.
+    pub port: u16,
+    /// When set, every `/v1/*`, `/tokenize` and `/detokenize` request needs
+    /// `Authorization: Bearer <key>`; `/health` and `/metrics` stay open.
+    pub api_key: Option<String>,
+    /// The `model` name clients must use (and `/v1/models` lists).
+    pub served_model_name: String,
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+    /// After a shutdown signal, how long in-flight requests may run before they are aborted.
+    pub shutdown_grace_period: Duration,
+}
+
+impl ServerConfig {
+    pub fn new(served_model_name: impl Into<String>) -> ServerConfig {
+        ServerConfig {
+            host: "127.0.0.1".into(),
+            port: 8000,
+            api_key: None,
+            served_model_name: served_model_name.into(),
+            max_body_bytes: 32 << 20,
+            shutdown_grace_period: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind { addr: String, source: std::io::Error },
+    #[error("server I/O error: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// A server bound to its address and not yet serving.
+pub struct Server {
+    listener: TcpListener,
+    state: Arc<AppState>,
+    abort_tx: watch::Sender<bool>,
+}
+
+impl Server {
+    pub async fn bind(
+        engine: EngineHandle,
+        tokenizer: Arc<Tokenizer>,
+        defaults: GenerationDefaults,
+        config: ServerConfig,
+    ) -> Result<Server, ServerError> {
+        let addr = format!("{}:{}", config.host, config.port);
+        let listener = TcpListener::bind((config.host.as_str(), config.port))
+            .await
+            .map_err(|source| ServerError::Bind { addr, source })?;
+        let (abort_tx, abort_rx) = watch::channel(false);
+        let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let metrics = metrics::ServerMetrics::new(&config.served_model_name);
+        let state = Arc::new(AppState { engine, tokenizer, defaults, config, metrics, created, abort: abort_rx });
+        Ok(Server { listener, state, abort_tx })
+    }
+
+    pub fn local_addr(&self) -> Result<SocketAddr, ServerError> {
+        Ok(self.listener.local_addr()?)
+    }
+
+    /// Serves until `shutdown` resolves; then stops accepting connections, lets in-flight
+    /// requests finish for the grace period, aborts those still running, and returns.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServerError> {
+        let Server { listener, state, abort_tx } = self;
+        let grace = state.config.shutdown_grace_period;
+        let upkeep = tokio::spawn({
+            let state = Arc::clone(&state);
+            async move {
+                let mut every = tokio::time::interval(Duration::from_secs(5));
+                loop {
+                    every.tick().await;
+                    state.metrics.run_upkeep();
+                }
+            }
+        });
+        let (began_tx, began_rx) = oneshot::channel();
+        let signal = async move {
+            shutdown.await;
+            tracing::info!("shutting down: no new connections; waiting for requests in flight");
+            let _ = began_tx.send(());
+        };
+        let app = routes::router(state);
+        let server = axum::serve(listener, app).with_graceful_shutdown(signal).into_future();
+        let mut server = std::pin::pin!(server);
+        let result = tokio::select! {
+            result = &mut server => result,
+            _ = began_rx => match tokio::time::timeout(grace, &mut server).await {
+                Ok(result) => result,
+                Err(_) => {
+                    tracing::warn!(grace_s = grace.as_secs_f64(), "grace period over: aborting requests in flight");
+                    let _ = abort_tx.send(true);
+                    // Aborted handlers end their responses at once; do not wait on a stuck client.
+                    tokio::time::timeout(Duration::from_secs(5), &mut server).await.unwrap_or(Ok(()))
+                }
+            },
+        };
+        upkeep.abort();
+        result.map_err(ServerError::Io)
+    }
+}
+
+/// Binds `config.host:config.port` and serves until `shutdown` resolves (see [`Server::run`]).
+pub async fn serve(
+    engine: EngineHandle,
+    tokenizer: Arc<Tokenizer>,
+    defaults: GenerationDefaults,
+    config: ServerConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServerError> {
+    let server = Server::bind(engine, tokenizer, defaults, config).await?;
+    let addr = server.local_addr()?;
+    println!("ferrolm: serving on http://{addr}");
+    tracing::info!(%addr, "listening");
+    server.run(shutdown).await
+}
+
+/// A future that resolves on SIGINT (Ctrl-C) or SIGTERM. The handlers are installed when this
+/// is called (inside a Tokio runtime), so a signal that arrives before the server polls the
+/// future is not lost and does not kill the process.
+#[cfg(unix)]
+pub fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut interrupt = signal(SignalKind::interrupt())?;
+    let mut terminate = signal(SignalKind::terminate())?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => {},
+            _ = terminate.recv() => {},
+        }
+    })
+}
+
+/// A future that resolves on Ctrl-C.
+#[cfg(not(unix))]
+pub fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
+    Ok(async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    })
+}

@@ -1,0 +1,122 @@
+//! `POST /v1/chat/completions`: request, response and stream chunk.
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use super::completions::UsageField;
+use super::{Stop, StreamOptions, Usage};
+
+#[derive(Debug, Deserialize)]
+pub struct ChatCompletionRequest {
+    pub model: Option<String>,
+    /// Kept as JSON: the chat template sees every field the client sent (`name`, `tool_calls`).
+    pub messages: Vec<Value>,
+    /// Deprecated by OpenAI in favour of `max_completion_tokens`, which wins when both are set.
+    pub max_tokens: Option<u32>,
+    pub max_completion_tokens: Option<u32>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub top_k: Option<i32>,
+    pub min_p: Option<f32>,
+    pub n: Option<u32>,
+    pub seed: Option<i64>,
+    pub stop: Option<Stop>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<u32>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub ignore_eos: Option<bool>,
+    pub min_tokens: Option<u32>,
+    pub stop_token_ids: Option<Vec<u32>>,
+    pub skip_special_tokens: Option<bool>,
+    pub return_token_ids: Option<bool>,
+    /// End the prompt with the assistant header (default true).
+    pub add_generation_prompt: Option<bool>,
+    /// Let the model continue the last message instead of starting a new one.
+    pub continue_final_message: Option<bool>,
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    pub tools: Option<Value>,
+    pub logit_bias: Option<serde_json::Map<String, Value>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatCompletionResponse {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatChoice {
+    pub index: usize,
+    pub message: ChatResponseMessage,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatResponseMessage {
+    pub role: &'static str,
+    pub content: String,
+}
+
+#[derive(Debug, Default, Clone, PartialEq, Serialize)]
+pub struct ChatLogprobs {
+    pub content: Vec<ChatTokenLogprob>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatTokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+    pub top_logprobs: Vec<ChatTopLogprob>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChatTopLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatCompletionChunk {
+    pub id: String,
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChunkChoice>,
+    #[serde(skip_serializing_if = "UsageField::is_absent")]
+    pub usage: UsageField,
+}
+
+#[derive(Debug, Serialize)]
+pub struct ChatChunkChoice {
+    pub index: usize,
+    pub delta: ChatDelta,
+    pub logprobs: Option<ChatLogprobs>,
+    pub finish_reason: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_token_ids: Option<Vec<u32>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_ids: Option<Vec<u32>>,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct ChatDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}

@@ -1,0 +1,198 @@
+//! `POST /v1/chat/completions`: messages rendered with the model's chat template, `n` samples,
+//! logprobs in the chat shape, streaming (a first chunk with the role, content deltas, a last
+//! chunk with the finish reason).
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use ferrolm_engine::RequestOutput;
+use ferrolm_tokenizer::Tokenizer;
+
+use super::{request_id, unix_now};
+use crate::chat_prompt::{self, ChatPromptOptions};
+use crate::error::ApiError;
+use crate::generation::{client_finish_reason, Generation};
+use crate::json::ApiJson;
+use crate::logprobs::chat_token_logprob;
+use crate::params::RequestSampling;
+use crate::protocol::chat::{
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
+    ChatLogprobs, ChatResponseMessage,
+};
+use crate::protocol::completions::UsageField;
+use crate::protocol::{check_model, Usage};
+use crate::sse::{self, to_json, ChunkFormat};
+use crate::state::SharedState;
+
+struct Shape {
+    id: String,
+    created: u64,
+    model: String,
+    /// Top logprobs per token when logprobs were asked for.
+    top_logprobs: Option<usize>,
+    return_token_ids: bool,
+    tokenizer: Arc<Tokenizer>,
+}
+
+pub async fn create(
+    State(state): State<SharedState>,
+    ApiJson(req): ApiJson<ChatCompletionRequest>,
+) -> Result<Response, ApiError> {
+    check_model(req.model.as_deref(), &state.config.served_model_name)?;
+    let logprobs = req.logprobs.unwrap_or(false);
+    if req.top_logprobs.is_some() && !logprobs {
+        return Err(ApiError::invalid("top_logprobs needs logprobs set to true", Some("top_logprobs")));
+    }
+    let stream = req.stream.unwrap_or(false);
+    let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    let options = ChatPromptOptions {
+        add_generation_prompt: req.add_generation_prompt,
+        continue_final_message: req.continue_final_message,
+        tools: req.tools.as_ref(),
+        chat_template_kwargs: req.chat_template_kwargs.as_ref(),
+    };
+    let prompt = chat_prompt::prompt_ids(&state.tokenizer, &req.messages, options)?;
+    let sampling = RequestSampling {
+        max_tokens: req.max_completion_tokens.or(req.max_tokens),
+        temperature: req.temperature,
+        top_p: req.top_p,
+        top_k: req.top_k,
+        min_p: req.min_p,
+        repetition_penalty: req.repetition_penalty,
+        presence_penalty: req.presence_penalty,
+        frequency_penalty: req.frequency_penalty,
+        n: req.n,
+        seed: req.seed,
+        stop: req.stop,
+        ignore_eos: req.ignore_eos,
+        min_tokens: req.min_tokens,
+        stop_token_ids: req.stop_token_ids,
+        skip_special_tokens: req.skip_special_tokens,
+        logprobs: logprobs.then(|| req.top_logprobs.unwrap_or(0)),
+        prompt_logprobs: None,
+        logit_bias: req.logit_bias,
+    }
+    // No route default: an unset length runs to the end of the context, as vLLM does.
+    .resolve(&state.defaults, None)?;
+    let shape = Shape {
+        id: request_id("chatcmpl"),
+        created: unix_now(),
+        model: state.config.served_model_name.clone(),
+        top_logprobs: logprobs.then(|| req.top_logprobs.unwrap_or(0) as usize),
+        return_token_ids: req.return_token_ids.unwrap_or(false),
+        tokenizer: Arc::clone(&state.tokenizer),
+    };
+    let mut generation = Generation::start(&state, shape.id.clone(), vec![prompt], &sampling)?;
+    if stream {
+        return Ok(sse::respond(generation, ChatStream { shape, include_usage }));
+    }
+    generation.run_to_end().await?;
+    Ok(Json(shape.response(&generation)).into_response())
+}
+
+impl Shape {
+    fn logprobs(&self, lps: &[ferrolm_sampling::TokenLogprobs]) -> Option<ChatLogprobs> {
+        self.top_logprobs.map(|num_top| ChatLogprobs {
+            content: lps.iter().map(|lp| chat_token_logprob(&self.tokenizer, lp, num_top)).collect(),
+        })
+    }
+
+    fn response(&self, g: &Generation) -> ChatCompletionResponse {
+        let choices = g
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(index, c)| ChatChoice {
+                index,
+                message: ChatResponseMessage { role: "assistant", content: c.text.clone() },
+                logprobs: self.logprobs(&c.logprobs),
+                finish_reason: client_finish_reason(c.finish),
+                prompt_token_ids: self.return_token_ids.then(|| g.prompts[g.prompt_of(index)].clone()),
+                token_ids: self.return_token_ids.then(|| c.token_ids.clone()),
+            })
+            .collect();
+        ChatCompletionResponse {
+            id: self.id.clone(),
+            object: "chat.completion",
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage: g.usage(),
+        }
+    }
+
+    fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: UsageField) -> ChatCompletionChunk {
+        ChatCompletionChunk {
+            id: self.id.clone(),
+            object: "chat.completion.chunk",
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+        }
+    }
+}
+
+struct ChatStream {
+    shape: Shape,
+    include_usage: bool,
+}
+
+impl ChatStream {
+    fn usage_field(&self) -> UsageField {
+        if self.include_usage {
+            UsageField::Null
+        } else {
+            UsageField::Absent
+        }
+    }
+}
+
+impl ChunkFormat for ChatStream {
+    fn needs_prompt_logprobs(&self) -> bool {
+        false
+    }
+
+    fn chunks(
+        &mut self,
+        g: &Generation,
+        choice: usize,
+        out: &RequestOutput,
+        first: bool,
+    ) -> Result<Vec<String>, ApiError> {
+        let shape = &self.shape;
+        let mut chunks = Vec::new();
+        if first {
+            let c = ChatChunkChoice {
+                index: choice,
+                delta: ChatDelta { role: Some("assistant"), content: Some(String::new()) },
+                logprobs: None,
+                finish_reason: None,
+                prompt_token_ids: shape.return_token_ids.then(|| g.prompts[g.prompt_of(choice)].clone()),
+                token_ids: shape.return_token_ids.then(Vec::new),
+            };
+            chunks.push(to_json(&shape.chunk(vec![c], self.usage_field()))?);
+        }
+        let finish_reason = client_finish_reason(out.finish_reason);
+        let has_logprobs = shape.top_logprobs.is_some() && !out.logprobs.is_empty();
+        if out.text.is_empty() && finish_reason.is_none() && !has_logprobs && !shape.return_token_ids {
+            return Ok(chunks);
+        }
+        let c = ChatChunkChoice {
+            index: choice,
+            delta: ChatDelta { role: None, content: (!out.text.is_empty()).then(|| out.text.clone()) },
+            logprobs: shape.logprobs(&out.logprobs),
+            finish_reason,
+            prompt_token_ids: None,
+            token_ids: shape.return_token_ids.then(|| out.token_ids.clone()),
+        };
+        chunks.push(to_json(&shape.chunk(vec![c], self.usage_field()))?);
+        Ok(chunks)
+    }
+
+    fn usage_chunk(&self, usage: Usage) -> Option<Result<String, ApiError>> {
+        self.include_usage.then(|| to_json(&self.shape.chunk(Vec::new(), UsageField::Usage(usage))))
+    }
+}

@@ -1,0 +1,242 @@
+//! `POST /v1/completions`: prompts as text or token ids (one or several), `n` samples each,
+//! optional echo of the prompt, logprobs in the legacy list shape, streaming.
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use ferrolm_engine::RequestOutput;
+use ferrolm_tokenizer::Tokenizer;
+
+use super::{request_id, unix_now};
+use crate::error::ApiError;
+use crate::generation::{client_finish_reason, Generation};
+use crate::json::ApiJson;
+use crate::logprobs::CompletionLogprobsBuilder;
+use crate::params::RequestSampling;
+use crate::protocol::completions::{
+    CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, UsageField,
+};
+use crate::protocol::{check_model, PromptInput, Usage};
+use crate::sse::{self, to_json, ChunkFormat};
+use crate::state::SharedState;
+
+/// OpenAI's default length for this route, when neither the client nor the model chose one.
+const DEFAULT_MAX_TOKENS: u32 = 16;
+
+/// What shapes the choices of one request besides the engine's outputs.
+struct Shape {
+    id: String,
+    created: u64,
+    model: String,
+    echo: bool,
+    /// The text echoed for each prompt (the prompt's own text, or its ids decoded).
+    prompt_texts: Vec<String>,
+    logprobs: bool,
+    return_token_ids: bool,
+    tokenizer: Arc<Tokenizer>,
+}
+
+pub async fn create(
+    State(state): State<SharedState>,
+    ApiJson(req): ApiJson<CompletionRequest>,
+) -> Result<Response, ApiError> {
+    check_model(req.model.as_deref(), &state.config.served_model_name)?;
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid("suffix is not supported", Some("suffix")));
+    }
+    if req.best_of.is_some_and(|b| b != req.n.unwrap_or(1)) {
+        return Err(ApiError::invalid("best_of is not supported (other than equal to n)", Some("best_of")));
+    }
+    let echo = req.echo.unwrap_or(false);
+    let stream = req.stream.unwrap_or(false);
+    let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    let sampling = RequestSampling {
+        max_tokens: req.max_tokens,
+        temperature: req.temperature,
+        top_p: req.top_p,
+        top_k: req.top_k,
+        min_p: req.min_p,
+        repetition_penalty: req.repetition_penalty,
+        presence_penalty: req.presence_penalty,
+        frequency_penalty: req.frequency_penalty,
+        n: req.n,
+        seed: req.seed,
+        stop: req.stop,
+        ignore_eos: req.ignore_eos,
+        min_tokens: req.min_tokens,
+        stop_token_ids: req.stop_token_ids,
+        skip_special_tokens: req.skip_special_tokens,
+        logprobs: req.logprobs,
+        prompt_logprobs: if echo { req.logprobs } else { None },
+        logit_bias: req.logit_bias,
+    }
+    .resolve(&state.defaults, Some(DEFAULT_MAX_TOKENS))?;
+
+    let tokenizer = Arc::clone(&state.tokenizer);
+    let mut prompts = Vec::with_capacity(req.prompt.0.len());
+    let mut prompt_texts = Vec::with_capacity(req.prompt.0.len());
+    for prompt in req.prompt.0 {
+        match prompt {
+            PromptInput::Text(text) => {
+                prompts.push(tokenizer.encode(&text, true)?);
+                prompt_texts.push(text);
+            }
+            PromptInput::Ids(ids) => {
+                let text =
+                    if echo { tokenizer.decode(&ids, sampling.params.skip_special_tokens)? } else { String::new() };
+                prompts.push(ids);
+                prompt_texts.push(text);
+            }
+        }
+    }
+    let shape = Shape {
+        id: request_id("cmpl"),
+        created: unix_now(),
+        model: state.config.served_model_name.clone(),
+        echo,
+        prompt_texts,
+        logprobs: req.logprobs.is_some(),
+        return_token_ids: req.return_token_ids.unwrap_or(false),
+        tokenizer,
+    };
+    let mut generation = Generation::start(&state, shape.id.clone(), prompts, &sampling)?;
+    if stream {
+        let builders = (0..generation.choices.len()).map(|_| CompletionLogprobsBuilder::new()).collect();
+        return Ok(sse::respond(generation, CompletionStream { shape, include_usage, builders }));
+    }
+    generation.run_to_end().await?;
+    Ok(Json(shape.response(&generation)).into_response())
+}
+
+impl Shape {
+    fn response(&self, g: &Generation) -> CompletionResponse {
+        let choices = g
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(index, c)| {
+                let p = g.prompt_of(index);
+                let mut text = if self.echo { self.prompt_texts[p].clone() } else { String::new() };
+                text.push_str(&c.text);
+                let logprobs = self.logprobs.then(|| {
+                    let mut b = CompletionLogprobsBuilder::new();
+                    if self.echo {
+                        let prompt_logprobs = g.prompt_logprobs[p].as_deref().unwrap_or_default();
+                        b.push_prompt(&self.tokenizer, &g.prompts[p], prompt_logprobs);
+                    }
+                    for lp in &c.logprobs {
+                        b.push(&self.tokenizer, lp);
+                    }
+                    b.take()
+                });
+                CompletionChoice {
+                    index,
+                    text,
+                    logprobs,
+                    finish_reason: client_finish_reason(c.finish),
+                    prompt_token_ids: self.return_token_ids.then(|| g.prompts[p].clone()),
+                    token_ids: self.return_token_ids.then(|| c.token_ids.clone()),
+                }
+            })
+            .collect();
+        CompletionResponse {
+            id: self.id.clone(),
+            object: "text_completion",
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage: g.usage(),
+        }
+    }
+
+    fn chunk(&self, choices: Vec<CompletionChoice>, usage: UsageField) -> CompletionChunk {
+        CompletionChunk {
+            id: self.id.clone(),
+            object: "text_completion",
+            created: self.created,
+            model: self.model.clone(),
+            choices,
+            usage,
+        }
+    }
+}
+
+struct CompletionStream {
+    shape: Shape,
+    include_usage: bool,
+    /// Per choice: logprobs with their running text offset.
+    builders: Vec<CompletionLogprobsBuilder>,
+}
+
+impl CompletionStream {
+    fn usage_field(&self) -> UsageField {
+        if self.include_usage {
+            UsageField::Null
+        } else {
+            UsageField::Absent
+        }
+    }
+}
+
+impl ChunkFormat for CompletionStream {
+    fn needs_prompt_logprobs(&self) -> bool {
+        self.shape.echo && self.shape.logprobs
+    }
+
+    fn chunks(
+        &mut self,
+        g: &Generation,
+        choice: usize,
+        out: &RequestOutput,
+        first: bool,
+    ) -> Result<Vec<String>, ApiError> {
+        let shape = &self.shape;
+        let p = g.prompt_of(choice);
+        let mut chunks = Vec::new();
+        if first && (shape.echo || shape.return_token_ids) {
+            // The echoed prompt is a chunk of its own, ahead of the first generated text.
+            let logprobs = (shape.echo && shape.logprobs).then(|| {
+                let b = &mut self.builders[choice];
+                b.push_prompt(&shape.tokenizer, &g.prompts[p], g.prompt_logprobs[p].as_deref().unwrap_or_default());
+                b.take()
+            });
+            let text = if shape.echo { shape.prompt_texts[p].clone() } else { String::new() };
+            let c = CompletionChoice {
+                index: choice,
+                text,
+                logprobs,
+                finish_reason: None,
+                prompt_token_ids: shape.return_token_ids.then(|| g.prompts[p].clone()),
+                token_ids: shape.return_token_ids.then(Vec::new),
+            };
+            chunks.push(to_json(&shape.chunk(vec![c], self.usage_field()))?);
+        }
+        let finish_reason = client_finish_reason(out.finish_reason);
+        if out.text.is_empty() && finish_reason.is_none() && !shape.logprobs && !shape.return_token_ids {
+            return Ok(chunks);
+        }
+        let logprobs = shape.logprobs.then(|| {
+            let b = &mut self.builders[choice];
+            for lp in &out.logprobs {
+                b.push(&shape.tokenizer, lp);
+            }
+            b.take()
+        });
+        let c = CompletionChoice {
+            index: choice,
+            text: out.text.clone(),
+            logprobs,
+            finish_reason,
+            prompt_token_ids: None,
+            token_ids: shape.return_token_ids.then(|| out.token_ids.clone()),
+        };
+        chunks.push(to_json(&shape.chunk(vec![c], self.usage_field()))?);
+        Ok(chunks)
+    }
+
+    fn usage_chunk(&self, usage: Usage) -> Option<Result<String, ApiError>> {
+        self.include_usage.then(|| to_json(&self.shape.chunk(Vec::new(), UsageField::Usage(usage))))
+    }
+}

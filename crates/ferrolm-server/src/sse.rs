@@ -1,0 +1,134 @@
+//! Streamed responses (`stream: true`): server-sent events, one JSON chunk per `data:` line,
+//! `data: [DONE]` last.
+//!
+//! A task drives the [`Generation`] and sends events into a channel that the response body
+//! reads. When the client goes away the body is dropped, the channel closes, the task returns and
+//! drops the generation, which aborts the engine requests. A failure after the first byte cannot
+//! change the status any more: it is sent as `data: {"error": {...}}`, then `[DONE]`.
+
+use std::convert::Infallible;
+
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use ferrolm_engine::RequestOutput;
+use serde::Serialize;
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+
+use crate::error::ApiError;
+use crate::generation::Generation;
+use crate::protocol::Usage;
+
+/// How one route turns outputs into chunks.
+pub trait ChunkFormat: Send + 'static {
+    /// Whether a choice's chunks need its prompt's logprobs (an echo with logprobs): its outputs
+    /// wait until they arrive with the first output of the prompt's sequence 0.
+    fn needs_prompt_logprobs(&self) -> bool;
+
+    /// The chunks for one output of `choice`; `first` on the choice's first output.
+    fn chunks(
+        &mut self,
+        generation: &Generation,
+        choice: usize,
+        out: &RequestOutput,
+        first: bool,
+    ) -> Result<Vec<String>, ApiError>;
+
+    /// The last chunk when the client asked for usage (`stream_options.include_usage`).
+    fn usage_chunk(&self, usage: Usage) -> Option<Result<String, ApiError>>;
+}
+
+pub fn to_json(value: &impl Serialize) -> Result<String, ApiError> {
+    serde_json::to_string(value).map_err(|e| ApiError::Internal(format!("cannot serialize a response: {e}")))
+}
+
+pub fn respond(generation: Generation, format: impl ChunkFormat) -> Response {
+    let (tx, rx) = mpsc::channel::<Result<Event, Infallible>>(64);
+    tokio::spawn(drive(generation, format, tx));
+    // Comment lines keep idle connections (a long prefill) from looking dead to proxies.
+    Sse::new(ReceiverStream::new(rx)).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// Client gone.
+struct Closed;
+
+async fn send(tx: &mpsc::Sender<Result<Event, Infallible>>, data: String) -> Result<(), Closed> {
+    tx.send(Ok(Event::default().data(data))).await.map_err(|_| Closed)
+}
+
+async fn drive(mut generation: Generation, mut format: impl ChunkFormat, tx: mpsc::Sender<Result<Event, Infallible>>) {
+    let result = stream_chunks(&mut generation, &mut format, &tx).await;
+    let ending = match result {
+        Ok(()) => Ok(()),
+        Err(StreamEnd::Closed) => return,
+        Err(StreamEnd::Failed(err)) => {
+            tracing::warn!(request_id = %generation.request_id, error = %err, "stream failed");
+            let body = serde_json::json!({ "error": err.body() });
+            send(&tx, body.to_string()).await
+        }
+    };
+    if ending.is_ok() {
+        let _ = send(&tx, "[DONE]".to_string()).await;
+    }
+    // NOTE: the request's metrics and log line are recorded when the generation drops; do that
+    // before `tx` drops and ends the body, so that a client who read `[DONE]` sees them.
+    drop(generation);
+    drop(tx);
+}
+
+enum StreamEnd {
+    Closed,
+    Failed(ApiError),
+}
+
+impl From<Closed> for StreamEnd {
+    fn from(_: Closed) -> Self {
+        StreamEnd::Closed
+    }
+}
+
+impl From<ApiError> for StreamEnd {
+    fn from(err: ApiError) -> Self {
+        StreamEnd::Failed(err)
+    }
+}
+
+async fn stream_chunks(
+    generation: &mut Generation,
+    format: &mut impl ChunkFormat,
+    tx: &mpsc::Sender<Result<Event, Infallible>>,
+) -> Result<(), StreamEnd> {
+    let mut started = vec![false; generation.choices.len()];
+    // Outputs held back until their prompt's logprobs arrive.
+    let mut deferred: Vec<(usize, RequestOutput)> = Vec::new();
+    loop {
+        let item = tokio::select! {
+            biased;
+            _ = tx.closed() => return Err(StreamEnd::Closed),
+            item = generation.next() => item,
+        };
+        let Some(item) = item else { break };
+        let (choice, out) = item?;
+        deferred.push((choice, out));
+        let mut i = 0;
+        while i < deferred.len() {
+            let choice = deferred[i].0;
+            let ready =
+                !format.needs_prompt_logprobs() || generation.prompt_logprobs[generation.prompt_of(choice)].is_some();
+            if !ready {
+                i += 1;
+                continue;
+            }
+            let (choice, out) = deferred.remove(i);
+            let first = !std::mem::replace(&mut started[choice], true);
+            for chunk in format.chunks(generation, choice, &out, first)? {
+                send(tx, chunk).await?;
+            }
+        }
+    }
+    generation.check_finished()?;
+    if let Some(chunk) = format.usage_chunk(generation.usage()) {
+        send(tx, chunk?).await?;
+    }
+    Ok(())
+}

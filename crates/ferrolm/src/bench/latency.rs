@@ -1,0 +1,171 @@
+//! `ferrolm bench latency`: one request at a time, timing the first token and every decode step,
+//! and comparing the decode rate with what this machine's memory bandwidth allows.
+//!
+//! Each iteration gets a fresh random prompt, so the prefix cache never shortens a prefill.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferrolm_engine::GenerateRequest;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use super::bandwidth::{self, Bandwidth, DecodeLimit};
+use super::metrics::{LatencySummaries, RequestTiming};
+use super::setup::{self, BenchModel, ModelArgs};
+use super::{bench_params, collect_timing, model_label, report, Device};
+
+#[derive(Args, Debug, Serialize)]
+pub struct LatencyArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt length in tokens.
+    #[arg(long, default_value_t = 32)]
+    pub input_len: usize,
+    /// Output length in tokens (EOS is ignored).
+    #[arg(long, default_value_t = 128)]
+    pub output_len: usize,
+    /// Timed requests.
+    #[arg(long, default_value_t = 10)]
+    pub num_iters: usize,
+    /// Untimed requests first (page faults, thread pool start-up, allocator warm-up).
+    #[arg(long, default_value_t = 1)]
+    pub num_iters_warmup: usize,
+    /// Seed of the prompts and of sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Size of the buffer the memory bandwidth is measured on, in MiB (much larger than caches).
+    #[arg(long, default_value_t = 1024)]
+    pub bandwidth_buffer_mb: usize,
+    /// Passes over that buffer, before the model is loaded and again after; the fastest counts.
+    #[arg(long, default_value_t = 5)]
+    pub bandwidth_repetitions: usize,
+    /// Write every figure, the machine, the model and the flags to this JSON file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+pub fn run(args: LatencyArgs) -> Result<()> {
+    if args.input_len == 0 || args.output_len == 0 || args.num_iters == 0 {
+        bail!("--input-len, --output-len and --num-iters must be positive");
+    }
+    let device = Device::Cpu;
+    // Measured before the model is loaded and again once it is freed (so that the buffer and the
+    // weights are never both resident); the better pass counts, which keeps a burst of other
+    // work on the machine from lowering the ceiling.
+    eprintln!("measuring memory read bandwidth ({} MiB buffer)...", args.bandwidth_buffer_mb);
+    let before = bandwidth::measure(device, args.bandwidth_buffer_mb << 20, args.bandwidth_repetitions);
+
+    let (engine, model) = setup::load(&args.model, 1, args.input_len + args.output_len)?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
+    let mut rng = ChaCha8Rng::seed_from_u64(args.seed);
+    let total = args.num_iters_warmup + args.num_iters;
+    let bar = report::progress(total, "latency");
+    let mut timings = Vec::with_capacity(args.num_iters);
+    for i in 0..total {
+        let prompt = model.prompts.sample(args.input_len, &mut rng);
+        let params = bench_params(args.output_len, args.temperature, args.seed.wrapping_add(i as u64));
+        let sent = Instant::now();
+        let stream =
+            engine.submit(GenerateRequest { prompt_token_ids: prompt, params }).context("the request was refused")?;
+        let timing = runtime.block_on(collect_timing(stream, sent, args.input_len));
+        if !timing.success {
+            bail!("iteration {i} failed: {}", timing.error.unwrap_or_default());
+        }
+        if i >= args.num_iters_warmup {
+            timings.push(timing);
+        }
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    drop(engine);
+    let after = bandwidth::measure(device, args.bandwidth_buffer_mb << 20, args.bandwidth_repetitions);
+    let bw = before.best_of(after);
+
+    let summaries = LatencySummaries::from_timings(&timings);
+    let decode_tokens: usize = timings.iter().map(|t| t.output_len.saturating_sub(1)).sum();
+    let decode_seconds: f64 = timings.iter().map(|t| t.latency - t.ttft).sum();
+    let decode_rate = if decode_seconds > 0.0 { decode_tokens as f64 / decode_seconds } else { 0.0 };
+    let limit = bandwidth::decode_limit(&bw, bytes_per_decode_token(&model, &args), decode_rate);
+
+    print_table(&model, &summaries, decode_rate, &bw, &limit);
+    if let Some(path) = &args.json {
+        let results = results(&args, &model, &timings, &summaries, decode_rate, &bw, &limit);
+        report::write_json(path, &results)?;
+    }
+    Ok(())
+}
+
+/// Mean context of the decode steps: the step that produces output token `k` (k = 2..=out)
+/// attends over `input_len + k - 1` tokens.
+fn mean_decode_context(args: &LatencyArgs) -> f64 {
+    args.input_len as f64 + args.output_len as f64 / 2.0
+}
+
+fn bytes_per_decode_token(model: &BenchModel, args: &LatencyArgs) -> f64 {
+    model.weight_bytes_per_token() as f64 + model.kv_bytes_per_context_token() as f64 * mean_decode_context(args)
+}
+
+fn print_table(model: &BenchModel, s: &LatencySummaries, decode_rate: f64, bw: &Bandwidth, limit: &DecodeLimit) {
+    let mut table = report::Table::new("Latency Benchmark Result");
+    table
+        .text("Model", model_label(model))
+        .text("Device", Device::Cpu.name())
+        .num("Mean E2E latency (ms)", s.e2el.mean)
+        .num("Decode throughput (tok/s)", decode_rate)
+        .latency("Time to First Token", "TTFT", &s.ttft)
+        .latency("Time per Output Token (excl. 1st token)", "TPOT", &s.tpot)
+        .latency("Inter-token Latency", "ITL", &s.itl)
+        .section("Batch-1 Decode Bandwidth Limit")
+        .num("Memory read bandwidth (GB/s)", bw.gbps())
+        .num("Bytes read per decode token (MB)", limit.bytes_per_token / 1e6)
+        .num("Decode limit (tok/s)", limit.tokens_per_s)
+        .num("Decode rate reached (tok/s)", decode_rate)
+        .text("Fraction of limit", format!("{:.1}%", limit.fraction * 100.0))
+        .print();
+}
+
+fn results(
+    args: &LatencyArgs,
+    model: &BenchModel,
+    timings: &[RequestTiming],
+    summaries: &LatencySummaries,
+    decode_rate: f64,
+    bw: &Bandwidth,
+    limit: &DecodeLimit,
+) -> Map<String, Value> {
+    let mut r = report::header("latency", args);
+    r.insert("device".into(), Device::Cpu.name().into());
+    r.insert("dtype".into(), setup::dtype_name(model.dtype).into());
+    r.insert("model".into(), model.describe());
+    r.insert("load_seconds".into(), model.load_seconds.into());
+    r.insert("input_len".into(), args.input_len.into());
+    r.insert("output_len".into(), args.output_len.into());
+    r.insert("num_iters".into(), args.num_iters.into());
+    r.insert("num_iters_warmup".into(), args.num_iters_warmup.into());
+    summaries.insert_into(&mut r);
+    // The single request's decode rate, as vLLM's latency mode reports `output_throughput`.
+    r.insert("output_throughput".into(), decode_rate.into());
+    // The names of vLLM's `benchmark_latency.py` (seconds).
+    let latencies: Vec<f64> = timings.iter().map(|t| t.latency).collect();
+    r.insert("avg_latency".into(), (summaries.e2el.mean / 1000.0).into());
+    r.insert("latencies".into(), latencies.into());
+    r.insert("memory_bandwidth_gbps".into(), bw.gbps().into());
+    r.insert("bandwidth_buffer_bytes".into(), bw.buffer_bytes.into());
+    r.insert("bandwidth_repetitions".into(), bw.repetitions.into());
+    r.insert("bandwidth_threads".into(), bw.threads.into());
+    r.insert("weight_bytes_per_token".into(), model.weight_bytes_per_token().into());
+    r.insert("kv_bytes_per_context_token".into(), model.kv_bytes_per_context_token().into());
+    r.insert("mean_decode_context".into(), mean_decode_context(args).into());
+    r.insert("bytes_per_decode_token".into(), limit.bytes_per_token.into());
+    r.insert("decode_limit_tokens_per_s".into(), limit.tokens_per_s.into());
+    r.insert("fraction_of_limit".into(), limit.fraction.into());
+    r
+}

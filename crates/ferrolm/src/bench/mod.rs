@@ -1,0 +1,104 @@
+//! `ferrolm bench`: offline throughput, single-request latency and serving load, with vLLM's
+//! flag names and result keys so that figures compare directly with vLLM's benchmark scripts.
+//!
+//! - `throughput`: every request submitted at once to an in-process engine.
+//! - `latency`: one request at a time, with the machine's memory bandwidth and the batch-1 decode
+//!   limit it implies.
+//! - `serve`: Poisson arrivals against any OpenAI-compatible server over HTTP.
+//!
+//! Every mode prints an aligned table and, with `--json FILE`, writes every figure together with
+//! the machine, the model shape, the flags and the git revision.
+
+mod bandwidth;
+mod latency;
+mod metrics;
+mod openai;
+mod plot;
+mod report;
+mod serve;
+mod setup;
+mod throughput;
+mod workload;
+
+use std::time::Instant;
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+use ferrolm_engine::{FinishReason, RequestStream};
+use ferrolm_sampling::SamplingParams;
+
+use bandwidth::Device;
+use metrics::RequestTiming;
+use setup::BenchModel;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub command: BenchCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Offline throughput: all requests at once through the in-process engine.
+    Throughput(throughput::ThroughputArgs),
+    /// Latency of one request at a time: TTFT, TPOT, ITL, and the decode bandwidth limit.
+    Latency(latency::LatencyArgs),
+    /// Load an OpenAI-compatible server over HTTP with Poisson arrivals.
+    Serve(serve::ServeArgs),
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    match args.command {
+        BenchCommand::Throughput(args) => throughput::run(args),
+        BenchCommand::Latency(args) => latency::run(args),
+        BenchCommand::Serve(args) => serve::run(args),
+    }
+}
+
+/// Sampling for benchmark requests: exactly `max_tokens` outputs (EOS ignored), greedy at
+/// temperature 0, else seeded.
+fn bench_params(max_tokens: usize, temperature: f32, seed: u64) -> SamplingParams {
+    SamplingParams {
+        temperature,
+        seed: Some(seed),
+        max_tokens: Some(max_tokens as u32),
+        ignore_eos: true,
+        ..SamplingParams::default()
+    }
+}
+
+/// Drains one request's outputs, timing each against `sent`.
+async fn collect_timing(mut stream: RequestStream, sent: Instant, prompt_len: usize) -> RequestTiming {
+    let mut timing = RequestTiming { prompt_len, ..RequestTiming::default() };
+    let mut last: Option<Instant> = None;
+    let mut finish = None;
+    while let Some(out) = stream.recv().await {
+        let now = Instant::now();
+        if !out.token_ids.is_empty() {
+            match last {
+                None => timing.ttft = (now - sent).as_secs_f64(),
+                Some(prev) => timing.itl.push((now - prev).as_secs_f64()),
+            }
+            last = Some(now);
+            timing.output_len += out.token_ids.len();
+        }
+        finish = out.finish_reason.or(finish);
+    }
+    timing.latency = last.map_or(0.0, |t| (t - sent).as_secs_f64());
+    timing.success = matches!(finish, Some(FinishReason::Length | FinishReason::Stop));
+    if !timing.success {
+        timing.error = Some(format!("the engine ended the request ({finish:?})"));
+    }
+    timing
+}
+
+/// "Qwen2ForCausalLM 494M", for the table.
+fn model_label(model: &BenchModel) -> String {
+    let params = model.config.num_parameters() as f64;
+    let size = match params {
+        p if p >= 1e9 => format!("{:.2}B", p / 1e9),
+        p if p >= 1e6 => format!("{:.0}M", p / 1e6),
+        p => format!("{:.0}K", p / 1e3),
+    };
+    format!("{} {size}", model.config.architecture.hf_name())
+}

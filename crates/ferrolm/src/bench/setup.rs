@@ -1,0 +1,193 @@
+//! The model a benchmark runs: a Hugging Face directory through the usual loader, or any shape
+//! from a `config.json` with random weights built in memory (`--model-config FILE
+//! --dummy-weights`), so that an 8B-class benchmark needs no download.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use ferrolm_backend::DType;
+use ferrolm_engine::EngineHandle;
+use ferrolm_model::config::parse_dtype;
+use ferrolm_model::{GenerationConfig, KvCache, Model, ModelConfig, WeightSource};
+use ferrolm_tokenizer::Tokenizer;
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use super::workload::PromptSampler;
+use crate::loader::{self, EngineArgs};
+
+#[derive(Args, Clone, Debug, Serialize)]
+pub struct ModelArgs {
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// A Hugging Face `config.json` giving the model's shape; needs --dummy-weights.
+    #[arg(long)]
+    pub model_config: Option<PathBuf>,
+    /// Random weights instead of the checkpoint's (of --model-config, else of --model's config).
+    #[arg(long)]
+    pub dummy_weights: bool,
+    /// Dtype of the random weights: bfloat16, float16 or float32; defaults to the config's.
+    #[arg(long, value_parser = parse_dtype_flag)]
+    pub dtype: Option<String>,
+    /// Seed of the random weights.
+    #[arg(long, default_value_t = 0)]
+    pub weight_seed: u64,
+}
+
+fn parse_dtype_flag(name: &str) -> Result<String, String> {
+    match parse_dtype(name) {
+        Some(_) => Ok(name.to_owned()),
+        None => Err(format!("unknown dtype `{name}`: use bfloat16, float16 or float32")),
+    }
+}
+
+/// What the reports need to know about the model an engine runs.
+pub struct BenchModel {
+    pub config: ModelConfig,
+    /// Dtype the weights are stored in.
+    pub dtype: DType,
+    /// Bytes of all weight matrices (embedding and LM head included).
+    pub weight_bytes: usize,
+    /// Where the model came from: a directory, or `config.json (random weights)`.
+    pub source: String,
+    pub load_seconds: f64,
+    /// Draws prompts from the vocabulary, avoiding special ids.
+    pub prompts: PromptSampler,
+}
+
+impl BenchModel {
+    /// Weight bytes one decode step reads: every matrix, except that an untied embedding table
+    /// is only gathered from (one row), while the LM head (or the tied table) is read whole.
+    pub fn weight_bytes_per_token(&self) -> usize {
+        let c = &self.config;
+        let row = c.hidden_size * self.dtype.size_in_bytes();
+        if c.tie_word_embeddings {
+            self.weight_bytes
+        } else {
+            self.weight_bytes - c.vocab_size * row + row
+        }
+    }
+
+    /// Bytes of K and V that one decode step reads per token of context (the CPU cache is f32).
+    pub fn kv_bytes_per_context_token(&self) -> usize {
+        KvCache::bytes_per_block(self.config.num_hidden_layers, 1, self.config.kv_size())
+    }
+
+    /// The model's shape, for the JSON report.
+    pub fn describe(&self) -> Value {
+        let c = &self.config;
+        json!({
+            "source": self.source,
+            "architecture": c.architecture.hf_name(),
+            "num_layers": c.num_hidden_layers,
+            "hidden_size": c.hidden_size,
+            "intermediate_size": c.intermediate_size,
+            "num_heads": c.num_attention_heads,
+            "num_kv_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim,
+            "vocab_size": c.vocab_size,
+            "tie_word_embeddings": c.tie_word_embeddings,
+            "num_parameters": c.num_parameters(),
+            "weight_bytes": self.weight_bytes,
+            "dtype": dtype_name(self.dtype),
+        })
+    }
+}
+
+/// The dtype a checkpoint's matrices are stored in, from their size (`config.json`'s dtype can
+/// disagree with the files).
+fn stored_dtype(config: &ModelConfig, weight_bytes: usize) -> DType {
+    let c = config;
+    let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+    let per_layer = h * (c.q_size() + 2 * c.kv_size()) + c.q_size() * h + 3 * h * i;
+    let embeddings = if c.tie_word_embeddings { v * h } else { 2 * v * h };
+    let elements = c.num_hidden_layers * per_layer + embeddings;
+    match weight_bytes / elements.max(1) {
+        4 => DType::F32,
+        _ if c.dtype != DType::F32 => c.dtype,
+        _ => DType::BF16,
+    }
+}
+
+pub fn dtype_name(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "float32",
+        DType::F16 => "float16",
+        DType::BF16 => "bfloat16",
+    }
+}
+
+/// Loads (or builds) the model and starts an engine on it; dropping the handle frees the model. `max_pending` raises the engine's
+/// backpressure limit so that a whole offline batch can be queued at once; `longest` (prompt +
+/// output tokens of the longest request) is the default `--max-model-len`, so that the KV cache
+/// is not sized for a 128K context that the benchmark never uses.
+pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(EngineHandle, BenchModel)> {
+    let started = Instant::now();
+    let mut engine_args = args.engine.clone();
+    engine_args.max_pending_requests = engine_args.max_pending_requests.max(max_pending);
+
+    let dir = args.engine.model.clone();
+    let (config, source) = match (&args.model_config, &dir) {
+        (Some(path), _) => {
+            if !args.dummy_weights {
+                bail!("--model-config builds a model with random weights: add --dummy-weights");
+            }
+            (ModelConfig::from_file(path)?, format!("{} (random weights)", path.display()))
+        }
+        (None, Some(dir)) => {
+            let suffix = if args.dummy_weights { " (random weights)" } else { "" };
+            (ModelConfig::from_dir(dir)?, format!("{}{suffix}", dir.display()))
+        }
+        (None, None) => bail!("no model: pass --model DIR, or --model-config FILE --dummy-weights"),
+    };
+    if engine_args.max_model_len.is_none() {
+        engine_args.max_model_len = Some(longest.min(config.max_position_embeddings));
+    }
+    if args.dtype.is_some() && !args.dummy_weights {
+        bail!("--dtype applies to --dummy-weights only (a checkpoint runs in its own dtype)");
+    }
+    // A tokenizer only where a directory has one: it names the special ids to keep out of prompts.
+    let tokenizer = match &dir {
+        Some(dir) if args.model_config.is_none() && dir.join("tokenizer.json").exists() => {
+            Some(Arc::new(Tokenizer::from_dir(dir)?))
+        }
+        _ => None,
+    };
+
+    let (model, dtype) = if args.dummy_weights {
+        let dtype = match &args.dtype {
+            Some(name) => parse_dtype(name).context("dtype checked by clap")?,
+            None => config.dtype,
+        };
+        let src = WeightSource::random(dtype, args.weight_seed);
+        (Model::load(config.clone(), &src)?, dtype)
+    } else {
+        let dir = dir.as_deref().context("a checkpoint needs --model DIR")?;
+        let model = Model::from_dir(dir)?;
+        let dtype = stored_dtype(&config, model.weight_bytes());
+        (model, dtype)
+    };
+    let weight_bytes = model.weight_bytes();
+
+    let mut special: Vec<u32> = config.bos_token_id.into_iter().chain(config.eos_token_ids.iter().copied()).collect();
+    let mut vocab_size = config.vocab_size;
+    if let Some(tok) = &tokenizer {
+        // Embedding rows past the tokenizer's vocabulary are padding: no real prompt holds them.
+        vocab_size = vocab_size.min(tok.vocab_size());
+        special.extend((0..vocab_size as u32).filter(|&id| tok.is_special(id)));
+    }
+    let prompts = PromptSampler::new(vocab_size, special)?;
+
+    let generation = match (&dir, args.model_config.is_none()) {
+        (Some(dir), true) => GenerationConfig::from_dir(dir)?,
+        _ => GenerationConfig::default(),
+    };
+    let eos = loader::eos_token_ids(&config, &generation, tokenizer.as_deref());
+    let engine = loader::start_engine(model, tokenizer, eos, &engine_args)?;
+    let model =
+        BenchModel { config, dtype, weight_bytes, source, load_seconds: started.elapsed().as_secs_f64(), prompts };
+    Ok((engine, model))
+}

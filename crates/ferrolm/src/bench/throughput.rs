@@ -1,0 +1,132 @@
+//! `ferrolm bench throughput`: offline throughput. Every request is submitted at once, with
+//! EOS ignored so that each produces exactly its output length; the engine batches them
+//! continuously and the clock runs from the first submission to the last token.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use ferrolm_engine::{EngineHandle, GenerateRequest};
+use serde::Serialize;
+use serde_json::Value;
+
+use super::metrics::{LatencySummaries, RequestTiming};
+use super::setup::{self, BenchModel, ModelArgs};
+use super::workload::{BenchRequest, WorkloadArgs};
+use super::{bench_params, collect_timing, model_label, report, Device};
+
+#[derive(Args, Debug, Serialize)]
+pub struct ThroughputArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    #[command(flatten)]
+    pub workload: WorkloadArgs,
+    /// Sampling temperature; 0 is greedy. Above 0 each request samples with its own seed
+    /// derived from --seed.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Write every figure, the machine, the model and the flags to this JSON file.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+pub fn run(args: ThroughputArgs) -> Result<()> {
+    args.workload.validate()?;
+    let (engine, model) = setup::load(&args.model, args.workload.num_prompts, args.workload.longest_request())?;
+    let requests = args.workload.requests(&model.prompts)?;
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
+    let (timings, elapsed) = runtime.block_on(run_batch(&engine, &requests, &args))?;
+    let results = summarize(&args, &engine, &model, &timings, elapsed);
+
+    let mut table = report::Table::new("Offline Throughput Benchmark Result");
+    table
+        .text("Model", model_label(&model))
+        .text("Device", Device::Cpu.name())
+        .text("Successful requests", timings.iter().filter(|t| t.success).count())
+        .num("Benchmark duration (s)", elapsed)
+        .text("Total input tokens", results["total_input_tokens"].clone())
+        .text("Total generated tokens", results["total_output_tokens"].clone())
+        .num("Request throughput (req/s)", results["request_throughput"].as_f64().unwrap_or(0.0))
+        .num("Output token throughput (tok/s)", results["output_throughput"].as_f64().unwrap_or(0.0))
+        .num("Total token throughput (tok/s)", results["total_token_throughput"].as_f64().unwrap_or(0.0))
+        .latencies(&LatencySummaries::from_timings(&timings))
+        .print();
+    if let Some(path) = &args.json {
+        report::write_json(path, &results)?;
+    }
+    Ok(())
+}
+
+/// Submits every request, then waits for all of them; returns their timings and the seconds
+/// from the first submission to the last output.
+async fn run_batch(
+    engine: &EngineHandle,
+    requests: &[BenchRequest],
+    args: &ThroughputArgs,
+) -> Result<(Vec<RequestTiming>, f64)> {
+    let bar = report::progress(requests.len(), "throughput");
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for (i, req) in requests.iter().enumerate() {
+        let params = bench_params(req.output_len, args.temperature, args.workload.seed.wrapping_add(i as u64));
+        let stream = engine
+            .submit(GenerateRequest { prompt_token_ids: req.prompt_token_ids.clone(), params })
+            .with_context(|| format!("request {i} was refused"))?;
+        let (bar, prompt_len) = (bar.clone(), req.prompt_token_ids.len());
+        tasks.spawn(async move {
+            let timing = collect_timing(stream, start, prompt_len).await;
+            bar.inc(1);
+            (i, timing)
+        });
+    }
+    let mut timings = vec![RequestTiming::default(); requests.len()];
+    while let Some(joined) = tasks.join_next().await {
+        let (i, timing) = joined.context("a request task failed")?;
+        timings[i] = timing;
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    Ok((timings, elapsed))
+}
+
+fn summarize(
+    args: &ThroughputArgs,
+    engine: &EngineHandle,
+    model: &BenchModel,
+    timings: &[RequestTiming],
+    elapsed: f64,
+) -> serde_json::Map<String, Value> {
+    let input: usize = timings.iter().map(|t| t.prompt_len).sum();
+    let output: usize = timings.iter().map(|t| t.output_len).sum();
+    let completed = timings.iter().filter(|t| t.success).count();
+    let n = timings.len();
+    let stats = engine.stats();
+    let mut r = report::header("throughput", args);
+    r.insert("device".into(), Device::Cpu.name().into());
+    r.insert("dtype".into(), setup::dtype_name(model.dtype).into());
+    r.insert("model".into(), model.describe());
+    r.insert("load_seconds".into(), model.load_seconds.into());
+    r.insert("num_prompts".into(), n.into());
+    r.insert("completed".into(), completed.into());
+    r.insert("failed".into(), (n - completed).into());
+    r.insert("input_len".into(), args.workload.input_len.into());
+    r.insert("output_len".into(), args.workload.output_len.into());
+    r.insert("random_range_ratio".into(), args.workload.random_range_ratio.into());
+    r.insert("elapsed_time".into(), elapsed.into());
+    r.insert("total_input_tokens".into(), input.into());
+    r.insert("total_output_tokens".into(), output.into());
+    r.insert("request_throughput".into(), (n as f64 / elapsed).into());
+    r.insert("output_throughput".into(), (output as f64 / elapsed).into());
+    r.insert("total_token_throughput".into(), ((input + output) as f64 / elapsed).into());
+    // The names of vLLM's `benchmark_throughput.py`.
+    r.insert("num_requests".into(), n.into());
+    r.insert("total_num_tokens".into(), (input + output).into());
+    r.insert("requests_per_second".into(), (n as f64 / elapsed).into());
+    r.insert("tokens_per_second".into(), ((input + output) as f64 / elapsed).into());
+    LatencySummaries::from_timings(timings).insert_into(&mut r);
+    r.insert("num_steps".into(), stats.num_steps.into());
+    r.insert("num_preemptions".into(), stats.num_preemptions.into());
+    r.insert("num_kv_blocks".into(), stats.num_blocks.into());
+    r
+}
