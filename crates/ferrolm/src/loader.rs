@@ -41,6 +41,8 @@ pub const BLOCK_SIZE: usize = 16;
 
 /// Everything loaded from a model directory.
 pub struct LoadedModel {
+    /// The model directory actually loaded (`--model`, or the bundled demo model).
+    pub dir: PathBuf,
     pub engine: EngineHandle,
     pub tokenizer: Arc<Tokenizer>,
     pub defaults: GenerationDefaults,
@@ -81,7 +83,7 @@ pub fn load(args: &EngineArgs) -> Result<LoadedModel> {
     let eos_token_ids = eos_token_ids(&config, &generation, Some(&tokenizer));
     tracing::info!(model = %dir.display(), architecture = config.architecture.hf_name(), "model loaded");
     let engine = start_engine(model, Some(Arc::clone(&tokenizer)), eos_token_ids, args)?;
-    Ok(LoadedModel { engine, tokenizer, defaults: generation_defaults(&dir)? })
+    Ok(LoadedModel { dir: dir.clone(), engine, tokenizer, defaults: generation_defaults(&dir)? })
 }
 
 /// EOS ids of a model: `generation_config.json`, else `config.json`, else the tokenizer's.

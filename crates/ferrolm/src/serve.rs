@@ -59,13 +59,9 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let grace = Duration::try_from_secs_f64(args.shutdown_timeout).with_context(|| {
         format!("--shutdown-timeout must be a number of seconds >= 0, got {}", args.shutdown_timeout)
     })?;
-    let served_model_name = args
-        .served_model_name
-        .clone()
-        .or_else(|| args.engine.model.as_deref().and_then(dir_name))
-        .unwrap_or_else(|| "ferrolm".to_string());
-
     let loaded = loader::load(&args.engine)?;
+    let served_model_name =
+        args.served_model_name.clone().or_else(|| dir_name(&loaded.dir)).unwrap_or_else(|| "ferrolm".to_string());
     let config = ServerConfig {
         host: args.host.clone(),
         port: args.port,
