@@ -292,38 +292,22 @@ impl ModelConfig {
     }
 }
 
-/// Defaults from `generation_config.json`: end-of-sequence ids and sampling defaults. Every field
-/// is optional; a request's own values win over these.
+/// What ferrolm reads from `generation_config.json` at this layer: the end-of-sequence ids.
+/// Its sampling defaults are read by `ferrolm_sampling::GenerationDefaults`.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct GenerationConfig {
     pub eos_token_ids: Vec<u32>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<i32>,
-    pub min_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    pub max_new_tokens: Option<u32>,
 }
 
 impl GenerationConfig {
-    /// Reads `dir/generation_config.json`; a missing file gives the empty defaults.
+    /// Reads `dir/generation_config.json`; a missing file gives no ids.
     pub fn from_dir(dir: &Path) -> Result<GenerationConfig, ModelError> {
         let path = dir.join("generation_config.json");
         if !path.exists() {
             return Ok(GenerationConfig::default());
         }
         let value = read_json(&path)?;
-        let f = |key: &str| value.get(key).and_then(Value::as_f64).map(|v| v as f32);
-        // As vLLM does, the sampling keys apply whatever `do_sample` says.
-        Ok(GenerationConfig {
-            eos_token_ids: token_ids(&value.get("eos_token_id").cloned()),
-            temperature: f("temperature"),
-            top_p: f("top_p"),
-            top_k: value.get("top_k").and_then(Value::as_i64).map(|v| v as i32),
-            min_p: f("min_p"),
-            repetition_penalty: f("repetition_penalty"),
-            max_new_tokens: value.get("max_new_tokens").and_then(Value::as_u64).map(|v| v as u32),
-        })
+        Ok(GenerationConfig { eos_token_ids: token_ids(&value.get("eos_token_id").cloned()) })
     }
 }
 
