@@ -7,7 +7,7 @@
 //! - prefill-sized `m` ([`linear_gemm`]): a block of weight rows is widened into a thread-local
 //!   f32 scratch and multiplied with faer; the op is bound by arithmetic.
 
-use std::cell::RefCell;
+use std::cell::Cell;
 
 use faer::linalg::matmul::matmul;
 use faer::{Accum, MatMut, MatRef, Par};
@@ -21,8 +21,12 @@ use crate::WeightView;
 pub const GEMV_MAX_M: usize = 8;
 /// Weight rows per parallel task of the GEMV path (a multiple of its 4-row tile).
 const GEMV_BLOCK_ROWS: usize = 64;
-/// Weight rows widened per parallel task of the GEMM path.
+/// Most weight rows widened per parallel task of the GEMM path.
 const GEMM_BLOCK_ROWS: usize = 128;
+/// Fewest weight rows per task of the GEMM path (below it `x` is re-read too often).
+const GEMM_MIN_BLOCK_ROWS: usize = 32;
+/// Fewest rows of `x` per task of the GEMM path.
+const GEMM_MIN_CHUNK_ROWS: usize = 64;
 
 /// `y[m, n] = x[m, k] · w[n, k]^T (+ bias[n])`. `w` is in its storage dtype (HF layout `[out, in]`).
 pub fn linear(x: &[f32], m: usize, k: usize, w: WeightView<'_>, n: usize, bias: Option<&[f32]>, y: &mut [f32]) {
@@ -97,8 +101,30 @@ fn gemv_typed<E: WeightElem>(
 }
 
 thread_local! {
-    /// `[GEMM_BLOCK_ROWS, k]`: the current weight block widened to f32.
-    static WIDENED_BLOCK: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// `[rows, k]`: the current weight block widened to f32. Taken out while in use, so a
+    /// nested task stolen by the same thread finds it empty and allocates its own.
+    static WIDENED_BLOCK: Cell<Vec<f32>> = const { Cell::new(Vec::new()) };
+}
+
+/// How the GEMM path splits `y[m, n]`: blocks of `cols` output columns (one widening of their
+/// weight rows each), and within a block, chunks of `rows` rows of `x`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct GemmTiling {
+    cols: usize,
+    rows: usize,
+}
+
+impl GemmTiling {
+    /// Enough tasks to keep `threads` busy (about four each) without making blocks so narrow
+    /// that the multiply stops reusing `x`: column blocks shrink from [`GEMM_BLOCK_ROWS`] down to
+    /// [`GEMM_MIN_BLOCK_ROWS`] first, then rows are split, never below [`GEMM_MIN_CHUNK_ROWS`].
+    fn new(m: usize, n: usize, threads: usize) -> GemmTiling {
+        let wanted = 4 * threads.max(1);
+        let cols = n.div_ceil(wanted).next_multiple_of(16).clamp(GEMM_MIN_BLOCK_ROWS, GEMM_BLOCK_ROWS);
+        let col_blocks = n.div_ceil(cols);
+        let row_chunks = wanted.div_ceil(col_blocks).min(m.div_ceil(GEMM_MIN_CHUNK_ROWS)).max(1);
+        GemmTiling { cols, rows: m.div_ceil(row_chunks) }
+    }
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -134,27 +160,32 @@ fn gemm_typed<E: WeightElem>(
     if m == 0 || n == 0 {
         return;
     }
+    let tiling = GemmTiling::new(m, n, rayon::current_num_threads());
     // [m, k]
     let x = MatRef::from_row_major_slice(x, m, k);
     // [m, n]
     let y = MatMut::from_row_major_slice_mut(y, m, n);
-    y.par_col_chunks_mut(GEMM_BLOCK_ROWS).enumerate().for_each(|(b, mut y_block)| {
-        let j0 = b * GEMM_BLOCK_ROWS;
-        let rows = y_block.ncols();
-        WIDENED_BLOCK.with_borrow_mut(|scratch| {
-            scratch.resize(rows * k, 0.0);
-            widen_into(isa, &w[j0 * k..(j0 + rows) * k], scratch);
-            // [rows, k]
-            let w_block = MatRef::from_row_major_slice(scratch.as_slice(), rows, k);
-            matmul(y_block.as_mut(), Accum::Replace, x, w_block.transpose(), 1.0, Par::Seq);
-        });
-        if let Some(bias) = bias {
-            for j in 0..rows {
-                for i in 0..m {
-                    y_block[(i, j)] += bias[j0 + j];
+    y.par_col_chunks_mut(tiling.cols).enumerate().for_each(|(b, y_block)| {
+        let j0 = b * tiling.cols;
+        let cols = y_block.ncols();
+        let mut scratch = WIDENED_BLOCK.take();
+        scratch.resize(cols * k, 0.0);
+        widen_into(isa, &w[j0 * k..(j0 + cols) * k], &mut scratch);
+        // [cols, k]
+        let w_block = MatRef::from_row_major_slice(scratch.as_slice(), cols, k);
+        y_block.par_row_chunks_mut(tiling.rows).enumerate().for_each(|(c, mut y_chunk)| {
+            let i0 = c * tiling.rows;
+            let x_chunk = x.subrows(i0, y_chunk.nrows());
+            matmul(y_chunk.as_mut(), Accum::Replace, x_chunk, w_block.transpose(), 1.0, Par::Seq);
+            if let Some(bias) = bias {
+                for j in 0..cols {
+                    for i in 0..y_chunk.nrows() {
+                        y_chunk[(i, j)] += bias[j0 + j];
+                    }
                 }
             }
-        }
+        });
+        WIDENED_BLOCK.set(scratch);
     });
 }
 
@@ -258,6 +289,38 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    #[test]
+    fn gemm_tiling_keeps_threads_busy_within_bounds() {
+        // Wide outputs: full-width blocks, rows unsplit.
+        assert_eq!(GemmTiling::new(64, 151_936, 16), GemmTiling { cols: 128, rows: 64 });
+        // Narrow outputs on many threads: narrower blocks, then row chunks for long prefills.
+        assert_eq!(GemmTiling::new(64, 896, 16), GemmTiling { cols: 32, rows: 64 });
+        assert_eq!(GemmTiling::new(2048, 896, 16), GemmTiling { cols: 32, rows: 683 });
+        assert_eq!(GemmTiling::new(4096, 896, 64), GemmTiling { cols: 32, rows: 410 });
+        // Two threads: blocks as wide as the task count allows.
+        assert_eq!(GemmTiling::new(64, 896, 2), GemmTiling { cols: 112, rows: 64 });
+        assert_eq!(GemmTiling::new(9, 5, 2), GemmTiling { cols: 32, rows: 9 });
+    }
+
+    #[test]
+    fn gemm_matches_reference_when_split_over_rows_and_columns() {
+        // 300 rows and 70 columns on a pool of 8 threads: several row chunks and column blocks.
+        let (m, k, n) = (300, 40, 70);
+        let mut rng = rng(0x5917);
+        let x = random_vec(&mut rng, m * k, 1.0);
+        let w = random_vec(&mut rng, n * k, 0.5);
+        let bias = random_vec(&mut rng, n, 1.0);
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(8).build().unwrap();
+        let tiling = pool.install(|| GemmTiling::new(m, n, rayon::current_num_threads()));
+        assert!(tiling.rows < m && tiling.cols < n, "{tiling:?}");
+        let mut y = nan_vec(m * n);
+        pool.install(|| linear_gemm(&x, m, k, WeightView::F32(&w), n, Some(&bias), &mut y));
+        let (want, scale) = reference(&x, m, k, &w, n, Some(&bias));
+        for e in 0..m * n {
+            assert!((y[e] as f64 - want[e]).abs() <= 1e-5 * scale[e], "at {e}: {} vs {}", y[e], want[e]);
         }
     }
 

@@ -9,6 +9,7 @@ use std::sync::Arc;
 use ferrolm_model::{KvCache, Model, ModelInput};
 use ferrolm_sampling::{token_logprobs, RequestSampler, StopChecker, TokenLogprobs};
 use ferrolm_tokenizer::{IncrementalDetokenizer, Tokenizer};
+use rayon::prelude::*;
 use tokio::sync::mpsc as tokio_mpsc;
 
 use super::handle::{Command, EngineConfig, EngineError, GenerateRequest};
@@ -56,6 +57,15 @@ struct PromptLogprobs {
     prompt: Vec<u32>,
     /// One entry per prompt token; the first stays `None`.
     values: Vec<PromptLogprob>,
+}
+
+/// The rows of one scheduled request in a step's logits.
+struct LogitRows<'a> {
+    s: &'a ScheduledRequest,
+    first: usize,
+    count: usize,
+    /// Every row of the chunk (prompt logprobs), not only the last.
+    all: bool,
 }
 
 /// A token sampled this step, waiting to be emitted.
@@ -250,26 +260,42 @@ impl Engine {
         let logits = self.model.forward(&input, &mut self.kv);
         let vocab = self.model.config.vocab_size;
 
+        // Each scheduled request's rows of `logits`.
+        let mut rows_of = HashMap::with_capacity(out.scheduled.len());
         let mut row = 0;
-        let mut sampled = Vec::new();
-        let mut failed = Vec::new();
         for (s, &all) in out.scheduled.iter().zip(&all_rows) {
             let rows = if all { s.num_scheduled_tokens } else { usize::from(s.samples_next_token) };
-            let Some(seq) = self.sequences.get_mut(&s.request_id) else {
-                row += rows;
-                continue;
-            };
-            if all {
-                record_prompt_logprobs(seq, s, &logits[row * vocab..(row + rows) * vocab], vocab);
-            }
-            if s.samples_next_token {
-                let last = row + rows - 1;
-                match seq.sampler.sample(&logits[last * vocab..(last + 1) * vocab], &self.eos_token_ids) {
-                    Ok(lp) => sampled.push(Sampled { id: s.request_id, logprobs: lp }),
-                    Err(_) => failed.push(s.request_id),
-                }
-            }
+            rows_of.insert(s.request_id, LogitRows { s, first: row, count: rows, all });
             row += rows;
+        }
+        // Sampling and logprobs are independent per sequence (each has its own RNG), so they
+        // run in parallel; the results are then taken in schedule order.
+        let mut work: Vec<(&mut Sequence, &LogitRows)> =
+            self.sequences.iter_mut().filter_map(|(id, seq)| rows_of.get(id).map(|r| (seq, r))).collect();
+        let eos_token_ids = &self.eos_token_ids;
+        let mut results: HashMap<RequestId, Result<TokenLogprobs, ()>> = work
+            .par_iter_mut()
+            .filter_map(|(seq, &LogitRows { s, first: row, count: rows, all })| {
+                if all {
+                    record_prompt_logprobs(seq, s, &logits[row * vocab..(row + rows) * vocab], vocab);
+                }
+                if !s.samples_next_token {
+                    return None;
+                }
+                let last = row + rows - 1;
+                let result = seq.sampler.sample(&logits[last * vocab..(last + 1) * vocab], eos_token_ids);
+                Some((s.request_id, result.map_err(|_| ())))
+            })
+            .collect();
+        drop(work);
+        let mut sampled = Vec::new();
+        let mut failed = Vec::new();
+        for s in &out.scheduled {
+            match results.remove(&s.request_id) {
+                Some(Ok(lp)) => sampled.push(Sampled { id: s.request_id, logprobs: lp }),
+                Some(Err(())) => failed.push(s.request_id),
+                None => {}
+            }
         }
         self.stats.prompt_tokens.fetch_add(
             out.scheduled
