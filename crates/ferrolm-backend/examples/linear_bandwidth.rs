@@ -7,7 +7,8 @@
 //! Every weight set is several times the size of the last-level cache and is cycled through, so
 //! the numbers are from DRAM, as in a real decode step. Prints: read and copy bandwidth, the GEMV
 //! bandwidth per shape and dtype, a decode step of a Qwen2.5-0.5B-shaped model, and the time of
-//! both `linear` paths as `m` grows (where `GEMV_MAX_M` should sit).
+//! both `linear` paths as `m` grows (where `GEMV_MAX_M` should sit) and the GEMM path's
+//! throughput on the real projections of that model for batched decode and prefill.
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -40,6 +41,11 @@ fn main() {
     }
     if run("crossover") {
         crossover(4864, 896);
+        for m in [64, 512] {
+            for (n, k) in [(1152, 896), (896, 896), (9728, 896), (896, 4864), (151936, 896)] {
+                gemm_throughput(m, n, k);
+            }
+        }
     }
 }
 
@@ -226,4 +232,16 @@ fn crossover(n: usize, k: usize) {
             flops / gemm / 1e9
         );
     }
+}
+
+/// GFLOP/s of the GEMM path on one bf16 `[n, k]` projection (weights cache-warm where they fit).
+fn gemm_throughput(m: usize, n: usize, k: usize) {
+    let w: Vec<bf16> = (0..n * k).map(|i| bf16::from_f32((i % 97) as f32 / 97.0 - 0.5)).collect();
+    let x: Vec<f32> = (0..m * k).map(|i| (i % 13) as f32 * 0.1).collect();
+    let mut y = vec![0.0f32; m * n];
+    let flops = 2.0 * (m * n * k) as f64;
+    // About a second of measurement per shape, at least three reps.
+    let reps = (1e11 / flops).clamp(3.0, 50.0) as usize;
+    let gemm = best_of(reps, || linear_gemm(&x, m, k, WeightView::BF16(&w), n, None, &mut y));
+    println!("gemm bf16 m={m:>4} [{n:>6}, {k:>4}]: {:9.1} us  {:6.1} GFLOP/s", gemm * 1e6, flops / gemm / 1e9);
 }

@@ -5,8 +5,13 @@
 //! are used, so that a bf16 model costs two bytes per parameter in memory.
 //!
 //! All buffers are row-major and carry their shape in a comment: `[rows, cols]`.
+//!
+//! With the `cuda` feature, the `cuda` module holds the same ops on an NVIDIA GPU, with
+//! activations in f32, bf16 or f16 device memory.
 
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 
 use half::{bf16, f16};
 

@@ -2,9 +2,12 @@
 //! over a flattened, paged batch.
 
 pub mod config;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod input;
 pub mod model;
 pub mod rope;
+pub mod runner;
 pub mod weights;
 
 use std::path::{Path, PathBuf};
@@ -12,6 +15,7 @@ use std::path::{Path, PathBuf};
 pub use config::{Activation, Architecture, GenerationConfig, ModelConfig};
 pub use input::{KvCache, ModelInput};
 pub use model::Model;
+pub use runner::{CpuRunner, ModelRunner, RowLogits, StepLogits};
 pub use weights::{Tensor, WeightSource};
 
 #[derive(Debug, thiserror::Error)]
@@ -30,6 +34,8 @@ pub enum ModelError {
     CorruptWeights { path: PathBuf, message: String },
     #[error("missing tensor `{0}` in the checkpoint")]
     MissingTensor(String),
+    #[error("device error: {0}")]
+    Device(String),
     #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
     ShapeMismatch { name: String, expected: Vec<usize>, found: Vec<usize> },
 }

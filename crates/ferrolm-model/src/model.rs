@@ -70,16 +70,16 @@ fn load_norm(src: &WeightSource, name: &str, dim: usize, unit_offset: bool) -> R
 }
 
 pub struct DecoderLayer {
-    input_layernorm: Vec<f32>,
+    pub(crate) input_layernorm: Vec<f32>,
     /// `[q_size + 2 * kv_size, hidden]`
-    qkv_proj: Linear,
-    q_norm: Option<Vec<f32>>,
-    k_norm: Option<Vec<f32>>,
-    o_proj: Linear,
-    post_attention_layernorm: Vec<f32>,
+    pub(crate) qkv_proj: Linear,
+    pub(crate) q_norm: Option<Vec<f32>>,
+    pub(crate) k_norm: Option<Vec<f32>>,
+    pub(crate) o_proj: Linear,
+    pub(crate) post_attention_layernorm: Vec<f32>,
     /// `[2 * intermediate, hidden]`: gate rows, then up rows.
-    gate_up_proj: Linear,
-    down_proj: Linear,
+    pub(crate) gate_up_proj: Linear,
+    pub(crate) down_proj: Linear,
 }
 
 impl DecoderLayer {
@@ -124,12 +124,12 @@ impl DecoderLayer {
 pub struct Model {
     pub config: ModelConfig,
     /// `[vocab, hidden]`
-    embed_tokens: Tensor,
-    layers: Vec<DecoderLayer>,
-    norm: Vec<f32>,
+    pub(crate) embed_tokens: Tensor,
+    pub(crate) layers: Vec<DecoderLayer>,
+    pub(crate) norm: Vec<f32>,
     /// `[vocab, hidden]`; `None` when tied to `embed_tokens`.
-    lm_head: Option<Tensor>,
-    rope: RopeTables,
+    pub(crate) lm_head: Option<Tensor>,
+    pub(crate) rope: RopeTables,
 }
 
 impl Model {

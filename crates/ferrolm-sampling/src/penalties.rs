@@ -30,6 +30,11 @@ impl Penalties {
         Self { repetition, presence, frequency, prompt_tokens, output_counts: HashMap::new() }
     }
 
+    /// Whether [`Penalties::apply`] leaves every score as it is.
+    pub(crate) fn is_off(&self) -> bool {
+        self.repetition == 1.0 && self.presence == 0.0 && self.frequency == 0.0
+    }
+
     pub(crate) fn record(&mut self, token: u32) {
         *self.output_counts.entry(token).or_insert(0) += 1;
     }

@@ -128,6 +128,25 @@ impl RequestSampler {
         Ok(token_logprobs(logits, token, self.num_top_logprobs))
     }
 
+    /// Whether the next token is exactly the argmax of the raw logits with only its own logprob
+    /// wanted: greedy, no penalties, no top logprobs, and past `min_tokens` (so nothing is
+    /// masked). A backend may then pick the token where the logits are (see [`Self::accept`]).
+    pub fn is_plain_argmax(&self) -> bool {
+        self.greedy
+            && self.penalties.is_off()
+            && self.num_top_logprobs == 0
+            && self.num_output_tokens >= self.min_tokens
+    }
+
+    /// Records `token`, chosen outside [`Self::sample`] by the argmax of the raw logits (only
+    /// valid while [`Self::is_plain_argmax`]), with `logprob` its log-softmax value.
+    pub fn accept(&mut self, token: u32, logprob: f32) -> SampleOutput {
+        debug_assert!(self.is_plain_argmax(), "accept: the sampler needs the full logits");
+        self.penalties.record(token);
+        self.num_output_tokens += 1;
+        TokenLogprobs { token, logprob, top_logprobs: Vec::new() }
+    }
+
     // scores: [vocab], penalized and masked, no NaN, no +inf
     fn sample_random(&mut self, scores: &[f32]) -> Option<u32> {
         let mut cands = Vec::new(); // [num_candidates] of (token id, logit, then weight)

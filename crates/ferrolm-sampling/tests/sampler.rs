@@ -329,3 +329,46 @@ fn bad_inputs_are_errors_not_panics() -> Result<(), String> {
     assert_eq!(out.token, 1);
     Ok(())
 }
+
+#[test]
+fn plain_argmax_only_when_nothing_but_the_argmax_matters() -> Result<(), SamplingError> {
+    let plain = |p: &SamplingParams| RequestSampler::new(p, &[1], 0).map(|s| s.is_plain_argmax());
+    assert!(plain(&greedy())?);
+    assert!(!plain(&params(|p| p.temperature = 0.7))?);
+    assert!(!plain(&params(|p| {
+        p.temperature = 0.0;
+        p.repetition_penalty = 1.1;
+    }))?);
+    assert!(!plain(&params(|p| {
+        p.temperature = 0.0;
+        p.logprobs = Some(2);
+    }))?);
+    // Below min_tokens EOS is masked, so the raw argmax may be wrong; after it, plain again.
+    let mut s = RequestSampler::new(
+        &params(|p| {
+            p.temperature = 0.0;
+            p.min_tokens = 1;
+        }),
+        &[],
+        0,
+    )?;
+    assert!(!s.is_plain_argmax());
+    let logits = row(50, 3);
+    s.sample(&logits, &[7])?;
+    assert!(s.is_plain_argmax());
+    Ok(())
+}
+
+#[test]
+fn accepting_a_device_argmax_equals_sampling_it() -> Result<(), SamplingError> {
+    let (mut host, mut device) =
+        (RequestSampler::new(&greedy(), &[1, 2], 0)?, RequestSampler::new(&greedy(), &[1, 2], 0)?);
+    for salt in 0..5 {
+        let logits = row(40, salt);
+        let want = host.sample(&logits, &[])?;
+        let got = device.accept(want.token, want.logprob);
+        assert_eq!(got, want);
+        assert_eq!(device.finish_reason(got.token, &[]), host.finish_reason(want.token, &[]));
+    }
+    Ok(())
+}

@@ -72,7 +72,7 @@ impl ApiError {
             E::Unauthorized => StatusCode::UNAUTHORIZED,
             E::Engine(err) => match err {
                 EngineError::Overloaded { .. } => StatusCode::SERVICE_UNAVAILABLE,
-                EngineError::Stopped => StatusCode::INTERNAL_SERVER_ERROR,
+                EngineError::Stopped | EngineError::Device(_) => StatusCode::INTERNAL_SERVER_ERROR,
                 EngineError::EmptyPrompt
                 | EngineError::TokenOutOfVocab { .. }
                 | EngineError::TooLong { .. }

@@ -3,10 +3,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use anyhow::{Context, Result};
-use clap::Args;
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use ferrolm_backend::DType;
 use ferrolm_engine::{EngineConfig, EngineHandle, SchedulerConfig};
-use ferrolm_model::{GenerationConfig, KvCache, Model, ModelConfig};
+use ferrolm_model::config::parse_dtype;
+use ferrolm_model::{CpuRunner, GenerationConfig, KvCache, Model, ModelConfig, ModelRunner};
 use ferrolm_sampling::GenerationDefaults;
 use ferrolm_tokenizer::Tokenizer;
 use serde::Serialize;
@@ -35,6 +37,41 @@ pub struct EngineArgs {
     /// Requests accepted but not finished beyond which new ones are refused (backpressure).
     #[arg(long, default_value_t = 1024)]
     pub max_pending_requests: usize,
+    /// Where the model runs: `auto` takes the first GPU when this build has CUDA and one is
+    /// present, else the CPU.
+    #[arg(long, value_enum, default_value_t = Device::Auto)]
+    pub device: Device,
+    /// Model dtype: bfloat16, float16 or float32. On the GPU, weights and activations (default
+    /// bfloat16; float32 to compare closely with the CPU). On the CPU, activations are always
+    /// f32 and this sets the dtype of --dummy-weights (default: the config's).
+    #[arg(long, value_parser = parse_dtype_flag)]
+    pub dtype: Option<String>,
+    /// Fraction of the GPU memory left free after the weights that the KV cache takes, in
+    /// (0, 1]. On the CPU the cache is sized by --kv-cache-memory-gb (or --num-kv-blocks).
+    #[arg(long, default_value_t = 0.9)]
+    pub kv_cache_fraction: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Device {
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+fn parse_dtype_flag(name: &str) -> Result<String, String> {
+    match parse_dtype(name) {
+        Some(_) => Ok(name.to_owned()),
+        None => Err(format!("unknown dtype `{name}`: use bfloat16, float16 or float32")),
+    }
+}
+
+impl EngineArgs {
+    /// `--dtype`, parsed (clap has checked it).
+    pub fn dtype(&self) -> Option<DType> {
+        self.dtype.as_deref().and_then(parse_dtype)
+    }
 }
 
 pub const BLOCK_SIZE: usize = 16;
@@ -82,7 +119,8 @@ pub fn load(args: &EngineArgs) -> Result<LoadedModel> {
 
     let eos_token_ids = eos_token_ids(&config, &generation, Some(&tokenizer));
     tracing::info!(model = %dir.display(), architecture = config.architecture.hf_name(), "model loaded");
-    let engine = start_engine(model, Some(Arc::clone(&tokenizer)), eos_token_ids, args)?;
+    let runner = make_runner(model, args)?;
+    let engine = start_engine(runner, Some(Arc::clone(&tokenizer)), eos_token_ids, args)?;
     Ok(LoadedModel { dir: dir.clone(), engine, tokenizer, defaults: generation_defaults(&dir)? })
 }
 
@@ -98,14 +136,113 @@ pub fn eos_token_ids(config: &ModelConfig, generation: &GenerationConfig, tokeni
     ids
 }
 
-/// Sizes the KV cache and the scheduler from `args` and starts the engine on `model`.
+/// A model placed on the device `args` ask for, with the KV cache size that device allows
+/// (`None`: sized from --kv-cache-memory-gb, on the CPU).
+pub struct Placed {
+    pub runner: Box<dyn ModelRunner>,
+    pub device_kv_blocks: Option<usize>,
+}
+
+/// Puts `model` on the CPU or the GPU as `args.device` says.
+pub fn make_runner(model: Model, args: &EngineArgs) -> Result<Placed> {
+    if !(args.kv_cache_fraction > 0.0 && args.kv_cache_fraction <= 1.0) {
+        bail!("--kv-cache-fraction must be in (0, 1], got {}", args.kv_cache_fraction);
+    }
+    match args.device {
+        Device::Cpu => Ok(cpu_runner(model)),
+        Device::Cuda => cuda_runner(model, args),
+        Device::Auto if cfg!(feature = "cuda") => match cuda_runner_if_present(model, args)? {
+            Ok(placed) => Ok(placed),
+            Err(model) => Ok(cpu_runner(model)),
+        },
+        Device::Auto => Ok(cpu_runner(model)),
+    }
+}
+
+fn cpu_runner(model: Model) -> Placed {
+    tracing::info!(device = "cpu", "model placed");
+    Placed { runner: Box::new(CpuRunner::new(model)), device_kv_blocks: None }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_runner(_model: Model, _args: &EngineArgs) -> Result<Placed> {
+    bail!("--device cuda: this build of ferrolm has no CUDA backend (build with `--features cuda`); use --device cpu")
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_runner_if_present(model: Model, _args: &EngineArgs) -> Result<Result<Placed, Model>> {
+    Ok(Err(model))
+}
+
+/// The first GPU if there is one (`Err(model)` back otherwise, for the CPU).
+#[cfg(feature = "cuda")]
+fn cuda_runner_if_present(model: Model, args: &EngineArgs) -> Result<Result<Placed, Model>> {
+    match ferrolm_backend::cuda::Gpu::new(0) {
+        Ok(gpu) => cuda_place(model, gpu, args).map(Ok),
+        Err(err) => {
+            tracing::info!(reason = %err, "no usable GPU; running on the CPU");
+            Ok(Err(model))
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_runner(model: Model, args: &EngineArgs) -> Result<Placed> {
+    let gpu = ferrolm_backend::cuda::Gpu::new(0).context("--device cuda")?;
+    cuda_place(model, gpu, args)
+}
+
+/// Uploads the weights, then gives the KV cache `--kv-cache-fraction` of the memory left free.
+#[cfg(feature = "cuda")]
+fn cuda_place(model: Model, gpu: ferrolm_backend::cuda::Gpu, args: &EngineArgs) -> Result<Placed> {
+    use ferrolm_model::cuda::CudaRunner;
+
+    let dtype = args.dtype().unwrap_or(DType::BF16);
+    let runner = CudaRunner::new(&model, gpu, dtype).context("cannot load the model onto the GPU")?;
+    drop(model);
+    let (free, total) = runner.gpu().memory_info()?;
+    // Activations and cuBLAS workspaces of the largest step stay outside the cache.
+    let reserve = activation_reserve(runner.config(), args, dtype);
+    let budget = (free.saturating_sub(reserve) as f64 * args.kv_cache_fraction) as usize;
+    let per_block = runner.kv_bytes_per_block(BLOCK_SIZE);
+    let blocks = budget / per_block.max(1);
+    tracing::info!(
+        device = %runner.device(),
+        dtype = ?dtype,
+        weights_gib = runner.weight_bytes() as f64 / (1u64 << 30) as f64,
+        free_gib = free as f64 / (1u64 << 30) as f64,
+        total_gib = total as f64 / (1u64 << 30) as f64,
+        kv_blocks = blocks,
+        kv_tokens = blocks * BLOCK_SIZE,
+        "model placed on the GPU"
+    );
+    if blocks == 0 {
+        bail!("no GPU memory left for the KV cache after the weights ({free} bytes free)");
+    }
+    Ok(Placed { runner: Box::new(runner), device_kv_blocks: Some(blocks) })
+}
+
+/// Bytes of device memory one step's activations may take: the widest rows (the MLP's
+/// `[T, 2 * intermediate]`, the logits `[seqs, vocab]` in f32) times the token budget, with room.
+#[cfg(feature = "cuda")]
+fn activation_reserve(config: &ModelConfig, args: &EngineArgs, dtype: DType) -> usize {
+    let t = args.max_num_batched_tokens;
+    let width = config.hidden_size * 4 + config.q_size() * 2 + config.kv_size() * 4 + config.intermediate_size * 3;
+    let activations = t * width * dtype.size_in_bytes();
+    let logits = t.min(args.max_num_seqs.max(1) * 2) * config.vocab_size * 4 * 2;
+    (activations + logits) * 2 + (512 << 20)
+}
+
+/// Sizes the KV cache and the scheduler from `args` and starts the engine on `placed`.
 pub fn start_engine(
-    model: Model,
+    placed: Placed,
     tokenizer: Option<Arc<Tokenizer>>,
     eos_token_ids: Vec<u32>,
     args: &EngineArgs,
 ) -> Result<EngineHandle> {
-    let config = &model.config;
+    let Placed { runner, device_kv_blocks } = placed;
+    let config = runner.config().clone();
+    let config = &config;
     let max_model_len = match args.max_model_len {
         Some(n) if n > config.max_position_embeddings => anyhow::bail!(
             "--max-model-len {n} exceeds the model's context length of {}",
@@ -115,9 +252,10 @@ pub fn start_engine(
         None => config.max_position_embeddings,
     };
     let bytes_per_block = KvCache::bytes_per_block(config.num_hidden_layers, BLOCK_SIZE, config.kv_size());
-    let num_blocks = match args.num_kv_blocks {
-        Some(n) => n,
-        None => {
+    let num_blocks = match (args.num_kv_blocks, device_kv_blocks) {
+        (Some(n), _) => n,
+        (None, Some(device)) => device.min((args.max_num_seqs * max_model_len).div_ceil(BLOCK_SIZE)),
+        (None, None) => {
             let budget = (args.kv_cache_memory_gb * (1u64 << 30) as f64) as usize / bytes_per_block;
             // At least one full-length sequence, at most what the longest batch could use.
             let most = (args.max_num_seqs * max_model_len).div_ceil(BLOCK_SIZE);
@@ -135,7 +273,7 @@ pub fn start_engine(
     };
     tracing::info!(num_blocks, kv_tokens = num_blocks * BLOCK_SIZE, max_model_len, "engine configured");
     let engine = EngineHandle::start(
-        model,
+        runner,
         tokenizer,
         EngineConfig { scheduler, max_pending_requests: args.max_pending_requests, eos_token_ids },
     )?;

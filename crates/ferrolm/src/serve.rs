@@ -3,8 +3,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
-use clap::{Args, ValueEnum};
+use anyhow::{Context, Result};
+use clap::Args;
 use ferrolm_server::ServerConfig;
 
 use crate::loader::{self, EngineArgs};
@@ -25,22 +25,9 @@ pub struct ServeArgs {
     /// The model name clients pass as `model`; defaults to the model directory's name.
     #[arg(long)]
     pub served_model_name: Option<String>,
-    /// Where the model runs.
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
-    pub device: Device,
-    /// Fraction of GPU memory the KV cache may take, in (0, 1]. Applies to the CUDA backend; on
-    /// the CPU the cache is sized by --kv-cache-memory-gb (or --num-kv-blocks).
-    #[arg(long, default_value_t = 0.9)]
-    pub kv_cache_fraction: f64,
     /// Seconds that requests in flight get to finish after SIGINT/SIGTERM before they are aborted.
     #[arg(long, default_value_t = 30.0)]
     pub shutdown_timeout: f64,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
-pub enum Device {
-    Cpu,
-    Cuda,
 }
 
 /// The name of a model directory (`/models/Qwen3-0.6B/` -> `Qwen3-0.6B`).
@@ -50,12 +37,6 @@ fn dir_name(dir: &Path) -> Option<String> {
 }
 
 pub fn run(args: ServeArgs) -> Result<()> {
-    if args.device == Device::Cuda {
-        bail!("--device cuda: this build of ferrolm has no CUDA backend; use --device cpu");
-    }
-    if !(args.kv_cache_fraction > 0.0 && args.kv_cache_fraction <= 1.0) {
-        bail!("--kv-cache-fraction must be in (0, 1], got {}", args.kv_cache_fraction);
-    }
     let grace = Duration::try_from_secs_f64(args.shutdown_timeout).with_context(|| {
         format!("--shutdown-timeout must be a number of seconds >= 0, got {}", args.shutdown_timeout)
     })?;

@@ -5,7 +5,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
-use ferrolm_model::Model;
+use ferrolm_model::ModelRunner;
 use ferrolm_sampling::{SamplingError, SamplingParams};
 use ferrolm_tokenizer::Tokenizer;
 use tokio::sync::mpsc as tokio_mpsc;
@@ -55,6 +55,8 @@ pub enum EngineError {
     Overloaded { pending: usize },
     #[error("the engine has stopped")]
     Stopped,
+    #[error("device failure: {0}")]
+    Device(String),
 }
 
 pub(crate) enum Command {
@@ -86,15 +88,16 @@ impl EngineHandle {
     /// Without a tokenizer (random-weight benchmarks) outputs carry token ids only: their `text`
     /// stays empty and stop strings never match.
     pub fn start(
-        model: Model,
+        runner: impl Into<Box<dyn ModelRunner>>,
         tokenizer: impl Into<Option<Arc<Tokenizer>>>,
         config: EngineConfig,
     ) -> Result<EngineHandle, EngineError> {
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(EngineStats::default());
         let pending = Arc::new(AtomicUsize::new(0));
-        let vocab_size = model.config.vocab_size;
-        let engine = Engine::new(model, tokenizer.into(), &config, rx, Arc::clone(&stats), Arc::clone(&pending))?;
+        let runner = runner.into();
+        let vocab_size = runner.config().vocab_size;
+        let engine = Engine::new(runner, tokenizer.into(), &config, rx, Arc::clone(&stats), Arc::clone(&pending))?;
         let thread = std::thread::Builder::new()
             .name("ferrolm-engine".into())
             // NOTE: the step loop runs on a worker of its own rayon pool, so the ops' parallel

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, TryRecvError};
 use std::sync::Arc;
 
-use ferrolm_model::{KvCache, Model, ModelInput};
+use ferrolm_model::{ModelInput, ModelRunner, RowLogits, StepLogits};
 use ferrolm_sampling::{token_logprobs, RequestSampler, StopChecker, TokenLogprobs};
 use ferrolm_tokenizer::{IncrementalDetokenizer, Tokenizer};
 use rayon::prelude::*;
@@ -38,8 +38,8 @@ struct Sequence {
 
 pub(crate) struct Engine {
     scheduler: Scheduler,
-    model: Model,
-    kv: KvCache,
+    runner: Box<dyn ModelRunner>,
+    block_size: usize,
     tokenizer: Option<Arc<Tokenizer>>,
     eos_token_ids: Vec<u32>,
     sequences: HashMap<RequestId, Sequence>,
@@ -76,7 +76,7 @@ struct Sampled {
 
 impl Engine {
     pub(crate) fn new(
-        model: Model,
+        mut runner: Box<dyn ModelRunner>,
         tokenizer: Option<Arc<Tokenizer>>,
         config: &EngineConfig,
         rx: mpsc::Receiver<Command>,
@@ -84,12 +84,14 @@ impl Engine {
         pending: Arc<AtomicUsize>,
     ) -> Result<Engine, EngineError> {
         let scheduler = Scheduler::new(config.scheduler.clone())?;
-        let kv = model.new_kv_cache(config.scheduler.num_blocks, config.scheduler.block_size);
+        runner
+            .allocate_kv_cache(config.scheduler.num_blocks, config.scheduler.block_size)
+            .map_err(|e| EngineError::Device(e.to_string()))?;
         stats.num_blocks.store(config.scheduler.num_blocks as u64, Ordering::Relaxed);
         Ok(Engine {
             scheduler,
-            model,
-            kv,
+            runner,
+            block_size: config.scheduler.block_size,
             tokenizer,
             eos_token_ids: config.eos_token_ids.clone(),
             sequences: HashMap::new(),
@@ -230,7 +232,7 @@ impl Engine {
             self.publish_stats();
             return;
         }
-        let block_size = self.kv.block_size;
+        let block_size = self.block_size;
         let mut input = ModelInput::default();
         // Per scheduled request: whether all its rows' logits are in the output (prompt logprobs).
         let mut all_rows = Vec::with_capacity(out.scheduled.len());
@@ -257,8 +259,29 @@ impl Engine {
             );
             all_rows.push(wants_prompt);
         }
-        let logits = self.model.forward(&input, &mut self.kv);
-        let vocab = self.model.config.vocab_size;
+        // Rows whose sampler needs only the argmax of the raw logits (greedy, nothing masked or
+        // penalized, no top logprobs): the runner may pick it where the logits are.
+        let mut argmax_only = Vec::with_capacity(input.logits_indices.len());
+        for (s, &all) in out.scheduled.iter().zip(&all_rows) {
+            if all {
+                argmax_only.extend(std::iter::repeat_n(false, s.num_scheduled_tokens));
+            } else if s.samples_next_token {
+                argmax_only.push(self.sequences.get(&s.request_id).is_some_and(|q| q.sampler.is_plain_argmax()));
+            }
+        }
+        let logits = match self.runner.execute(&input, &argmax_only) {
+            Ok(logits) => logits,
+            Err(err) => {
+                // The step's KV writes may be incomplete: every request in it is aborted.
+                tracing_error(&EngineError::Device(err.to_string()));
+                for s in &out.scheduled {
+                    self.scheduler.finish_request(s.request_id, FinishReason::Abort);
+                    self.send_final(s.request_id, FinishReason::Abort);
+                }
+                self.publish_stats();
+                return;
+            }
+        };
 
         // Each scheduled request's rows of `logits`.
         let mut rows_of = HashMap::with_capacity(out.scheduled.len());
@@ -277,14 +300,17 @@ impl Engine {
             .par_iter_mut()
             .filter_map(|(seq, &LogitRows { s, first: row, count: rows, all })| {
                 if all {
-                    record_prompt_logprobs(seq, s, &logits[row * vocab..(row + rows) * vocab], vocab);
+                    record_prompt_logprobs(seq, s, &logits, row);
                 }
                 if !s.samples_next_token {
                     return None;
                 }
-                let last = row + rows - 1;
-                let result = seq.sampler.sample(&logits[last * vocab..(last + 1) * vocab], eos_token_ids);
-                Some((s.request_id, result.map_err(|_| ())))
+                let result = match logits.row(row + rows - 1) {
+                    RowLogits::Full(row) => seq.sampler.sample(row, eos_token_ids).map_err(|_| ()),
+                    RowLogits::Argmax { token: Some(token), logprob } => Ok(seq.sampler.accept(token, logprob)),
+                    RowLogits::Argmax { token: None, .. } => Err(()),
+                };
+                Some((s.request_id, result))
             })
             .collect();
         drop(work);
@@ -393,14 +419,14 @@ impl Engine {
     }
 }
 
-/// Stores the logprob of each prompt token that the rows of this chunk predict.
-// logits: [s.num_scheduled_tokens, vocab]
-fn record_prompt_logprobs(seq: &mut Sequence, s: &ScheduledRequest, logits: &[f32], vocab: usize) {
+/// Stores the logprob of each prompt token that the rows of this chunk predict (rows
+/// `first..first + s.num_scheduled_tokens` of `logits`, all full).
+fn record_prompt_logprobs(seq: &mut Sequence, s: &ScheduledRequest, logits: &StepLogits, first: usize) {
     let Some(p) = seq.prompt_logprobs.as_mut() else { return };
     for i in 0..s.num_scheduled_tokens {
         let next = s.num_computed_tokens + i + 1;
-        if next < p.prompt.len() {
-            p.values[next] = Some(token_logprobs(&logits[i * vocab..(i + 1) * vocab], p.prompt[next], p.num_top));
+        if let (Some(&token), RowLogits::Full(row)) = (p.prompt.get(next), logits.row(first + i)) {
+            p.values[next] = Some(token_logprobs(row, token, p.num_top));
         }
     }
 }

@@ -5,7 +5,8 @@
 //! bandwidth is measured, not taken from a datasheet: a multi-threaded streaming read over a
 //! buffer far larger than the caches, best of a few repetitions.
 //!
-//! Only the CPU is measured today; a CUDA device would time a device-to-device copy here.
+//! On the CPU that is a multi-threaded streaming read; on a GPU, a device-to-device copy, counted
+//! as bytes read plus bytes written (the copy rate is the HBM rate).
 
 use std::hint::black_box;
 use std::time::Instant;
@@ -19,12 +20,20 @@ const CHUNK: usize = 1 << 16;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Device {
     Cpu,
+    /// The first GPU (`cuda` builds only).
+    Cuda,
 }
 
 impl Device {
-    pub fn name(self) -> &'static str {
-        match self {
-            Device::Cpu => "cpu",
+    /// The device an engine started with `args` runs on (`auto` probes for a GPU).
+    pub fn of(args: &crate::loader::EngineArgs) -> Device {
+        use crate::loader::Device as Flag;
+        match args.device {
+            Flag::Cpu => Device::Cpu,
+            Flag::Cuda => Device::Cuda,
+            #[cfg(feature = "cuda")]
+            Flag::Auto if ferrolm_backend::cuda::Gpu::new(0).is_ok() => Device::Cuda,
+            Flag::Auto => Device::Cpu,
         }
     }
 }
@@ -50,12 +59,44 @@ impl Bandwidth {
     }
 }
 
-/// Reads `buffer_bytes` of memory `repetitions` times with every rayon thread and keeps the
-/// fastest pass.
-pub fn measure(device: Device, buffer_bytes: usize, repetitions: usize) -> Bandwidth {
+/// Streams `buffer_bytes` of memory `repetitions` times (CPU: read with every rayon thread; GPU:
+/// copy device to device) and keeps the fastest pass.
+pub fn measure(device: Device, buffer_bytes: usize, repetitions: usize) -> anyhow::Result<Bandwidth> {
     match device {
-        Device::Cpu => measure_cpu_read(buffer_bytes, repetitions),
+        Device::Cpu => Ok(measure_cpu_read(buffer_bytes, repetitions)),
+        Device::Cuda => measure_gpu_copy(buffer_bytes, repetitions),
     }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn measure_gpu_copy(_buffer_bytes: usize, _repetitions: usize) -> anyhow::Result<Bandwidth> {
+    anyhow::bail!("this build of ferrolm has no CUDA backend (build with `--features cuda`)")
+}
+
+#[cfg(feature = "cuda")]
+fn measure_gpu_copy(buffer_bytes: usize, repetitions: usize) -> anyhow::Result<Bandwidth> {
+    use anyhow::Context;
+
+    let gpu = ferrolm_backend::cuda::Gpu::new(0).context("cannot measure the GPU's bandwidth")?;
+    let stream = gpu.stream();
+    let len = buffer_bytes.max(1 << 20);
+    let src = stream.alloc_zeros::<u8>(len)?;
+    let mut dst = stream.alloc_zeros::<u8>(len)?;
+    stream.memcpy_dtod(&src, &mut dst)?;
+    stream.synchronize()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..repetitions.max(1) {
+        let start = Instant::now();
+        stream.memcpy_dtod(&src, &mut dst)?;
+        stream.synchronize()?;
+        best = best.min(start.elapsed().as_secs_f64());
+    }
+    Ok(Bandwidth {
+        bytes_per_s: 2.0 * len as f64 / best,
+        buffer_bytes: len,
+        repetitions: repetitions.max(1),
+        threads: 0,
+    })
 }
 
 fn measure_cpu_read(buffer_bytes: usize, repetitions: usize) -> Bandwidth {
@@ -123,7 +164,7 @@ mod tests {
 
     #[test]
     fn bandwidth_is_positive_and_limit_is_consistent() {
-        let bw = measure(Device::Cpu, 8 << 20, 2);
+        let bw = measure(Device::Cpu, 8 << 20, 2).expect("the CPU can always be measured");
         assert!(bw.bytes_per_s > 0.0 && bw.bytes_per_s.is_finite());
         assert_eq!(bw.buffer_bytes, 8 << 20);
         let limit = decode_limit(&bw, 1e6, 10.0);

@@ -56,12 +56,12 @@ pub fn run(args: LatencyArgs) -> Result<()> {
     if args.input_len == 0 || args.output_len == 0 || args.num_iters == 0 {
         bail!("--input-len, --output-len and --num-iters must be positive");
     }
-    let device = Device::Cpu;
+    let device = Device::of(&args.model.engine);
     // Measured before the model is loaded and again once it is freed (so that the buffer and the
     // weights are never both resident); the better pass counts, which keeps a burst of other
     // work on the machine from lowering the ceiling.
-    eprintln!("measuring memory read bandwidth ({} MiB buffer)...", args.bandwidth_buffer_mb);
-    let before = bandwidth::measure(device, args.bandwidth_buffer_mb << 20, args.bandwidth_repetitions);
+    eprintln!("measuring {device:?} memory bandwidth ({} MiB buffer)...", args.bandwidth_buffer_mb);
+    let before = bandwidth::measure(device, args.bandwidth_buffer_mb << 20, args.bandwidth_repetitions)?;
 
     let (engine, model) = setup::load(&args.model, 1, args.input_len + args.output_len)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
@@ -86,7 +86,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     drop(engine);
-    let after = bandwidth::measure(device, args.bandwidth_buffer_mb << 20, args.bandwidth_repetitions);
+    let after = bandwidth::measure(device, args.bandwidth_buffer_mb << 20, args.bandwidth_repetitions)?;
     let bw = before.best_of(after);
 
     let summaries = LatencySummaries::from_timings(&timings);
@@ -117,7 +117,7 @@ fn print_table(model: &BenchModel, s: &LatencySummaries, decode_rate: f64, bw: &
     let mut table = report::Table::new("Latency Benchmark Result");
     table
         .text("Model", model_label(model))
-        .text("Device", Device::Cpu.name())
+        .text("Device", &model.device)
         .num("Mean E2E latency (ms)", s.e2el.mean)
         .num("Decode throughput (tok/s)", decode_rate)
         .latency("Time to First Token", "TTFT", &s.ttft)
@@ -142,7 +142,7 @@ fn results(
     limit: &DecodeLimit,
 ) -> Map<String, Value> {
     let mut r = report::header("latency", args);
-    r.insert("device".into(), Device::Cpu.name().into());
+    r.insert("device".into(), model.device.clone().into());
     r.insert("dtype".into(), setup::dtype_name(model.dtype).into());
     r.insert("model".into(), model.describe());
     r.insert("load_seconds".into(), model.load_seconds.into());

@@ -10,8 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferrolm_backend::DType;
 use ferrolm_engine::EngineHandle;
-use ferrolm_model::config::parse_dtype;
-use ferrolm_model::{GenerationConfig, KvCache, Model, ModelConfig, WeightSource};
+use ferrolm_model::{GenerationConfig, Model, ModelConfig, WeightSource};
 use ferrolm_tokenizer::Tokenizer;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -29,19 +28,9 @@ pub struct ModelArgs {
     /// Random weights instead of the checkpoint's (of --model-config, else of --model's config).
     #[arg(long)]
     pub dummy_weights: bool,
-    /// Dtype of the random weights: bfloat16, float16 or float32; defaults to the config's.
-    #[arg(long, value_parser = parse_dtype_flag)]
-    pub dtype: Option<String>,
     /// Seed of the random weights.
     #[arg(long, default_value_t = 0)]
     pub weight_seed: u64,
-}
-
-fn parse_dtype_flag(name: &str) -> Result<String, String> {
-    match parse_dtype(name) {
-        Some(_) => Ok(name.to_owned()),
-        None => Err(format!("unknown dtype `{name}`: use bfloat16, float16 or float32")),
-    }
 }
 
 /// What the reports need to know about the model an engine runs.
@@ -51,6 +40,10 @@ pub struct BenchModel {
     pub dtype: DType,
     /// Bytes of all weight matrices (embedding and LM head included).
     pub weight_bytes: usize,
+    /// Where the model runs: `cpu`, `cuda:0 (NVIDIA H200)`.
+    pub device: String,
+    /// Bytes per element of the KV cache: f32 on the CPU, the model dtype on the GPU.
+    pub kv_elem_bytes: usize,
     /// Where the model came from: a directory, or `config.json (random weights)`.
     pub source: String,
     pub load_seconds: f64,
@@ -73,7 +66,7 @@ impl BenchModel {
 
     /// Bytes of K and V that one decode step reads per token of context (the CPU cache is f32).
     pub fn kv_bytes_per_context_token(&self) -> usize {
-        KvCache::bytes_per_block(self.config.num_hidden_layers, 1, self.config.kv_size())
+        self.config.num_hidden_layers * 2 * self.config.kv_size() * self.kv_elem_bytes
     }
 
     /// The model's shape, for the JSON report.
@@ -146,8 +139,9 @@ pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(Eng
     if engine_args.max_model_len.is_none() {
         engine_args.max_model_len = Some(longest.min(config.max_position_embeddings));
     }
-    if args.dtype.is_some() && !args.dummy_weights {
-        bail!("--dtype applies to --dummy-weights only (a checkpoint runs in its own dtype)");
+    let on_cpu = engine_args.device == loader::Device::Cpu || !cfg!(feature = "cuda");
+    if engine_args.dtype.is_some() && !args.dummy_weights && on_cpu {
+        bail!("--dtype on the CPU applies to --dummy-weights only (a checkpoint runs in its own dtype)");
     }
     // A tokenizer only where a directory has one: it names the special ids to keep out of prompts.
     let tokenizer = match &dir {
@@ -158,10 +152,7 @@ pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(Eng
     };
 
     let (model, dtype) = if args.dummy_weights {
-        let dtype = match &args.dtype {
-            Some(name) => parse_dtype(name).context("dtype checked by clap")?,
-            None => config.dtype,
-        };
+        let dtype = engine_args.dtype().unwrap_or(config.dtype);
         let src = WeightSource::random(dtype, args.weight_seed);
         (Model::load(config.clone(), &src)?, dtype)
     } else {
@@ -186,8 +177,23 @@ pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(Eng
         _ => GenerationConfig::default(),
     };
     let eos = loader::eos_token_ids(&config, &generation, tokenizer.as_deref());
-    let engine = loader::start_engine(model, tokenizer, eos, &engine_args)?;
-    let model =
-        BenchModel { config, dtype, weight_bytes, source, load_seconds: started.elapsed().as_secs_f64(), prompts };
+    let placed = loader::make_runner(model, &engine_args)?;
+    let device = placed.runner.device();
+    let kv_elem_bytes = if placed.device_kv_blocks.is_some() {
+        engine_args.dtype().unwrap_or(DType::BF16).size_in_bytes()
+    } else {
+        DType::F32.size_in_bytes()
+    };
+    let engine = loader::start_engine(placed, tokenizer, eos, &engine_args)?;
+    let model = BenchModel {
+        config,
+        dtype,
+        device,
+        kv_elem_bytes,
+        weight_bytes,
+        source,
+        load_seconds: started.elapsed().as_secs_f64(),
+        prompts,
+    };
     Ok((engine, model))
 }

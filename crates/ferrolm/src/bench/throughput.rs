@@ -14,7 +14,7 @@ use serde_json::Value;
 use super::metrics::{LatencySummaries, RequestTiming};
 use super::setup::{self, BenchModel, ModelArgs};
 use super::workload::{BenchRequest, WorkloadArgs};
-use super::{bench_params, collect_timing, model_label, report, Device};
+use super::{bench_params, collect_timing, model_label, report};
 
 #[derive(Args, Debug, Serialize)]
 pub struct ThroughputArgs {
@@ -42,7 +42,7 @@ pub fn run(args: ThroughputArgs) -> Result<()> {
     let mut table = report::Table::new("Offline Throughput Benchmark Result");
     table
         .text("Model", model_label(&model))
-        .text("Device", Device::Cpu.name())
+        .text("Device", &model.device)
         .text("Successful requests", timings.iter().filter(|t| t.success).count())
         .num("Benchmark duration (s)", elapsed)
         .text("Total input tokens", results["total_input_tokens"].clone())
@@ -103,7 +103,7 @@ fn summarize(
     let n = timings.len();
     let stats = engine.stats();
     let mut r = report::header("throughput", args);
-    r.insert("device".into(), Device::Cpu.name().into());
+    r.insert("device".into(), model.device.clone().into());
     r.insert("dtype".into(), setup::dtype_name(model.dtype).into());
     r.insert("model".into(), model.describe());
     r.insert("load_seconds".into(), model.load_seconds.into());

@@ -1,0 +1,41 @@
+//! CUDA backend ops (`cuda` feature): the GPU counterparts of [`crate::cpu`], same layouts and
+//! same math, with activations in a dtype chosen at run time (f32, bf16 or f16).
+//!
+//! Contract shared by every op, as on the CPU: row-major buffers, shapes in the doc comments,
+//! outputs fully overwritten unless the name says otherwise, and shape or dtype mismatches are
+//! caller bugs that panic with the op's name. What can fail at run time (a missing driver, a
+//! launch, a copy) is a [`GpuError`].
+//!
+//! Invariants:
+//! - One [`Gpu`] owns one stream and issues every op, copy and cuBLAS call on it, so work runs
+//!   in the order it was issued. cudarc's per-buffer event tracking is therefore switched off.
+//! - Arithmetic is f32 whatever the storage dtype; each op rounds its outputs to the storage
+//!   dtype once. Small parameter vectors (norm weights, biases, RoPE frequencies) stay f32.
+//! - Index buffers (token ids, positions, slot mapping, block tables, query_start_loc,
+//!   seq_lens) are plain `CudaSlice`s uploaded each step with [`Gpu::upload`].
+//!
+//! Layout: `gpu` (device, context, kernels) and `compile` (NVRTC and its disk cache) set up;
+//! `tensor` holds device buffers; the ops are split by kind, with their CUDA C++ source in
+//! `kernels/`.
+
+mod attention;
+mod compile;
+mod error;
+mod gpu;
+mod linear;
+mod logits;
+mod ops;
+mod rope;
+mod tensor;
+
+pub use attention::{paged_attention, reshape_and_cache, GpuAttentionMetadata};
+pub use cudarc::driver::{CudaSlice, DevicePtr};
+pub use error::GpuError;
+pub use gpu::Gpu;
+pub use linear::linear;
+pub use logits::{argmax_logsumexp, argmax_logsumexp_into, RowArgmax};
+pub use ops::{
+    add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, split_qkv,
+};
+pub use rope::{rope, GpuRopeTable};
+pub use tensor::{GpuTensor, GpuView, GpuViewMut};

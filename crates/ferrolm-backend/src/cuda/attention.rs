@@ -1,0 +1,445 @@
+//! The paged KV cache on the device: writing new tokens' K/V ([`reshape_and_cache`]) and causal
+//! attention over it ([`paged_attention`]), with the semantics of the CPU ops of the same names.
+//!
+//! Each layer's cache is a K and a V tensor of `[num_blocks * block_size, num_kv_heads * head_dim]`
+//! in the activation dtype; `slot = block_id * block_size + offset`.
+//!
+//! Two kernels compute attention. Batches of decodes (`max_query_len <= 1`) take the decode
+//! kernel: one block per (token, KV head, context partition), K/V read once per GQA group with
+//! 16-byte loads, and, when there are too few (token, KV head) pairs to fill the device, the
+//! context split into partitions whose partial results a second kernel combines (flash-decoding).
+//! Everything else, and head sizes the decode kernel does not take, goes to the general kernel,
+//! which tiles query rows and keys through shared memory. Both compute the same function for any
+//! batch; `max_query_len` only picks the kernel.
+
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+
+use super::gpu::{rows_config, to_u32};
+use super::ops::same_dtype;
+use super::{Gpu, GpuError, GpuView, GpuViewMut};
+
+/// Keys per shared-memory tile (`ATTN_TILE` in attention.cu).
+const KEY_TILE: usize = 32;
+/// Accumulator elements per thread (`ATTN_ACC` in attention.cu).
+const ACC_PER_THREAD: usize = 16;
+/// Query tokens per block at most when a request has several.
+const MAX_QUERY_TILE: usize = 32;
+
+/// Threads of a decode block (`DECODE_WARPS * 32` in attention.cu).
+const DECODE_THREADS: usize = 128;
+/// Keys per chunk of a decode block's scores (`DECODE_CHUNK` in attention.cu).
+const DECODE_CHUNK: usize = 256;
+/// Query heads a decode block takes at most (the largest `G` the kernel is instantiated for).
+const DECODE_MAX_HEADS: usize = 8;
+/// Decode blocks wanted per launch: a few per SM of a large GPU (132 on an H200), so that short
+/// batches still fill the device.
+const DECODE_TARGET_BLOCKS: usize = 512;
+/// Fewest keys per partition: below this a block's fixed cost outweighs its loads.
+const DECODE_MIN_PART: usize = 32;
+/// Most partitions per (token, head); bounds the workspace and the combine step.
+const DECODE_MAX_PARTS: usize = 128;
+
+/// Describes the flattened batch for [`paged_attention`], as [`crate::cpu::AttentionMetadata`]
+/// does, with the index buffers on the device.
+#[derive(Clone, Copy, Debug)]
+pub struct GpuAttentionMetadata<'a> {
+    /// `[num_reqs + 1]`: request `r` owns query rows `query_start_loc[r]..query_start_loc[r + 1]`.
+    pub query_start_loc: &'a CudaSlice<u32>,
+    /// `[num_reqs]`: context length of request `r` after this step (cached + new tokens).
+    pub seq_lens: &'a CudaSlice<u32>,
+    /// `[num_reqs, max_blocks_per_seq]`, padded: the KV block ids of each request.
+    pub block_tables: &'a CudaSlice<u32>,
+    pub max_blocks_per_seq: usize,
+    /// The most query rows of any request (1 for a batch of decodes). Only the work split
+    /// depends on it; results are correct for any value.
+    pub max_query_len: usize,
+    pub block_size: usize,
+    /// A query at position `p` sees keys at positions `j` with `p - window < j <= p` (HF semantics).
+    pub sliding_window: Option<usize>,
+    /// Softmax scale, usually `1 / sqrt(head_dim)`.
+    pub scale: f32,
+}
+
+/// Writes each token's K and V into the paged cache at `slot_mapping[t]` (a negative slot is
+/// padding and is skipped). `k`, `v`: `[T, kv_width]`; caches: `[num_blocks * block_size, kv_width]`,
+/// all in one dtype. Slots must lie inside the cache (one past it is skipped).
+pub fn reshape_and_cache(
+    gpu: &Gpu,
+    k: GpuView<'_>,
+    v: GpuView<'_>,
+    slot_mapping: &impl DevicePtr<i64>,
+    kv_width: usize,
+    k_cache: GpuViewMut<'_>,
+    v_cache: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    let tokens = slot_mapping.len();
+    assert!(kv_width > 0, "reshape_and_cache: kv_width is 0");
+    assert_eq!(
+        k.len(),
+        tokens * kv_width,
+        "reshape_and_cache: k has {} elements, expected [{tokens}, {kv_width}]",
+        k.len()
+    );
+    assert_eq!(
+        v.len(),
+        tokens * kv_width,
+        "reshape_and_cache: v has {} elements, expected [{tokens}, {kv_width}]",
+        v.len()
+    );
+    assert_eq!(k_cache.len(), v_cache.len(), "reshape_and_cache: k_cache and v_cache differ in size");
+    assert_eq!(k_cache.len() % kv_width, 0, "reshape_and_cache: cache is not whole slots of {kv_width}");
+    for dtype in [v.dtype(), k_cache.dtype(), v_cache.dtype()] {
+        same_dtype("reshape_and_cache", k.dtype(), dtype);
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    let (k_ptr, v_ptr, slots_ptr) = (k.ptr(), v.ptr(), gpu.index_ptr(slot_mapping));
+    let (kc_ptr, vc_ptr) = (k_cache.ptr(), v_cache.ptr());
+    let width = to_u32("reshape_and_cache", "kv_width", kv_width);
+    let num_slots = (k_cache.len() / kv_width) as i64;
+    let mut launch = gpu.launch_builder("reshape_and_cache", k.dtype());
+    launch.arg(&k_ptr).arg(&v_ptr).arg(&slots_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&width).arg(&num_slots);
+    // SAFETY: the arguments match the kernel's parameters; the kernel checks every slot.
+    unsafe { launch.launch(rows_config(tokens, kv_width)) }?;
+    Ok(())
+}
+
+/// Causal attention of every query row over its request's paged K/V (which must already hold the
+/// new tokens: call [`reshape_and_cache`] first), as [`crate::cpu::paged_attention`]. GQA: query
+/// head `h` reads KV head `h / (num_heads / num_kv_heads)`. `q`, `out`: `[T, num_heads, head_dim]`;
+/// caches as in [`reshape_and_cache`]; all in one dtype. Block ids past the cache read as zeros.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention(
+    gpu: &Gpu,
+    q: GpuView<'_>,
+    k_cache: GpuView<'_>,
+    v_cache: GpuView<'_>,
+    meta: &GpuAttentionMetadata<'_>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    out: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    let op = "paged_attention";
+    assert!(
+        num_heads > 0 && num_kv_heads > 0 && head_dim > 0,
+        "{op}: num_heads, num_kv_heads and head_dim must be positive"
+    );
+    assert_eq!(
+        num_heads % num_kv_heads,
+        0,
+        "{op}: {num_heads} query heads do not share {num_kv_heads} KV heads evenly"
+    );
+    let token_width = num_heads * head_dim;
+    assert_eq!(q.len() % token_width, 0, "{op}: q is not [T, {num_heads}, {head_dim}]");
+    assert_eq!(out.len(), q.len(), "{op}: out and q differ in size");
+    let num_reqs = meta.seq_lens.len();
+    assert_eq!(meta.query_start_loc.len(), num_reqs + 1, "{op}: query_start_loc must have num_reqs + 1 entries");
+    assert_eq!(
+        meta.block_tables.len(),
+        num_reqs * meta.max_blocks_per_seq,
+        "{op}: block_tables is not [num_reqs, max_blocks_per_seq]"
+    );
+    assert!(meta.block_size > 0, "{op}: block_size is 0");
+    assert!(meta.sliding_window != Some(0), "{op}: sliding window of 0 sees nothing");
+    let kv_width = num_kv_heads * head_dim;
+    assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
+    assert_eq!(k_cache.len() % kv_width, 0, "{op}: cache is not whole slots");
+    for dtype in [k_cache.dtype(), v_cache.dtype(), out.dtype()] {
+        same_dtype(op, q.dtype(), dtype);
+    }
+    let num_tokens = q.len() / token_width;
+    if num_tokens == 0 {
+        return Ok(());
+    }
+
+    if meta.max_query_len <= 1 && decode_supported(head_dim, k_cache, v_cache) {
+        paged_decode(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
+    } else {
+        paged_general(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
+    }
+}
+
+/// The decode kernel reads 8 elements per lane with 16-byte loads, `head_dim / 8` lanes per key.
+fn decode_supported(head_dim: usize, k_cache: GpuView<'_>, v_cache: GpuView<'_>) -> bool {
+    let lanes = head_dim / 8;
+    head_dim % 8 == 0 && lanes.is_power_of_two() && lanes <= 32 && k_cache.ptr() % 16 == 0 && v_cache.ptr() % 16 == 0
+}
+
+/// The arguments both kernels take after their pointers, in order.
+fn shape_args(
+    op: &str,
+    meta: &GpuAttentionMetadata<'_>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    num_blocks: usize,
+) -> [u32; 7] {
+    [
+        to_u32(op, "num_heads", num_heads),
+        to_u32(op, "num_kv_heads", num_kv_heads),
+        to_u32(op, "head_dim", head_dim),
+        to_u32(op, "max_blocks_per_seq", meta.max_blocks_per_seq),
+        to_u32(op, "block_size", meta.block_size),
+        u32::try_from(num_blocks).unwrap_or(u32::MAX),
+        // 0 is "no window"; a window past u32 sees everything, as no window does.
+        meta.sliding_window.map_or(0, |w| u32::try_from(w).unwrap_or(0)),
+    ]
+}
+
+#[allow(clippy::too_many_arguments)]
+fn paged_decode(
+    gpu: &Gpu,
+    q: GpuView<'_>,
+    k_cache: GpuView<'_>,
+    v_cache: GpuView<'_>,
+    meta: &GpuAttentionMetadata<'_>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    out: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    let op = "paged_attention";
+    let num_tokens = q.len() / (num_heads * head_dim);
+    let num_reqs = meta.seq_lens.len();
+    // The longest context any row can see, from the block tables' width (no read of seq_lens).
+    let mut max_context = meta.max_blocks_per_seq * meta.block_size;
+    if let Some(w) = meta.sliding_window {
+        max_context = max_context.min(w);
+    }
+    let split = DecodeSplit::new(num_heads / num_kv_heads, num_tokens * num_kv_heads, max_context);
+    let num_parts = split.num_parts;
+
+    // Partial results of each (token, head, partition): out then (max, sum), f32; none when the
+    // context is not split. Stream-ordered allocation: freed after the kernels that use it.
+    let partial_len = num_tokens * num_heads * num_parts * head_dim;
+    let stats_len = num_tokens * num_heads * num_parts * 2;
+    let workspace = if num_parts > 1 {
+        // SAFETY: the decode kernel writes every element the combine kernel reads.
+        Some(unsafe { gpu.stream().alloc::<f32>(partial_len + stats_len) }?)
+    } else {
+        None
+    };
+    let (part_out, part_ml) = match &workspace {
+        Some(ws) => {
+            let base = gpu.index_ptr(ws);
+            (base, base + (partial_len * std::mem::size_of::<f32>()) as u64)
+        }
+        None => (0u64, 0u64),
+    };
+
+    let kv_width = num_kv_heads * head_dim;
+    let num_blocks = k_cache.len() / kv_width / meta.block_size;
+    let g = split.heads_per_block;
+    let shared = 4 * (g * DECODE_CHUNK + 3 * g + (DECODE_THREADS / 32) * g * head_dim);
+    let cfg = LaunchConfig {
+        grid_dim: (
+            to_u32(op, "num_tokens", num_tokens),
+            to_u32(op, "KV heads times head chunks", num_kv_heads * split.head_chunks),
+            to_u32(op, "partitions", num_parts),
+        ),
+        block_dim: (DECODE_THREADS as u32, 1, 1),
+        shared_mem_bytes: shared as u32,
+    };
+    let (q_ptr, kc_ptr, vc_ptr, out_ptr) = (q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr());
+    let qsl_ptr = gpu.index_ptr(meta.query_start_loc);
+    let lens_ptr = gpu.index_ptr(meta.seq_lens);
+    let tables_ptr = gpu.index_ptr(meta.block_tables);
+    let reqs = to_u32(op, "num_reqs", num_reqs);
+    let args = shape_args(op, meta, num_heads, num_kv_heads, head_dim, num_blocks);
+    let part_len = to_u32(op, "partition length", split.part_len);
+    let kernel = match g {
+        1 => "paged_attention_decode_g1",
+        2 => "paged_attention_decode_g2",
+        4 => "paged_attention_decode_g4",
+        _ => "paged_attention_decode_g8",
+    };
+    let mut launch = gpu.launch_builder(kernel, q.dtype());
+    launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&out_ptr).arg(&part_out).arg(&part_ml);
+    launch.arg(&qsl_ptr).arg(&lens_ptr).arg(&tables_ptr).arg(&reqs);
+    for a in &args {
+        launch.arg(a);
+    }
+    launch.arg(&meta.scale).arg(&part_len);
+    // SAFETY: the arguments match the kernel's parameters in order; head_dim suits the kernel
+    // (`decode_supported`), the workspace holds `num_parts` partitions of every (token, head),
+    // and the shared memory is as the kernel lays it out.
+    unsafe { launch.launch(cfg) }?;
+
+    if num_parts > 1 {
+        let cfg = LaunchConfig {
+            grid_dim: (to_u32(op, "num_tokens", num_tokens), to_u32(op, "num_heads", num_heads), 1),
+            block_dim: (head_dim.div_ceil(32).min(4) as u32 * 32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (heads, dim, parts) = (args[0], args[2], to_u32(op, "partitions", num_parts));
+        let mut launch = gpu.launch_builder("paged_attention_combine", q.dtype());
+        launch.arg(&part_out).arg(&part_ml).arg(&out_ptr).arg(&heads).arg(&dim).arg(&parts);
+        // SAFETY: the arguments match the kernel's parameters; the decode launch above wrote
+        // every partition's statistics, and the output of every partition that saw keys.
+        unsafe { launch.launch(cfg) }?;
+    }
+    // The workspace's free is queued on the stream after both kernels.
+    drop(workspace);
+    Ok(())
+}
+
+/// How the decode kernel splits the work: `heads_per_block` query heads of one KV head per
+/// block (the kernel's `G`), `head_chunks` blocks per KV head, and each row's visible keys in
+/// `num_parts` partitions of `part_len` keys (the last takes whatever remains).
+#[derive(Debug, PartialEq)]
+struct DecodeSplit {
+    heads_per_block: usize,
+    head_chunks: usize,
+    num_parts: usize,
+    part_len: usize,
+}
+
+impl DecodeSplit {
+    /// `rows`: (token, KV head) pairs; `max_context`: the most keys a row can see.
+    fn new(group: usize, rows: usize, max_context: usize) -> DecodeSplit {
+        let heads_per_block = group.min(DECODE_MAX_HEADS).next_power_of_two();
+        let head_chunks = group.div_ceil(heads_per_block);
+        let max_context = max_context.max(1);
+        let blocks = (rows * head_chunks).max(1);
+        let parts =
+            DECODE_TARGET_BLOCKS.div_ceil(blocks).min(max_context.div_ceil(DECODE_MIN_PART)).clamp(1, DECODE_MAX_PARTS);
+        let part_len = max_context.div_ceil(parts).next_multiple_of(16);
+        DecodeSplit { heads_per_block, head_chunks, num_parts: max_context.div_ceil(part_len), part_len }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn paged_general(
+    gpu: &Gpu,
+    q: GpuView<'_>,
+    k_cache: GpuView<'_>,
+    v_cache: GpuView<'_>,
+    meta: &GpuAttentionMetadata<'_>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    out: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    let op = "paged_attention";
+    let num_tokens = q.len() / (num_heads * head_dim);
+    let num_reqs = meta.seq_lens.len();
+    let kv_width = num_kv_heads * head_dim;
+    let shape = TileShape::new(num_heads / num_kv_heads, head_dim, meta.max_query_len);
+    let shared = shape.shared_bytes(head_dim);
+    if shared > gpu.max_shared_per_block() {
+        return Err(GpuError::Unsupported {
+            op,
+            reason: format!(
+                "head_dim {head_dim} needs {shared} bytes of shared memory per block, the device has {}",
+                gpu.max_shared_per_block()
+            ),
+        });
+    }
+    let cfg = LaunchConfig {
+        grid_dim: (
+            to_u32(op, "query tiles", num_tokens.div_ceil(shape.q_tile)),
+            to_u32(op, "num_kv_heads", num_kv_heads),
+            to_u32(op, "head chunks", (num_heads / num_kv_heads).div_ceil(shape.heads_per_block)),
+        ),
+        block_dim: (shape.threads as u32, 1, 1),
+        shared_mem_bytes: shared as u32,
+    };
+    let (q_ptr, kc_ptr, vc_ptr, out_ptr) = (q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr());
+    let qsl_ptr = gpu.index_ptr(meta.query_start_loc);
+    let lens_ptr = gpu.index_ptr(meta.seq_lens);
+    let tables_ptr = gpu.index_ptr(meta.block_tables);
+    let num_blocks = k_cache.len() / kv_width / meta.block_size;
+    let (reqs, tokens) = (to_u32(op, "num_reqs", num_reqs), to_u32(op, "num_tokens", num_tokens));
+    let args = shape_args(op, meta, num_heads, num_kv_heads, head_dim, num_blocks);
+    let (q_tile, heads_per_block) = (shape.q_tile as u32, shape.heads_per_block as u32);
+    let mut launch = gpu.launch_builder(op, q.dtype());
+    launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&out_ptr).arg(&qsl_ptr).arg(&lens_ptr).arg(&tables_ptr);
+    launch.arg(&reqs).arg(&tokens);
+    for a in &args {
+        launch.arg(a);
+    }
+    launch.arg(&meta.scale).arg(&q_tile).arg(&heads_per_block);
+    // SAFETY: the arguments match the kernel's parameters in order; the tile shape keeps every
+    // block's accumulators within `threads * ACC_PER_THREAD` and its shared memory as computed.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// How [`paged_attention`] splits the work: each block takes `q_tile` tokens and
+/// `heads_per_block` query heads of one KV head, so that its rows share every K/V tile.
+#[derive(Debug, PartialEq)]
+struct TileShape {
+    threads: usize,
+    q_tile: usize,
+    heads_per_block: usize,
+}
+
+impl TileShape {
+    fn new(group: usize, head_dim: usize, max_query_len: usize) -> TileShape {
+        // Decodes have one row per query head: a smaller block keeps more of them resident.
+        let threads = if max_query_len <= 1 { 128 } else { 256 };
+        let rows_cap = (threads * ACC_PER_THREAD / head_dim).max(1);
+        let heads_per_block = group.min(rows_cap);
+        let q_tile = if max_query_len <= 1 { 1 } else { (rows_cap / heads_per_block).clamp(1, MAX_QUERY_TILE) };
+        TileShape { threads, q_tile, heads_per_block }
+    }
+
+    /// Dynamic shared memory of one block: q, K and V tiles, scores and softmax state, all f32.
+    fn shared_bytes(&self, head_dim: usize) -> usize {
+        let rows = self.q_tile * self.heads_per_block;
+        4 * (rows * head_dim + KEY_TILE * (head_dim + 1) + KEY_TILE * head_dim + rows * KEY_TILE + 3 * rows)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tiles_keep_accumulators_within_the_block() {
+        for group in [1, 2, 4, 7, 8, 16, 32, 64] {
+            for head_dim in [32, 64, 80, 128, 256, 512] {
+                for max_query_len in [1, 2, 17, 4096] {
+                    let s = TileShape::new(group, head_dim, max_query_len);
+                    let rows = s.q_tile * s.heads_per_block;
+                    assert!(rows * head_dim <= s.threads * ACC_PER_THREAD, "{s:?} group {group} dim {head_dim}");
+                    assert!(s.heads_per_block >= 1 && s.heads_per_block <= group && s.q_tile >= 1);
+                    if max_query_len == 1 {
+                        assert_eq!(s.q_tile, 1);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn prefill_tiles_share_keys_across_tokens_and_heads() {
+        assert_eq!(TileShape::new(8, 128, 100), TileShape { threads: 256, q_tile: 4, heads_per_block: 8 });
+        assert_eq!(TileShape::new(1, 128, 100), TileShape { threads: 256, q_tile: 32, heads_per_block: 1 });
+        assert_eq!(TileShape::new(32, 128, 1), TileShape { threads: 128, q_tile: 1, heads_per_block: 16 });
+    }
+
+    #[test]
+    fn decode_split_covers_the_context_and_fills_the_device() {
+        for group in [1, 2, 3, 4, 6, 8, 16, 32] {
+            for rows in [1, 8, 64, 2048, 100_000] {
+                for max_context in [0, 1, 16, 17, 384, 640, 3000, 131_072] {
+                    let s = DecodeSplit::new(group, rows, max_context);
+                    assert!(s.heads_per_block.is_power_of_two() && s.heads_per_block <= DECODE_MAX_HEADS, "{s:?}");
+                    assert!(s.heads_per_block * s.head_chunks >= group, "{s:?} group {group}");
+                    assert!(s.heads_per_block * (s.head_chunks - 1) < group, "{s:?} group {group}");
+                    assert!(s.num_parts >= 1 && s.num_parts <= DECODE_MAX_PARTS, "{s:?}");
+                    assert!(s.num_parts * s.part_len >= max_context, "{s:?} context {max_context}");
+                    assert!((s.num_parts - 1) * s.part_len < max_context.max(1), "{s:?} context {max_context}");
+                }
+            }
+        }
+        // Llama-3.1-8B (group 4, 8 KV heads): batch 1 splits its context, batch 256 does not.
+        let one = DecodeSplit::new(4, 8, 400);
+        assert_eq!(one, DecodeSplit { heads_per_block: 4, head_chunks: 1, num_parts: 13, part_len: 32 });
+        let many = DecodeSplit::new(4, 256 * 8, 656);
+        assert_eq!(many, DecodeSplit { heads_per_block: 4, head_chunks: 1, num_parts: 1, part_len: 656 });
+    }
+}

@@ -1,0 +1,144 @@
+//! Compiling the kernels with NVRTC for the device's own architecture, with the PTX cached on
+//! disk under `$XDG_CACHE_HOME/ferrolm` (or `~/.cache/ferrolm`), keyed by a hash of the source,
+//! the architecture, the compile options and the NVRTC version.
+//!
+//! The cache is an optimisation only: a directory that cannot be read or written, or a stale
+//! file, falls back to compiling, never to an error.
+
+use std::path::{Path, PathBuf};
+
+use cudarc::nvrtc::{self, CompileError, CompileOptions};
+
+use super::GpuError;
+
+/// The kernel sources, concatenated in this order into one module.
+const SOURCES: [(&str, &str); 6] = [
+    ("common.cuh", include_str!("kernels/common.cuh")),
+    ("norm.cu", include_str!("kernels/norm.cu")),
+    ("elementwise.cu", include_str!("kernels/elementwise.cu")),
+    ("rope.cu", include_str!("kernels/rope.cu")),
+    ("attention.cu", include_str!("kernels/attention.cu")),
+    ("logits.cu", include_str!("kernels/logits.cu")),
+];
+
+/// The module's PTX text and whether it came from the disk cache.
+pub(crate) struct KernelPtx {
+    pub(crate) text: String,
+    pub(crate) from_cache: bool,
+}
+
+/// Returns the PTX of every kernel for `arch` (`compute_XY`): from the cache when `use_cache`
+/// and a file is there, else compiled (and then stored in the cache).
+pub(crate) fn kernels_ptx(arch: &str, use_cache: bool) -> Result<KernelPtx, GpuError> {
+    let source = module_source();
+    let options = compile_options(arch);
+    let (major, minor) = nvrtc_version();
+    let mut key_text = format!("{source}\n{arch}\n{major}.{minor}\n");
+    for o in &options {
+        key_text.push_str(o);
+        key_text.push('\n');
+    }
+    let cache_file = cache_dir().map(|d| d.join(format!("kernels-{:016x}.ptx", fnv1a(key_text.as_bytes()))));
+    if use_cache {
+        if let Some(text) = cache_file.as_deref().and_then(|p| std::fs::read_to_string(p).ok()) {
+            return Ok(KernelPtx { text, from_cache: true });
+        }
+    }
+    let opts = CompileOptions { options, ..Default::default() };
+    let ptx = nvrtc::compile_ptx_with_opts(&source, opts).map_err(|e| compile_error(arch, e))?;
+    let text = ptx.to_src();
+    if let Some(path) = &cache_file {
+        store(path, &text);
+    }
+    Ok(KernelPtx { text, from_cache: false })
+}
+
+/// All kernel files in one translation unit, each preceded by a `#line` directive so that
+/// compiler messages name the file.
+fn module_source() -> String {
+    let mut source = String::new();
+    for (name, text) in SOURCES {
+        source.push_str(&format!("#line 1 \"{name}\"\n"));
+        source.push_str(text);
+        source.push('\n');
+    }
+    source
+}
+
+fn compile_options(arch: &str) -> Vec<String> {
+    let mut options = vec!["--std=c++17".to_string(), format!("--gpu-architecture={arch}")];
+    if let Some(dir) = cuda_include_dir() {
+        options.push(format!("--include-path={}", dir.display()));
+    }
+    options
+}
+
+/// Where `cuda_bf16.h` lives: /usr/local/cuda/include, else under `$CUDA_HOME` or `$CUDA_PATH`.
+/// `None` leaves NVRTC to its built-in headers.
+fn cuda_include_dir() -> Option<PathBuf> {
+    let candidates = std::iter::once(PathBuf::from("/usr/local/cuda"))
+        .chain(["CUDA_HOME", "CUDA_PATH"].into_iter().filter_map(std::env::var_os).map(PathBuf::from));
+    candidates.map(|root| root.join("include")).find(|dir| dir.join("cuda_bf16.h").is_file())
+}
+
+fn nvrtc_version() -> (i32, i32) {
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: both pointers are valid for writes; the library was checked present by `Gpu::new`.
+    let status = unsafe { nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if status != nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return (0, 0);
+    }
+    (major, minor)
+}
+
+fn compile_error(arch: &str, e: CompileError) -> GpuError {
+    let log = match e {
+        CompileError::CompileError { log, .. } => log.to_string_lossy().trim().replace('\n', " | "),
+        other => format!("{other:?}"),
+    };
+    GpuError::Compile { arch: arch.to_string(), log }
+}
+
+fn cache_dir() -> Option<PathBuf> {
+    let base = match std::env::var_os("XDG_CACHE_HOME").map(PathBuf::from) {
+        Some(dir) if dir.is_absolute() => dir,
+        _ => PathBuf::from(std::env::var_os("HOME")?).join(".cache"),
+    };
+    Some(base.join("ferrolm"))
+}
+
+/// Writes the cache file through a temporary file and a rename, so that a reader never sees a
+/// partial file; any failure leaves the cache as it was.
+fn store(path: &Path, text: &str) {
+    let Some(dir) = path.parent() else { return };
+    let tmp = dir.join(format!(".kernels-{}.tmp", std::process::id()));
+    let written = std::fs::create_dir_all(dir).and_then(|()| std::fs::write(&tmp, text));
+    if written.and_then(|()| std::fs::rename(&tmp, path)).is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+}
+
+/// 64-bit FNV-1a: stable across Rust releases, unlike `DefaultHasher`.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_source_is_in_the_module() {
+        let source = module_source();
+        for (name, text) in SOURCES {
+            assert!(source.contains(&format!("#line 1 \"{name}\"")), "{name}");
+            assert!(source.contains(text), "{name}");
+        }
+    }
+
+    #[test]
+    fn cache_keys_differ_with_their_input() {
+        assert_ne!(fnv1a(b"compute_90"), fnv1a(b"compute_80"));
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+    }
+}

@@ -1,0 +1,265 @@
+//! The device: its context, the one stream every op runs on, a cuBLAS handle and the compiled
+//! kernels.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cudarc::cublas::{sys as blas_sys, CudaBlas};
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::compile;
+use super::GpuError;
+use crate::DType;
+
+/// Every kernel family; each is compiled as `{name}_f32`, `{name}_bf16` and `{name}_f16`.
+const KERNELS: [&str; 20] = [
+    "embedding_to_f32",
+    "rms_norm_from_f32",
+    "add_rms_norm_f32_residual",
+    "embedding",
+    "rms_norm",
+    "add_rms_norm",
+    "split_qkv",
+    "rope",
+    "silu_and_mul",
+    "gelu_tanh_and_mul",
+    "bias_add",
+    "gather_rows",
+    "reshape_and_cache",
+    "paged_attention",
+    "paged_attention_decode_g1",
+    "paged_attention_decode_g2",
+    "paged_attention_decode_g4",
+    "paged_attention_decode_g8",
+    "paged_attention_combine",
+    "argmax_logsumexp",
+];
+
+/// Kernels that may need more than the default 48 KiB of dynamic shared memory.
+const LARGE_SHARED_KERNELS: [&str; 1] = ["paged_attention"];
+
+/// Oldest driver API the cudarc bindings were generated for (`cuda-13000`).
+const MIN_DRIVER_VERSION: i32 = 13000;
+
+/// One CUDA device with everything the ops need.
+pub struct Gpu {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    kernels: HashMap<(&'static str, DType), CudaFunction>,
+    name: String,
+    compute_capability: (u32, u32),
+    /// Dynamic shared memory a block may opt into, in bytes.
+    max_shared_per_block: usize,
+}
+
+impl Gpu {
+    /// Opens device `ordinal`: checks that the driver, NVRTC and cuBLAS libraries can be loaded
+    /// before any CUDA call (so that a machine without them gets an error, not a panic), then
+    /// creates the context, the stream and the cuBLAS handle, and compiles (or loads from the
+    /// disk cache) the kernels for the device's architecture.
+    pub fn new(ordinal: usize) -> Result<Gpu, GpuError> {
+        check_libraries()?;
+        // cudarc panics when a library lacks a symbol it binds (an older driver, say): report
+        // that as an error too.
+        std::panic::catch_unwind(|| Gpu::open(ordinal)).unwrap_or_else(|payload| {
+            let msg = payload
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".to_string());
+            Err(GpuError::Setup(msg))
+        })
+    }
+
+    fn open(ordinal: usize) -> Result<Gpu, GpuError> {
+        let mut version = 0;
+        // SAFETY: the pointer is valid for a write; the driver library was found above.
+        unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }.result()?;
+        if version < MIN_DRIVER_VERSION {
+            return Err(GpuError::DriverTooOld { found_major: version / 1000, found_minor: version % 1000 / 10 });
+        }
+        cudarc::driver::result::init()?;
+        let count = CudaContext::device_count()?;
+        if ordinal >= count.max(0) as usize {
+            return Err(GpuError::NoDevice { ordinal, count });
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // SAFETY: every buffer of this `Gpu` is used on its single stream, so stream order alone
+        // keeps reads, writes and frees in sequence.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream()?;
+        let blas = CudaBlas::new(stream.clone())?;
+        // Default math (so no TF32 for f32 GEMMs) with every reduction kept in f32: by default
+        // cuBLAS may sum split-K partial products in the f16/bf16 output type, which costs bf16
+        // and f16 outputs several ulps.
+        let mode = blas_sys::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION;
+        // SAFETY: the handle is live.
+        unsafe { blas_sys::cublasSetMathMode(*blas.handle(), mode) }.result()?;
+
+        let (major, minor) = ctx.compute_capability()?;
+        let arch = format!("compute_{major}{minor}");
+        let module = load_kernels(&ctx, &arch)?;
+        let max_shared_per_block =
+            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
+        let mut kernels = HashMap::new();
+        for name in KERNELS {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
+                let f = module.load_function(&format!("{name}_{}", dtype_suffix(dtype)))?;
+                if LARGE_SHARED_KERNELS.contains(&name) {
+                    f.set_attribute(
+                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        max_shared_per_block,
+                    )?;
+                }
+                kernels.insert((name, dtype), f);
+            }
+        }
+        Ok(Gpu {
+            name: ctx.name()?,
+            compute_capability: (major as u32, minor as u32),
+            max_shared_per_block: max_shared_per_block.max(0) as usize,
+            ctx,
+            stream,
+            blas,
+            kernels,
+        })
+    }
+
+    /// The device's name, e.g. "NVIDIA H200".
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// `(major, minor)`, e.g. `(9, 0)` for Hopper.
+    pub fn compute_capability(&self) -> (u32, u32) {
+        self.compute_capability
+    }
+
+    /// `(free, total)` device memory in bytes.
+    pub fn memory_info(&self) -> Result<(usize, usize), GpuError> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+
+    /// Waits for all work issued so far; surfaces errors of kernels that already ran.
+    pub fn synchronize(&self) -> Result<(), GpuError> {
+        self.stream.synchronize()?;
+        self.ctx.check_err()?;
+        Ok(())
+    }
+
+    /// The stream every op of this `Gpu` is issued on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+
+    /// Copies `data` into a new device buffer (an index buffer, typically).
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>, GpuError> {
+        if data.is_empty() {
+            return Ok(self.stream.null()?);
+        }
+        Ok(self.stream.clone_htod(data)?)
+    }
+
+    /// Copies `data` into the start of `dst`, a buffer reused from step to step.
+    pub fn upload_into<T: DeviceRepr>(&self, data: &[T], dst: &mut CudaSlice<T>) -> Result<(), GpuError> {
+        assert!(data.len() <= dst.len(), "upload_into: {} elements do not fit in {}", data.len(), dst.len());
+        if data.is_empty() {
+            return Ok(());
+        }
+        Ok(self.stream.memcpy_htod(data, dst)?)
+    }
+
+    /// Copies a device buffer back to the host (waits for the work that writes it).
+    pub fn download<T: DeviceRepr + Default + Clone>(&self, src: &CudaSlice<T>) -> Result<Vec<T>, GpuError> {
+        if src.is_empty() {
+            return Ok(Vec::new());
+        }
+        let out = self.stream.clone_dtoh(src)?;
+        self.synchronize()?;
+        Ok(out)
+    }
+
+    /// The raw stream, for driver and cuBLAS calls made directly. Makes this `Gpu`'s context
+    /// current on the calling thread first, as those calls need (the engine may call from
+    /// another thread than the one that opened the device).
+    pub(crate) fn raw_stream(&self) -> Result<cudarc::driver::sys::CUstream, GpuError> {
+        self.ctx.bind_to_thread()?;
+        Ok(self.stream.cu_stream())
+    }
+
+    /// The cuBLAS handle, with this `Gpu`'s context made current on the calling thread.
+    pub(crate) fn blas_handle(&self) -> Result<blas_sys::cublasHandle_t, GpuError> {
+        self.ctx.bind_to_thread()?;
+        Ok(*self.blas.handle())
+    }
+
+    pub(crate) fn max_shared_per_block(&self) -> usize {
+        self.max_shared_per_block
+    }
+
+    /// A launch of kernel `name` for activations of `dtype`, on this `Gpu`'s stream.
+    pub(crate) fn launch_builder(&self, name: &'static str, dtype: DType) -> LaunchArgs<'_> {
+        let f = self.kernels.get(&(name, dtype)).unwrap_or_else(|| panic!("kernel {name} was not loaded"));
+        self.stream.launch_builder(f)
+    }
+
+    /// The raw device address of an index buffer, for a kernel argument.
+    pub(crate) fn index_ptr<T>(&self, buf: &impl DevicePtr<T>) -> u64 {
+        let (ptr, _no_event) = buf.device_ptr(&self.stream);
+        ptr
+    }
+}
+
+/// One block per row with up to 1024 threads striding over `width` columns.
+pub(crate) fn rows_config(rows: usize, width: usize) -> LaunchConfig {
+    let threads = (width.div_ceil(32) * 32).clamp(32, 1024) as u32;
+    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
+
+pub(crate) fn dtype_suffix(dtype: DType) -> &'static str {
+    match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+    }
+}
+
+/// Asserts that `value` fits the kernels' 32-bit sizes.
+pub(crate) fn to_u32(op: &str, what: &str, value: usize) -> u32 {
+    u32::try_from(value).unwrap_or_else(|_| panic!("{op}: {what} {value} exceeds the kernels' 32-bit range"))
+}
+
+fn check_libraries() -> Result<(), GpuError> {
+    // SAFETY: each call only tries to dlopen the library's candidate file names.
+    unsafe {
+        if !cudarc::driver::sys::is_culib_present() {
+            return Err(GpuError::NoDriver);
+        }
+        if !cudarc::nvrtc::sys::is_culib_present() {
+            return Err(GpuError::MissingLibrary("nvrtc"));
+        }
+        if !cudarc::cublas::sys::is_culib_present() {
+            return Err(GpuError::MissingLibrary("cublas"));
+        }
+    }
+    Ok(())
+}
+
+/// Loads the kernel module, from the disk cache when it has one; a cached PTX the driver rejects
+/// is replaced by a fresh compile.
+fn load_kernels(ctx: &Arc<CudaContext>, arch: &str) -> Result<Arc<CudaModule>, GpuError> {
+    let ptx = compile::kernels_ptx(arch, true)?;
+    match ctx.load_module(Ptx::from_src(ptx.text)) {
+        Ok(module) => Ok(module),
+        Err(_) if ptx.from_cache => {
+            let fresh = compile::kernels_ptx(arch, false)?;
+            Ok(ctx.load_module(Ptx::from_src(fresh.text))?)
+        }
+        Err(e) => Err(e.into()),
+    }
+}

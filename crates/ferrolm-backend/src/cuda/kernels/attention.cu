@@ -1,0 +1,520 @@
+// The paged KV cache: writing new tokens' K/V, and causal attention over it for a flattened
+// batch of prefill chunks and decodes (the same semantics as the CPU backend's).
+//
+// Cache layout, per layer and for K and V alike: [num_slots, num_kv_heads * head_dim] with
+// `slot = block_id * block_size + offset`.
+
+// k, v: [T, kv_width]; slot_mapping: [T]. A negative slot is padding and is skipped; a slot past
+// the cache is skipped too (callers check slots; this only keeps the write in bounds).
+template <typename T>
+__device__ __forceinline__ void reshape_and_cache_impl(const T* k, const T* v, const i64* slot_mapping, T* k_cache,
+                                                       T* v_cache, u32 kv_width, i64 num_slots) {
+    const u64 t = blockIdx.x;
+    const i64 slot = slot_mapping[t];
+    if (slot < 0 || slot >= num_slots) return;
+    for (u32 i = threadIdx.x; i < kv_width; i += blockDim.x) {
+        k_cache[(u64)slot * kv_width + i] = k[t * kv_width + i];
+        v_cache[(u64)slot * kv_width + i] = v[t * kv_width + i];
+    }
+}
+
+#define RESHAPE_AND_CACHE(T, S) \
+    extern "C" __global__ void reshape_and_cache_##S(const T* k, const T* v, const i64* slot_mapping, T* k_cache, \
+                                                     T* v_cache, u32 kv_width, i64 num_slots) { \
+        reshape_and_cache_impl<T>(k, v, slot_mapping, k_cache, v_cache, kv_width, num_slots); \
+    }
+FOR_EACH_DTYPE(RESHAPE_AND_CACHE)
+
+// Keys per tile: one per lane in the softmax step.
+#define ATTN_TILE 32
+// Accumulator elements per thread: a block covers at most `blockDim.x * ATTN_ACC` elements of
+// `[rows, head_dim]` (the host picks the tile shape to fit).
+#define ATTN_ACC 16
+
+// Attention of a tile of query rows over their request's paged K/V, online softmax over tiles of
+// ATTN_TILE keys staged in shared memory as f32.
+//
+// q, out: [T, num_heads, head_dim]; query_start_loc: [num_reqs + 1]; seq_lens: [num_reqs];
+// block_tables: [num_reqs, max_blocks_per_seq]. `window` 0 means no sliding window.
+//
+// Grid: (ceil(T / q_tile), num_kv_heads, ceil(group / heads_per_block)). A block takes `q_tile`
+// consecutive tokens and `heads_per_block` query heads of one KV head (GQA: query head `h` reads
+// KV head `h / group`); its rows are (token, head) pairs, so the tokens of one request share
+// every K/V tile. Tokens of different requests in one tile are handled one request (segment)
+// after another.
+//
+// Shared memory (f32): q_s [rows, D], k_s [ATTN_TILE, D + 1] (padded: the score loop reads
+// columns), v_s [ATTN_TILE, D], s_s [rows, ATTN_TILE], m_s/l_s/a_s [rows], where rows =
+// q_tile * heads_per_block.
+template <typename T>
+__device__ __forceinline__ void paged_attention_impl(const T* q, const T* k_cache, const T* v_cache, T* out,
+                                                     const u32* query_start_loc, const u32* seq_lens,
+                                                     const u32* block_tables, u32 num_reqs, u32 num_tokens,
+                                                     u32 num_heads, u32 num_kv_heads, u32 head_dim,
+                                                     u32 max_blocks_per_seq, u32 block_size, u32 num_blocks,
+                                                     u32 window, float scale, u32 q_tile, u32 heads_per_block) {
+    extern __shared__ float smem[];
+    const u32 D = head_dim;
+    const u32 group = num_heads / num_kv_heads;
+    const u32 kv_head = blockIdx.y;
+    const u32 head0 = kv_head * group + blockIdx.z * heads_per_block;
+    const u32 nh = min(heads_per_block, group - blockIdx.z * heads_per_block);
+    const u32 max_rows = q_tile * heads_per_block;
+    const u32 kv_width = num_kv_heads * D;
+    const u32 tid = threadIdx.x, num_threads = blockDim.x;
+    const u32 lane = tid & 31, warp = tid >> 5, num_warps = num_threads >> 5;
+
+    float* q_s = smem;
+    float* k_s = q_s + max_rows * D;
+    float* v_s = k_s + ATTN_TILE * (D + 1);
+    float* s_s = v_s + ATTN_TILE * D;
+    float* m_s = s_s + max_rows * ATTN_TILE;
+    float* l_s = m_s + max_rows;
+    float* a_s = l_s + max_rows;
+
+    const u32 tile_start = blockIdx.x * q_tile;
+    const u32 tile_end = min(tile_start + q_tile, num_tokens);
+    // The request of the tile's first token: the last r with query_start_loc[r] <= tile_start
+    // (skipping requests with no query rows).
+    u32 lo = 0, hi = num_reqs;
+    while (lo + 1 < hi) {
+        const u32 mid = (lo + hi) / 2;
+        if (query_start_loc[mid] <= tile_start) lo = mid; else hi = mid;
+    }
+    u32 r = lo;
+
+    for (u32 seg_start = tile_start; seg_start < tile_end;) {
+        while (query_start_loc[r + 1] <= seg_start) r++;
+        const u32 q_begin = query_start_loc[r], q_end = query_start_loc[r + 1];
+        const u32 seg_end = min(tile_end, q_end);
+        const u32 rows = (seg_end - seg_start) * nh;
+        // Query rows of r sit at the last q_len positions of its context.
+        const u32 pos0 = seq_lens[r] - (q_end - q_begin) + (seg_start - q_begin);
+        const u32 pos_last = pos0 + (seg_end - seg_start) - 1;
+        const u32 key_begin = (window != 0 && pos0 + 1 > window) ? pos0 + 1 - window : 0;
+        const u32* table = block_tables + (u64)r * max_blocks_per_seq;
+
+        // Row `row` is token `seg_start + row / nh`, query head `head0 + row % nh`.
+        for (u32 e = tid; e < rows * D; e += num_threads) {
+            const u32 row = e / D, d = e % D;
+            const u64 token = seg_start + row / nh;
+            q_s[e] = to_float(q[(token * num_heads + head0 + row % nh) * D + d]);
+        }
+        for (u32 row = tid; row < rows; row += num_threads) {
+            m_s[row] = NEG_INF;
+            l_s[row] = 0.f;
+        }
+        float acc[ATTN_ACC];
+#pragma unroll
+        for (int i = 0; i < ATTN_ACC; i++) acc[i] = 0.f;
+        __syncthreads();
+
+        for (u32 key0 = key_begin; key0 <= pos_last; key0 += ATTN_TILE) {
+            for (u32 e = tid; e < ATTN_TILE * D; e += num_threads) {
+                const u32 j = e / D, d = e % D, key = key0 + j;
+                float kx = 0.f, vx = 0.f;
+                if (key <= pos_last) {
+                    const u32 block = table[key / block_size];
+                    if (block < num_blocks) {
+                        const u64 slot = (u64)block * block_size + key % block_size;
+                        const u64 at = slot * kv_width + (u64)kv_head * D + d;
+                        kx = to_float(k_cache[at]);
+                        vx = to_float(v_cache[at]);
+                    }
+                }
+                k_s[j * (D + 1) + d] = kx;
+                v_s[j * D + d] = vx;
+            }
+            __syncthreads();
+
+            // A warp computes 32 keys of one row: q_s reads broadcast, k_s reads hit 32 banks.
+            for (u32 e = tid; e < rows * ATTN_TILE; e += num_threads) {
+                const u32 row = e / ATTN_TILE, j = e % ATTN_TILE;
+                const u32 pos = pos0 + row / nh, key = key0 + j;
+                float score = NEG_INF;
+                if (key <= pos && (window == 0 || (u64)key + window > pos)) {
+                    const float* qr = q_s + row * D;
+                    const float* kr = k_s + j * (D + 1);
+                    float dot = 0.f;
+                    for (u32 d = 0; d < D; d++) dot += qr[d] * kr[d];
+                    score = dot * scale;
+                }
+                s_s[e] = score;
+            }
+            __syncthreads();
+
+            // Online softmax, one warp per row: s_s becomes exp(score - new max).
+            for (u32 row = warp; row < rows; row += num_warps) {
+                const float score = s_s[row * ATTN_TILE + lane];
+                const float m_old = m_s[row];
+                const float m_new = fmaxf(m_old, warp_max(score));
+                const float p = m_new == NEG_INF ? 0.f : expf(score - m_new);
+                const float sum = warp_sum(p);
+                s_s[row * ATTN_TILE + lane] = p;
+                if (lane == 0) {
+                    const float alpha = m_new == NEG_INF ? 1.f : expf(m_old - m_new);
+                    a_s[row] = alpha;
+                    l_s[row] = l_s[row] * alpha + sum;
+                    m_s[row] = m_new;
+                }
+            }
+            __syncthreads();
+
+#pragma unroll
+            for (int i = 0; i < ATTN_ACC; i++) {
+                const u32 e = tid + i * num_threads;
+                if (e < rows * D) {
+                    const u32 row = e / D, d = e % D;
+                    const float* p = s_s + row * ATTN_TILE;
+                    float a = acc[i] * a_s[row];
+#pragma unroll 8
+                    for (u32 j = 0; j < ATTN_TILE; j++) a += p[j] * v_s[j * D + d];
+                    acc[i] = a;
+                }
+            }
+            __syncthreads();
+        }
+
+#pragma unroll
+        for (int i = 0; i < ATTN_ACC; i++) {
+            const u32 e = tid + i * num_threads;
+            if (e < rows * D) {
+                const u32 row = e / D, d = e % D;
+                const u64 token = seg_start + row / nh;
+                out[(token * num_heads + head0 + row % nh) * D + d] = from_float<T>(acc[i] / l_s[row]);
+            }
+        }
+        __syncthreads();
+        seg_start = seg_end;
+    }
+}
+
+#define PAGED_ATTENTION(T, S) \
+    extern "C" __global__ void __launch_bounds__(256) paged_attention_##S( \
+        const T* q, const T* k_cache, const T* v_cache, T* out, const u32* query_start_loc, const u32* seq_lens, \
+        const u32* block_tables, u32 num_reqs, u32 num_tokens, u32 num_heads, u32 num_kv_heads, u32 head_dim, \
+        u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, float scale, u32 q_tile, \
+        u32 heads_per_block) { \
+        paged_attention_impl<T>(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, num_reqs, \
+                                num_tokens, num_heads, num_kv_heads, head_dim, max_blocks_per_seq, block_size, \
+                                num_blocks, window, scale, q_tile, heads_per_block); \
+    }
+FOR_EACH_DTYPE(PAGED_ATTENTION)
+
+// ---------------------------------------------------------------------------------------------
+// Decode: one query row per block, split over the context (flash-decoding).
+//
+// Each block takes one token, up to G query heads of one KV head, and one partition of the
+// token's visible keys. The K and V of each key are loaded once, 16 bytes per lane, and serve all
+// G heads. A key's head_dim is spread over L = head_dim / 8 lanes (8 elements each), so a warp
+// works on 32 / L keys at once; scores are reduced over those L lanes with shuffles.
+//
+// Keys are taken in chunks of DECODE_CHUNK: scores of a chunk go to shared memory, softmax
+// statistics are updated online, then the chunk's V rows are summed into per-lane accumulators.
+// With one partition the block writes the normalized output; with several it writes its
+// unnormalized output and (max, sum) to the workspace for `paged_attention_combine`.
+
+#define DECODE_WARPS 4
+#define DECODE_CHUNK 256
+// Key rows each warp loads ahead before using them.
+#define DECODE_UNROLL 4
+
+// 8 consecutive elements at `p` (16-byte aligned for half types, 32 for f32) as f32.
+__device__ __forceinline__ void load8(const float* p, float (&x)[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(p);
+    const float4 b = *reinterpret_cast<const float4*>(p + 4);
+    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+}
+
+__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&x)[8]) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
+        x[2 * i] = f.x;
+        x[2 * i + 1] = f.y;
+    }
+}
+
+__device__ __forceinline__ void load8(const __half* p, float (&x)[8]) {
+    const uint4 u = *reinterpret_cast<const uint4*>(p);
+    const u32 w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+        x[2 * i] = f.x;
+        x[2 * i + 1] = f.y;
+    }
+}
+
+// Where a lane's 8 elements of key `key` start in `cache`, or null for a block id past the
+// cache (which reads as zeros, as in the general kernel).
+template <typename T>
+__device__ __forceinline__ const T* decode_row(const T* cache, const u32* table, u32 key, u32 block_size,
+                                               u32 num_blocks, u32 kv_width, u32 col) {
+    const u32 block = table[key / block_size];
+    if (block >= num_blocks) return nullptr;
+    const u64 slot = (u64)block * block_size + key % block_size;
+    return cache + slot * kv_width + col;
+}
+
+// The request that owns row `t`: the last r with query_start_loc[r] <= t, past requests with
+// no rows.
+__device__ __forceinline__ u32 request_of_row(const u32* query_start_loc, u32 num_reqs, u32 t) {
+    u32 lo = 0, hi = num_reqs;
+    while (lo + 1 < hi) {
+        const u32 mid = (lo + hi) / 2;
+        if (query_start_loc[mid] <= t) lo = mid; else hi = mid;
+    }
+    while (query_start_loc[lo + 1] <= t) lo++;
+    return lo;
+}
+
+// q, out: [T, num_heads, head_dim]; part_out: [T, num_heads, num_parts, head_dim] f32;
+// part_ml: [T, num_heads, num_parts, 2] f32 (max and sum of exp); both unused with one partition.
+// Grid: (T, num_kv_heads * head_chunks, num_parts), DECODE_WARPS warps. head_dim / 8 must be a
+// power of two of at most 32. Partition p covers keys [begin + p * part_len, begin + (p + 1) *
+// part_len) of the visible range, and the last partition everything past that.
+// Shared memory (f32): s_s [G, DECODE_CHUNK], m_s/l_s/a_s [G], red_s [DECODE_WARPS, G, head_dim].
+template <typename T, int G>
+__device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, T* out,
+                                                  float* part_out, float* part_ml, const u32* query_start_loc,
+                                                  const u32* seq_lens, const u32* block_tables, u32 num_reqs,
+                                                  u32 num_heads, u32 num_kv_heads, u32 head_dim,
+                                                  u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window,
+                                                  float scale, u32 part_len) {
+    extern __shared__ float smem[];
+    const u32 D = head_dim;
+    const u32 L = D / 8;           // lanes per key
+    const u32 kpw = 32 / L;        // keys per warp step
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 sub = lane / L, li = lane % L;
+    const u32 group = num_heads / num_kv_heads;
+    const u32 head_chunks = (group + G - 1) / G;
+    const u32 kv_head = blockIdx.y / head_chunks;
+    const u32 head0 = kv_head * group + (blockIdx.y % head_chunks) * G;
+    const u32 nh = min((u32)G, kv_head * group + group - head0);
+    const u32 kv_width = num_kv_heads * D;
+    const u32 col = kv_head * D + li * 8;
+    const u32 t = blockIdx.x, part = blockIdx.z, num_parts = gridDim.z;
+
+    float* s_s = smem;
+    float* m_s = s_s + G * DECODE_CHUNK;
+    float* l_s = m_s + G;
+    float* a_s = l_s + G;
+    float* red_s = a_s + G;
+
+    const u32 r = request_of_row(query_start_loc, num_reqs, t);
+    const u32 q_begin = query_start_loc[r], q_end = query_start_loc[r + 1];
+    const u32 pos = seq_lens[r] - (q_end - q_begin) + (t - q_begin);
+    const u32 key_begin = (window != 0 && pos + 1 > window) ? pos + 1 - window : 0;
+    const u32 start = key_begin + min(part * part_len, pos + 1 - key_begin);
+    const u32 end = part + 1 == num_parts ? pos + 1 : min(start + part_len, pos + 1);
+    const u32* table = block_tables + (u64)r * max_blocks_per_seq;
+
+    if (start >= end) {
+        // Nothing to see in this partition: the combine step skips a max of -inf.
+        if (threadIdx.x < nh) {
+            const u64 at = ((u64)t * num_heads + head0 + threadIdx.x) * num_parts + part;
+            part_ml[at * 2] = NEG_INF;
+            part_ml[at * 2 + 1] = 0.f;
+        }
+        return;
+    }
+
+    // This lane's 8 elements of each head's query, pre-scaled; heads past nh stay zero.
+    float qr[G][8];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            qr[g][i] = (u32)g < nh ? to_float(q[((u64)t * num_heads + head0 + g) * D + li * 8 + i]) * scale : 0.f;
+        }
+    }
+    float acc[G][8];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
+    }
+    if (threadIdx.x < G) {
+        m_s[threadIdx.x] = NEG_INF;
+        l_s[threadIdx.x] = 0.f;
+    }
+
+    const u32 step = DECODE_WARPS * kpw;
+    for (u32 c0 = start; c0 < end; c0 += DECODE_CHUNK) {
+        const u32 c1 = min(c0 + DECODE_CHUNK, end);
+        // Scores. The loop bounds are uniform over the warp, so every lane joins the shuffles.
+        for (u32 base = c0 + warp * kpw; base < c1; base += step * DECODE_UNROLL) {
+            float kx[DECODE_UNROLL][8];
+#pragma unroll
+            for (int u = 0; u < DECODE_UNROLL; u++) {
+                const u32 key = base + u * step + sub;
+                const T* p = key < c1 ? decode_row(k_cache, table, key, block_size, num_blocks, kv_width, col)
+                                      : nullptr;
+                if (p) {
+                    load8(p, kx[u]);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 8; i++) kx[u][i] = 0.f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < DECODE_UNROLL; u++) {
+                const u32 key = base + u * step + sub;
+#pragma unroll
+                for (int g = 0; g < G; g++) {
+                    float dot = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 8; i++) dot = fmaf(qr[g][i], kx[u][i], dot);
+                    for (u32 o = L / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                    if (li == 0 && key < c1) s_s[g * DECODE_CHUNK + key - c0] = dot;
+                }
+            }
+        }
+        __syncthreads();
+
+        // Online softmax, one warp per head: s_s becomes exp(score - new max).
+        const u32 n = c1 - c0;
+        for (u32 g = warp; g < G; g += DECODE_WARPS) {
+            float mx = NEG_INF;
+            for (u32 j = lane; j < n; j += 32) mx = fmaxf(mx, s_s[g * DECODE_CHUNK + j]);
+            const float m_old = m_s[g];
+            const float m_new = fmaxf(m_old, warp_max(mx));
+            float sum = 0.f;
+            for (u32 j = lane; j < n; j += 32) {
+                const float p = m_new == NEG_INF ? 0.f : expf(s_s[g * DECODE_CHUNK + j] - m_new);
+                s_s[g * DECODE_CHUNK + j] = p;
+                sum += p;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                const float alpha = m_new == NEG_INF ? 1.f : expf(m_old - m_new);
+                a_s[g] = alpha;
+                l_s[g] = l_s[g] * alpha + sum;
+                m_s[g] = m_new;
+            }
+        }
+        __syncthreads();
+
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const float alpha = a_s[g];
+#pragma unroll
+            for (int i = 0; i < 8; i++) acc[g][i] *= alpha;
+        }
+        for (u32 base = c0 + warp * kpw; base < c1; base += step * DECODE_UNROLL) {
+            float vx[DECODE_UNROLL][8];
+#pragma unroll
+            for (int u = 0; u < DECODE_UNROLL; u++) {
+                const u32 key = base + u * step + sub;
+                const T* p = key < c1 ? decode_row(v_cache, table, key, block_size, num_blocks, kv_width, col)
+                                      : nullptr;
+                if (p) {
+                    load8(p, vx[u]);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < 8; i++) vx[u][i] = 0.f;
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < DECODE_UNROLL; u++) {
+                const u32 key = base + u * step + sub;
+                if (key < c1) {
+#pragma unroll
+                    for (int g = 0; g < G; g++) {
+                        const float p = s_s[g * DECODE_CHUNK + key - c0];
+#pragma unroll
+                        for (int i = 0; i < 8; i++) acc[g][i] = fmaf(p, vx[u][i], acc[g][i]);
+                    }
+                }
+            }
+        }
+        __syncthreads();
+    }
+
+    // Sum the accumulators over the keys of a warp step, then over the warps.
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            for (u32 o = L; o < 32; o <<= 1) acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], o);
+        }
+    }
+    if (sub == 0) {
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) red_s[(warp * G + g) * D + li * 8 + i] = acc[g][i];
+        }
+    }
+    __syncthreads();
+    for (u32 e = threadIdx.x; e < nh * D; e += blockDim.x) {
+        const u32 g = e / D, d = e % D;
+        float o = 0.f;
+#pragma unroll
+        for (int w = 0; w < DECODE_WARPS; w++) o += red_s[(w * G + g) * D + d];
+        const u64 row = (u64)t * num_heads + head0 + g;
+        if (num_parts == 1) {
+            out[row * D + d] = from_float<T>(o / l_s[g]);
+        } else {
+            part_out[(row * num_parts + part) * D + d] = o;
+            if (d == 0) {
+                part_ml[(row * num_parts + part) * 2] = m_s[g];
+                part_ml[(row * num_parts + part) * 2 + 1] = l_s[g];
+            }
+        }
+    }
+}
+
+#define PAGED_DECODE(T, S, G) \
+    extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_attention_decode_g##G##_##S( \
+        const T* q, const T* k_cache, const T* v_cache, T* out, float* part_out, float* part_ml, \
+        const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, u32 num_reqs, u32 num_heads, \
+        u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, \
+        float scale, u32 part_len) { \
+        paged_decode_impl<T, G>(q, k_cache, v_cache, out, part_out, part_ml, query_start_loc, seq_lens, \
+                                block_tables, num_reqs, num_heads, num_kv_heads, head_dim, max_blocks_per_seq, \
+                                block_size, num_blocks, window, scale, part_len); \
+    }
+#define PAGED_DECODE_G1(T, S) PAGED_DECODE(T, S, 1)
+#define PAGED_DECODE_G2(T, S) PAGED_DECODE(T, S, 2)
+#define PAGED_DECODE_G4(T, S) PAGED_DECODE(T, S, 4)
+#define PAGED_DECODE_G8(T, S) PAGED_DECODE(T, S, 8)
+FOR_EACH_DTYPE(PAGED_DECODE_G1)
+FOR_EACH_DTYPE(PAGED_DECODE_G2)
+FOR_EACH_DTYPE(PAGED_DECODE_G4)
+FOR_EACH_DTYPE(PAGED_DECODE_G8)
+
+// Merges the partitions of each (token, head): out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p
+// with M the largest m_p; partitions with a max of -inf saw no keys and are skipped (their o_p
+// was never written). Grid: (T, num_heads); any multiple of 32 threads.
+template <typename T>
+__device__ __forceinline__ void paged_combine_impl(const float* part_out, const float* part_ml, T* out,
+                                                   u32 num_heads, u32 head_dim, u32 num_parts) {
+    const u64 row = (u64)blockIdx.x * num_heads + blockIdx.y;
+    const float* ml = part_ml + row * num_parts * 2;
+    float m = NEG_INF;
+    for (u32 p = 0; p < num_parts; p++) m = fmaxf(m, ml[p * 2]);
+    for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float o = 0.f, l = 0.f;
+        for (u32 p = 0; p < num_parts; p++) {
+            const float mp = ml[p * 2];
+            if (mp == NEG_INF) continue;
+            const float w = expf(mp - m);
+            l += w * ml[p * 2 + 1];
+            o += w * part_out[(row * num_parts + p) * head_dim + d];
+        }
+        out[row * head_dim + d] = from_float<T>(o / l);
+    }
+}
+
+#define PAGED_COMBINE(T, S) \
+    extern "C" __global__ void paged_attention_combine_##S(const float* part_out, const float* part_ml, T* out, \
+                                                           u32 num_heads, u32 head_dim, u32 num_parts) { \
+        paged_combine_impl<T>(part_out, part_ml, out, num_heads, head_dim, num_parts); \
+    }
+FOR_EACH_DTYPE(PAGED_COMBINE)

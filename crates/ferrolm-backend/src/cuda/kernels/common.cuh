@@ -1,0 +1,53 @@
+// Shared by every kernel of ferrolm's CUDA backend: dtype conversion, reductions and the
+// macro that instantiates each op for f32, bf16 and f16 activations.
+//
+// Conventions: all tensors are row-major; arithmetic runs in f32 whatever the storage dtype,
+// and a result is rounded to the storage dtype once, when it is stored. Block sizes are
+// multiples of 32 so that full-warp shuffles are valid.
+
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+
+#define NEG_INF (-__int_as_float(0x7f800000))
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+    return __float2bfloat16_rn(x);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Sum of `v` over the whole block, returned to every thread. `scratch`: 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();  // `scratch` may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < num_warps ? scratch[lane] : 0.f;
+    return warp_sum(v);
+}
+
+// Applies `M(type, suffix)` to each activation dtype; each op defines `M` to declare its
+// `extern "C"` kernel `name_suffix` for that dtype.
+#define FOR_EACH_DTYPE(M) M(float, f32) M(__nv_bfloat16, bf16) M(__half, f16)

@@ -1,0 +1,98 @@
+// Row-wise copies and element-wise ops: embedding lookup, the q/k/v split, gated activations,
+// bias add and row gather. One block per row; threads stride over the row's columns.
+
+// ids: [T]; table: [vocab, hidden]; out: [T, hidden] (in T, or f32 for an f32 residual
+// stream). An id past the table gives a zero row (callers check ids against the vocabulary;
+// this only keeps the read in bounds).
+template <typename T, typename O>
+__device__ __forceinline__ void embedding_impl(const u32* ids, const T* table, O* out, u32 hidden, u32 vocab,
+                                               float scale) {
+    const u32 id = ids[blockIdx.x];
+    O* row_out = out + (u64)blockIdx.x * hidden;
+    const T* row = table + (u64)id * hidden;
+    for (u32 i = threadIdx.x; i < hidden; i += blockDim.x) {
+        if (id >= vocab) {
+            row_out[i] = from_float<O>(0.f);
+        } else {
+            row_out[i] = from_float<O>(to_float(row[i]) * scale);
+        }
+    }
+}
+
+#define EMBEDDING(T, S) \
+    extern "C" __global__ void embedding_##S(const u32* ids, const T* table, T* out, u32 hidden, u32 vocab, \
+                                             float scale) { \
+        embedding_impl<T, T>(ids, table, out, hidden, vocab, scale); \
+    } \
+    extern "C" __global__ void embedding_to_f32_##S(const u32* ids, const T* table, float* out, u32 hidden, \
+                                                    u32 vocab, float scale) { \
+        embedding_impl<T, float>(ids, table, out, hidden, vocab, scale); \
+    }
+FOR_EACH_DTYPE(EMBEDDING)
+
+// qkv: [T, q_size + 2 * kv_size] -> q: [T, q_size], k: [T, kv_size], v: [T, kv_size].
+template <typename T>
+__device__ __forceinline__ void split_qkv_impl(const T* qkv, T* q, T* k, T* v, u32 q_size, u32 kv_size) {
+    const u64 t = blockIdx.x;
+    const u32 width = q_size + 2 * kv_size;
+    const T* row = qkv + t * width;
+    for (u32 i = threadIdx.x; i < width; i += blockDim.x) {
+        const T val = row[i];
+        if (i < q_size) {
+            q[t * q_size + i] = val;
+        } else if (i < q_size + kv_size) {
+            k[t * kv_size + (i - q_size)] = val;
+        } else {
+            v[t * kv_size + (i - q_size - kv_size)] = val;
+        }
+    }
+}
+
+#define SPLIT_QKV(T, S) \
+    extern "C" __global__ void split_qkv_##S(const T* qkv, T* q, T* k, T* v, u32 q_size, u32 kv_size) { \
+        split_qkv_impl<T>(qkv, q, k, v, q_size, kv_size); \
+    }
+FOR_EACH_DTYPE(SPLIT_QKV)
+
+// `x * sigmoid(x)`; for very negative x, expf(-x) is +inf and the result -0, as on the CPU.
+__device__ __forceinline__ float silu(float x) { return x / (1.f + expf(-x)); }
+
+// PyTorch's gelu(approximate="tanh").
+__device__ __forceinline__ float gelu_tanh(float x) {
+    const float sqrt_2_over_pi = 0.7978846f;
+    return 0.5f * x * (1.f + tanhf(sqrt_2_over_pi * (x + 0.044715f * x * x * x)));
+}
+
+// gate_up: [rows, 2 * inter] (gate columns, then up columns); out: [rows, inter].
+#define ACT_AND_MUL(NAME, ACT, T, S) \
+    extern "C" __global__ void NAME##_##S(const T* gate_up, T* out, u32 inter) { \
+        const u64 r = blockIdx.x; \
+        const T* gate = gate_up + r * 2 * inter; \
+        for (u32 j = threadIdx.x; j < inter; j += blockDim.x) { \
+            out[r * inter + j] = from_float<T>(ACT(to_float(gate[j])) * to_float(gate[inter + j])); \
+        } \
+    }
+#define SILU_AND_MUL(T, S) ACT_AND_MUL(silu_and_mul, silu, T, S)
+#define GELU_TANH_AND_MUL(T, S) ACT_AND_MUL(gelu_tanh_and_mul, gelu_tanh, T, S)
+FOR_EACH_DTYPE(SILU_AND_MUL)
+FOR_EACH_DTYPE(GELU_TANH_AND_MUL)
+
+// y: [rows, n] = acc: [rows, n] + bias: [n], where `acc` is the f32 GEMM result, so that the sum
+// is rounded to T once. `acc` may be `y` when T is f32 (each thread reads, then writes, its element).
+#define BIAS_ADD(T, S) \
+    extern "C" __global__ void bias_add_##S(const float* acc, const float* bias, T* y, u32 n) { \
+        const u64 base = (u64)blockIdx.x * n; \
+        for (u32 j = threadIdx.x; j < n; j += blockDim.x) y[base + j] = from_float<T>(acc[base + j] + bias[j]); \
+    }
+FOR_EACH_DTYPE(BIAS_ADD)
+
+// src: [src_rows, width]; indices: [rows]; dst: [rows, width]. An index past `src` gives a zero row.
+#define GATHER_ROWS(T, S) \
+    extern "C" __global__ void gather_rows_##S(const T* src, const u32* indices, T* dst, u32 width, u32 src_rows) { \
+        const u32 r = indices[blockIdx.x]; \
+        T* out = dst + (u64)blockIdx.x * width; \
+        for (u32 j = threadIdx.x; j < width; j += blockDim.x) { \
+            out[j] = r < src_rows ? src[(u64)r * width + j] : from_float<T>(0.f); \
+        } \
+    }
+FOR_EACH_DTYPE(GATHER_ROWS)

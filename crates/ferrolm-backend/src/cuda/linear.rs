@@ -1,0 +1,127 @@
+//! `linear` through cuBLAS: `y = x · w^T (+ bias)` with f32 accumulation.
+
+use std::ffi::c_void;
+
+use cudarc::cublas::result::gemm_ex;
+use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
+use cudarc::driver::{result as driver, PushKernelArg};
+
+use super::gpu::{rows_config, to_u32};
+use super::{Gpu, GpuError, GpuView, GpuViewMut};
+use crate::DType;
+
+/// `y[m, n] = x[m, k] · w[n, k]^T (+ bias[n])`, `w` in the HF layout `[out, in]`. `x` and `w`
+/// share a dtype; `y` is in that dtype or f32 (f32 logits from bf16 activations, say); `bias` is
+/// f32. Products accumulate in f32 (no TF32: f32 inputs give f32-exact GEMMs), and the bias is
+/// added before the result is rounded to `y`'s dtype.
+#[allow(clippy::too_many_arguments)]
+pub fn linear(
+    gpu: &Gpu,
+    x: GpuView<'_>,
+    m: usize,
+    k: usize,
+    w: GpuView<'_>,
+    n: usize,
+    bias: Option<GpuView<'_>>,
+    y: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    assert_eq!(x.len(), m * k, "linear: x has {} elements, expected [m={m}, k={k}]", x.len());
+    assert_eq!(w.len(), n * k, "linear: w has {} elements, expected [n={n}, k={k}]", w.len());
+    assert_eq!(y.len(), m * n, "linear: y has {} elements, expected [m={m}, n={n}]", y.len());
+    assert_eq!(x.dtype(), w.dtype(), "linear: x is {:?} but w is {:?}", x.dtype(), w.dtype());
+    assert!(
+        y.dtype() == x.dtype() || y.dtype() == DType::F32,
+        "linear: y must be {:?} or F32, not {:?}",
+        x.dtype(),
+        y.dtype()
+    );
+    if let Some(b) = bias {
+        assert_eq!(b.len(), n, "linear: bias has {} elements, expected [n={n}]", b.len());
+        assert_eq!(b.dtype(), DType::F32, "linear: bias must be f32, not {:?}", b.dtype());
+    }
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    // With a bias, a low-precision output is computed in f32 first, so that the bias is added
+    // before the one rounding (a bias cancelling most of a product keeps its precision).
+    let scratch = if bias.is_some() && y.dtype() != DType::F32 {
+        // SAFETY: the GEMM below writes all `m * n` elements before the bias kernel reads them.
+        Some(unsafe { gpu.stream().alloc::<f32>(m * n) }?)
+    } else {
+        None
+    };
+    let (acc_ptr, acc_dtype) = scratch.as_ref().map_or((y.ptr(), y.dtype()), |buf| (gpu.index_ptr(buf), DType::F32));
+    gemm(gpu, x, m, k, w, n, acc_ptr, acc_dtype)?;
+    if let Some(bias) = bias {
+        let (y_ptr, bias_ptr, n_u32) = (y.ptr(), bias.ptr(), to_u32("linear", "n", n));
+        let mut launch = gpu.launch_builder("bias_add", y.dtype());
+        launch.arg(&acc_ptr).arg(&bias_ptr).arg(&y_ptr).arg(&n_u32);
+        // SAFETY: the arguments match the kernel's parameters; acc and y hold `m` rows of `n`.
+        unsafe { launch.launch(rows_config(m, n)) }?;
+    }
+    // The scratch buffer is freed in stream order, after the bias kernel has read it.
+    drop(scratch);
+    Ok(())
+}
+
+/// `out[m, n] = x[m, k] · w[n, k]^T` through `cublasGemmEx`, `out` of `out_dtype` at `out_ptr`.
+#[allow(clippy::too_many_arguments)]
+fn gemm(
+    gpu: &Gpu,
+    x: GpuView<'_>,
+    m: usize,
+    k: usize,
+    w: GpuView<'_>,
+    n: usize,
+    out_ptr: u64,
+    out_dtype: DType,
+) -> Result<(), GpuError> {
+    let (m_i, n_i, k_i) = (gemm_dim("m", m), gemm_dim("n", n), gemm_dim("k", k));
+    if k == 0 {
+        // An empty product is 0 (cuBLAS is not asked to handle k = 0).
+        // SAFETY: `out` covers exactly this many bytes of live device memory.
+        unsafe { driver::memset_d8_async(out_ptr, 0, m * n * out_dtype.size_in_bytes(), gpu.raw_stream()?) }?;
+        return Ok(());
+    }
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let handle = gpu.blas_handle()?;
+    // Column-major view of the row-major buffers: out^T [n, m] = w [k, n]^T · x^T [k, m].
+    // SAFETY: the pointers cover the sizes the caller checked; alpha and beta are host f32 as the
+    // f32 compute type expects.
+    unsafe {
+        gemm_ex(
+            handle,
+            cublasOperation_t::CUBLAS_OP_T,
+            cublasOperation_t::CUBLAS_OP_N,
+            n_i,
+            m_i,
+            k_i,
+            &alpha as *const f32 as *const c_void,
+            w.ptr() as *const c_void,
+            data_type(w.dtype()),
+            k_i,
+            x.ptr() as *const c_void,
+            data_type(x.dtype()),
+            k_i,
+            &beta as *const f32 as *const c_void,
+            out_ptr as *mut c_void,
+            data_type(out_dtype),
+            n_i,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }?;
+    Ok(())
+}
+
+fn data_type(dtype: DType) -> cudaDataType_t {
+    match dtype {
+        DType::F32 => cudaDataType_t::CUDA_R_32F,
+        DType::BF16 => cudaDataType_t::CUDA_R_16BF,
+        DType::F16 => cudaDataType_t::CUDA_R_16F,
+    }
+}
+
+fn gemm_dim(what: &str, value: usize) -> i32 {
+    i32::try_from(value).unwrap_or_else(|_| panic!("linear: {what} = {value} exceeds cuBLAS's 32-bit sizes"))
+}

@@ -1,0 +1,237 @@
+//! The row-wise ops: embedding lookup, RMSNorm (plain, fused with the residual add, and per
+//! head), the q/k/v split, the gated activations and the row gather. One block per row.
+
+use cudarc::driver::{DevicePtr, PushKernelArg};
+
+use super::gpu::{rows_config, to_u32};
+use super::{Gpu, GpuError, GpuView, GpuViewMut};
+use crate::DType;
+
+/// `out[t, :] = table[ids[t], :] * scale`; `table` is `[vocab, hidden]`, `out` is `[ids.len(), hidden]`,
+/// in the activation dtype or f32 (an f32 residual stream). Ids must be below `vocab` (an id past
+/// it gives a zero row).
+pub fn embedding(
+    gpu: &Gpu,
+    ids: &impl DevicePtr<u32>,
+    table: GpuView<'_>,
+    hidden: usize,
+    scale: f32,
+    out: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    assert!(hidden > 0, "embedding: hidden is 0");
+    assert_eq!(table.len() % hidden, 0, "embedding: table has {} elements, not rows of {hidden}", table.len());
+    assert_eq!(
+        out.len(),
+        ids.len() * hidden,
+        "embedding: out has {} elements, expected [{}, {hidden}]",
+        out.len(),
+        ids.len()
+    );
+    // `out` is in the table's dtype, or f32 (an f32 residual stream).
+    let kernel = if out.dtype() == DType::F32 { "embedding_to_f32" } else { "embedding" };
+    if kernel == "embedding" {
+        same_dtype("embedding", table.dtype(), out.dtype());
+    }
+    if ids.is_empty() {
+        return Ok(());
+    }
+    let (ids_ptr, table_ptr, out_ptr) = (gpu.index_ptr(ids), table.ptr(), out.ptr());
+    let (hidden_u32, vocab) =
+        (to_u32("embedding", "hidden", hidden), to_u32("embedding", "vocab", table.len() / hidden));
+    let mut launch = gpu.launch_builder(kernel, table.dtype());
+    launch.arg(&ids_ptr).arg(&table_ptr).arg(&out_ptr).arg(&hidden_u32).arg(&vocab).arg(&scale);
+    // SAFETY: the arguments match the kernel's parameters; every index it forms is checked above.
+    unsafe { launch.launch(rows_config(ids.len(), hidden)) }?;
+    Ok(())
+}
+
+/// Row-wise RMSNorm: `out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w`. `x`, `out`: `[rows, w.len()]`
+/// in the activation dtype (`x` may be f32: an f32 residual stream); `w` f32.
+pub fn rms_norm(gpu: &Gpu, x: GpuView<'_>, w: GpuView<'_>, eps: f32, out: GpuViewMut<'_>) -> Result<(), GpuError> {
+    let hidden = check_rows("rms_norm", x.len(), w);
+    assert_eq!(out.len(), x.len(), "rms_norm: out has {} elements, x has {}", out.len(), x.len());
+    if x.dtype() == DType::F32 && out.dtype() != DType::F32 {
+        return launch_rms_norm(
+            gpu,
+            "rms_norm_from_f32",
+            x.ptr(),
+            w,
+            out.ptr(),
+            out.dtype(),
+            x.len() / hidden,
+            hidden,
+            eps,
+        );
+    }
+    same_dtype("rms_norm", x.dtype(), out.dtype());
+    launch_rms_norm(gpu, "rms_norm", x.ptr(), w, out.ptr(), x.dtype(), x.len() / hidden, hidden, eps)
+}
+
+/// In-place row-wise RMSNorm over rows of `w.len()` (used per head for q/k norm).
+pub fn rms_norm_inplace(gpu: &Gpu, x: GpuViewMut<'_>, w: GpuView<'_>, eps: f32) -> Result<(), GpuError> {
+    let hidden = check_rows("rms_norm_inplace", x.len(), w);
+    launch_rms_norm(gpu, "rms_norm", x.ptr(), w, x.ptr(), x.dtype(), x.len() / hidden, hidden, eps)
+}
+
+/// Fused residual add + RMSNorm: `residual += x; out = rms_norm(residual, w, eps)`. The sum is
+/// rounded to the residual's dtype before it is normalised, as a stored residual would be. The
+/// residual is in the activation dtype of `x` and `out`, or f32 (then the stream between layers
+/// keeps f32 precision while the layers compute in bf16/f16).
+pub fn add_rms_norm(
+    gpu: &Gpu,
+    residual: GpuViewMut<'_>,
+    x: GpuView<'_>,
+    w: GpuView<'_>,
+    eps: f32,
+    out: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    let hidden = check_rows("add_rms_norm", residual.len(), w);
+    assert_eq!(x.len(), residual.len(), "add_rms_norm: x has {} elements, residual {}", x.len(), residual.len());
+    assert_eq!(out.len(), residual.len(), "add_rms_norm: out has {} elements, residual {}", out.len(), residual.len());
+    same_dtype("add_rms_norm", x.dtype(), out.dtype());
+    let kernel = if residual.dtype() == DType::F32 && x.dtype() != DType::F32 {
+        "add_rms_norm_f32_residual"
+    } else {
+        same_dtype("add_rms_norm", residual.dtype(), x.dtype());
+        "add_rms_norm"
+    };
+    let rows = residual.len() / hidden;
+    if rows == 0 {
+        return Ok(());
+    }
+    let (res_ptr, x_ptr, w_ptr, out_ptr) = (residual.ptr(), x.ptr(), w.ptr(), out.ptr());
+    let hidden_u32 = to_u32("add_rms_norm", "hidden", hidden);
+    let mut launch = gpu.launch_builder(kernel, x.dtype());
+    launch.arg(&res_ptr).arg(&x_ptr).arg(&w_ptr).arg(&out_ptr).arg(&hidden_u32).arg(&eps);
+    // SAFETY: the arguments match the kernel's parameters; all buffers hold `rows` rows.
+    unsafe { launch.launch(rows_config(rows, hidden)) }?;
+    Ok(())
+}
+
+/// Splits the fused projection `qkv`: `[T, q_size + 2 * kv_size]` into `q`: `[T, q_size]`,
+/// `k`: `[T, kv_size]` and `v`: `[T, kv_size]`.
+pub fn split_qkv(
+    gpu: &Gpu,
+    qkv: GpuView<'_>,
+    q_size: usize,
+    kv_size: usize,
+    q: GpuViewMut<'_>,
+    k: GpuViewMut<'_>,
+    v: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    let width = q_size + 2 * kv_size;
+    assert!(width > 0, "split_qkv: empty rows");
+    assert_eq!(qkv.len() % width, 0, "split_qkv: qkv has {} elements, not rows of {width}", qkv.len());
+    let tokens = qkv.len() / width;
+    assert_eq!(q.len(), tokens * q_size, "split_qkv: q is not [{tokens}, {q_size}]");
+    assert_eq!(k.len(), tokens * kv_size, "split_qkv: k is not [{tokens}, {kv_size}]");
+    assert_eq!(v.len(), tokens * kv_size, "split_qkv: v is not [{tokens}, {kv_size}]");
+    for dtype in [q.dtype(), k.dtype(), v.dtype()] {
+        same_dtype("split_qkv", qkv.dtype(), dtype);
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    let (qkv_ptr, q_ptr, k_ptr, v_ptr) = (qkv.ptr(), q.ptr(), k.ptr(), v.ptr());
+    let (q_u32, kv_u32) = (to_u32("split_qkv", "q_size", q_size), to_u32("split_qkv", "kv_size", kv_size));
+    let mut launch = gpu.launch_builder("split_qkv", qkv.dtype());
+    launch.arg(&qkv_ptr).arg(&q_ptr).arg(&k_ptr).arg(&v_ptr).arg(&q_u32).arg(&kv_u32);
+    // SAFETY: the arguments match the kernel's parameters; all buffers hold `tokens` rows.
+    unsafe { launch.launch(rows_config(tokens, width)) }?;
+    Ok(())
+}
+
+/// `out[r, j] = silu(gate_up[r, j]) * gate_up[r, inter + j]`; `gate_up`: `[rows, 2 * inter]`, `out`: `[rows, inter]`.
+pub fn silu_and_mul(gpu: &Gpu, gate_up: GpuView<'_>, inter: usize, out: GpuViewMut<'_>) -> Result<(), GpuError> {
+    act_and_mul(gpu, "silu_and_mul", gate_up, inter, out)
+}
+
+/// As [`silu_and_mul`] with the tanh approximation of GELU (`gelu_pytorch_tanh`).
+pub fn gelu_tanh_and_mul(gpu: &Gpu, gate_up: GpuView<'_>, inter: usize, out: GpuViewMut<'_>) -> Result<(), GpuError> {
+    act_and_mul(gpu, "gelu_tanh_and_mul", gate_up, inter, out)
+}
+
+/// `dst[i, :] = src[indices[i], :]`; `src`: `[src_rows, width]`, `dst`: `[indices.len(), width]`
+/// (e.g. the rows whose logits are wanted). Indices must be below `src_rows` (one past it gives
+/// a zero row).
+pub fn gather_rows(
+    gpu: &Gpu,
+    src: GpuView<'_>,
+    width: usize,
+    indices: &impl DevicePtr<u32>,
+    dst: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    assert!(width > 0, "gather_rows: width is 0");
+    assert_eq!(src.len() % width, 0, "gather_rows: src has {} elements, not rows of {width}", src.len());
+    assert_eq!(dst.len(), indices.len() * width, "gather_rows: dst is not [{}, {width}]", indices.len());
+    same_dtype("gather_rows", src.dtype(), dst.dtype());
+    if indices.is_empty() {
+        return Ok(());
+    }
+    let (src_ptr, idx_ptr, dst_ptr) = (src.ptr(), gpu.index_ptr(indices), dst.ptr());
+    let (width_u32, src_rows) =
+        (to_u32("gather_rows", "width", width), to_u32("gather_rows", "rows", src.len() / width));
+    let mut launch = gpu.launch_builder("gather_rows", src.dtype());
+    launch.arg(&src_ptr).arg(&idx_ptr).arg(&dst_ptr).arg(&width_u32).arg(&src_rows);
+    // SAFETY: the arguments match the kernel's parameters; the kernel checks each index.
+    unsafe { launch.launch(rows_config(indices.len(), width)) }?;
+    Ok(())
+}
+
+fn act_and_mul(
+    gpu: &Gpu,
+    op: &'static str,
+    gate_up: GpuView<'_>,
+    inter: usize,
+    out: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    assert!(inter > 0, "{op}: inter is 0");
+    assert_eq!(gate_up.len() % (2 * inter), 0, "{op}: gate_up has {} elements, not rows of 2 * {inter}", gate_up.len());
+    let rows = gate_up.len() / (2 * inter);
+    assert_eq!(out.len(), rows * inter, "{op}: out has {} elements, expected [{rows}, {inter}]", out.len());
+    same_dtype(op, gate_up.dtype(), out.dtype());
+    if rows == 0 {
+        return Ok(());
+    }
+    let (gu_ptr, out_ptr, inter_u32) = (gate_up.ptr(), out.ptr(), to_u32(op, "inter", inter));
+    let mut launch = gpu.launch_builder(op, out.dtype());
+    launch.arg(&gu_ptr).arg(&out_ptr).arg(&inter_u32);
+    // SAFETY: the arguments match the kernel's parameters; both buffers hold `rows` rows.
+    unsafe { launch.launch(rows_config(rows, inter)) }?;
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn launch_rms_norm(
+    gpu: &Gpu,
+    kernel: &'static str,
+    x_ptr: u64,
+    w: GpuView<'_>,
+    out_ptr: u64,
+    dtype: DType,
+    rows: usize,
+    hidden: usize,
+    eps: f32,
+) -> Result<(), GpuError> {
+    if rows == 0 {
+        return Ok(());
+    }
+    let (w_ptr, hidden_u32) = (w.ptr(), to_u32("rms_norm", "hidden", hidden));
+    let mut launch = gpu.launch_builder(kernel, dtype);
+    launch.arg(&x_ptr).arg(&w_ptr).arg(&out_ptr).arg(&hidden_u32).arg(&eps);
+    // SAFETY: the arguments match the kernel's parameters; x and out hold `rows` rows.
+    unsafe { launch.launch(rows_config(rows, hidden)) }?;
+    Ok(())
+}
+
+/// Asserts that `len` elements are whole rows of the f32 weight `w`; returns the row width.
+fn check_rows(op: &str, len: usize, w: GpuView<'_>) -> usize {
+    assert!(!w.is_empty(), "{op}: empty weight");
+    assert_eq!(w.dtype(), DType::F32, "{op}: the norm weight must be f32, not {:?}", w.dtype());
+    assert_eq!(len % w.len(), 0, "{op}: {len} elements are not whole rows of {}", w.len());
+    w.len()
+}
+
+pub(crate) fn same_dtype(op: &str, a: DType, b: DType) {
+    assert_eq!(a, b, "{op}: buffers of {a:?} and {b:?} mixed");
+}

@@ -1,0 +1,86 @@
+//! Rotary position embedding on the device, with the frequency tables kept on the device.
+
+use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
+
+use super::gpu::{rows_config, to_u32};
+use super::{Gpu, GpuError, GpuViewMut};
+
+/// The inverse frequencies of one model, on the device: `[2, half]`, the table for short
+/// positions then the one for positions from `long_start` on (LongRoPE; without it both rows
+/// are the one table and `long_start` is never reached).
+pub struct GpuRopeTable {
+    /// `[2, half]`
+    inv_freq: CudaSlice<f32>,
+    half: usize,
+    long_start: u32,
+    attention_scaling: f32,
+}
+
+impl GpuRopeTable {
+    /// `inv_freq`: `[rotary_dim / 2]`. `long`: the LongRoPE table (same length) and the first
+    /// position that uses it.
+    pub fn new(
+        gpu: &Gpu,
+        inv_freq: &[f32],
+        long: Option<(u32, &[f32])>,
+        attention_scaling: f32,
+    ) -> Result<GpuRopeTable, GpuError> {
+        let (long_start, long_freq) = long.unwrap_or((u32::MAX, inv_freq));
+        assert_eq!(
+            long_freq.len(),
+            inv_freq.len(),
+            "GpuRopeTable: the long table has {} frequencies, the short one {}",
+            long_freq.len(),
+            inv_freq.len()
+        );
+        let both: Vec<f32> = inv_freq.iter().chain(long_freq).copied().collect();
+        Ok(GpuRopeTable { inv_freq: gpu.upload(&both)?, half: inv_freq.len(), long_start, attention_scaling })
+    }
+
+    /// Dimensions rotated per head: `2 * inv_freq.len()`.
+    pub fn rotary_dim(&self) -> usize {
+        2 * self.half
+    }
+}
+
+/// Rotary embedding, GPT-NeoX / HF `rotate_half` layout, in place, as [`crate::cpu::rope`]:
+/// `x`: `[positions.len(), num_heads, head_dim]`; only the first `table.rotary_dim()` dims of each
+/// head rotate, the rest pass through. A token uses the long table when its position is at least
+/// the table's `long_start`.
+pub fn rope(
+    gpu: &Gpu,
+    x: GpuViewMut<'_>,
+    positions: &impl DevicePtr<u32>,
+    num_heads: usize,
+    head_dim: usize,
+    table: &GpuRopeTable,
+) -> Result<(), GpuError> {
+    let tokens = positions.len();
+    assert_eq!(
+        x.len(),
+        tokens * num_heads * head_dim,
+        "rope: x has {} elements, expected [{tokens} tokens, {num_heads} heads, {head_dim}]",
+        x.len()
+    );
+    assert!(table.rotary_dim() <= head_dim, "rope: {} frequencies rotate more than head_dim {head_dim}", table.half);
+    if tokens == 0 || num_heads == 0 || table.half == 0 {
+        return Ok(());
+    }
+    let (x_ptr, pos_ptr, freq_ptr) = (x.ptr(), gpu.index_ptr(positions), gpu.index_ptr(&table.inv_freq));
+    let heads = to_u32("rope", "num_heads", num_heads);
+    let dim = to_u32("rope", "head_dim", head_dim);
+    let half = table.half as u32;
+    let mut launch = gpu.launch_builder("rope", x.dtype());
+    launch
+        .arg(&x_ptr)
+        .arg(&pos_ptr)
+        .arg(&freq_ptr)
+        .arg(&table.long_start)
+        .arg(&heads)
+        .arg(&dim)
+        .arg(&half)
+        .arg(&table.attention_scaling);
+    // SAFETY: the arguments match the kernel's parameters; x holds `tokens` rows of every head.
+    unsafe { launch.launch(rows_config(tokens, num_heads * table.half)) }?;
+    Ok(())
+}

@@ -1,0 +1,774 @@
+//! Every CUDA op against the CPU op of the same name, on seeded random inputs, in f32, bf16 and
+//! f16 activations. GPU outputs start as NaN so that an element an op fails to write shows up;
+//! low-precision runs compare with the CPU op on inputs rounded to that dtype.
+//!
+//! Without a usable GPU each test prints `skipping: no GPU (<reason>)` and passes.
+
+#![cfg(feature = "cuda")]
+
+use ferrolm_backend::cpu;
+use ferrolm_backend::cuda::{self, Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor};
+use ferrolm_backend::{DType, WeightView};
+use half::{bf16, f16};
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+
+/// Activation dtypes under test and the largest relative error each may show.
+const DTYPES: [(DType, f32); 3] = [(DType::F32, 1e-4), (DType::BF16, 1e-2), (DType::F16, 1e-2)];
+
+fn gpu_or_skip() -> Option<Gpu> {
+    match Gpu::new(0) {
+        Ok(gpu) => Some(gpu),
+        Err(e) => {
+            eprintln!("skipping: no GPU ({e})");
+            None
+        }
+    }
+}
+
+fn rng(seed: u64) -> ChaCha8Rng {
+    ChaCha8Rng::seed_from_u64(seed)
+}
+
+/// `len` values uniform in `[-amplitude, amplitude)`.
+fn random_vec(rng: &mut ChaCha8Rng, len: usize, amplitude: f32) -> Vec<f32> {
+    (0..len).map(|_| rng.random_range(-amplitude..amplitude)).collect()
+}
+
+/// The values `data` takes once stored in `dtype`.
+fn rounded(data: &[f32], dtype: DType) -> Vec<f32> {
+    match dtype {
+        DType::F32 => data.to_vec(),
+        DType::BF16 => data.iter().map(|&v| bf16::from_f32(v).to_f32()).collect(),
+        DType::F16 => data.iter().map(|&v| f16::from_f32(v).to_f32()).collect(),
+    }
+}
+
+/// A device tensor of `len` NaNs.
+fn nan_tensor(gpu: &Gpu, dtype: DType, len: usize) -> Result<GpuTensor, GpuError> {
+    GpuTensor::from_f32(gpu, &vec![f32::NAN; len], dtype)
+}
+
+/// Uploads `data` rounded to `dtype`; returns the tensor and the values it holds.
+fn upload(gpu: &Gpu, data: &[f32], dtype: DType) -> Result<(GpuTensor, Vec<f32>), GpuError> {
+    Ok((GpuTensor::from_f32(gpu, data, dtype)?, rounded(data, dtype)))
+}
+
+/// Asserts that no element is NaN (where `want` is not) and that the largest relative error,
+/// `|got - want| / max(|want|, 1e-2 * max|want|)`, is at most `tol`. Returns that error.
+fn check(what: &str, got: &[f32], want: &[f32], tol: f32) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(0.0f32, |m, w| m.max(w.abs()));
+    let floor = (1e-2 * scale).max(f32::MIN_POSITIVE);
+    let mut worst = (0.0f32, 0usize);
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(!g.is_nan() || w.is_nan(), "{what}: element {i} is NaN (want {w})");
+        if g == w {
+            continue;
+        }
+        let err = (g - w).abs() / w.abs().max(floor);
+        if err > worst.0 {
+            worst = (err, i);
+        }
+    }
+    let (err, i) = worst;
+    assert!(err <= tol, "{what}: max relative error {err:e} at element {i}: got {}, want {}", got[i], want[i]);
+    err
+}
+
+// ---------------------------------------------------------------------------------------------
+// Device, tensors
+
+#[test]
+fn device_reports_itself_and_errors_are_one_line() -> Result<(), GpuError> {
+    if let Err(e) = Gpu::new(4096) {
+        assert!(!e.to_string().contains('\n'), "multi-line error: {e}");
+    } else {
+        panic!("device 4096 should not exist");
+    }
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let (free, total) = gpu.memory_info()?;
+    let (major, minor) = gpu.compute_capability();
+    eprintln!("{}: compute {major}.{minor}, {free} of {total} bytes free", gpu.name());
+    assert!(!gpu.name().is_empty() && major >= 5 && free <= total && total > 0);
+    gpu.synchronize()
+}
+
+#[test]
+fn tensors_round_trip_through_views_and_dtypes() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(1);
+    let data = random_vec(&mut rng, 1001, 3.0);
+    let data_bf16: Vec<bf16> = data.iter().map(|&v| bf16::from_f32(v)).collect();
+    let data_f16: Vec<f16> = data.iter().map(|&v| f16::from_f32(v)).collect();
+    for (dtype, _) in DTYPES {
+        let want = rounded(&data, dtype);
+        let t = GpuTensor::from_f32(&gpu, &data, dtype)?;
+        assert_eq!((t.dtype(), t.len()), (dtype, data.len()));
+        assert_eq!(t.to_f32_vec(&gpu)?, want, "{dtype:?} round trip");
+        // Weights of every storage dtype, converted to this one.
+        for w in [WeightView::F32(&data), WeightView::BF16(&data_bf16), WeightView::F16(&data_f16)] {
+            let from_w = GpuTensor::from_weights(&gpu, w, dtype)?;
+            assert_eq!(from_w.to_f32_vec(&gpu)?, rounded(&w.to_f32_vec(), dtype), "{:?} -> {dtype:?}", w.dtype());
+        }
+        assert_eq!(t.slice(10..17).to_f32_vec(&gpu)?, want[10..17]);
+        assert_eq!(t.rows(3..5, 7).to_f32_vec(&gpu)?, want[21..35]);
+
+        // Writes through sub-views land where they should and nowhere else.
+        let mut z = GpuTensor::zeros(&gpu, dtype, 20)?;
+        assert_eq!(z.to_f32_vec(&gpu)?, vec![0.0; 20]);
+        let (mut head, tail) = z.view_mut().split_at(5);
+        head.copy_from_f32(&gpu, &[1.0, 2.0, 3.0, 4.0, 5.0])?;
+        tail.rows(1..2, 5).copy_from(&gpu, t.slice(0..5))?;
+        let mut want_z = vec![0.0; 20];
+        want_z[..5].copy_from_slice(&[1.0, 2.0, 3.0, 4.0, 5.0]);
+        want_z[10..15].copy_from_slice(&want[..5]);
+        assert_eq!(z.to_f32_vec(&gpu)?, want_z, "{dtype:?} sub-view writes");
+    }
+    let ids = gpu.upload(&[3u32, 1, 4, 1, 5])?;
+    assert_eq!(gpu.download(&ids)?, [3, 1, 4, 1, 5]);
+    let empty = gpu.upload::<u32>(&[])?;
+    assert!(gpu.download(&empty)?.is_empty());
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row-wise ops
+
+#[test]
+fn embedding_matches_cpu() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(2);
+    for (vocab, hidden) in [(50, 24), (1000, 896), (300, 4096)] {
+        let table: Vec<bf16> = random_vec(&mut rng, vocab * hidden, 1.0).into_iter().map(bf16::from_f32).collect();
+        let ids: Vec<u32> = (0..37).map(|_| rng.random_range(0..vocab as u32)).collect();
+        let ids_dev = gpu.upload(&ids)?;
+        for (dtype, tol) in DTYPES {
+            let table_dev = GpuTensor::from_weights(&gpu, WeightView::BF16(&table), dtype)?;
+            let stored = rounded(&WeightView::BF16(&table).to_f32_vec(), dtype);
+            for scale in [1.0f32, 29.9] {
+                let mut out = nan_tensor(&gpu, dtype, ids.len() * hidden)?;
+                cuda::embedding(&gpu, &ids_dev, table_dev.view(), hidden, scale, out.view_mut())?;
+                let mut want = vec![0.0; ids.len() * hidden];
+                cpu::embedding(&ids, WeightView::F32(&stored), hidden, scale, &mut want);
+                check(
+                    &format!("embedding {dtype:?} {vocab}x{hidden} scale {scale}"),
+                    &out.to_f32_vec(&gpu)?,
+                    &want,
+                    tol,
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// (rows, hidden): odd sizes, head-sized rows, and rows wider than one block's threads.
+const NORM_SHAPES: [(usize, usize); 6] = [(1, 7), (3, 64), (5, 896), (40, 1000), (7, 4096), (2, 5120)];
+
+#[test]
+fn rms_norm_matches_cpu() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(3);
+    for (rows, h) in NORM_SHAPES {
+        let x = random_vec(&mut rng, rows * h, 3.0);
+        let w = random_vec(&mut rng, h, 2.0);
+        let w_dev = GpuTensor::from_f32(&gpu, &w, DType::F32)?;
+        for (dtype, tol) in DTYPES {
+            let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
+            let mut out = nan_tensor(&gpu, dtype, rows * h)?;
+            cuda::rms_norm(&gpu, x_dev.view(), w_dev.view(), 1e-6, out.view_mut())?;
+            let mut want = vec![0.0; rows * h];
+            cpu::rms_norm(&x_r, &w, 1e-6, &mut want);
+            check(&format!("rms_norm {dtype:?} [{rows}, {h}]"), &out.to_f32_vec(&gpu)?, &want, tol);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn add_rms_norm_updates_residual_and_normalizes_it() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(4);
+    for (rows, h) in NORM_SHAPES {
+        let residual = random_vec(&mut rng, rows * h, 3.0);
+        let x = random_vec(&mut rng, rows * h, 3.0);
+        let w = random_vec(&mut rng, h, 2.0);
+        let w_dev = GpuTensor::from_f32(&gpu, &w, DType::F32)?;
+        for (dtype, tol) in DTYPES {
+            let (mut res_dev, mut res_r) = upload(&gpu, &residual, dtype)?;
+            let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
+            let mut out = nan_tensor(&gpu, dtype, rows * h)?;
+            cuda::add_rms_norm(&gpu, res_dev.view_mut(), x_dev.view(), w_dev.view(), 1e-5, out.view_mut())?;
+            let mut want = vec![0.0; rows * h];
+            cpu::add_rms_norm(&mut res_r, &x_r, &w, 1e-5, &mut want);
+            let what = format!("add_rms_norm {dtype:?} [{rows}, {h}]");
+            check(&format!("{what} residual"), &res_dev.to_f32_vec(&gpu)?, &res_r, tol);
+            check(&what, &out.to_f32_vec(&gpu)?, &want, tol);
+        }
+    }
+    Ok(())
+}
+
+/// An f32 residual stream around bf16/f16 layers: embedding into f32, RMSNorm from f32, and the
+/// fused add keeping the sum in f32 (exactly the CPU's sum) while `out` is in the layer dtype.
+#[test]
+fn f32_residual_stream_with_half_precision_layers() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(44);
+    for (rows, h) in NORM_SHAPES {
+        let table: Vec<bf16> = random_vec(&mut rng, 50 * h, 1.0).into_iter().map(bf16::from_f32).collect();
+        let ids: Vec<u32> = (0..rows).map(|_| rng.random_range(0..50u32)).collect();
+        let x = random_vec(&mut rng, rows * h, 3.0);
+        let w = random_vec(&mut rng, h, 2.0);
+        let w_dev = GpuTensor::from_f32(&gpu, &w, DType::F32)?;
+        for (dtype, tol) in DTYPES.into_iter().filter(|(d, _)| *d != DType::F32) {
+            let what = format!("{dtype:?} [{rows}, {h}]");
+            let table_dev = GpuTensor::from_weights(&gpu, WeightView::BF16(&table), dtype)?;
+            let stored = rounded(&WeightView::BF16(&table).to_f32_vec(), dtype);
+            let mut residual = nan_tensor(&gpu, DType::F32, rows * h)?;
+            cuda::embedding(&gpu, &gpu.upload(&ids)?, table_dev.view(), h, 3.0, residual.view_mut())?;
+            let mut res_r = vec![0.0; rows * h];
+            cpu::embedding(&ids, WeightView::F32(&stored), h, 3.0, &mut res_r);
+            check(&format!("embedding to f32 {what}"), &residual.to_f32_vec(&gpu)?, &res_r, 1e-6);
+
+            let mut out = nan_tensor(&gpu, dtype, rows * h)?;
+            cuda::rms_norm(&gpu, residual.view(), w_dev.view(), 1e-6, out.view_mut())?;
+            let mut want = vec![0.0; rows * h];
+            cpu::rms_norm(&res_r, &w, 1e-6, &mut want);
+            check(&format!("rms_norm from f32 {what}"), &out.to_f32_vec(&gpu)?, &want, tol);
+
+            let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
+            cuda::add_rms_norm(&gpu, residual.view_mut(), x_dev.view(), w_dev.view(), 1e-6, out.view_mut())?;
+            cpu::add_rms_norm(&mut res_r, &x_r, &w, 1e-6, &mut want);
+            check(&format!("add_rms_norm f32 residual {what}"), &residual.to_f32_vec(&gpu)?, &res_r, 1e-6);
+            check(&format!("add_rms_norm f32 residual {what} out"), &out.to_f32_vec(&gpu)?, &want, tol);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn rms_norm_inplace_normalizes_each_head() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(5);
+    for (tokens, heads, head_dim) in [(1, 8, 64), (13, 16, 128), (33, 2, 128)] {
+        let x = random_vec(&mut rng, tokens * heads * head_dim, 3.0);
+        let w = random_vec(&mut rng, head_dim, 2.0);
+        let w_dev = GpuTensor::from_f32(&gpu, &w, DType::F32)?;
+        for (dtype, tol) in DTYPES {
+            let (mut x_dev, mut want) = upload(&gpu, &x, dtype)?;
+            cuda::rms_norm_inplace(&gpu, x_dev.view_mut(), w_dev.view(), 1e-6)?;
+            cpu::rms_norm_inplace(&mut want, &w, 1e-6);
+            check(
+                &format!("rms_norm_inplace {dtype:?} {tokens}x{heads}x{head_dim}"),
+                &x_dev.to_f32_vec(&gpu)?,
+                &want,
+                tol,
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn split_qkv_copies_each_part() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(6);
+    for (tokens, q_size, kv_size) in [(1, 64, 64), (17, 4096, 1024), (3, 896, 128)] {
+        let width = q_size + 2 * kv_size;
+        let qkv = random_vec(&mut rng, tokens * width, 1.0);
+        for (dtype, _) in DTYPES {
+            let (qkv_dev, qkv_r) = upload(&gpu, &qkv, dtype)?;
+            let mut q = nan_tensor(&gpu, dtype, tokens * q_size)?;
+            let mut k = nan_tensor(&gpu, dtype, tokens * kv_size)?;
+            let mut v = nan_tensor(&gpu, dtype, tokens * kv_size)?;
+            cuda::split_qkv(&gpu, qkv_dev.view(), q_size, kv_size, q.view_mut(), k.view_mut(), v.view_mut())?;
+            let (q, k, v) = (q.to_f32_vec(&gpu)?, k.to_f32_vec(&gpu)?, v.to_f32_vec(&gpu)?);
+            for (t, row) in qkv_r.chunks_exact(width).enumerate() {
+                assert_eq!(q[t * q_size..][..q_size], row[..q_size], "q row {t}");
+                assert_eq!(k[t * kv_size..][..kv_size], row[q_size..q_size + kv_size], "k row {t}");
+                assert_eq!(v[t * kv_size..][..kv_size], row[q_size + kv_size..], "v row {t}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn gated_activations_match_cpu() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(7);
+    type CpuAct = fn(&[f32], usize, &mut [f32]);
+    let ops: [(&str, CpuAct); 2] = [("silu_and_mul", cpu::silu_and_mul), ("gelu_tanh_and_mul", cpu::gelu_tanh_and_mul)];
+    for (rows, inter) in [(1, 5), (3, 128), (9, 4864), (2, 14336)] {
+        let mut gate_up = random_vec(&mut rng, rows * 2 * inter, 8.0);
+        // Saturating inputs: no NaN from exp overflow.
+        gate_up[0] = -200.0;
+        gate_up[1.min(inter - 1)] = 200.0;
+        for (dtype, tol) in DTYPES {
+            let (gu_dev, gu_r) = upload(&gpu, &gate_up, dtype)?;
+            for (name, cpu_op) in ops {
+                let mut out = nan_tensor(&gpu, dtype, rows * inter)?;
+                match name {
+                    "silu_and_mul" => cuda::silu_and_mul(&gpu, gu_dev.view(), inter, out.view_mut())?,
+                    _ => cuda::gelu_tanh_and_mul(&gpu, gu_dev.view(), inter, out.view_mut())?,
+                }
+                let mut want = vec![0.0; rows * inter];
+                cpu_op(&gu_r, inter, &mut want);
+                check(&format!("{name} {dtype:?} [{rows}, {inter}]"), &out.to_f32_vec(&gpu)?, &want, tol);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn gather_rows_picks_rows() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(8);
+    let (rows, width) = (50, 333);
+    let src = random_vec(&mut rng, rows * width, 1.0);
+    let indices = [49u32, 0, 7, 7, 23];
+    let idx_dev = gpu.upload(&indices)?;
+    for (dtype, _) in DTYPES {
+        let (src_dev, src_r) = upload(&gpu, &src, dtype)?;
+        let mut dst = nan_tensor(&gpu, dtype, indices.len() * width)?;
+        cuda::gather_rows(&gpu, src_dev.view(), width, &idx_dev, dst.view_mut())?;
+        let want: Vec<f32> = indices.iter().flat_map(|&r| src_r[r as usize * width..][..width].to_vec()).collect();
+        assert_eq!(dst.to_f32_vec(&gpu)?, want, "{dtype:?}");
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE
+
+fn inv_freq(rotary_dim: usize, theta: f32) -> Vec<f32> {
+    (0..rotary_dim / 2).map(|i| 1.0 / theta.powf(2.0 * i as f32 / rotary_dim as f32)).collect()
+}
+
+#[test]
+fn rope_matches_cpu_for_full_partial_and_long_tables() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(9);
+    // (tokens, heads, head_dim, rotary_dim, attention_scaling, long_start)
+    let cases = [
+        (3, 2, 8, 8, 1.0, None),
+        (5, 3, 64, 32, 1.0, None),
+        (4, 2, 16, 6, 1.25, None),
+        (70, 8, 64, 64, 0.9, None),
+        (33, 4, 128, 128, 1.0, None),
+        (31, 8, 128, 64, 1.1, Some(600)),
+    ];
+    for (tokens, heads, dim, rotary, scaling, long_start) in cases {
+        // Positions far into a long context, out of order, as a batch of requests has them.
+        let mut positions: Vec<u32> = (0..tokens as u32).map(|t| t * 37 + 5).collect();
+        positions.shuffle(&mut rng);
+        positions[0] = 40_000;
+        let short = inv_freq(rotary, 10000.0);
+        let long: Vec<f32> = short.iter().map(|f| f * 0.5).collect();
+        let table = GpuRopeTable::new(&gpu, &short, long_start.map(|s| (s, long.as_slice())), scaling)?;
+        assert_eq!(table.rotary_dim(), rotary);
+        let pos_dev = gpu.upload(&positions)?;
+        let x = random_vec(&mut rng, tokens * heads * dim, 2.0);
+        for (dtype, tol) in DTYPES {
+            let (mut x_dev, mut want) = upload(&gpu, &x, dtype)?;
+            cuda::rope(&gpu, x_dev.view_mut(), &pos_dev, heads, dim, &table)?;
+            // The CPU op takes one table: rotate token by token with the one its position picks.
+            for (t, &p) in positions.iter().enumerate() {
+                let freqs = if long_start.is_some_and(|s| p >= s) { &long } else { &short };
+                cpu::rope(&mut want[t * heads * dim..][..heads * dim], &[p], heads, dim, freqs, scaling);
+            }
+            check(
+                &format!("rope {dtype:?} {tokens}x{heads}x{dim} rotary {rotary}"),
+                &x_dev.to_f32_vec(&gpu)?,
+                &want,
+                tol,
+            );
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// KV cache and attention
+
+#[test]
+fn reshape_and_cache_writes_slots_and_skips_padding() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(10);
+    let (kv_width, num_slots) = (2 * 128, 64);
+    let slots: [i64; 7] = [17, -1, 0, 63, -1, 5, 40];
+    let slots_dev = gpu.upload(&slots)?;
+    let k = random_vec(&mut rng, slots.len() * kv_width, 1.0);
+    let v = random_vec(&mut rng, slots.len() * kv_width, 1.0);
+    for (dtype, _) in DTYPES {
+        let (k_dev, k_r) = upload(&gpu, &k, dtype)?;
+        let (v_dev, v_r) = upload(&gpu, &v, dtype)?;
+        // Sentinels show which slots were written.
+        let (mut kc_dev, mut kc) = upload(&gpu, &vec![-5.0; num_slots * kv_width], dtype)?;
+        let (mut vc_dev, mut vc) = upload(&gpu, &vec![-6.0; num_slots * kv_width], dtype)?;
+        cuda::reshape_and_cache(
+            &gpu,
+            k_dev.view(),
+            v_dev.view(),
+            &slots_dev,
+            kv_width,
+            kc_dev.view_mut(),
+            vc_dev.view_mut(),
+        )?;
+        cpu::reshape_and_cache(&k_r, &v_r, &slots, kv_width, &mut kc, &mut vc);
+        assert_eq!(kc_dev.to_f32_vec(&gpu)?, kc, "{dtype:?} k cache");
+        assert_eq!(vc_dev.to_f32_vec(&gpu)?, vc, "{dtype:?} v cache");
+    }
+    Ok(())
+}
+
+/// Query heads, KV heads, head_dim.
+#[derive(Clone, Copy, Debug)]
+struct Heads {
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+/// A flattened batch laid out in a paged cache, on the host (values as stored in `dtype`).
+struct Batch {
+    /// `[T, num_heads * head_dim]`
+    q: Vec<f32>,
+    /// `[num_blocks * block_size, kv_width]`; slots no request owns are NaN.
+    k_cache: Vec<f32>,
+    v_cache: Vec<f32>,
+    query_start_loc: Vec<u32>,
+    seq_lens: Vec<u32>,
+    block_tables: Vec<u32>,
+    max_blocks_per_seq: usize,
+    max_query_len: usize,
+}
+
+impl Batch {
+    /// Requests of `(seq_len, q_len)` with random K/V scattered over shuffled blocks.
+    fn random(
+        rng: &mut ChaCha8Rng,
+        heads: Heads,
+        requests: &[(usize, usize)],
+        block_size: usize,
+        dtype: DType,
+    ) -> Batch {
+        let kv_width = heads.num_kv_heads * heads.head_dim;
+        let blocks_per_req: Vec<usize> = requests.iter().map(|&(s, _)| s.div_ceil(block_size)).collect();
+        let max_blocks_per_seq = blocks_per_req.iter().max().copied().unwrap_or(0) + 1;
+        let num_blocks = blocks_per_req.iter().sum::<usize>() + 5;
+        let mut free: Vec<u32> = (0..num_blocks as u32).collect();
+        free.shuffle(rng);
+        let mut block_tables = vec![0u32; requests.len() * max_blocks_per_seq];
+        let mut k_cache = vec![f32::NAN; num_blocks * block_size * kv_width];
+        let mut v_cache = vec![f32::NAN; num_blocks * block_size * kv_width];
+        let (mut query_start_loc, mut seq_lens, mut q) = (vec![0u32], Vec::new(), Vec::new());
+        for (r, &(seq_len, q_len)) in requests.iter().enumerate() {
+            let table = &mut block_tables[r * max_blocks_per_seq..][..blocks_per_req[r]];
+            for entry in table.iter_mut() {
+                *entry = free.pop().expect("enough blocks");
+            }
+            let slots: Vec<i64> =
+                (0..seq_len).map(|j| (table[j / block_size] as usize * block_size + j % block_size) as i64).collect();
+            let k = rounded(&random_vec(rng, seq_len * kv_width, 1.0), dtype);
+            let v = rounded(&random_vec(rng, seq_len * kv_width, 1.0), dtype);
+            cpu::reshape_and_cache(&k, &v, &slots, kv_width, &mut k_cache, &mut v_cache);
+            query_start_loc.push(query_start_loc[r] + q_len as u32);
+            seq_lens.push(seq_len as u32);
+            q.extend(rounded(&random_vec(rng, q_len * heads.num_heads * heads.head_dim, 1.5), dtype));
+        }
+        let max_query_len = requests.iter().map(|&(_, q)| q).max().unwrap_or(0);
+        Batch { q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_blocks_per_seq, max_query_len }
+    }
+}
+
+/// Runs both ops on `batch` and compares; `max_query_len` overrides the batch's own hint.
+#[allow(clippy::too_many_arguments)]
+fn compare_attention(
+    gpu: &Gpu,
+    batch: &Batch,
+    heads: Heads,
+    block_size: usize,
+    window: Option<usize>,
+    dtype: DType,
+    tol: f32,
+    max_query_len: usize,
+) -> Result<f32, GpuError> {
+    let scale = 1.0 / (heads.head_dim as f32).sqrt();
+    let meta = cpu::AttentionMetadata {
+        query_start_loc: &batch.query_start_loc,
+        seq_lens: &batch.seq_lens,
+        block_tables: &batch.block_tables,
+        max_blocks_per_seq: batch.max_blocks_per_seq,
+        block_size,
+        sliding_window: window,
+        scale,
+    };
+    let mut want = vec![0.0; batch.q.len()];
+    cpu::paged_attention(
+        &batch.q,
+        &batch.k_cache,
+        &batch.v_cache,
+        &meta,
+        heads.num_heads,
+        heads.num_kv_heads,
+        heads.head_dim,
+        &mut want,
+    );
+
+    let (qsl, lens, tables) =
+        (gpu.upload(&batch.query_start_loc)?, gpu.upload(&batch.seq_lens)?, gpu.upload(&batch.block_tables)?);
+    let gpu_meta = GpuAttentionMetadata {
+        query_start_loc: &qsl,
+        seq_lens: &lens,
+        block_tables: &tables,
+        max_blocks_per_seq: batch.max_blocks_per_seq,
+        max_query_len,
+        block_size,
+        sliding_window: window,
+        scale,
+    };
+    let q = GpuTensor::from_f32(gpu, &batch.q, dtype)?;
+    let k_cache = GpuTensor::from_f32(gpu, &batch.k_cache, dtype)?;
+    let v_cache = GpuTensor::from_f32(gpu, &batch.v_cache, dtype)?;
+    let mut out = nan_tensor(gpu, dtype, batch.q.len())?;
+    cuda::paged_attention(
+        gpu,
+        q.view(),
+        k_cache.view(),
+        v_cache.view(),
+        &gpu_meta,
+        heads.num_heads,
+        heads.num_kv_heads,
+        heads.head_dim,
+        out.view_mut(),
+    )?;
+    let what = format!("paged_attention {dtype:?} {heads:?} window {window:?} max_query_len {max_query_len}");
+    Ok(check(&what, &out.to_f32_vec(gpu)?, &want, tol))
+}
+
+/// A prefill chunk after 263 cached tokens, a request with no rows this step, a first token, a
+/// whole prefill, a deep decode, a chunk that ends a block, and a decode one past a block edge:
+/// 92 query rows over contexts from 1 to 1000.
+const MIXED: [(usize, usize); 8] = [(300, 37), (40, 0), (1, 1), (19, 19), (1000, 1), (64, 33), (17, 1), (5, 1)];
+/// Decodes only, at depths on and off block edges.
+const DECODES: [(usize, usize); 7] = [(1, 1), (16, 1), (17, 1), (100, 1), (1000, 1), (333, 1), (2, 1)];
+
+#[test]
+fn paged_attention_matches_cpu() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(11);
+    let head_configs = [
+        Heads { num_heads: 4, num_kv_heads: 4, head_dim: 64 },
+        Heads { num_heads: 8, num_kv_heads: 2, head_dim: 128 },
+        Heads { num_heads: 16, num_kv_heads: 2, head_dim: 128 },
+        Heads { num_heads: 8, num_kv_heads: 1, head_dim: 64 },
+        // More query heads per KV head than one decode block takes.
+        Heads { num_heads: 32, num_kv_heads: 1, head_dim: 128 },
+        Heads { num_heads: 6, num_kv_heads: 3, head_dim: 80 },
+        Heads { num_heads: 4, num_kv_heads: 2, head_dim: 256 },
+    ];
+    let block_size = 16;
+    let mut worst = [0.0f32; 3];
+    for heads in head_configs {
+        for window in [None, Some(50), Some(1)] {
+            for (d, (dtype, tol)) in DTYPES.into_iter().enumerate() {
+                let mixed = Batch::random(&mut rng, heads, &MIXED, block_size, dtype);
+                let err = compare_attention(&gpu, &mixed, heads, block_size, window, dtype, tol, mixed.max_query_len)?;
+                worst[d] = worst[d].max(err);
+                let decodes = Batch::random(&mut rng, heads, &DECODES, block_size, dtype);
+                let err = compare_attention(&gpu, &decodes, heads, block_size, window, dtype, tol, 1)?;
+                worst[d] = worst[d].max(err);
+            }
+        }
+    }
+    // The work split must not change results: a mixed batch under the decode split.
+    let heads = Heads { num_heads: 8, num_kv_heads: 2, head_dim: 128 };
+    let mixed = Batch::random(&mut rng, heads, &MIXED, block_size, DType::F32);
+    compare_attention(&gpu, &mixed, heads, block_size, None, DType::F32, 1e-4, 1)?;
+    eprintln!("paged_attention max relative error: f32 {:e}, bf16 {:e}, f16 {:e}", worst[0], worst[1], worst[2]);
+    Ok(())
+}
+
+#[test]
+fn paged_attention_long_prefill() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(12);
+    let heads = Heads { num_heads: 32, num_kv_heads: 8, head_dim: 128 };
+    // A 1500-token prefill chunk after 500 cached tokens, next to two decodes.
+    let requests = [(2000, 1500), (700, 1), (1, 1)];
+    for (dtype, tol) in DTYPES {
+        let batch = Batch::random(&mut rng, heads, &requests, 16, dtype);
+        for window in [None, Some(777)] {
+            compare_attention(&gpu, &batch, heads, 16, window, dtype, tol, batch.max_query_len)?;
+        }
+    }
+    Ok(())
+}
+
+/// Decode-only batches deep enough to split the context: a single sequence at depths that give
+/// 1, 2 (one of them empty), 20 and about 95 partitions, 16 sequences of mixed depth, and 256
+/// sequences (no split, several chunks per block).
+#[test]
+fn paged_attention_decode_splits_long_contexts() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(13);
+    let configs = [
+        // Llama-3.1-8B: 4 query heads per KV head.
+        Heads { num_heads: 32, num_kv_heads: 8, head_dim: 128 },
+        Heads { num_heads: 32, num_kv_heads: 4, head_dim: 128 },
+        Heads { num_heads: 16, num_kv_heads: 2, head_dim: 64 },
+    ];
+    let depths = [1, 17, 600, 3000];
+    for heads in configs {
+        let mut batches: Vec<Vec<(usize, usize)>> = depths.iter().map(|&d| vec![(d, 1)]).collect();
+        batches.push((0..16).map(|i| (depths[i % 4] + i, 1)).collect());
+        for (dtype, tol) in DTYPES {
+            for requests in &batches {
+                let batch = Batch::random(&mut rng, heads, requests, 16, dtype);
+                for window in [None, Some(50), Some(1000)] {
+                    compare_attention(&gpu, &batch, heads, 16, window, dtype, tol, 1)?;
+                }
+            }
+        }
+    }
+    let heads = Heads { num_heads: 32, num_kv_heads: 8, head_dim: 128 };
+    let requests: Vec<(usize, usize)> = (0..256).map(|i| ([1, 17, 100, 600][i % 4] + i % 7, 1)).collect();
+    for (dtype, tol) in [DTYPES[0], DTYPES[1]] {
+        let batch = Batch::random(&mut rng, heads, &requests, 16, dtype);
+        compare_attention(&gpu, &batch, heads, 16, None, dtype, tol, 1)?;
+        compare_attention(&gpu, &batch, heads, 16, Some(300), dtype, tol, 1)?;
+    }
+    // One sequence 3000 deep among 255 short ones.
+    let mut requests: Vec<(usize, usize)> = (0..255).map(|i| (1 + i % 40, 1)).collect();
+    requests.push((3000, 1));
+    let batch = Batch::random(&mut rng, heads, &requests, 16, DType::BF16);
+    compare_attention(&gpu, &batch, heads, 16, None, DType::BF16, 1e-2, 1)?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear and logits
+
+#[test]
+fn linear_matches_cpu() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(13);
+    for &m in &[1, 7, 64, 130] {
+        for &k in &[64, 1000] {
+            for &n in &[1, 130, 2048] {
+                let x = random_vec(&mut rng, m * k, 1.0);
+                let w = random_vec(&mut rng, n * k, 0.5);
+                let bias = random_vec(&mut rng, n, 1.0);
+                let bias_dev = GpuTensor::from_f32(&gpu, &bias, DType::F32)?;
+                for (dtype, tol) in DTYPES {
+                    let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
+                    let (w_dev, w_r) = upload(&gpu, &w, dtype)?;
+                    // Outputs in the activation dtype, and f32 ones (logits): exact products of
+                    // rounded inputs, summed in f32 (by tensor cores for bf16 and f16).
+                    let f32_tol = if dtype == DType::F32 { 1e-4 } else { 1e-3 };
+                    for (y_dtype, y_tol) in [(dtype, tol), (DType::F32, f32_tol)] {
+                        for with_bias in [false, true] {
+                            let b = with_bias.then_some(bias.as_slice());
+                            let mut y = nan_tensor(&gpu, y_dtype, m * n)?;
+                            let b_dev = with_bias.then(|| bias_dev.view());
+                            cuda::linear(&gpu, x_dev.view(), m, k, w_dev.view(), n, b_dev, y.view_mut())?;
+                            let mut want = vec![0.0; m * n];
+                            cpu::linear(&x_r, m, k, WeightView::F32(&w_r), n, b, &mut want);
+                            let what = format!("linear {dtype:?}->{y_dtype:?} m={m} k={k} n={n} bias={with_bias}");
+                            check(&what, &y.to_f32_vec(&gpu)?, &want, y_tol);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn linear_of_a_row_range_writes_only_those_rows() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(14);
+    let (m, k, n) = (9, 96, 40);
+    let x = random_vec(&mut rng, m * k, 1.0);
+    let w = random_vec(&mut rng, n * k, 0.5);
+    let bias = random_vec(&mut rng, n, 1.0);
+    let bias_dev = GpuTensor::from_f32(&gpu, &bias, DType::F32)?;
+    for (dtype, tol) in DTYPES {
+        let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
+        let (w_dev, w_r) = upload(&gpu, &w, dtype)?;
+        let mut y = nan_tensor(&gpu, dtype, m * n)?;
+        cuda::linear(&gpu, x_dev.rows(2..5, k), 3, k, w_dev.view(), n, Some(bias_dev.view()), y.rows_mut(2..5, n))?;
+        let got = y.to_f32_vec(&gpu)?;
+        let mut want = vec![0.0; 3 * n];
+        cpu::linear(&x_r[2 * k..5 * k], 3, k, WeightView::F32(&w_r), n, Some(&bias), &mut want);
+        check(&format!("linear {dtype:?} rows 2..5"), &got[2 * n..5 * n], &want, tol);
+        assert!(got[..2 * n].iter().chain(&got[5 * n..]).all(|v| v.is_nan()), "rows outside the range were written");
+    }
+    Ok(())
+}
+
+/// `(argmax, max, ln(sum(exp(l - max))))` over the non-NaN, non-`-inf` logits, in f64.
+fn reference_argmax(row: &[f32]) -> (Option<u32>, f32, f64) {
+    let mut best: Option<(u32, f32)> = None;
+    for (i, &l) in row.iter().enumerate() {
+        if l.is_nan() || l == f32::NEG_INFINITY {
+            continue;
+        }
+        if best.is_none_or(|(_, b)| l > b) {
+            best = Some((i as u32, l));
+        }
+    }
+    let Some((id, max)) = best else { return (None, f32::NEG_INFINITY, 0.0) };
+    let sum: f64 = row.iter().filter(|l| !l.is_nan()).map(|&l| (l as f64 - max as f64).exp()).sum();
+    (Some(id), max, sum.ln())
+}
+
+#[test]
+fn argmax_logsumexp_matches_host() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(15);
+    let vocab = 151_936;
+    let rows = 5;
+    let mut logits = random_vec(&mut rng, rows * vocab, 10.0);
+    // Row 1: a tie, won by the lower id.
+    logits[vocab + 40_000] = 25.0;
+    logits[vocab + 100] = 25.0;
+    // Row 2: masked and NaN entries, the largest masked.
+    for i in (0..vocab).step_by(3) {
+        logits[2 * vocab + i] = f32::NEG_INFINITY;
+    }
+    logits[2 * vocab + 7] = f32::NAN;
+    // Row 3: nothing to pick.
+    logits[3 * vocab..4 * vocab].fill(f32::NEG_INFINITY);
+    // Row 4: large logits, where `max - logsumexp` would lose bits.
+    logits[4 * vocab..].iter_mut().for_each(|l| *l += 1.0e4);
+    for dtype in [DType::F32, DType::BF16] {
+        let (logits_dev, stored) = upload(&gpu, &logits, dtype)?;
+        let got = cuda::argmax_logsumexp(&gpu, logits_dev.view(), vocab)?;
+        assert_eq!(got.len(), rows);
+        for (r, g) in got.iter().enumerate() {
+            let (id, max, ln_sum) = reference_argmax(&stored[r * vocab..][..vocab]);
+            assert_eq!(g.token_id, id, "{dtype:?} row {r}");
+            assert_eq!(g.max, max, "{dtype:?} row {r}");
+            if id.is_some() {
+                let lse = max as f64 + ln_sum;
+                assert!((g.logsumexp as f64 - lse).abs() <= 1e-6 * lse.abs().max(1.0), "{dtype:?} row {r}: {g:?}");
+                let logprob_err = (g.token_logprob as f64 + ln_sum).abs();
+                assert!(logprob_err <= 2e-5 * ln_sum.abs().max(1.0), "{dtype:?} row {r}: {g:?} vs {ln_sum}");
+            } else {
+                assert_eq!(g.logsumexp, f32::NEG_INFINITY, "row {r}");
+            }
+        }
+        assert_eq!(got[1].token_id, Some(100));
+    }
+    Ok(())
+}

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Builds, on a machine without CUDA, what scripts/gpu-check.sh runs on the GPU machine: the
+# release binary with the CUDA backend and the GPU test binaries, stripped, into one folder.
+#
+#   scripts/gpu-build.sh [DEST]      (default .device-carry)
+set -euo pipefail
+DEST=${1:-.device-carry}
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-target/cuda}
+mkdir -p "$DEST"
+cargo build --release --locked -p ferrolm --features cuda
+cp "$CARGO_TARGET_DIR/release/ferrolm" "$DEST/ferrolm"
+# The test binaries: cargo prints each one's path as JSON; take the newest per name.
+for spec in "ferrolm-backend cuda_ops" "ferrolm-model runner"; do
+    set -- $spec
+    path=$(cargo test --release --locked -p "$1" --features cuda --test "$2" --no-run --message-format=json 2>/dev/null |
+        python3 -c 'import json,sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] == sys.argv[1]:
+        print(m["executable"])' "$2" | tail -n 1)
+    cp "$path" "$DEST/$2"
+done
+strip "$DEST"/ferrolm "$DEST"/cuda_ops "$DEST"/runner
+ls -la "$DEST"

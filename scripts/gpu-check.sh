@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# GPU checks and benchmarks of ferrolm on a machine with an NVIDIA GPU. Builds nothing: takes a
+# release binary and the GPU test binaries built elsewhere (see scripts/gpu-build.sh), runs them
+# from the repository root, and prints a short table last.
+#
+#   scripts/gpu-check.sh [BIN_DIR] [quick|full]
+#
+# BIN_DIR (default .device-carry) holds `ferrolm` (built with --features cuda), `cuda_ops` and
+# `runner` (the test binaries). `quick` skips the 8B throughput run. Results (test logs, bench
+# JSON) go to $OUT (default: a new temporary directory).
+set -u
+BIN=${1:-.device-carry}
+MODE=${2:-full}
+OUT=${OUT:-$(mktemp -d)}
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+export RUST_LOG=${RUST_LOG:-info}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+date -u
+summary=()
+
+run_tests() { # name binary
+    local name=$1 bin=$2
+    if timeout "${TEST_TIMEOUT:-300}" "$bin" --test-threads 1 --nocapture >"$OUT/$name.log" 2>&1; then status=pass; else status=FAIL; fi
+    grep -E "^test result|panicked|skipping|max abs error|tokens compared" "$OUT/$name.log" | head -40
+    summary+=("$(printf '%-34s %s (%s)' "tests: $name" "$status" "$(grep -m1 '^test result' "$OUT/$name.log" | cut -c14-60)")")
+}
+
+run_tests cuda_ops "$BIN/cuda_ops"
+run_tests runner "$BIN/runner"
+
+bench() { # label json args...
+    local label=$1 json=$2
+    shift 2
+    if timeout "${BENCH_TIMEOUT:-240}" "$BIN/ferrolm" bench "$@" --device cuda --dummy-weights --json "$OUT/$json" >"$OUT/$json.log" 2>&1; then
+        tail -n 40 "$OUT/$json.log" | grep -E "throughput|Decode|Fraction|Median|bandwidth|TTFT|Device" | head -14
+        summary+=("$(python3 - "$OUT/$json" "$label" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1])); label = sys.argv[2]
+if "decode_limit_tokens_per_s" in r:
+    print(f"{label:<34} {r['output_throughput']:8.1f} tok/s decode; limit {r['decode_limit_tokens_per_s']:.0f} "
+          f"({100 * r['fraction_of_limit']:.1f}%) at {r['memory_bandwidth_gbps']:.0f} GB/s; TTFT p50 {r['median_ttft_ms']:.1f} ms")
+else:
+    print(f"{label:<34} {r['output_throughput']:8.1f} output tok/s; {r['request_throughput']:.2f} req/s; "
+          f"TPOT p50 {r['median_tpot_ms']:.1f} ms")
+PY
+)")
+    else
+        tail -n 5 "$OUT/$json.log"
+        summary+=("$(printf '%-34s FAILED (see %s)' "$label" "$OUT/$json.log")")
+    fi
+}
+
+bench "llama-3.2-1b latency 128+256" l1b-latency.json latency --model-config bench-configs/llama-3.2-1b.json \
+    --input-len 128 --output-len 256 --num-iters 3
+bench "llama-3.1-8b latency 128+256" l8b-latency.json latency --model-config bench-configs/llama-3.1-8b.json \
+    --input-len 128 --output-len 256 --num-iters 3
+if [ "$MODE" = full ]; then
+    bench "llama-3.1-8b 256 x (512+256)" l8b-throughput.json throughput --model-config bench-configs/llama-3.1-8b.json \
+        --num-prompts 256 --input-len 512 --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 8192
+fi
+
+echo
+echo "=== ferrolm GPU check ==="
+printf '%s\n' "${summary[@]}"
