@@ -6,8 +6,9 @@
 #   scripts/gpu-check.sh [BIN_DIR] [quick|full]
 #
 # BIN_DIR (default .device-carry) holds `ferrolm` (built with --features cuda), `cuda_ops` and
-# `runner` (the test binaries). `quick` skips the 8B throughput run. Results (test logs, bench
-# JSON) go to $OUT (default: a new temporary directory).
+# `runner` (the test binaries). `quick` skips the 8B throughput runs. With PEER=1 the same
+# workloads also run through HF transformers (tools/peer_hf.py; needs torch and transformers).
+# Results (test logs, bench JSON) go to $OUT (default: a new temporary directory).
 set -u
 BIN=${1:-.device-carry}
 MODE=${2:-full}
@@ -29,10 +30,22 @@ run_tests() { # name binary
 run_tests cuda_ops "$BIN/cuda_ops"
 run_tests runner "$BIN/runner"
 
-bench() { # label json args...
+bench() { # label json args...   (ferrolm)
     local label=$1 json=$2
     shift 2
-    if timeout "${BENCH_TIMEOUT:-240}" "$BIN/ferrolm" bench "$@" --device cuda --dummy-weights --json "$OUT/$json" >"$OUT/$json.log" 2>&1; then
+    measure "$label" "$json" "$BIN/ferrolm" bench "$@" --device cuda --dummy-weights
+}
+
+peer() { # label json args...   (HF transformers)
+    local label=$1 json=$2
+    shift 2
+    measure "$label" "$json" python3 tools/peer_hf.py "$@"
+}
+
+measure() { # label json command...
+    local label=$1 json=$2
+    shift 2
+    if timeout "${BENCH_TIMEOUT:-240}" "$@" --json "$OUT/$json" >"$OUT/$json.log" 2>&1; then
         tail -n 40 "$OUT/$json.log" | grep -E "throughput|Decode|Fraction|Median|bandwidth|TTFT|Device" | head -14
         summary+=("$(python3 - "$OUT/$json" "$label" <<'PY'
 import json, sys
@@ -41,8 +54,9 @@ if "decode_limit_tokens_per_s" in r:
     print(f"{label:<34} {r['output_throughput']:8.1f} tok/s decode; limit {r['decode_limit_tokens_per_s']:.0f} "
           f"({100 * r['fraction_of_limit']:.1f}%) at {r['memory_bandwidth_gbps']:.0f} GB/s; TTFT p50 {r['median_ttft_ms']:.1f} ms")
 else:
-    print(f"{label:<34} {r['output_throughput']:8.1f} output tok/s; {r['request_throughput']:.2f} req/s; "
-          f"TPOT p50 {r['median_tpot_ms']:.1f} ms")
+    tpot = r.get("median_tpot_ms")
+    print(f"{label:<34} {r['output_throughput']:8.1f} output tok/s; {r['request_throughput']:.2f} req/s"
+          + (f"; TPOT p50 {tpot:.1f} ms" if tpot is not None else ""))
 PY
 )")
     else
@@ -58,6 +72,18 @@ bench "llama-3.1-8b latency 128+256" l8b-latency.json latency --model-config ben
 if [ "$MODE" = full ]; then
     bench "llama-3.1-8b 256 x (512+256)" l8b-throughput.json throughput --model-config bench-configs/llama-3.1-8b.json \
         --num-prompts 256 --input-len 512 --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 8192
+    bench "llama-3.1-8b 64 x (512+256)" l8b-throughput-64.json throughput --model-config bench-configs/llama-3.1-8b.json \
+        --num-prompts 64 --input-len 512 --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 8192
+fi
+if [ "${PEER:-0}" = 1 ]; then
+    peer "HF llama-3.2-1b latency 128+256" hf-l1b-latency.json latency --model-config bench-configs/llama-3.2-1b.json \
+        --input-len 128 --output-len 256 --num-iters 3
+    peer "HF llama-3.1-8b latency 128+256" hf-l8b-latency.json latency --model-config bench-configs/llama-3.1-8b.json \
+        --input-len 128 --output-len 256 --num-iters 3
+    if [ "$MODE" = full ]; then
+        peer "HF llama-3.1-8b 64 x (512+256)" hf-l8b-throughput-64.json throughput \
+            --model-config bench-configs/llama-3.1-8b.json --num-prompts 64 --input-len 512 --output-len 256
+    fi
 fi
 
 echo
