@@ -164,7 +164,11 @@ pub fn paged_attention(
 /// The decode kernel reads 8 elements per lane with 16-byte loads, `head_dim / 8` lanes per key.
 fn decode_supported(head_dim: usize, k_cache: GpuView<'_>, v_cache: GpuView<'_>) -> bool {
     let lanes = head_dim / 8;
-    head_dim % 8 == 0 && lanes.is_power_of_two() && lanes <= 32 && k_cache.ptr() % 16 == 0 && v_cache.ptr() % 16 == 0
+    head_dim.is_multiple_of(8)
+        && lanes.is_power_of_two()
+        && lanes <= 32
+        && k_cache.ptr().is_multiple_of(16)
+        && v_cache.ptr().is_multiple_of(16)
 }
 
 /// The arguments both kernels take after their pointers, in order.
