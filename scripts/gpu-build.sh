@@ -21,4 +21,6 @@ for line in sys.stdin:
     cp "$path" "$DEST/$2"
 done
 strip "$DEST"/ferrolm "$DEST"/cuda_ops "$DEST"/runner
+# The revision the binaries were built from (the bench JSON records it; see gpu-check.sh).
+git describe --always --dirty >"$DEST/REVISION"
 ls -la "$DEST"

@@ -15,6 +15,11 @@ MODE=${2:-full}
 OUT=${OUT:-$(mktemp -d)}
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export RUST_LOG=${RUST_LOG:-info}
+# The bench JSON names the build's revision, not the checkout's on this machine.
+if [ -f "$BIN/REVISION" ]; then
+    FERROLM_GIT_REVISION=$(cat "$BIN/REVISION")
+    export FERROLM_GIT_REVISION
+fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 date -u
