@@ -369,3 +369,112 @@ fn batch_invariance_of_32_mixed_requests() {
     assert!(preemptions > 0, "the tiny pool should force preemption");
     assert_eq!(tiny, alone, "tiny pool with preemption");
 }
+
+/// A CPU runner that answers plain-argmax rows as a device would (token and logprob only) and
+/// can fail one step, to drive the engine's device paths without a GPU.
+struct DeviceLikeRunner {
+    inner: ferrolm_model::CpuRunner,
+    calls: usize,
+    fail_at_call: Option<usize>,
+}
+
+impl ferrolm_model::ModelRunner for DeviceLikeRunner {
+    fn config(&self) -> &ferrolm_model::ModelConfig {
+        self.inner.config()
+    }
+
+    fn device(&self) -> String {
+        "test device".into()
+    }
+
+    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), ferrolm_model::ModelError> {
+        self.inner.allocate_kv_cache(num_blocks, block_size)
+    }
+
+    fn execute(
+        &mut self,
+        input: &ferrolm_model::ModelInput,
+        argmax_only: &[bool],
+    ) -> Result<ferrolm_model::StepLogits, ferrolm_model::ModelError> {
+        self.calls += 1;
+        if self.fail_at_call == Some(self.calls) {
+            return Err(ferrolm_model::ModelError::Device("injected failure".into()));
+        }
+        let full = self.inner.execute(input, argmax_only)?;
+        let mut out = ferrolm_model::StepLogits::with_vocab(full.vocab());
+        for (i, &argmax) in argmax_only.iter().enumerate() {
+            let ferrolm_model::RowLogits::Full(row) = full.row(i) else {
+                unreachable!("the CPU runner gives full rows")
+            };
+            if argmax {
+                let lp = ferrolm_sampling::log_softmax(row);
+                let best = (0..row.len()).fold(0, |b, j| if row[j] > row[b] { j } else { b });
+                out.push_argmax(Some(best as u32), lp[best]);
+            } else {
+                out.push_full(row);
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn start_device_like(name: &str, fail_at_call: Option<usize>) -> EngineHandle {
+    let model = Model::from_dir(&fixture(name)).expect("model");
+    let runner = DeviceLikeRunner { inner: ferrolm_model::CpuRunner::new(model), calls: 0, fail_at_call };
+    let scheduler = SchedulerConfig {
+        max_num_seqs: 64,
+        max_num_batched_tokens: 2048,
+        block_size: 16,
+        num_blocks: 256,
+        max_model_len: 512,
+        long_prefill_token_threshold: None,
+        enable_prefix_caching: true,
+    };
+    let config = EngineConfig { scheduler, max_pending_requests: 1024, eos_token_ids: vec![1] };
+    let runner: Box<dyn ferrolm_model::ModelRunner> = Box::new(runner);
+    EngineHandle::start(runner, None::<Arc<Tokenizer>>, config).expect("engine")
+}
+
+/// Rows the runner answers with an argmax only give the reference tokens and their logprobs;
+/// rows that need more (top logprobs) still get full logits.
+#[test]
+fn argmax_rows_from_the_runner_give_the_reference_tokens() {
+    let engine = start_device_like("llama", None);
+    let cases = cases("llama");
+    let plain: Vec<_> = cases
+        .iter()
+        .map(|(p, _)| engine.submit(GenerateRequest { prompt_token_ids: p.clone(), params: greedy(8) }).expect("s"))
+        .collect();
+    let with_top = SamplingParams { logprobs: Some(3), ..greedy(8) };
+    let top = engine.submit(GenerateRequest { prompt_token_ids: cases[0].0.clone(), params: with_top }).expect("s");
+    for (stream, (_, want)) in plain.into_iter().zip(&cases) {
+        let out = collect(stream);
+        assert_eq!(tokens(&out[0]), want[..8]);
+        assert_eq!(out[0].last().and_then(|o| o.finish_reason), Some(FinishReason::Length));
+    }
+    let out = collect(top);
+    assert_eq!(tokens(&out[0]), cases[0].1[..8]);
+    assert!(out[0].iter().all(|o| o.logprobs.iter().all(|l| l.top_logprobs.len() == 3)));
+    wait_idle(&engine);
+}
+
+/// A failing step aborts the requests in it, frees their blocks, and the engine serves on.
+#[test]
+fn a_device_failure_aborts_the_step_and_the_engine_recovers() {
+    let engine = start_device_like("llama", Some(3));
+    let cases = cases("llama");
+    let streams: Vec<_> = cases
+        .iter()
+        .map(|(p, _)| engine.submit(GenerateRequest { prompt_token_ids: p.clone(), params: greedy(20) }).expect("s"))
+        .collect();
+    for stream in streams {
+        let out = collect(stream);
+        let last = out[0].last().expect("a final output");
+        assert_eq!(last.finish_reason, Some(FinishReason::Abort));
+        assert!(tokens(&out[0]).len() < 20);
+    }
+    wait_idle(&engine);
+    let (prompt, want) = cases[1].clone();
+    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(5) }).expect("s"));
+    assert_eq!(tokens(&out[0]), want[..5]);
+}
