@@ -1,18 +1,20 @@
 //! Times `cuda::paged_attention` in the Llama-3.1-8B shape (32 query heads, 8 KV heads,
-//! head_dim 128, block_size 16, bf16) on random inputs.
+//! head_dim 128, block_size 16, bf16) on random inputs, next to the general kernel
+//! (`cuda::paged_attention_general`) on the same inputs.
 //!
 //! ```text
 //! cargo build --release -p ferrolm-backend --features cuda --example attention_bench
 //! target/release/examples/attention_bench
 //! ```
 //!
-//! Cases: a decode step of 1 sequence at context 384, of 256 sequences at context 640, and a
-//! 512-token prefill chunk of one sequence. Each is timed with CUDA events around one call, best
-//! of 20 after a warm-up, and again as the mean of 32 back-to-back calls (one per layer, as a
-//! model step issues them; best of 3 such runs). Small cases cycle through 32 layers' worth of K/V so that the reads
-//! come from device memory, not the L2 cache. Decode lines give the K/V bytes read per call over
-//! the time. Each case runs with its real `max_query_len` (the decode kernel for decodes) and
-//! with a hint of 2, which sends decodes to the general kernel, for comparison.
+//! Cases: a decode step of 1 sequence at context 384 and of 256 sequences at context 640 (the
+//! decode kernel), a 512-token and a 2048-token prompt of one sequence, and a mixed step of 16
+//! 512-token prompts with 200 decodes at context 600 (the tensor-core kernel). Each is timed with
+//! CUDA events around one call, best of 20 after a warm-up, and again as the mean of 32
+//! back-to-back calls (one per layer, as a model step issues them, sharing one metadata and so
+//! one work list; best of 3 such runs). Small cases cycle through 32 layers' worth of K/V so that
+//! the reads come from device memory, not the L2 cache. Decode lines give the K/V bytes read per
+//! call over the time.
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
@@ -38,130 +40,142 @@ fn main() {
         }
     };
     println!("{} (compute capability {:?})", gpu.name(), gpu.compute_capability());
-    println!("{:<34} {:>12} {:>12} {:>14} {:>14}", "case", "best us", "mean32 us", "best GB/s", "mean32 GB/s");
-    let cases: [(&str, usize, usize, usize); 3] = [
-        ("decode batch 1, context 384", 1, 384, 1),
-        ("decode batch 256, context 640", 256, 640, 1),
-        ("prefill 512 of one sequence", 1, 512, 512),
+    println!("{:<42} {:>12} {:>12} {:>14} {:>14}", "case", "best us", "mean32 us", "best GB/s", "mean32 GB/s");
+    let mut mixed = vec![(512, 512); 16];
+    mixed.extend([(600, 1); 200]);
+    let cases: [(&str, Vec<(usize, usize)>); 5] = [
+        ("decode batch 1, context 384", vec![(384, 1)]),
+        ("decode batch 256, context 640", vec![(640, 1); 256]),
+        ("prefill 512 of one sequence", vec![(512, 512)]),
+        ("prefill 2048 of one sequence", vec![(2048, 2048)]),
+        ("mixed 16 x 512 prefill + 200 decodes @600", mixed),
     ];
-    for (name, batch, context, q_len) in cases {
-        if let Err(e) = run_case(&gpu, name, batch, context, q_len) {
+    for (name, requests) in &cases {
+        if let Err(e) = run_case(&gpu, name, requests) {
             eprintln!("{name}: {e}");
         }
     }
 }
 
-/// One case's buffers: `sets` layers of block tables over one shared cache.
-struct Case {
-    q: GpuTensor,
-    out: GpuTensor,
-    k_cache: GpuTensor,
-    v_cache: GpuTensor,
-    query_start_loc: CudaSlice<u32>,
-    seq_lens: CudaSlice<u32>,
-    /// One `[batch, blocks_per_seq]` table per layer, over disjoint blocks.
-    block_tables: Vec<CudaSlice<u32>>,
-    blocks_per_seq: usize,
-    kv_bytes: usize,
-}
-
-fn run_case(gpu: &Gpu, name: &str, batch: usize, context: usize, q_len: usize) -> Result<(), GpuError> {
-    let mut case = Case::new(gpu, batch, context, q_len)?;
-    let hints = if q_len == 1 { vec![1, 2] } else { vec![q_len] };
-    for hint in hints {
-        let label = if hint == q_len { name.to_string() } else { format!("  general kernel (hint {hint})") };
-        let (best, mean) = case.time(gpu, hint)?;
+/// `requests`: (context length, query rows) of each sequence.
+fn run_case(gpu: &Gpu, name: &str, requests: &[(usize, usize)]) -> Result<(), GpuError> {
+    let mut case = Case::new(gpu, requests)?;
+    let decode_only = requests.iter().all(|&(_, q)| q == 1);
+    for general in [false, true] {
+        let label = if general { "  general kernel".to_string() } else { name.to_string() };
+        let (best, mean) = case.time(gpu, general)?;
         let gbs = |s: f64| case.kv_bytes as f64 / s / 1e9;
-        let (best_bw, mean_bw) = if q_len == 1 {
+        let (best_bw, mean_bw) = if decode_only {
             (format!("{:.0}", gbs(best)), format!("{:.0}", gbs(mean)))
         } else {
             ("-".into(), "-".into())
         };
-        println!("{label:<34} {:>12.1} {:>12.1} {best_bw:>14} {mean_bw:>14}", best * 1e6, mean * 1e6);
+        println!("{label:<42} {:>12.1} {:>12.1} {best_bw:>14} {mean_bw:>14}", best * 1e6, mean * 1e6);
     }
     Ok(())
 }
 
+/// One case's buffers: `sets` layers' K/V caches, all addressed by one block table as a model's
+/// layers are.
+struct Case {
+    q: GpuTensor,
+    out: GpuTensor,
+    /// `[num_blocks * BLOCK_SIZE, KV_WIDTH]` K and V of each layer.
+    caches: Vec<(GpuTensor, GpuTensor)>,
+    query_start_loc_host: Vec<u32>,
+    query_start_loc: CudaSlice<u32>,
+    seq_lens: CudaSlice<u32>,
+    /// `[num_reqs, blocks_per_seq]`, over shuffled blocks.
+    block_tables: CudaSlice<u32>,
+    blocks_per_seq: usize,
+    max_query_len: usize,
+    kv_bytes: usize,
+}
+
 impl Case {
-    fn new(gpu: &Gpu, batch: usize, context: usize, q_len: usize) -> Result<Case, GpuError> {
-        let blocks_per_seq = context.div_ceil(BLOCK_SIZE);
-        let kv_bytes = batch * context * KV_WIDTH * 2 * 2;
+    fn new(gpu: &Gpu, requests: &[(usize, usize)]) -> Result<Case, GpuError> {
+        let blocks_per_seq = requests.iter().map(|&(s, _)| s.div_ceil(BLOCK_SIZE)).max().unwrap_or(0);
+        let context: usize = requests.iter().map(|&(s, _)| s).sum();
+        let kv_bytes = context * KV_WIDTH * 2 * 2;
         // Enough layers that one pass over them is several times a 50 MB L2.
         let sets = if kv_bytes >= 256 << 20 { 1 } else { LAYERS };
-        let num_blocks = sets * batch * blocks_per_seq;
+        let num_blocks = requests.len() * blocks_per_seq;
         let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
         let mut order: Vec<u32> = (0..num_blocks as u32).collect();
         for i in (1..order.len()).rev() {
             order.swap(i, rng.next() as usize % (i + 1));
         }
-        let block_tables =
-            order.chunks(batch * blocks_per_seq).map(|table| gpu.upload(table)).collect::<Result<Vec<_>, _>>()?;
         let cache_len = num_blocks * BLOCK_SIZE * KV_WIDTH;
-        let k_cache = random_tensor(gpu, &mut rng, cache_len)?;
-        let v_cache = random_tensor(gpu, &mut rng, cache_len)?;
-        let tokens = batch * q_len;
+        let caches = (0..sets)
+            .map(|_| Ok((random_tensor(gpu, &mut rng, cache_len)?, random_tensor(gpu, &mut rng, cache_len)?)))
+            .collect::<Result<Vec<_>, GpuError>>()?;
+        let tokens: usize = requests.iter().map(|&(_, q)| q).sum();
         let q = random_tensor(gpu, &mut rng, tokens * NUM_HEADS * HEAD_DIM)?;
         let out = GpuTensor::zeros(gpu, DType::BF16, tokens * NUM_HEADS * HEAD_DIM)?;
-        let query_start_loc: Vec<u32> = (0..=batch as u32).map(|r| r * q_len as u32).collect();
+        let mut query_start_loc_host = vec![0u32];
+        for (r, &(_, q_len)) in requests.iter().enumerate() {
+            query_start_loc_host.push(query_start_loc_host[r] + q_len as u32);
+        }
+        let seq_lens: Vec<u32> = requests.iter().map(|&(s, _)| s as u32).collect();
         Ok(Case {
             q,
             out,
-            k_cache,
-            v_cache,
-            query_start_loc: gpu.upload(&query_start_loc)?,
-            seq_lens: gpu.upload(&vec![context as u32; batch])?,
-            block_tables,
+            caches,
+            query_start_loc: gpu.upload(&query_start_loc_host)?,
+            query_start_loc_host,
+            seq_lens: gpu.upload(&seq_lens)?,
+            block_tables: gpu.upload(&order)?,
             blocks_per_seq,
+            max_query_len: requests.iter().map(|&(_, q)| q).max().unwrap_or(0),
             kv_bytes,
         })
     }
 
-    fn call(&mut self, gpu: &Gpu, layer: usize, max_query_len: usize) -> Result<(), GpuError> {
-        let meta = GpuAttentionMetadata {
+    /// (best single call, mean of `LAYERS` back-to-back calls), in seconds, on the kernel
+    /// `paged_attention` picks or on the general kernel. Each run of `LAYERS` calls is one step:
+    /// one metadata, whose work list the first call builds.
+    fn time(&mut self, gpu: &Gpu, general: bool) -> Result<(f64, f64), GpuError> {
+        let attend = if general { cuda::paged_attention_general } else { cuda::paged_attention };
+        let Case { q, out, caches, .. } = self;
+        let step = || GpuAttentionMetadata {
             query_start_loc: &self.query_start_loc,
+            query_start_loc_host: &self.query_start_loc_host,
             seq_lens: &self.seq_lens,
-            block_tables: &self.block_tables[layer % self.block_tables.len()],
+            block_tables: &self.block_tables,
             max_blocks_per_seq: self.blocks_per_seq,
-            max_query_len,
+            max_query_len: self.max_query_len,
             block_size: BLOCK_SIZE,
             sliding_window: None,
             scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+            work: Default::default(),
         };
-        cuda::paged_attention(
-            gpu,
-            self.q.view(),
-            self.k_cache.view(),
-            self.v_cache.view(),
-            &meta,
-            NUM_HEADS,
-            NUM_KV_HEADS,
-            HEAD_DIM,
-            self.out.view_mut(),
-        )
-    }
-
-    /// (best single call, mean of `LAYERS` back-to-back calls), in seconds.
-    fn time(&mut self, gpu: &Gpu, max_query_len: usize) -> Result<(f64, f64), GpuError> {
+        let mut call = |meta: &GpuAttentionMetadata<'_>, layer: usize| {
+            let (k_cache, v_cache) = &caches[layer % caches.len()];
+            let (heads, kv_heads) = (NUM_HEADS, NUM_KV_HEADS);
+            attend(gpu, q.view(), k_cache.view(), v_cache.view(), meta, heads, kv_heads, HEAD_DIM, out.view_mut())
+        };
         let ctx = gpu.stream().context();
         let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
         let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+        let meta = step();
         for layer in 0..LAYERS {
-            self.call(gpu, layer, max_query_len)?;
+            call(&meta, layer)?;
         }
         gpu.synchronize()?;
         let mut best = f64::INFINITY;
         for rep in 0..REPS {
             start.record(gpu.stream())?;
-            self.call(gpu, rep, max_query_len)?;
+            call(&meta, rep)?;
             end.record(gpu.stream())?;
             end.synchronize()?;
             best = best.min(start.elapsed_ms(&end)? as f64 / 1e3);
         }
         let mut mean = f64::INFINITY;
         for _ in 0..3 {
+            let meta = step();
             start.record(gpu.stream())?;
             for layer in 0..LAYERS {
-                self.call(gpu, layer, max_query_len)?;
+                call(&meta, layer)?;
             }
             end.record(gpu.stream())?;
             end.synchronize()?;

@@ -21,6 +21,7 @@
 mod attention;
 mod compile;
 mod error;
+mod flash_attention;
 mod gpu;
 mod linear;
 mod logits;
@@ -28,14 +29,15 @@ mod ops;
 mod rope;
 mod tensor;
 
-pub use attention::{paged_attention, reshape_and_cache, GpuAttentionMetadata};
+pub use attention::{paged_attention, paged_attention_general, reshape_and_cache, GpuAttentionMetadata};
 pub use cudarc::driver::{CudaSlice, DevicePtr};
 pub use error::GpuError;
-pub use gpu::Gpu;
+pub use flash_attention::AttentionWork;
+pub use gpu::{Gpu, GpuGraph};
 pub use linear::linear;
 pub use logits::{argmax_logsumexp, argmax_logsumexp_into, RowArgmax};
 pub use ops::{
     add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, split_qkv,
 };
-pub use rope::{rope, GpuRopeTable};
+pub use rope::{qkv_rope_cache, rope, GpuRopeTable};
 pub use tensor::{GpuTensor, GpuView, GpuViewMut};

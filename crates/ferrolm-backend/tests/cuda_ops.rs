@@ -429,6 +429,77 @@ fn reshape_and_cache_writes_slots_and_skips_padding() -> Result<(), GpuError> {
     Ok(())
 }
 
+/// The fused attention input step gives the bits of split_qkv, rope on q and k and
+/// reshape_and_cache run one after another, padding slots included.
+#[test]
+fn qkv_rope_cache_equals_the_ops_it_fuses() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(21);
+    // (tokens, heads, kv_heads, head_dim, rotary_dim, long_start)
+    let cases =
+        [(1, 4, 1, 8, 8, None), (7, 6, 2, 64, 32, None), (33, 32, 8, 128, 128, Some(500)), (5, 2, 2, 80, 0, None)];
+    for (tokens, heads, kv_heads, dim, rotary, long_start) in cases {
+        let (q_size, kv_size) = (heads * dim, kv_heads * dim);
+        let num_slots = 3 * tokens + 2;
+        let mut slot_pool: Vec<i64> = (0..num_slots as i64).collect();
+        slot_pool.shuffle(&mut rng);
+        let slots: Vec<i64> = (0..tokens).map(|t| if t % 3 == 1 { -1 } else { slot_pool[t] }).collect();
+        let positions: Vec<u32> = (0..tokens as u32).map(|t| t * 53 + 11).collect();
+        let short = inv_freq(rotary, 10000.0);
+        let long: Vec<f32> = short.iter().map(|f| f * 0.25).collect();
+        let table = GpuRopeTable::new(&gpu, &short, long_start.map(|s| (s, long.as_slice())), 1.1)?;
+        let (pos_dev, slots_dev) = (gpu.upload(&positions)?, gpu.upload(&slots)?);
+        let qkv = random_vec(&mut rng, tokens * (q_size + 2 * kv_size), 2.0);
+        for (dtype, _) in DTYPES {
+            let what = format!("qkv_rope_cache {dtype:?} {tokens}x({heads}+2x{kv_heads})x{dim} rotary {rotary}");
+            let qkv_dev = GpuTensor::from_f32(&gpu, &qkv, dtype)?;
+            let sentinel = |v: f32| GpuTensor::from_f32(&gpu, &vec![v; num_slots * kv_size], dtype);
+            // Unfused.
+            let (mut q, mut k, mut v) = (
+                nan_tensor(&gpu, dtype, tokens * q_size)?,
+                nan_tensor(&gpu, dtype, tokens * kv_size)?,
+                nan_tensor(&gpu, dtype, tokens * kv_size)?,
+            );
+            cuda::split_qkv(&gpu, qkv_dev.view(), q_size, kv_size, q.view_mut(), k.view_mut(), v.view_mut())?;
+            cuda::rope(&gpu, q.view_mut(), &pos_dev, heads, dim, &table)?;
+            cuda::rope(&gpu, k.view_mut(), &pos_dev, kv_heads, dim, &table)?;
+            let (mut kc_want, mut vc_want) = (sentinel(-5.0)?, sentinel(-6.0)?);
+            cuda::reshape_and_cache(
+                &gpu,
+                k.view(),
+                v.view(),
+                &slots_dev,
+                kv_size,
+                kc_want.view_mut(),
+                vc_want.view_mut(),
+            )?;
+            // Fused.
+            let mut q_got = nan_tensor(&gpu, dtype, tokens * q_size)?;
+            let (mut kc_got, mut vc_got) = (sentinel(-5.0)?, sentinel(-6.0)?);
+            cuda::qkv_rope_cache(
+                &gpu,
+                qkv_dev.view(),
+                &pos_dev,
+                &slots_dev,
+                heads,
+                kv_heads,
+                dim,
+                &table,
+                q_got.view_mut(),
+                kc_got.view_mut(),
+                vc_got.view_mut(),
+            )?;
+            let bits = |t: &GpuTensor| -> Result<Vec<u32>, GpuError> {
+                Ok(t.to_f32_vec(&gpu)?.iter().map(|x| x.to_bits()).collect())
+            };
+            assert_eq!(bits(&q_got)?, bits(&q)?, "{what}: q");
+            assert_eq!(bits(&kc_got)?, bits(&kc_want)?, "{what}: k cache");
+            assert_eq!(bits(&vc_got)?, bits(&vc_want)?, "{what}: v cache");
+        }
+    }
+    Ok(())
+}
+
 /// Query heads, KV heads, head_dim.
 #[derive(Clone, Copy, Debug)]
 struct Heads {
@@ -527,6 +598,7 @@ fn compare_attention(
         (gpu.upload(&batch.query_start_loc)?, gpu.upload(&batch.seq_lens)?, gpu.upload(&batch.block_tables)?);
     let gpu_meta = GpuAttentionMetadata {
         query_start_loc: &qsl,
+        query_start_loc_host: &batch.query_start_loc,
         seq_lens: &lens,
         block_tables: &tables,
         max_blocks_per_seq: batch.max_blocks_per_seq,
@@ -534,6 +606,7 @@ fn compare_attention(
         block_size,
         sliding_window: window,
         scale,
+        work: Default::default(),
     };
     let q = GpuTensor::from_f32(gpu, &batch.q, dtype)?;
     let k_cache = GpuTensor::from_f32(gpu, &batch.k_cache, dtype)?;
@@ -651,6 +724,144 @@ fn paged_attention_decode_splits_long_contexts() -> Result<(), GpuError> {
     requests.push((3000, 1));
     let batch = Batch::random(&mut rng, heads, &requests, 16, DType::BF16);
     compare_attention(&gpu, &batch, heads, 16, None, DType::BF16, 1e-2, 1)?;
+    Ok(())
+}
+
+/// Half-precision head configurations the tensor-core kernel takes: every head size it is
+/// compiled for, and GQA groups of 1, 2, 3 (21 tokens per 64-row tile), 4, 6, 8 and 96 (two
+/// head chunks per KV head).
+const TENSOR_CORE_HEADS: [Heads; 8] = [
+    Heads { num_heads: 4, num_kv_heads: 4, head_dim: 128 },
+    Heads { num_heads: 32, num_kv_heads: 8, head_dim: 128 },
+    Heads { num_heads: 16, num_kv_heads: 2, head_dim: 64 },
+    Heads { num_heads: 6, num_kv_heads: 2, head_dim: 64 },
+    Heads { num_heads: 12, num_kv_heads: 2, head_dim: 96 },
+    Heads { num_heads: 8, num_kv_heads: 4, head_dim: 80 },
+    Heads { num_heads: 8, num_kv_heads: 2, head_dim: 256 },
+    Heads { num_heads: 96, num_kv_heads: 1, head_dim: 64 },
+];
+
+/// Prefill chunks and mixed batches in bf16 and f16, which take the tensor-core kernel: a
+/// chunk 571 tokens into its context, a whole 100-token prompt, decodes at several depths, a
+/// request with no rows, chunks of 64, 2 and 13 after cached tokens (lengths on and off the
+/// tile sizes), with windows shorter than a chunk and block sizes other than 16 (5 is not a
+/// power of two). Block ids are shuffled over the cache.
+#[test]
+fn paged_attention_tensor_core_prefill_and_mixed_batches() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(14);
+    let requests = [(700, 129), (100, 100), (1, 1), (333, 1), (90, 0), (65, 64), (17, 2), (1000, 1), (47, 13)];
+    let mut worst = [0.0f32; 2];
+    for heads in TENSOR_CORE_HEADS {
+        for (block_size, window) in [(16, None), (16, Some(37)), (8, Some(200)), (32, None), (5, Some(1))] {
+            for (d, (dtype, tol)) in [DTYPES[1], DTYPES[2]].into_iter().enumerate() {
+                let batch = Batch::random(&mut rng, heads, &requests, block_size, dtype);
+                let err = compare_attention(&gpu, &batch, heads, block_size, window, dtype, tol, batch.max_query_len)?;
+                worst[d] = worst[d].max(err);
+            }
+        }
+    }
+    eprintln!("tensor-core paged_attention max relative error: bf16 {:e}, f16 {:e}", worst[0], worst[1]);
+    Ok(())
+}
+
+/// Batches of decodes on the tensor-core kernel (one work item per request, no list uploaded):
+/// sent there by a hint above 1, or by a head size the decode kernel does not take.
+#[test]
+fn paged_attention_tensor_core_decodes() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(15);
+    for heads in TENSOR_CORE_HEADS {
+        let hints: &[usize] = if matches!(heads.head_dim, 80 | 96) { &[1, 2] } else { &[2] };
+        for (dtype, tol) in [DTYPES[1], DTYPES[2]] {
+            let batch = Batch::random(&mut rng, heads, &DECODES, 16, dtype);
+            for &hint in hints {
+                for window in [None, Some(50)] {
+                    compare_attention(&gpu, &batch, heads, 16, window, dtype, tol, hint)?;
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// 2048-token prompts in the Llama-3.1-8B shape (bf16) and a smaller one (f16): whole, as a
+/// chunk after 300 cached tokens next to a decode, and under a 1000-token window.
+#[test]
+fn paged_attention_tensor_core_long_prompts() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(16);
+    let cases = [
+        (Heads { num_heads: 32, num_kv_heads: 8, head_dim: 128 }, DTYPES[1]),
+        (Heads { num_heads: 8, num_kv_heads: 1, head_dim: 64 }, DTYPES[2]),
+    ];
+    for (heads, (dtype, tol)) in cases {
+        for requests in [vec![(2048, 2048)], vec![(2348, 2048), (900, 1)]] {
+            let batch = Batch::random(&mut rng, heads, &requests, 16, dtype);
+            for window in [None, Some(1000)] {
+                compare_attention(&gpu, &batch, heads, 16, window, dtype, tol, batch.max_query_len)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One step's metadata serves every layer: the work list built by the first call is reused by
+/// the next, and a call with another GQA group (another tile shape) builds its own. The general
+/// kernel, forced, agrees too.
+#[test]
+fn paged_attention_work_list_is_shared_by_a_steps_layers() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let requests = [(300, 37), (1, 1), (19, 19), (1000, 1), (64, 33)];
+    let (block_size, dtype, tol) = (16, DType::BF16, 1e-2);
+    let shapes = [
+        Heads { num_heads: 32, num_kv_heads: 8, head_dim: 128 },
+        Heads { num_heads: 32, num_kv_heads: 8, head_dim: 128 },
+        Heads { num_heads: 8, num_kv_heads: 8, head_dim: 128 },
+    ];
+    // The same seed gives the same block tables whatever the head shape.
+    let batches: Vec<Batch> =
+        shapes.iter().map(|&h| Batch::random(&mut rng(17), h, &requests, block_size, dtype)).collect();
+    let layout = &batches[0];
+    let (qsl, lens, tables) =
+        (gpu.upload(&layout.query_start_loc)?, gpu.upload(&layout.seq_lens)?, gpu.upload(&layout.block_tables)?);
+    let scale = 1.0 / 128f32.sqrt();
+    let meta = GpuAttentionMetadata {
+        query_start_loc: &qsl,
+        query_start_loc_host: &layout.query_start_loc,
+        seq_lens: &lens,
+        block_tables: &tables,
+        max_blocks_per_seq: layout.max_blocks_per_seq,
+        max_query_len: layout.max_query_len,
+        block_size,
+        sliding_window: None,
+        scale,
+        work: Default::default(),
+    };
+    for (i, (heads, batch)) in shapes.iter().zip(&batches).enumerate() {
+        assert_eq!(batch.block_tables, layout.block_tables);
+        let cpu_meta = cpu::AttentionMetadata {
+            query_start_loc: &batch.query_start_loc,
+            seq_lens: &batch.seq_lens,
+            block_tables: &batch.block_tables,
+            max_blocks_per_seq: batch.max_blocks_per_seq,
+            block_size,
+            sliding_window: None,
+            scale,
+        };
+        let mut want = vec![0.0; batch.q.len()];
+        let (h, kv, d) = (heads.num_heads, heads.num_kv_heads, heads.head_dim);
+        cpu::paged_attention(&batch.q, &batch.k_cache, &batch.v_cache, &cpu_meta, h, kv, d, &mut want);
+        let q = GpuTensor::from_f32(&gpu, &batch.q, dtype)?;
+        let k_cache = GpuTensor::from_f32(&gpu, &batch.k_cache, dtype)?;
+        let v_cache = GpuTensor::from_f32(&gpu, &batch.v_cache, dtype)?;
+        for general in [false, true] {
+            let attend = if general { cuda::paged_attention_general } else { cuda::paged_attention };
+            let mut out = nan_tensor(&gpu, dtype, batch.q.len())?;
+            attend(&gpu, q.view(), k_cache.view(), v_cache.view(), &meta, h, kv, d, out.view_mut())?;
+            check(&format!("layer {i} {heads:?} general {general}"), &out.to_f32_vec(&gpu)?, &want, tol);
+        }
+    }
     Ok(())
 }
 

@@ -6,8 +6,14 @@
 //! only what the sampler needs comes back: the argmax and its logprob for rows the engine marks
 //! `argmax_only`, the full f32 row for the others.
 
-use ferrolm_backend::cuda::{self as gpu_ops, CudaSlice, Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor};
+use ferrolm_backend::cuda::{self as gpu_ops, Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor, GpuView};
 use ferrolm_backend::DType;
+
+mod graphs;
+mod workspace;
+
+use graphs::{DecodeGraph, DecodeGraphs, GraphShape};
+use workspace::{Activations, StepBuffers};
 
 use crate::config::{Activation, ModelConfig};
 use crate::input::ModelInput;
@@ -40,17 +46,17 @@ impl GpuLinear {
         })
     }
 
-    /// `x`: `[m, in]` -> `y`: `[m, out]`.
+    /// `x`: the first `m` rows of a `[_, in]` buffer -> the first `m` rows of `y`: `[_, out]`.
     fn forward(&self, gpu: &Gpu, x: &GpuTensor, m: usize, y: &mut GpuTensor) -> Result<(), GpuError> {
         gpu_ops::linear(
             gpu,
-            x.view(),
+            x.rows(0..m, self.in_features),
             m,
             self.in_features,
             self.weight.view(),
             self.out_features,
             self.bias.as_ref().map(GpuTensor::view),
-            y.view_mut(),
+            y.rows_mut(0..m, self.out_features),
         )
     }
 }
@@ -67,22 +73,8 @@ struct GpuLayer {
     down_proj: GpuLinear,
 }
 
-/// One step's index buffers on the device.
-struct StepBuffers {
-    token_ids: CudaSlice<u32>,
-    positions: CudaSlice<u32>,
-    query_start_loc: CudaSlice<u32>,
-    seq_lens: CudaSlice<u32>,
-    block_tables: CudaSlice<u32>,
-    slot_mapping: CudaSlice<i64>,
-    logits_indices: CudaSlice<u32>,
-}
-
-/// The model on one GPU, with its KV cache.
-pub struct CudaRunner {
-    gpu: Gpu,
-    config: ModelConfig,
-    dtype: DType,
+/// The weights on the device.
+struct GpuModel {
     /// `[vocab, hidden]`
     embed_tokens: GpuTensor,
     layers: Vec<GpuLayer>,
@@ -91,10 +83,21 @@ pub struct CudaRunner {
     /// `[vocab, hidden]`; `None` when tied to `embed_tokens`.
     lm_head: Option<GpuTensor>,
     rope: GpuRopeTable,
+}
+
+/// The model on one GPU, with its KV cache.
+pub struct CudaRunner {
+    gpu: Gpu,
+    config: ModelConfig,
+    dtype: DType,
+    model: GpuModel,
     /// Per layer: K and V caches, `[num_blocks * block_size, kv_size]` each.
     kv: Vec<(GpuTensor, GpuTensor)>,
     block_size: usize,
     weight_bytes: usize,
+    /// Reused by every step; `None` until the first.
+    acts: Option<Activations>,
+    graphs: DecodeGraphs,
 }
 
 impl CudaRunner {
@@ -139,14 +142,12 @@ impl CudaRunner {
             gpu,
             config: cfg.clone(),
             dtype,
-            embed_tokens,
-            layers,
-            norm,
-            lm_head,
-            rope,
+            model: GpuModel { embed_tokens, layers, norm, lm_head, rope },
             kv: Vec::new(),
             block_size: 0,
             weight_bytes,
+            acts: None,
+            graphs: DecodeGraphs::new(),
         })
     }
 
@@ -168,142 +169,256 @@ impl CudaRunner {
         self.config.num_hidden_layers * 2 * block_size * self.config.kv_size() * self.dtype.size_in_bytes()
     }
 
-    fn upload_step(&self, input: &ModelInput) -> Result<StepBuffers, GpuError> {
-        let g = &self.gpu;
-        Ok(StepBuffers {
-            token_ids: g.upload(&input.token_ids)?,
-            positions: g.upload(&input.positions)?,
-            query_start_loc: g.upload(&input.query_start_loc)?,
-            seq_lens: g.upload(&input.seq_lens)?,
-            block_tables: g.upload(&input.block_tables)?,
-            slot_mapping: g.upload(&input.slot_mapping)?,
-            logits_indices: g.upload(&input.logits_indices)?,
-        })
+    /// Disables (or re-enables) CUDA graphs for decode steps; on by default unless the
+    /// environment sets `FERROLM_CUDA_GRAPHS=0`.
+    pub fn set_cuda_graphs(&mut self, enabled: bool) {
+        self.graphs.clear();
+        self.graphs.disabled = !enabled;
     }
 
-    /// The decoder: returns f32 logits `[logits_indices.len(), vocab]` on the device.
-    fn forward(&mut self, input: &ModelInput) -> Result<GpuTensor, GpuError> {
-        let (g, cfg, dt) = (&self.gpu, &self.config, self.dtype);
-        let t = input.num_tokens();
-        let (h, q_size, kv_size, inter) = (cfg.hidden_size, cfg.q_size(), cfg.kv_size(), cfg.intermediate_size);
-        let (heads, kv_heads, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-        let eps = cfg.rms_norm_eps;
-        let b = self.upload_step(input)?;
-        let max_query_len = input.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
-        let meta = GpuAttentionMetadata {
-            query_start_loc: &b.query_start_loc,
-            seq_lens: &b.seq_lens,
-            block_tables: &b.block_tables,
-            max_blocks_per_seq: input.max_blocks_per_seq,
-            max_query_len,
-            block_size: self.block_size,
-            sliding_window: cfg.sliding_window,
-            scale: 1.0 / (hd as f32).sqrt(),
+    /// Runs the decoder over `input`; the f32 logits of its `logits_indices` rows are then the
+    /// first rows of `self.acts`' `logits` (see [`Self::logits`]). A batch of decodes replays a
+    /// captured graph; anything else runs eagerly.
+    fn forward(&mut self, input: &ModelInput) -> Result<(), GpuError> {
+        let rows = input.logits_indices.len();
+        let shape = if self.graphs.disabled || self.model.layers.is_empty() { None } else { GraphShape::of(input) };
+        let Some(shape) = shape else {
+            self.ensure_activations(input.num_tokens(), rows)?;
+            let buffers = StepBuffers::upload(&self.gpu, input)?;
+            let step = StepShape::of(input);
+            let acts = self.acts.as_mut().expect("activations were just ensured");
+            return decoder(&self.gpu, &self.config, &self.model, &mut self.kv, self.block_size, acts, &buffers, &step);
         };
-
-        // [T, hidden]: the residual stream stays f32 between layers (the layers compute in `dt`),
-        // so rounding does not accumulate over the depth of the model.
-        let mut residual = GpuTensor::zeros(g, DType::F32, t * h)?;
-        gpu_ops::embedding(
-            g,
-            &b.token_ids,
-            self.embed_tokens.view(),
-            h,
-            cfg.embedding_multiplier,
-            residual.view_mut(),
-        )?;
-        let mut normed = GpuTensor::zeros(g, dt, t * h)?;
-        // [T, hidden]: the previous sub-layer's output, added into `residual` by the next norm.
-        let mut pending = GpuTensor::zeros(g, dt, t * h)?;
-        let mut qkv = GpuTensor::zeros(g, dt, t * (q_size + 2 * kv_size))?;
-        let mut q = GpuTensor::zeros(g, dt, t * q_size)?;
-        let mut k = GpuTensor::zeros(g, dt, t * kv_size)?;
-        let mut v = GpuTensor::zeros(g, dt, t * kv_size)?;
-        let mut attn = GpuTensor::zeros(g, dt, t * q_size)?;
-        let mut o = GpuTensor::zeros(g, dt, t * h)?;
-        let mut gate_up = GpuTensor::zeros(g, dt, t * 2 * inter)?;
-        let mut act = GpuTensor::zeros(g, dt, t * inter)?;
-
-        for (i, (layer, (k_cache, v_cache))) in self.layers.iter().zip(self.kv.iter_mut()).enumerate() {
-            if i == 0 {
-                gpu_ops::rms_norm(g, residual.view(), layer.input_layernorm.view(), eps, normed.view_mut())?;
-            } else {
-                gpu_ops::add_rms_norm(
-                    g,
-                    residual.view_mut(),
-                    pending.view(),
-                    layer.input_layernorm.view(),
-                    eps,
-                    normed.view_mut(),
-                )?;
+        let padded = shape.pad(input);
+        self.ensure_activations(shape.batch, shape.batch)?;
+        let step = StepShape::of(&padded);
+        if let Some(entry) = self.graphs.graphs.get_mut(&shape) {
+            entry.buffers.copy_from(&self.gpu, &padded)?;
+            return entry.graph.launch();
+        }
+        let buffers = StepBuffers::upload(&self.gpu, &padded)?;
+        let acts = self.acts.as_mut().expect("activations were just ensured");
+        let (g, cfg, model, block_size) = (&self.gpu, &self.config, &self.model, self.block_size);
+        let kv = &mut self.kv;
+        match g.capture(|| decoder(g, cfg, model, kv, block_size, acts, &buffers, &step)) {
+            Ok(graph) => {
+                graph.launch()?;
+                self.graphs.graphs.insert(shape, DecodeGraph { buffers, graph });
+                Ok(())
             }
-            layer.qkv_proj.forward(g, &normed, t, &mut qkv)?;
-            gpu_ops::split_qkv(g, qkv.view(), q_size, kv_size, q.view_mut(), k.view_mut(), v.view_mut())?;
-            if let Some((qn, kn)) = &layer.qk_norm {
-                gpu_ops::rms_norm_inplace(g, q.view_mut(), qn.view(), eps)?;
-                gpu_ops::rms_norm_inplace(g, k.view_mut(), kn.view(), eps)?;
+            Err(err) => {
+                tracing::warn!("CUDA graph capture failed ({err}); decode steps run without graphs");
+                self.graphs.clear();
+                self.graphs.disabled = true;
+                decoder(g, cfg, model, kv, block_size, acts, &buffers, &step)
             }
-            gpu_ops::rope(g, q.view_mut(), &b.positions, heads, hd, &self.rope)?;
-            gpu_ops::rope(g, k.view_mut(), &b.positions, kv_heads, hd, &self.rope)?;
+        }
+    }
+
+    /// Grows the activation buffers for a step of `tokens` tokens and `rows` logits rows;
+    /// captured graphs go when the buffers move.
+    fn ensure_activations(&mut self, tokens: usize, rows: usize) -> Result<(), GpuError> {
+        if Activations::ensure(&mut self.acts, &self.gpu, &self.config, self.dtype, tokens, rows)? {
+            self.graphs.clear();
+        }
+        Ok(())
+    }
+
+    /// `[rows, vocab]` f32: the logits the last [`Self::forward`] computed.
+    fn logits(&self, rows: usize) -> GpuView<'_> {
+        let acts = self.acts.as_ref().expect("forward ran");
+        acts.logits.rows(0..rows, self.config.vocab_size)
+    }
+}
+
+/// What the decoder needs of a step besides its device buffers.
+struct StepShape {
+    /// `[num_reqs + 1]`, as in the step's `ModelInput`.
+    query_start_loc: Vec<u32>,
+    tokens: usize,
+    rows: usize,
+    max_query_len: usize,
+    max_blocks_per_seq: usize,
+    /// The logits rows are all rows in order (a batch of decodes): no gather needed.
+    identity_rows: bool,
+}
+
+impl StepShape {
+    fn of(input: &ModelInput) -> StepShape {
+        let max_query_len = input.query_start_loc.windows(2).map(|w| (w[1] - w[0]) as usize).max().unwrap_or(0);
+        StepShape {
+            query_start_loc: input.query_start_loc.clone(),
+            tokens: input.num_tokens(),
+            rows: input.logits_indices.len(),
+            max_query_len,
+            max_blocks_per_seq: input.max_blocks_per_seq,
+            identity_rows: input.logits_indices.len() == input.num_tokens()
+                && input.logits_indices.iter().enumerate().all(|(i, &r)| r as usize == i),
+        }
+    }
+}
+
+/// The decoder: issues every layer and the LM head for one step, writing f32 logits of the
+/// step's `rows` rows into the first rows of `a.logits`. Issues launches only (no host copy and
+/// no synchronization), so that a decode step can be captured as a graph.
+#[allow(clippy::too_many_arguments)]
+fn decoder(
+    g: &Gpu,
+    cfg: &ModelConfig,
+    model: &GpuModel,
+    kv: &mut [(GpuTensor, GpuTensor)],
+    block_size: usize,
+    a: &mut Activations,
+    b: &StepBuffers,
+    step: &StepShape,
+) -> Result<(), GpuError> {
+    let (t, rows) = (step.tokens, step.rows);
+    let (h, q_size, kv_size, inter) = (cfg.hidden_size, cfg.q_size(), cfg.kv_size(), cfg.intermediate_size);
+    let (heads, kv_heads, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+    let eps = cfg.rms_norm_eps;
+    let meta = GpuAttentionMetadata {
+        query_start_loc: &b.query_start_loc,
+        query_start_loc_host: &step.query_start_loc,
+        seq_lens: &b.seq_lens,
+        block_tables: &b.block_tables,
+        max_blocks_per_seq: step.max_blocks_per_seq,
+        max_query_len: step.max_query_len,
+        block_size,
+        sliding_window: cfg.sliding_window,
+        scale: 1.0 / (hd as f32).sqrt(),
+        work: Default::default(),
+    };
+    let qkv_width = q_size + 2 * kv_size;
+
+    gpu_ops::embedding(
+        g,
+        &b.token_ids,
+        model.embed_tokens.view(),
+        h,
+        cfg.embedding_multiplier,
+        a.residual.rows_mut(0..t, h),
+    )?;
+    for (i, (layer, (k_cache, v_cache))) in model.layers.iter().zip(kv.iter_mut()).enumerate() {
+        if i == 0 {
+            gpu_ops::rms_norm(
+                g,
+                a.residual.rows(0..t, h),
+                layer.input_layernorm.view(),
+                eps,
+                a.normed.rows_mut(0..t, h),
+            )?;
+        } else {
+            gpu_ops::add_rms_norm(
+                g,
+                a.residual.rows_mut(0..t, h),
+                a.pending.rows(0..t, h),
+                layer.input_layernorm.view(),
+                eps,
+                a.normed.rows_mut(0..t, h),
+            )?;
+        }
+        layer.qkv_proj.forward(g, &a.normed, t, &mut a.qkv)?;
+        if let Some((qn, kn)) = &layer.qk_norm {
+            // q/k norms sit between the split and the rotation: the unfused path.
+            let (q, k, v) = (a.q.rows_mut(0..t, q_size), a.k.rows_mut(0..t, kv_size), a.v.rows_mut(0..t, kv_size));
+            gpu_ops::split_qkv(g, a.qkv.rows(0..t, qkv_width), q_size, kv_size, q, k, v)?;
+            gpu_ops::rms_norm_inplace(g, a.q.rows_mut(0..t, q_size), qn.view(), eps)?;
+            gpu_ops::rms_norm_inplace(g, a.k.rows_mut(0..t, kv_size), kn.view(), eps)?;
+            gpu_ops::rope(g, a.q.rows_mut(0..t, q_size), &b.positions, heads, hd, &model.rope)?;
+            gpu_ops::rope(g, a.k.rows_mut(0..t, kv_size), &b.positions, kv_heads, hd, &model.rope)?;
             gpu_ops::reshape_and_cache(
                 g,
-                k.view(),
-                v.view(),
+                a.k.rows(0..t, kv_size),
+                a.v.rows(0..t, kv_size),
                 &b.slot_mapping,
                 kv_size,
                 k_cache.view_mut(),
                 v_cache.view_mut(),
             )?;
-            gpu_ops::paged_attention(
+        } else {
+            gpu_ops::qkv_rope_cache(
                 g,
-                q.view(),
-                k_cache.view(),
-                v_cache.view(),
-                &meta,
+                a.qkv.rows(0..t, qkv_width),
+                &b.positions,
+                &b.slot_mapping,
                 heads,
                 kv_heads,
                 hd,
-                attn.view_mut(),
+                &model.rope,
+                a.q.rows_mut(0..t, q_size),
+                k_cache.view_mut(),
+                v_cache.view_mut(),
             )?;
-            layer.o_proj.forward(g, &attn, t, &mut o)?;
-            gpu_ops::add_rms_norm(
-                g,
-                residual.view_mut(),
-                o.view(),
-                layer.post_attention_layernorm.view(),
-                eps,
-                normed.view_mut(),
-            )?;
-            layer.gate_up_proj.forward(g, &normed, t, &mut gate_up)?;
-            match cfg.activation {
-                Activation::Silu => gpu_ops::silu_and_mul(g, gate_up.view(), inter, act.view_mut())?,
-                Activation::GeluTanh => gpu_ops::gelu_tanh_and_mul(g, gate_up.view(), inter, act.view_mut())?,
-            }
-            layer.down_proj.forward(g, &act, t, &mut pending)?;
         }
-
-        // Only the rows whose logits are wanted go through the final norm and the LM head.
-        let rows = input.logits_indices.len();
-        let mut last_residual = GpuTensor::zeros(g, DType::F32, rows * h)?;
-        let mut last_out = GpuTensor::zeros(g, dt, rows * h)?;
-        gpu_ops::gather_rows(g, residual.view(), h, &b.logits_indices, last_residual.view_mut())?;
-        if !self.layers.is_empty() {
-            gpu_ops::gather_rows(g, pending.view(), h, &b.logits_indices, last_out.view_mut())?;
-        }
-        let mut final_normed = GpuTensor::zeros(g, dt, rows * h)?;
+        gpu_ops::paged_attention(
+            g,
+            a.q.rows(0..t, q_size),
+            k_cache.view(),
+            v_cache.view(),
+            &meta,
+            heads,
+            kv_heads,
+            hd,
+            a.attn.rows_mut(0..t, q_size),
+        )?;
+        layer.o_proj.forward(g, &a.attn, t, &mut a.o)?;
         gpu_ops::add_rms_norm(
             g,
-            last_residual.view_mut(),
-            last_out.view(),
-            self.norm.view(),
+            a.residual.rows_mut(0..t, h),
+            a.o.rows(0..t, h),
+            layer.post_attention_layernorm.view(),
             eps,
-            final_normed.view_mut(),
+            a.normed.rows_mut(0..t, h),
         )?;
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        let mut logits = GpuTensor::zeros(g, DType::F32, rows * cfg.vocab_size)?;
-        gpu_ops::linear(g, final_normed.view(), rows, h, head.view(), cfg.vocab_size, None, logits.view_mut())?;
-        Ok(logits)
+        layer.gate_up_proj.forward(g, &a.normed, t, &mut a.gate_up)?;
+        let (gate_up, act) = (a.gate_up.rows(0..t, 2 * inter), a.act.rows_mut(0..t, inter));
+        match cfg.activation {
+            Activation::Silu => gpu_ops::silu_and_mul(g, gate_up, inter, act)?,
+            Activation::GeluTanh => gpu_ops::gelu_tanh_and_mul(g, gate_up, inter, act)?,
+        }
+        layer.down_proj.forward(g, &a.act, t, &mut a.pending)?;
     }
+
+    // Only the rows whose logits are wanted go through the final norm and the LM head.
+    let (last_residual, last_out) = if step.identity_rows {
+        (&mut a.residual, &a.pending)
+    } else {
+        gpu_ops::gather_rows(g, a.residual.rows(0..t, h), h, &b.logits_indices, a.last_residual.rows_mut(0..rows, h))?;
+        if !model.layers.is_empty() {
+            gpu_ops::gather_rows(g, a.pending.rows(0..t, h), h, &b.logits_indices, a.last_out.rows_mut(0..rows, h))?;
+        }
+        (&mut a.last_residual, &a.last_out)
+    };
+    if model.layers.is_empty() {
+        gpu_ops::rms_norm(
+            g,
+            last_residual.rows(0..rows, h),
+            model.norm.view(),
+            eps,
+            a.final_normed.rows_mut(0..rows, h),
+        )?;
+    } else {
+        gpu_ops::add_rms_norm(
+            g,
+            last_residual.rows_mut(0..rows, h),
+            last_out.rows(0..rows, h),
+            model.norm.view(),
+            eps,
+            a.final_normed.rows_mut(0..rows, h),
+        )?;
+    }
+    let head = model.lm_head.as_ref().unwrap_or(&model.embed_tokens);
+    let vocab = cfg.vocab_size;
+    gpu_ops::linear(
+        g,
+        a.final_normed.rows(0..rows, h),
+        rows,
+        h,
+        head.view(),
+        vocab,
+        None,
+        a.logits.rows_mut(0..rows, vocab),
+    )
 }
 
 impl ModelRunner for CudaRunner {
@@ -316,7 +431,8 @@ impl ModelRunner for CudaRunner {
     }
 
     fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), ModelError> {
-        // Free the old cache first so that its memory can be reused.
+        // Free the old cache first so that its memory can be reused; graphs that wrote it go too.
+        self.graphs.clear();
         self.kv.clear();
         let len = num_blocks * block_size * self.config.kv_size();
         for _ in 0..self.config.num_hidden_layers {
@@ -339,13 +455,11 @@ impl ModelRunner for CudaRunner {
         if input.num_tokens() == 0 {
             return Ok(StepLogits::with_vocab(vocab));
         }
-        let logits = self.forward(input)?;
+        self.forward(input)?;
+        let logits = self.logits(rows);
         let g = &self.gpu;
-        let argmax = if argmax_only.iter().any(|&a| a) {
-            gpu_ops::argmax_logsumexp(g, logits.view(), vocab)?
-        } else {
-            Vec::new()
-        };
+        let argmax =
+            if argmax_only.iter().any(|&a| a) { gpu_ops::argmax_logsumexp(g, logits, vocab)? } else { Vec::new() };
         let full_rows: Vec<u32> = (0..rows as u32).filter(|&r| !argmax_only[r as usize]).collect();
         let full = if full_rows.is_empty() {
             Vec::new()
@@ -354,7 +468,7 @@ impl ModelRunner for CudaRunner {
         } else {
             let indices = g.upload(&full_rows)?;
             let mut picked = GpuTensor::zeros(g, DType::F32, full_rows.len() * vocab)?;
-            gpu_ops::gather_rows(g, logits.view(), vocab, &indices, picked.view_mut())?;
+            gpu_ops::gather_rows(g, logits, vocab, &indices, picked.view_mut())?;
             picked.to_f32_vec(g)?
         };
         let mut out = StepLogits::with_vocab(vocab);

@@ -257,3 +257,83 @@ fn sixty_four_requests_together_equal_each_alone() {
         assert!(compared >= 64 * steps / 2, "{backend}: too few tokens with a clear margin ({compared})");
     }
 }
+
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_graph_decode_steps_equal_eager_steps() {
+    use ferrolm_backend::cuda::Gpu;
+    use ferrolm_backend::DType;
+    use ferrolm_model::cuda::CudaRunner;
+    let dir = repo_path("models/ferrolm-demo-py");
+    for (dtype, rule) in [(DType::F32, Rule::Close(1e-3)), (DType::BF16, Rule::Bf16)] {
+        let mut runs: Vec<Vec<Vec<f64>>> = Vec::new();
+        let mut fed: Vec<u32> = Vec::new();
+        for graphs in [false, true] {
+            let gpu = match Gpu::new(0) {
+                Ok(gpu) => gpu,
+                Err(err) => return eprintln!("skipping: no GPU ({err})"),
+            };
+            let mut runner = CudaRunner::new(&load_model(&dir), gpu, dtype).expect("upload");
+            runner.set_cuda_graphs(graphs);
+            let mut rows = Vec::new();
+            let mut next_fed = 0;
+            for n in [1usize, 3, 17] {
+                let prompts: Vec<Vec<u32>> =
+                    (0..n as u32).map(|i| (0..5 + 3 * i).map(|j| 1 + (i * 131 + j * 17) % 500).collect()).collect();
+                let steps = 40;
+                let blocks_each = (5 + 3 * n + steps).div_ceil(BLOCK_SIZE);
+                runner.allocate_kv_cache(blocks_each * n + 1, BLOCK_SIZE).expect("kv cache");
+                let tables: Vec<Vec<u32>> =
+                    (0..n).map(|i| (0..blocks_each).map(|b| (1 + b * n + i) as u32).collect()).collect();
+                let mut input = ModelInput::default();
+                for (i, p) in prompts.iter().enumerate() {
+                    input.push_request(p, 0, &tables[i], BLOCK_SIZE, true, false);
+                }
+                let mut logits = runner.execute(&input, &vec![false; n]).expect("prefill");
+                for step in 0..steps {
+                    let mut input = ModelInput::default();
+                    for (i, p) in prompts.iter().enumerate() {
+                        let lp = full_row(&logits, i);
+                        let token = if graphs {
+                            next_fed += 1;
+                            fed[next_fed - 1]
+                        } else {
+                            let best = (0..lp.len()).max_by(|&a, &b| lp[a].total_cmp(&lp[b]).then(b.cmp(&a)));
+                            fed.push(best.expect("row") as u32);
+                            *fed.last().expect("pushed")
+                        };
+                        rows.push(lp);
+                        input.push_request(&[token], p.len() + step, &tables[i], BLOCK_SIZE, true, false);
+                    }
+                    logits = runner.execute(&input, &vec![false; n]).expect("decode");
+                }
+            }
+            runs.push(rows);
+        }
+        let (mut max_err, mut sum_err, mut count) = (0.0f64, 0.0f64, 0usize);
+        for (i, (eager, graph)) in runs[0].iter().zip(&runs[1]).enumerate() {
+            let best =
+                |lp: &[f64]| (0..lp.len()).max_by(|&a, &b| lp[a].total_cmp(&lp[b]).then(b.cmp(&a))).expect("row");
+            let mut sorted = eager.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            if matches!(rule, Rule::Close(_)) || sorted[0] - sorted[1] > BF16_MARGIN {
+                assert_eq!(best(graph), best(eager), "{dtype:?}: row {i}: greedy token eager vs graph");
+            }
+            for (g, e) in graph.iter().zip(eager) {
+                let err = (g - e).abs();
+                max_err = max_err.max(err);
+                sum_err += err;
+                count += 1;
+            }
+        }
+        let mean = sum_err / count as f64;
+        eprintln!(
+            "{dtype:?}: {} decode rows, eager vs graph max abs error {max_err:.2e}, mean {mean:.2e}",
+            runs[0].len()
+        );
+        match rule {
+            Rule::Close(tol) => assert!(max_err < tol, "{dtype:?}: eager vs graph error {max_err}"),
+            Rule::Bf16 => assert!(mean <= BF16_MEAN_ERR, "{dtype:?}: eager vs graph mean error {mean}"),
+        }
+    }
+}

@@ -4,16 +4,18 @@
 //! Each layer's cache is a K and a V tensor of `[num_blocks * block_size, num_kv_heads * head_dim]`
 //! in the activation dtype; `slot = block_id * block_size + offset`.
 //!
-//! Two kernels compute attention. Batches of decodes (`max_query_len <= 1`) take the decode
+//! Three kernels compute attention. Batches of decodes (`max_query_len <= 1`) take the decode
 //! kernel: one block per (token, KV head, context partition), K/V read once per GQA group with
 //! 16-byte loads, and, when there are too few (token, KV head) pairs to fill the device, the
 //! context split into partitions whose partial results a second kernel combines (flash-decoding).
-//! Everything else, and head sizes the decode kernel does not take, goes to the general kernel,
-//! which tiles query rows and keys through shared memory. Both compute the same function for any
-//! batch; `max_query_len` only picks the kernel.
+//! Prefill chunks and mixed batches in bf16 or f16 take the tensor-core kernel of
+//! [`super::flash_attention`] where it has the head size; everything else goes to the general
+//! kernel, which tiles query rows and keys through shared memory in f32. All compute the same
+//! function for any batch; `max_query_len` and the dtype only pick the kernel.
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
+use super::flash_attention::{self, AttentionWork};
 use super::gpu::{rows_config, to_u32};
 use super::ops::same_dtype;
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
@@ -27,8 +29,6 @@ const MAX_QUERY_TILE: usize = 32;
 
 /// Threads of a decode block (`DECODE_WARPS * 32` in attention.cu).
 const DECODE_THREADS: usize = 128;
-/// Keys per chunk of a decode block's scores (`DECODE_CHUNK` in attention.cu).
-const DECODE_CHUNK: usize = 256;
 /// Query heads a decode block takes at most (the largest `G` the kernel is instantiated for).
 const DECODE_MAX_HEADS: usize = 8;
 /// Decode blocks wanted per launch: a few per SM of a large GPU (132 on an H200), so that short
@@ -40,11 +40,15 @@ const DECODE_MIN_PART: usize = 32;
 const DECODE_MAX_PARTS: usize = 128;
 
 /// Describes the flattened batch for [`paged_attention`], as [`crate::cpu::AttentionMetadata`]
-/// does, with the index buffers on the device.
-#[derive(Clone, Copy, Debug)]
+/// does, with the index buffers on the device. Build one per step: its `work` keeps what the
+/// step's first layer works out for the others.
+#[derive(Clone, Debug)]
 pub struct GpuAttentionMetadata<'a> {
     /// `[num_reqs + 1]`: request `r` owns query rows `query_start_loc[r]..query_start_loc[r + 1]`.
     pub query_start_loc: &'a CudaSlice<u32>,
+    /// `[num_reqs + 1]`: the same on the host, from which the tensor-core kernel's work list is
+    /// built.
+    pub query_start_loc_host: &'a [u32],
     /// `[num_reqs]`: context length of request `r` after this step (cached + new tokens).
     pub seq_lens: &'a CudaSlice<u32>,
     /// `[num_reqs, max_blocks_per_seq]`, padded: the KV block ids of each request.
@@ -58,6 +62,8 @@ pub struct GpuAttentionMetadata<'a> {
     pub sliding_window: Option<usize>,
     /// Softmax scale, usually `1 / sqrt(head_dim)`.
     pub scale: f32,
+    /// Starts empty (`AttentionWork::default()`); filled by the first call that needs it.
+    pub work: AttentionWork,
 }
 
 /// Writes each token's K and V into the paged cache at `slot_mapping[t]` (a negative slot is
@@ -121,6 +127,40 @@ pub fn paged_attention(
     head_dim: usize,
     out: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
+    attention(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out, false)
+}
+
+/// [`paged_attention`] on the general kernel whatever the batch, dtype and head size: for
+/// benchmarks and tests that compare the kernels.
+#[doc(hidden)]
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_general(
+    gpu: &Gpu,
+    q: GpuView<'_>,
+    k_cache: GpuView<'_>,
+    v_cache: GpuView<'_>,
+    meta: &GpuAttentionMetadata<'_>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    out: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    attention(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out, true)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention(
+    gpu: &Gpu,
+    q: GpuView<'_>,
+    k_cache: GpuView<'_>,
+    v_cache: GpuView<'_>,
+    meta: &GpuAttentionMetadata<'_>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    out: GpuViewMut<'_>,
+    general_only: bool,
+) -> Result<(), GpuError> {
     let op = "paged_attention";
     assert!(
         num_heads > 0 && num_kv_heads > 0 && head_dim > 0,
@@ -154,8 +194,12 @@ pub fn paged_attention(
         return Ok(());
     }
 
-    if meta.max_query_len <= 1 && decode_supported(head_dim, k_cache, v_cache) {
+    if general_only {
+        paged_general(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
+    } else if meta.max_query_len <= 1 && decode_supported(head_dim, k_cache, v_cache) {
         paged_decode(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
+    } else if let Some(kernel) = flash_attention::kernel_for(gpu, head_dim, q, k_cache, v_cache, &out) {
+        flash_attention::paged_flash(gpu, kernel, q, k_cache, v_cache, meta, num_heads, num_kv_heads, out)
     } else {
         paged_general(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
     }
@@ -236,7 +280,7 @@ fn paged_decode(
     let kv_width = num_kv_heads * head_dim;
     let num_blocks = k_cache.len() / kv_width / meta.block_size;
     let g = split.heads_per_block;
-    let shared = 4 * (g * DECODE_CHUNK + 3 * g + (DECODE_THREADS / 32) * g * head_dim);
+    let shared = 4 * (DECODE_THREADS / 32) * g * (head_dim + 2);
     let cfg = LaunchConfig {
         grid_dim: (
             to_u32(op, "num_tokens", num_tokens),

@@ -6,17 +6,20 @@ use std::sync::Arc;
 
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchArgs, LaunchConfig,
+    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchArgs,
+    LaunchConfig,
 };
 use cudarc::nvrtc::Ptx;
 
 use super::compile;
+use super::flash_attention;
 use super::GpuError;
 use crate::DType;
 
 /// Every kernel family; each is compiled as `{name}_f32`, `{name}_bf16` and `{name}_f16`.
-const KERNELS: [&str; 20] = [
+const KERNELS: &[&str] = &[
     "embedding_to_f32",
     "rms_norm_from_f32",
     "add_rms_norm_f32_residual",
@@ -25,6 +28,7 @@ const KERNELS: [&str; 20] = [
     "add_rms_norm",
     "split_qkv",
     "rope",
+    "qkv_rope_cache",
     "silu_and_mul",
     "gelu_tanh_and_mul",
     "bias_add",
@@ -42,6 +46,9 @@ const KERNELS: [&str; 20] = [
 /// Kernels that may need more than the default 48 KiB of dynamic shared memory.
 const LARGE_SHARED_KERNELS: [&str; 1] = ["paged_attention"];
 
+/// cuBLAS's workspace, set once so that GEMMs inside a captured graph allocate nothing.
+const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
 /// Oldest driver API the cudarc bindings were generated for (`cuda-13000`).
 const MIN_DRIVER_VERSION: i32 = 13000;
 
@@ -50,6 +57,8 @@ pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
+    /// Held for the handle's lifetime (see [`BLAS_WORKSPACE_BYTES`]).
+    _blas_workspace: CudaSlice<u8>,
     kernels: HashMap<(&'static str, DType), CudaFunction>,
     name: String,
     compute_capability: (u32, u32),
@@ -100,6 +109,15 @@ impl Gpu {
         let mode = blas_sys::cublasMath_t::CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION;
         // SAFETY: the handle is live.
         unsafe { blas_sys::cublasSetMathMode(*blas.handle(), mode) }.result()?;
+        let blas_workspace = stream.alloc_zeros::<u8>(BLAS_WORKSPACE_BYTES)?;
+        let workspace_ptr = {
+            let (ptr, _no_event) = blas_workspace.device_ptr(&stream);
+            ptr
+        };
+        // SAFETY: the handle is live and the buffer outlives it (both are fields of the `Gpu`,
+        // the workspace declared after the handle so that it is dropped after it).
+        unsafe { blas_sys::cublasSetWorkspace_v2(*blas.handle(), workspace_ptr as *mut _, BLAS_WORKSPACE_BYTES) }
+            .result()?;
 
         let (major, minor) = ctx.compute_capability()?;
         let arch = format!("compute_{major}{minor}");
@@ -107,7 +125,7 @@ impl Gpu {
         let max_shared_per_block =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let mut kernels = HashMap::new();
-        for name in KERNELS {
+        for &name in KERNELS {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let f = module.load_function(&format!("{name}_{}", dtype_suffix(dtype)))?;
                 if LARGE_SHARED_KERNELS.contains(&name) {
@@ -119,6 +137,17 @@ impl Gpu {
                 kernels.insert((name, dtype), f);
             }
         }
+        // The tensor-core kernels exist for half types only, each with its own shared memory.
+        for &name in &flash_attention::KERNELS {
+            for dtype in [DType::BF16, DType::F16] {
+                let f = module.load_function(&format!("{name}_{}", dtype_suffix(dtype)))?;
+                f.set_attribute(
+                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    max_shared_per_block,
+                )?;
+                kernels.insert((name, dtype), f);
+            }
+        }
         Ok(Gpu {
             name: ctx.name()?,
             compute_capability: (major as u32, minor as u32),
@@ -126,6 +155,7 @@ impl Gpu {
             ctx,
             stream,
             blas,
+            _blas_workspace: blas_workspace,
             kernels,
         })
     }
@@ -184,6 +214,21 @@ impl Gpu {
         Ok(out)
     }
 
+    /// Records the launches `issue` makes on this `Gpu`'s stream into a graph instead of running
+    /// them, and returns the graph. Nothing may synchronize or copy from host memory inside;
+    /// buffers `issue` uses must stay where they are for as long as the graph is replayed. On an
+    /// error the capture is ended and nothing is kept.
+    pub fn capture(&self, issue: impl FnOnce() -> Result<(), GpuError>) -> Result<GpuGraph, GpuError> {
+        self.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)?;
+        let issued = issue();
+        let ended = self.stream.end_capture(CUgraphInstantiate_flags(0));
+        issued?;
+        match ended? {
+            Some(graph) => Ok(GpuGraph { graph }),
+            None => Err(GpuError::Setup("graph capture recorded nothing".into())),
+        }
+    }
+
     /// The raw stream, for driver and cuBLAS calls made directly. Makes this `Gpu`'s context
     /// current on the calling thread first, as those calls need (the engine may call from
     /// another thread than the one that opened the device).
@@ -212,6 +257,23 @@ impl Gpu {
     pub(crate) fn index_ptr<T>(&self, buf: &impl DevicePtr<T>) -> u64 {
         let (ptr, _no_event) = buf.device_ptr(&self.stream);
         ptr
+    }
+}
+
+/// Launches captured by [`Gpu::capture`], replayed on the same stream as one unit.
+pub struct GpuGraph {
+    graph: CudaGraph,
+}
+
+// SAFETY: a CUDA graph may be used from any thread, one at a time; `launch` takes `&self` but
+// the graph is only reachable through its owner, which `&mut`-borrows it per step in practice
+// and is itself moved between threads, never shared (the engine's runner is `Send`, not `Sync`).
+unsafe impl Send for GpuGraph {}
+
+impl GpuGraph {
+    /// Queues one replay of the captured launches.
+    pub fn launch(&self) -> Result<(), GpuError> {
+        Ok(self.graph.launch()?)
     }
 }
 

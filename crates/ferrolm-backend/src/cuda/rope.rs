@@ -3,7 +3,8 @@
 use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
 
 use super::gpu::{rows_config, to_u32};
-use super::{Gpu, GpuError, GpuViewMut};
+use super::ops::same_dtype;
+use super::{Gpu, GpuError, GpuView, GpuViewMut};
 
 /// The inverse frequencies of one model, on the device: `[2, half]`, the table for short
 /// positions then the one for positions from `long_start` on (LongRoPE; without it both rows
@@ -82,5 +83,56 @@ pub fn rope(
         .arg(&table.attention_scaling);
     // SAFETY: the arguments match the kernel's parameters; x holds `tokens` rows of every head.
     unsafe { launch.launch(rows_config(tokens, num_heads * table.half)) }?;
+    Ok(())
+}
+
+/// The attention block's input step in one launch: splits `qkv`: `[T, (num_heads + 2 *
+/// num_kv_heads) * head_dim]`, rotates q and k as [`rope`] does, writes q to `q_out`: `[T,
+/// num_heads * head_dim]` and k, v to the paged cache at `slot_mapping` as [`super::reshape_and_cache`]
+/// does (a negative slot is padding). Gives the same bits as those ops one after another.
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_rope_cache(
+    gpu: &Gpu,
+    qkv: GpuView<'_>,
+    positions: &impl DevicePtr<u32>,
+    slot_mapping: &impl DevicePtr<i64>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    table: &GpuRopeTable,
+    q_out: GpuViewMut<'_>,
+    k_cache: GpuViewMut<'_>,
+    v_cache: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    let op = "qkv_rope_cache";
+    let tokens = positions.len();
+    let (q_size, kv_size) = (num_heads * head_dim, num_kv_heads * head_dim);
+    assert!(kv_size > 0, "{op}: no KV heads");
+    assert_eq!(slot_mapping.len(), tokens, "{op}: {} slots for {tokens} positions", slot_mapping.len());
+    assert_eq!(qkv.len(), tokens * (q_size + 2 * kv_size), "{op}: qkv is not [{tokens}, q + 2 kv]");
+    assert_eq!(q_out.len(), tokens * q_size, "{op}: q_out is not [{tokens}, {q_size}]");
+    assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
+    assert_eq!(k_cache.len() % kv_size, 0, "{op}: cache is not whole slots of {kv_size}");
+    assert!(table.rotary_dim() <= head_dim, "{op}: {} frequencies rotate more than head_dim {head_dim}", table.half);
+    for dtype in [q_out.dtype(), k_cache.dtype(), v_cache.dtype()] {
+        same_dtype(op, qkv.dtype(), dtype);
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    let (qkv_ptr, pos_ptr, slots_ptr, freq_ptr) =
+        (qkv.ptr(), gpu.index_ptr(positions), gpu.index_ptr(slot_mapping), gpu.index_ptr(&table.inv_freq));
+    let (q_ptr, kc_ptr, vc_ptr) = (q_out.ptr(), k_cache.ptr(), v_cache.ptr());
+    let (heads, kv_heads) = (to_u32(op, "num_heads", num_heads), to_u32(op, "num_kv_heads", num_kv_heads));
+    let (dim, half) = (to_u32(op, "head_dim", head_dim), table.half as u32);
+    let num_slots = (k_cache.len() / kv_size) as i64;
+    let mut launch = gpu.launch_builder(op, qkv.dtype());
+    launch.arg(&qkv_ptr).arg(&pos_ptr).arg(&slots_ptr).arg(&freq_ptr).arg(&table.long_start);
+    launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&heads).arg(&kv_heads).arg(&dim).arg(&half);
+    launch.arg(&table.attention_scaling).arg(&num_slots);
+    let work = (num_heads + num_kv_heads) * (head_dim - table.half) + kv_size;
+    // SAFETY: the arguments match the kernel's parameters; qkv and q_out hold `tokens` rows, and
+    // the kernel checks every slot against the cache.
+    unsafe { launch.launch(rows_config(tokens, work)) }?;
     Ok(())
 }

@@ -33,6 +33,14 @@ impl GpuTensor {
         Ok(GpuTensor { dtype, len, buf })
     }
 
+    /// `len` elements of `dtype` with whatever the memory held: for buffers that every use
+    /// writes before it reads.
+    pub fn uninit(gpu: &Gpu, dtype: DType, len: usize) -> Result<GpuTensor, GpuError> {
+        // SAFETY: bytes of any value are valid `u8`s; callers write before they read.
+        let buf = unsafe { gpu.stream().alloc::<u8>((len * dtype.size_in_bytes()).max(1)) }?;
+        Ok(GpuTensor { dtype, len, buf })
+    }
+
     /// Uploads `data`, rounded to `dtype` on the host (round to nearest even).
     pub fn from_f32(gpu: &Gpu, data: &[f32], dtype: DType) -> Result<GpuTensor, GpuError> {
         GpuTensor::from_weights(gpu, WeightView::F32(data), dtype)

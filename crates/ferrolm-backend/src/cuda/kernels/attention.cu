@@ -207,47 +207,20 @@ FOR_EACH_DTYPE(PAGED_ATTENTION)
 // Each block takes one token, up to G query heads of one KV head, and one partition of the
 // token's visible keys. The K and V of each key are loaded once, 16 bytes per lane, and serve all
 // G heads. A key's head_dim is spread over L = head_dim / 8 lanes (8 elements each), so a warp
-// works on 32 / L keys at once; scores are reduced over those L lanes with shuffles.
+// works on 32 / L keys at once (one key per "sub-group" of L lanes); scores are reduced over
+// those L lanes with shuffles.
 //
-// Keys are taken in chunks of DECODE_CHUNK: scores of a chunk go to shared memory, softmax
-// statistics are updated online, then the chunk's V rows are summed into per-lane accumulators.
-// With one partition the block writes the normalized output; with several it writes its
-// unnormalized output and (max, sum) to the workspace for `paged_attention_combine`.
+// One pass, no barrier inside the loop: each sub-group keeps its own online-softmax state (max,
+// sum, output accumulators) over the keys it visits, and loads the K and V rows of
+// DECODE_UNROLL keys before it uses any, so that a warp has 2 * DECODE_UNROLL 16-byte loads per
+// lane in flight. The states of the sub-groups are merged at the end, with shuffles inside a
+// warp and through shared memory across warps. With one partition the block writes the
+// normalized output; with several it writes its unnormalized output and (max, sum) to the
+// workspace for `paged_attention_combine`.
 
 #define DECODE_WARPS 4
-#define DECODE_CHUNK 256
-// Key rows each warp loads ahead before using them.
+// Keys each sub-group loads ahead before using them.
 #define DECODE_UNROLL 4
-
-// 8 consecutive elements at `p` (16-byte aligned for half types, 32 for f32) as f32.
-__device__ __forceinline__ void load8(const float* p, float (&x)[8]) {
-    const float4 a = *reinterpret_cast<const float4*>(p);
-    const float4 b = *reinterpret_cast<const float4*>(p + 4);
-    x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
-    x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
-}
-
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&x)[8]) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const u32 w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
-        x[2 * i] = f.x;
-        x[2 * i + 1] = f.y;
-    }
-}
-
-__device__ __forceinline__ void load8(const __half* p, float (&x)[8]) {
-    const uint4 u = *reinterpret_cast<const uint4*>(p);
-    const u32 w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
-        x[2 * i] = f.x;
-        x[2 * i + 1] = f.y;
-    }
-}
 
 // Where a lane's 8 elements of key `key` start in `cache`, or null for a block id past the
 // cache (which reads as zeros, as in the general kernel).
@@ -272,12 +245,51 @@ __device__ __forceinline__ u32 request_of_row(const u32* query_start_loc, u32 nu
     return lo;
 }
 
+// 8 consecutive elements as loaded from the cache, converted to f32 when used.
+template <typename T> struct Raw8 { uint4 u; };
+template <> struct Raw8<float> { float4 a, b; };
+
+__device__ __forceinline__ void load_raw(const float* p, Raw8<float>& r) {
+    r.a = *reinterpret_cast<const float4*>(p);
+    r.b = *reinterpret_cast<const float4*>(p + 4);
+}
+template <typename T> __device__ __forceinline__ void load_raw(const T* p, Raw8<T>& r) {
+    r.u = *reinterpret_cast<const uint4*>(p);
+}
+__device__ __forceinline__ void zero_raw(Raw8<float>& r) { r.a = r.b = make_float4(0.f, 0.f, 0.f, 0.f); }
+template <typename T> __device__ __forceinline__ void zero_raw(Raw8<T>& r) { r.u = make_uint4(0, 0, 0, 0); }
+
+__device__ __forceinline__ void unpack8(const Raw8<float>& r, float (&x)[8]) {
+    x[0] = r.a.x; x[1] = r.a.y; x[2] = r.a.z; x[3] = r.a.w;
+    x[4] = r.b.x; x[5] = r.b.y; x[6] = r.b.z; x[7] = r.b.w;
+}
+// The two-element vector of a half type, and its conversion to f32.
+template <typename T> struct Pair2;
+template <> struct Pair2<__nv_bfloat16> { typedef __nv_bfloat162 type; };
+template <> struct Pair2<__half> { typedef __half2 type; };
+__device__ __forceinline__ float2 pair_to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ __forceinline__ float2 pair_to_float2(__half2 v) { return __half22float2(v); }
+
+template <typename T> __device__ __forceinline__ void unpack8(const Raw8<T>& r, float (&x)[8]) {
+    const u32 w[4] = {r.u.x, r.u.y, r.u.z, r.u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 f = pair_to_float2(*reinterpret_cast<const typename Pair2<T>::type*>(&w[i]));
+        x[2 * i] = f.x;
+        x[2 * i + 1] = f.y;
+    }
+}
+
+// The factor that moves online-softmax state kept against max `m` to max `m_new >= m` (0 for
+// state that has seen no key yet).
+__device__ __forceinline__ float merge_scale(float m, float m_new) { return m == NEG_INF ? 0.f : expf(m - m_new); }
+
 // q, out: [T, num_heads, head_dim]; part_out: [T, num_heads, num_parts, head_dim] f32;
 // part_ml: [T, num_heads, num_parts, 2] f32 (max and sum of exp); both unused with one partition.
 // Grid: (T, num_kv_heads * head_chunks, num_parts), DECODE_WARPS warps. head_dim / 8 must be a
 // power of two of at most 32. Partition p covers keys [begin + p * part_len, begin + (p + 1) *
 // part_len) of the visible range, and the last partition everything past that.
-// Shared memory (f32): s_s [G, DECODE_CHUNK], m_s/l_s/a_s [G], red_s [DECODE_WARPS, G, head_dim].
+// Shared memory (f32): red_s [DECODE_WARPS, G, head_dim], ml_s [DECODE_WARPS, G, 2].
 template <typename T, int G>
 __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, T* out,
                                                   float* part_out, float* part_ml, const u32* query_start_loc,
@@ -288,7 +300,7 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
     extern __shared__ float smem[];
     const u32 D = head_dim;
     const u32 L = D / 8;           // lanes per key
-    const u32 kpw = 32 / L;        // keys per warp step
+    const u32 kpw = 32 / L;        // keys per warp step (sub-groups per warp)
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 sub = lane / L, li = lane % L;
     const u32 group = num_heads / num_kv_heads;
@@ -300,11 +312,8 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
     const u32 col = kv_head * D + li * 8;
     const u32 t = blockIdx.x, part = blockIdx.z, num_parts = gridDim.z;
 
-    float* s_s = smem;
-    float* m_s = s_s + G * DECODE_CHUNK;
-    float* l_s = m_s + G;
-    float* a_s = l_s + G;
-    float* red_s = a_s + G;
+    float* red_s = smem;
+    float* ml_s = red_s + DECODE_WARPS * G * D;
 
     const u32 r = request_of_row(query_start_loc, num_reqs, t);
     const u32 q_begin = query_start_loc[r], q_end = query_start_loc[r + 1];
@@ -333,115 +342,87 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
             qr[g][i] = (u32)g < nh ? to_float(q[((u64)t * num_heads + head0 + g) * D + li * 8 + i]) * scale : 0.f;
         }
     }
-    float acc[G][8];
+    float acc[G][8], m[G], l[G];
 #pragma unroll
     for (int g = 0; g < G; g++) {
+        m[g] = NEG_INF;
+        l[g] = 0.f;
 #pragma unroll
         for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
     }
-    if (threadIdx.x < G) {
-        m_s[threadIdx.x] = NEG_INF;
-        l_s[threadIdx.x] = 0.f;
-    }
 
+    // The loop bounds are uniform over the warp, so every lane joins the shuffles.
     const u32 step = DECODE_WARPS * kpw;
-    for (u32 c0 = start; c0 < end; c0 += DECODE_CHUNK) {
-        const u32 c1 = min(c0 + DECODE_CHUNK, end);
-        // Scores. The loop bounds are uniform over the warp, so every lane joins the shuffles.
-        for (u32 base = c0 + warp * kpw; base < c1; base += step * DECODE_UNROLL) {
-            float kx[DECODE_UNROLL][8];
+    for (u32 base = start + warp * kpw; base < end; base += step * DECODE_UNROLL) {
+        Raw8<T> kr[DECODE_UNROLL], vr[DECODE_UNROLL];
 #pragma unroll
-            for (int u = 0; u < DECODE_UNROLL; u++) {
-                const u32 key = base + u * step + sub;
-                const T* p = key < c1 ? decode_row(k_cache, table, key, block_size, num_blocks, kv_width, col)
-                                      : nullptr;
-                if (p) {
-                    load8(p, kx[u]);
-                } else {
-#pragma unroll
-                    for (int i = 0; i < 8; i++) kx[u][i] = 0.f;
-                }
-            }
-#pragma unroll
-            for (int u = 0; u < DECODE_UNROLL; u++) {
-                const u32 key = base + u * step + sub;
-#pragma unroll
-                for (int g = 0; g < G; g++) {
-                    float dot = 0.f;
-#pragma unroll
-                    for (int i = 0; i < 8; i++) dot = fmaf(qr[g][i], kx[u][i], dot);
-                    for (u32 o = L / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                    if (li == 0 && key < c1) s_s[g * DECODE_CHUNK + key - c0] = dot;
-                }
+        for (int u = 0; u < DECODE_UNROLL; u++) {
+            const u32 key = base + u * step + sub;
+            const T* kp = key < end ? decode_row(k_cache, table, key, block_size, num_blocks, kv_width, col) : nullptr;
+            if (kp) {
+                load_raw(kp, kr[u]);
+                load_raw(v_cache + (kp - k_cache), vr[u]);
+            } else {
+                zero_raw(kr[u]);
+                zero_raw(vr[u]);
             }
         }
-        __syncthreads();
-
-        // Online softmax, one warp per head: s_s becomes exp(score - new max).
-        const u32 n = c1 - c0;
-        for (u32 g = warp; g < G; g += DECODE_WARPS) {
-            float mx = NEG_INF;
-            for (u32 j = lane; j < n; j += 32) mx = fmaxf(mx, s_s[g * DECODE_CHUNK + j]);
-            const float m_old = m_s[g];
-            const float m_new = fmaxf(m_old, warp_max(mx));
-            float sum = 0.f;
-            for (u32 j = lane; j < n; j += 32) {
-                const float p = m_new == NEG_INF ? 0.f : expf(s_s[g * DECODE_CHUNK + j] - m_new);
-                s_s[g * DECODE_CHUNK + j] = p;
-                sum += p;
-            }
-            sum = warp_sum(sum);
-            if (lane == 0) {
-                const float alpha = m_new == NEG_INF ? 1.f : expf(m_old - m_new);
-                a_s[g] = alpha;
-                l_s[g] = l_s[g] * alpha + sum;
-                m_s[g] = m_new;
+        float s[DECODE_UNROLL][G];
+#pragma unroll
+        for (int u = 0; u < DECODE_UNROLL; u++) {
+            const u32 key = base + u * step + sub;
+            float kx[8];
+            unpack8(kr[u], kx);
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) dot = fmaf(qr[g][i], kx[i], dot);
+                for (u32 o = L / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                s[u][g] = key < end ? dot : NEG_INF;
             }
         }
-        __syncthreads();
-
 #pragma unroll
         for (int g = 0; g < G; g++) {
-            const float alpha = a_s[g];
+            float m_new = m[g];
+#pragma unroll
+            for (int u = 0; u < DECODE_UNROLL; u++) m_new = fmaxf(m_new, s[u][g]);
+            if (m_new == NEG_INF) continue;  // no key of this sub-group yet
+            const float alpha = merge_scale(m[g], m_new);
+            l[g] *= alpha;
 #pragma unroll
             for (int i = 0; i < 8; i++) acc[g][i] *= alpha;
+            m[g] = m_new;
         }
-        for (u32 base = c0 + warp * kpw; base < c1; base += step * DECODE_UNROLL) {
-            float vx[DECODE_UNROLL][8];
 #pragma unroll
-            for (int u = 0; u < DECODE_UNROLL; u++) {
-                const u32 key = base + u * step + sub;
-                const T* p = key < c1 ? decode_row(v_cache, table, key, block_size, num_blocks, kv_width, col)
-                                      : nullptr;
-                if (p) {
-                    load8(p, vx[u]);
-                } else {
+        for (int u = 0; u < DECODE_UNROLL; u++) {
+            float vx[8];
+            unpack8(vr[u], vx);
 #pragma unroll
-                    for (int i = 0; i < 8; i++) vx[u][i] = 0.f;
-                }
-            }
+            for (int g = 0; g < G; g++) {
+                const float p = s[u][g] == NEG_INF ? 0.f : expf(s[u][g] - m[g]);
+                l[g] += p;
 #pragma unroll
-            for (int u = 0; u < DECODE_UNROLL; u++) {
-                const u32 key = base + u * step + sub;
-                if (key < c1) {
-#pragma unroll
-                    for (int g = 0; g < G; g++) {
-                        const float p = s_s[g * DECODE_CHUNK + key - c0];
-#pragma unroll
-                        for (int i = 0; i < 8; i++) acc[g][i] = fmaf(p, vx[u][i], acc[g][i]);
-                    }
-                }
+                for (int i = 0; i < 8; i++) acc[g][i] = fmaf(p, vx[i], acc[g][i]);
             }
         }
-        __syncthreads();
     }
 
-    // Sum the accumulators over the keys of a warp step, then over the warps.
+    // Merge the sub-groups of the warp (lanes li, li + L, li + 2L, ...), then the warps.
 #pragma unroll
     for (int g = 0; g < G; g++) {
+        for (u32 o = L; o < 32; o <<= 1) {
+            const float m2 = __shfl_xor_sync(0xffffffffu, m[g], o);
+            const float l2 = __shfl_xor_sync(0xffffffffu, l[g], o);
+            const float m_new = fmaxf(m[g], m2);
+            const float a1 = merge_scale(m[g], m_new), a2 = merge_scale(m2, m_new);
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
-            for (u32 o = L; o < 32; o <<= 1) acc[g][i] += __shfl_xor_sync(0xffffffffu, acc[g][i], o);
+            for (int i = 0; i < 8; i++) {
+                const float acc2 = __shfl_xor_sync(0xffffffffu, acc[g][i], o);
+                acc[g][i] = acc[g][i] * a1 + acc2 * a2;
+            }
+            l[g] = l[g] * a1 + l2 * a2;
+            m[g] = m_new;
         }
     }
     if (sub == 0) {
@@ -449,29 +430,42 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
         for (int g = 0; g < G; g++) {
 #pragma unroll
             for (int i = 0; i < 8; i++) red_s[(warp * G + g) * D + li * 8 + i] = acc[g][i];
+            if (li == 0) {
+                ml_s[(warp * G + g) * 2] = m[g];
+                ml_s[(warp * G + g) * 2 + 1] = l[g];
+            }
         }
     }
     __syncthreads();
     for (u32 e = threadIdx.x; e < nh * D; e += blockDim.x) {
         const u32 g = e / D, d = e % D;
-        float o = 0.f;
+        float mx = NEG_INF;
 #pragma unroll
-        for (int w = 0; w < DECODE_WARPS; w++) o += red_s[(w * G + g) * D + d];
+        for (int w = 0; w < DECODE_WARPS; w++) mx = fmaxf(mx, ml_s[(w * G + g) * 2]);
+        float o = 0.f, sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < DECODE_WARPS; w++) {
+            const float a = merge_scale(ml_s[(w * G + g) * 2], mx);
+            o += a * red_s[(w * G + g) * D + d];
+            sum += a * ml_s[(w * G + g) * 2 + 1];
+        }
         const u64 row = (u64)t * num_heads + head0 + g;
         if (num_parts == 1) {
-            out[row * D + d] = from_float<T>(o / l_s[g]);
+            out[row * D + d] = from_float<T>(o / sum);
         } else {
             part_out[(row * num_parts + part) * D + d] = o;
             if (d == 0) {
-                part_ml[(row * num_parts + part) * 2] = m_s[g];
-                part_ml[(row * num_parts + part) * 2 + 1] = l_s[g];
+                part_ml[(row * num_parts + part) * 2] = mx;
+                part_ml[(row * num_parts + part) * 2 + 1] = sum;
             }
         }
     }
 }
 
-#define PAGED_DECODE(T, S, G) \
-    extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32) paged_attention_decode_g##G##_##S( \
+// MINB: blocks per SM the register budget is set for (3 leaves G <= 4 about 168 registers, so that
+// the K and V rows in flight need no spills; G = 8 holds twice the state and gets 2).
+#define PAGED_DECODE(T, S, G, MINB) \
+    extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32, MINB) paged_attention_decode_g##G##_##S( \
         const T* q, const T* k_cache, const T* v_cache, T* out, float* part_out, float* part_ml, \
         const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, u32 num_reqs, u32 num_heads, \
         u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, \
@@ -480,10 +474,10 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
                                 block_tables, num_reqs, num_heads, num_kv_heads, head_dim, max_blocks_per_seq, \
                                 block_size, num_blocks, window, scale, part_len); \
     }
-#define PAGED_DECODE_G1(T, S) PAGED_DECODE(T, S, 1)
-#define PAGED_DECODE_G2(T, S) PAGED_DECODE(T, S, 2)
-#define PAGED_DECODE_G4(T, S) PAGED_DECODE(T, S, 4)
-#define PAGED_DECODE_G8(T, S) PAGED_DECODE(T, S, 8)
+#define PAGED_DECODE_G1(T, S) PAGED_DECODE(T, S, 1, 3)
+#define PAGED_DECODE_G2(T, S) PAGED_DECODE(T, S, 2, 3)
+#define PAGED_DECODE_G4(T, S) PAGED_DECODE(T, S, 4, 3)
+#define PAGED_DECODE_G8(T, S) PAGED_DECODE(T, S, 8, 2)
 FOR_EACH_DTYPE(PAGED_DECODE_G1)
 FOR_EACH_DTYPE(PAGED_DECODE_G2)
 FOR_EACH_DTYPE(PAGED_DECODE_G4)

@@ -31,3 +31,61 @@ __device__ __forceinline__ void rope_impl(T* x, const u32* positions, const floa
         rope_impl<T>(x, positions, inv_freq, long_start, num_heads, head_dim, half, attention_scaling); \
     }
 FOR_EACH_DTYPE(ROPE)
+
+// The attention block's input step fused into one pass: splits the fused projection, rotates q
+// and k, writes q to `q_out` and k, v to the paged cache at `slot_mapping[t]` (a negative slot is
+// padding: its k and v are not written; a slot past the cache neither). The same arithmetic as
+// `split_qkv`, `rope` on q and k, and `reshape_and_cache` one after another, so the same bits.
+//
+// qkv: [T, (num_heads + 2 * num_kv_heads) * head_dim]; q_out: [T, num_heads * head_dim];
+// k_cache, v_cache: [num_slots, num_kv_heads * head_dim]. One block per token.
+template <typename T>
+__device__ __forceinline__ void qkv_rope_cache_impl(const T* qkv, const u32* positions, const i64* slot_mapping,
+                                                    const float* inv_freq, u32 long_start, T* q_out, T* k_cache,
+                                                    T* v_cache, u32 num_heads, u32 num_kv_heads, u32 head_dim,
+                                                    u32 half, float attention_scaling, i64 num_slots) {
+    const u64 t = blockIdx.x;
+    const u32 pos = positions[t];
+    const i64 slot = slot_mapping[t];
+    const bool write_kv = slot >= 0 && slot < num_slots;
+    const float* freq = inv_freq + (pos >= long_start ? half : 0);
+    const u32 q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    const T* row = qkv + t * (q_size + 2 * kv_size);
+    // Per head: `half` rotated pairs, then the dims past `2 * half` that pass through.
+    const u32 per_head = head_dim - half;
+    const u32 rotated = (num_heads + num_kv_heads) * per_head;
+    for (u32 e = threadIdx.x; e < rotated + kv_size; e += blockDim.x) {
+        if (e >= rotated) {
+            if (write_kv) v_cache[(u64)slot * kv_size + (e - rotated)] = row[q_size + kv_size + (e - rotated)];
+            continue;
+        }
+        const u32 h = e / per_head, i = e % per_head;
+        const bool is_q = h < num_heads;
+        if (!is_q && !write_kv) continue;
+        const T* src = row + (u64)h * head_dim;  // k heads follow the q heads in the row
+        T* dst = is_q ? q_out + t * q_size + (u64)h * head_dim
+                      : k_cache + (u64)slot * kv_size + (u64)(h - num_heads) * head_dim;
+        if (i >= half) {
+            const u32 d = i + half;
+            dst[d] = src[d];
+            continue;
+        }
+        float s, c;
+        sincosf((float)pos * freq[i], &s, &c);
+        c *= attention_scaling;
+        s *= attention_scaling;
+        const float x0 = to_float(src[i]), x1 = to_float(src[i + half]);
+        dst[i] = from_float<T>(x0 * c - x1 * s);
+        dst[i + half] = from_float<T>(x1 * c + x0 * s);
+    }
+}
+
+#define QKV_ROPE_CACHE(T, S) \
+    extern "C" __global__ void qkv_rope_cache_##S( \
+        const T* qkv, const u32* positions, const i64* slot_mapping, const float* inv_freq, u32 long_start, \
+        T* q_out, T* k_cache, T* v_cache, u32 num_heads, u32 num_kv_heads, u32 head_dim, u32 half, \
+        float attention_scaling, i64 num_slots) { \
+        qkv_rope_cache_impl<T>(qkv, positions, slot_mapping, inv_freq, long_start, q_out, k_cache, v_cache, \
+                               num_heads, num_kv_heads, head_dim, half, attention_scaling, num_slots); \
+    }
+FOR_EACH_DTYPE(QKV_ROPE_CACHE)
