@@ -77,12 +77,18 @@ bench "llama-3.1-8b latency 128+256" l8b-latency.json latency --model-config ben
 # The same without CUDA graphs: what replaying decode steps from graphs gains.
 FERROLM_CUDA_GRAPHS=0 bench "llama-3.1-8b latency, no graphs" l8b-latency-eager.json latency \
     --model-config bench-configs/llama-3.1-8b.json --input-len 128 --output-len 256 --num-iters 3
+# Sampled on the GPU (temperature, seeded) instead of greedy.
+bench "llama-3.1-8b latency, T=0.8" l8b-latency-sampled.json latency --model-config bench-configs/llama-3.1-8b.json \
+    --input-len 128 --output-len 256 --num-iters 3 --temperature 0.8
 # Time to first token of a 2048-token prompt on an idle engine (one prefill chunk).
 bench "llama-3.1-8b TTFT 2048+1" l8b-ttft-2048.json latency --model-config bench-configs/llama-3.1-8b.json \
     --input-len 2048 --output-len 1 --num-iters 5 --max-num-batched-tokens 4096
 if [ "$MODE" = full ]; then
     bench "llama-3.1-8b 256 x (512+256)" l8b-throughput.json throughput --model-config bench-configs/llama-3.1-8b.json \
         --num-prompts 256 --input-len 512 --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 8192
+    bench "llama-3.1-8b 256 x (512+256), T=0.8" l8b-throughput-sampled.json throughput \
+        --model-config bench-configs/llama-3.1-8b.json --num-prompts 256 --input-len 512 --output-len 256 \
+        --max-num-seqs 256 --max-num-batched-tokens 8192 --temperature 0.8
     bench "llama-3.1-8b 64 x (512+256)" l8b-throughput-64.json throughput --model-config bench-configs/llama-3.1-8b.json \
         --num-prompts 64 --input-len 512 --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 8192
 fi

@@ -27,6 +27,7 @@ mod linear;
 mod logits;
 mod ops;
 mod rope;
+mod sampling;
 mod tensor;
 
 pub use attention::{paged_attention, paged_attention_general, reshape_and_cache, GpuAttentionMetadata};
@@ -40,4 +41,5 @@ pub use ops::{
     add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, split_qkv,
 };
 pub use rope::{qkv_rope_cache, rope, GpuRopeTable};
+pub use sampling::GpuSampler;
 pub use tensor::{GpuTensor, GpuView, GpuViewMut};

@@ -983,3 +983,276 @@ fn argmax_logsumexp_matches_host() -> Result<(), GpuError> {
     }
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------------
+// Sampling: `GpuSampler` against the host definition of each row's answer, `RowRequest::apply`.
+
+use ferrolm_sampling::{RequestSampler, RowRequest, SamplePlan, SamplingParams, TokenLogprobs};
+
+/// Relative nudge of u, top_p and min_p under which a host choice must not change for a case to
+/// be compared: the kernel's weights can differ from the host's by an ulp (its exp is the f64 one
+/// rounded, the host's is libm's expf) and its f64 sums run in another order, which moves a
+/// cumulative boundary by far less than this.
+const SAMPLE_MARGIN: f64 = 2e-6;
+
+/// Whether nudging the plan's u, top_p or min_p by `SAMPLE_MARGIN` changes the host's choice.
+fn fragile(plan: &SamplePlan, row: &[f32]) -> bool {
+    if plan.greedy {
+        return false;
+    }
+    let token = plan.apply(row).map(|t| t.token);
+    // Within the parameters' ranges: top_p and min_p at 1 stay there.
+    let nudge = |x: f64, sign: f64| (x * (1.0 + sign * SAMPLE_MARGIN)).min(1.0);
+    [-1.0, 1.0].into_iter().any(|sign| {
+        let mut nudged =
+            vec![SamplePlan { u: (plan.u + sign * SAMPLE_MARGIN).clamp(0.0, 1.0 - 1e-12), ..plan.clone() }];
+        if plan.top_p < 1.0 {
+            nudged.push(SamplePlan { top_p: nudge(f64::from(plan.top_p), sign) as f32, ..plan.clone() });
+        }
+        if plan.min_p > 0.0 {
+            nudged.push(SamplePlan { min_p: nudge(f64::from(plan.min_p), sign) as f32, ..plan.clone() });
+        }
+        nudged.iter().any(|p| p.apply(row).map(|t| t.token) != token)
+    })
+}
+
+/// A plan as the engine makes them: a sampler over random parameters (every filter, penalty and
+/// mask, each often off), a random prompt and outputs, while under `min_tokens` or past it.
+fn random_plan(rng: &mut ChaCha8Rng, vocab: usize) -> SamplePlan {
+    let v = vocab as u32;
+    let pick = |rng: &mut ChaCha8Rng, values: &[f32]| values[rng.random_range(0..values.len())];
+    let params = SamplingParams {
+        temperature: pick(rng, &[0.0, 0.0, 0.4, 1.0, 1.6]),
+        top_k: [0, 0, 1, 2, 50, vocab as i32 - 1, vocab as i32, vocab as i32 + 10][rng.random_range(0..8)],
+        top_p: pick(rng, &[1.0, 1.0, 0.95, 0.5, 1e-6]),
+        min_p: pick(rng, &[0.0, 0.0, 0.02, 0.3]),
+        repetition_penalty: pick(rng, &[1.0, 1.0, 1.3, 0.8]),
+        presence_penalty: pick(rng, &[0.0, 0.0, 0.7, -0.4]),
+        frequency_penalty: pick(rng, &[0.0, 0.0, 0.3, -0.2]),
+        seed: Some(rng.random()),
+        min_tokens: [0, 0, 5][rng.random_range(0..3)],
+        ignore_eos: rng.random_bool(0.3),
+        stop_token_ids: (0..rng.random_range(0..4)).map(|_| rng.random_range(0..v + 5)).collect(),
+        logprobs: [None, Some(0), Some(1), Some(5), Some(20)][rng.random_range(0..5)],
+        ..SamplingParams::default()
+    };
+    let prompt: Vec<u32> = (0..rng.random_range(0..64)).map(|_| rng.random_range(0..v + 3)).collect();
+    let mut sampler = RequestSampler::new(&params, &prompt, 0).expect("valid params");
+    for _ in 0..rng.random_range(0..8) {
+        sampler.record(rng.random_range(0..v));
+    }
+    let eos: Vec<u32> = (0..rng.random_range(0..3)).map(|_| rng.random_range(0..v)).collect();
+    sampler.plan(&eos)
+}
+
+/// A logits row of one of several kinds: smooth, coarse (many exact ties), peaked, with NaN and
+/// +-inf sprinkled in, or with nothing to pick.
+fn sampling_row(rng: &mut ChaCha8Rng, vocab: usize, kind: usize) -> Vec<f32> {
+    let mut row = random_vec(rng, vocab, 8.0);
+    match kind % 6 {
+        0 => {}
+        1 => row.iter_mut().for_each(|l| *l = (*l * 2.0).round() / 2.0),
+        2 => {
+            for _ in 0..5 {
+                row[rng.random_range(0..vocab)] += 12.0;
+            }
+        }
+        3 => {
+            for (i, special) in [f32::NAN, f32::NEG_INFINITY, f32::NAN, f32::NEG_INFINITY].into_iter().enumerate() {
+                for _ in 0..1 + vocab / 50 {
+                    row[rng.random_range(0..vocab)] = special;
+                }
+                row[i % vocab] = special;
+            }
+        }
+        4 => row[rng.random_range(0..vocab)] = f32::INFINITY,
+        _ => {
+            if rng.random_bool(0.5) {
+                row.fill(f32::NEG_INFINITY);
+            } else {
+                row.iter_mut()
+                    .enumerate()
+                    .for_each(|(i, l)| *l = if i % 2 == 0 { f32::NAN } else { f32::NEG_INFINITY });
+            }
+        }
+    }
+    row
+}
+
+/// Equal tokens, equal top ids, logprobs within 1e-4 (NaN where the host has NaN).
+fn assert_same_answer(got: &Option<TokenLogprobs>, want: &Option<TokenLogprobs>, what: &str) {
+    let close = |g: f32, w: f32| (g.is_nan() && w.is_nan()) || g == w || (g - w).abs() <= 1e-4;
+    match (got, want) {
+        (None, None) => {}
+        (Some(g), Some(w)) => {
+            assert_eq!(g.token, w.token, "{what}: token");
+            assert!(close(g.logprob, w.logprob), "{what}: logprob {} vs {}", g.logprob, w.logprob);
+            let ids = |t: &TokenLogprobs| t.top_logprobs.iter().map(|p| p.0).collect::<Vec<_>>();
+            assert_eq!(ids(g), ids(w), "{what}: top ids");
+            for (a, b) in g.top_logprobs.iter().zip(&w.top_logprobs) {
+                assert!(close(a.1, b.1), "{what}: top logprob of {}: {} vs {}", a.0, a.1, b.1);
+            }
+        }
+        _ => panic!("{what}: {got:?} vs {want:?}"),
+    }
+}
+
+/// `rows` random cases over `vocab` in one launch: sample plans of every kind (u re-drawn where
+/// the host's choice sits on a boundary) and prompt-logprob rows (in and out of the row).
+fn check_sampling_launch(
+    gpu: &Gpu,
+    sampler: &mut cuda::GpuSampler,
+    rng: &mut ChaCha8Rng,
+    vocab: usize,
+    rows: usize,
+    dtype: DType,
+) -> Result<(), GpuError> {
+    let logits: Vec<f32> = (0..rows).flat_map(|r| sampling_row(rng, vocab, r)).collect();
+    let (dev, stored) = upload(gpu, &logits, dtype)?;
+    let mut plans = Vec::new();
+    for r in 0..rows {
+        let row = &stored[r * vocab..][..vocab];
+        let mut plan = random_plan(rng, vocab);
+        let mut tries = 0;
+        while fragile(&plan, row) {
+            plan.u = rng.random();
+            tries += 1;
+            assert!(tries < 100, "no robust u for row {r}");
+        }
+        plans.push(plan);
+    }
+    let requests: Vec<RowRequest> = plans
+        .iter()
+        .enumerate()
+        .map(|(r, plan)| match r % 5 {
+            4 => RowRequest::Logprobs {
+                token: if r % 10 == 4 { rng.random_range(0..vocab as u32) } else { u32::MAX },
+                num_top: [0, 3, 20][r % 3],
+            },
+            _ => RowRequest::Sample(plan),
+        })
+        .collect();
+    let got = sampler.sample(gpu, dev.view(), vocab, &requests)?;
+    assert_eq!(got.len(), rows);
+    for (r, (req, g)) in requests.iter().zip(&got).enumerate() {
+        let want = req.apply(&stored[r * vocab..][..vocab]);
+        assert_same_answer(g, &want, &format!("{dtype:?} vocab {vocab} row {r} ({req:?})"));
+    }
+    Ok(())
+}
+
+#[test]
+fn sampling_matches_the_host_sampler() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(16);
+    let mut sampler = cuda::GpuSampler::new();
+    // Several launches per size on one sampler: later ones find earlier results in the buffers.
+    for (vocab, launches, rows) in [(7, 6, 40), (1000, 6, 40), (32_001, 4, 24), (128_256, 3, 16)] {
+        for _ in 0..launches {
+            check_sampling_launch(&gpu, &mut sampler, &mut rng, vocab, rows, DType::F32)?;
+        }
+        check_sampling_launch(&gpu, &mut sampler, &mut rng, vocab, rows / 2, DType::F32)?;
+    }
+    // bf16 logits: coarse values, so ties everywhere.
+    check_sampling_launch(&gpu, &mut sampler, &mut rng, 32_001, 24, DType::BF16)?;
+    Ok(())
+}
+
+/// The filters' edges one by one on one row: ties at the top-k threshold and inside the nucleus,
+/// k at and beyond the candidate count, top_p 1 and tiny, min_p, and masks over the whole row.
+#[test]
+fn sampling_filters_at_their_edges_match_the_host() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(17);
+    let mut sampler = cuda::GpuSampler::new();
+    let vocab = 32_001;
+    // Values in steps of 0.25: a few hundred distinct values, each shared by ~100 ids.
+    let mut row: Vec<f32> = random_vec(&mut rng, vocab, 20.0).iter().map(|l| (l * 4.0).round() / 4.0).collect();
+    row[17] = f32::NEG_INFINITY;
+    let base = SamplePlan {
+        greedy: false,
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        min_p: 0.0,
+        u: 0.5,
+        num_top_logprobs: 20,
+        repetition_penalty: 1.0,
+        frequency_penalty: 0.0,
+        presence_penalty: 0.0,
+        adjusts: Vec::new(),
+    };
+    let mut plans = Vec::new();
+    for top_k in [1, 2, 37, 150, 1000, vocab - 2, vocab - 1, vocab, vocab + 1] {
+        plans.push(SamplePlan { top_k, ..base.clone() });
+    }
+    for top_p in [1.0, 0.999, 0.9, 0.5, 0.1, 1e-6] {
+        plans.push(SamplePlan { top_p, ..base.clone() });
+        plans.push(SamplePlan { top_p, top_k: 500, temperature: 0.3, ..base.clone() });
+    }
+    for min_p in [1e-4, 0.1, 0.5, 1.0] {
+        plans.push(SamplePlan { min_p, top_p: 0.9, ..base.clone() });
+    }
+    // Everything masked but two ids, one of them out of the ones the mask list names.
+    let mask_all: Vec<_> = (0..vocab as u32)
+        .filter(|&t| t != 5 && t != 31_000)
+        .map(|token| ferrolm_sampling::TokenAdjust { token, mask: true, ..Default::default() })
+        .collect();
+    plans.push(SamplePlan { adjusts: mask_all.clone(), ..base.clone() });
+    plans.push(SamplePlan { adjusts: mask_all, greedy: true, ..base.clone() });
+    let n = plans.len();
+    for (i, plan) in plans.iter_mut().enumerate() {
+        let mut tries = 0;
+        while fragile(plan, &row) {
+            plan.u = rng.random();
+            tries += 1;
+            assert!(tries < 100, "no robust u for case {i}");
+        }
+    }
+    let logits: Vec<f32> = (0..n).flat_map(|_| row.iter().copied()).collect();
+    let dev = GpuTensor::from_f32(&gpu, &logits, DType::F32)?;
+    let requests: Vec<RowRequest> = plans.iter().map(RowRequest::Sample).collect();
+    let got = sampler.sample(&gpu, dev.view(), vocab, &requests)?;
+    for (i, (plan, g)) in plans.iter().zip(&got).enumerate() {
+        let what = format!("case {i} (top_k {}, top_p {}, min_p {})", plan.top_k, plan.top_p, plan.min_p);
+        assert_same_answer(g, &plan.apply(&row), &what);
+    }
+    Ok(())
+}
+
+/// An answer bit for bit (NaN logprobs included): token, logprob bits, top (id, logprob bits).
+type AnswerBits = Option<(u32, u32, Vec<(u32, u32)>)>;
+
+fn answer_bits(a: &Option<TokenLogprobs>) -> AnswerBits {
+    a.as_ref().map(|t| (t.token, t.logprob.to_bits(), t.top_logprobs.iter().map(|&(i, l)| (i, l.to_bits())).collect()))
+}
+
+/// A row's answer depends on the row alone: the same rows give bit-identical results alone, in
+/// another order among others, and again.
+#[test]
+fn sampling_is_deterministic_and_batch_invariant() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(18);
+    let mut sampler = cuda::GpuSampler::new();
+    let vocab = 50_000;
+    let rows = 12;
+    let logits: Vec<f32> = (0..rows).flat_map(|r| sampling_row(&mut rng, vocab, r)).collect();
+    let plans: Vec<SamplePlan> = (0..rows).map(|_| random_plan(&mut rng, vocab)).collect();
+    let dev = GpuTensor::from_f32(&gpu, &logits, DType::F32)?;
+    let requests: Vec<RowRequest> = plans.iter().map(RowRequest::Sample).collect();
+    let together: Vec<_> = sampler.sample(&gpu, dev.view(), vocab, &requests)?.iter().map(answer_bits).collect();
+    let again: Vec<_> = sampler.sample(&gpu, dev.view(), vocab, &requests)?.iter().map(answer_bits).collect();
+    assert_eq!(again, together, "run twice");
+    let mut order: Vec<usize> = (0..rows).collect();
+    order.shuffle(&mut rng);
+    let shuffled: Vec<f32> = order.iter().flat_map(|&r| logits[r * vocab..][..vocab].iter().copied()).collect();
+    let shuffled_dev = GpuTensor::from_f32(&gpu, &shuffled, DType::F32)?;
+    let shuffled_requests: Vec<RowRequest> = order.iter().map(|&r| requests[r]).collect();
+    let got = sampler.sample(&gpu, shuffled_dev.view(), vocab, &shuffled_requests)?;
+    for (j, &r) in order.iter().enumerate() {
+        assert_eq!(answer_bits(&got[j]), together[r], "row {r} at position {j}");
+        let alone = sampler.sample(&gpu, dev.slice(r * vocab..(r + 1) * vocab), vocab, &requests[r..=r])?;
+        assert_eq!(answer_bits(&alone[0]), together[r], "row {r} alone");
+    }
+    Ok(())
+}

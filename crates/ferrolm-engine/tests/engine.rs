@@ -370,8 +370,7 @@ fn batch_invariance_of_32_mixed_requests() {
     assert_eq!(tiny, alone, "tiny pool with preemption");
 }
 
-/// A CPU runner that answers plain-argmax rows as a device would (token and logprob only) and
-/// can fail one step, to drive the engine's device paths without a GPU.
+/// A CPU runner that can fail one step, to drive the engine's device paths without a GPU.
 struct DeviceLikeRunner {
     inner: ferrolm_model::CpuRunner,
     calls: usize,
@@ -394,27 +393,13 @@ impl ferrolm_model::ModelRunner for DeviceLikeRunner {
     fn execute(
         &mut self,
         input: &ferrolm_model::ModelInput,
-        argmax_only: &[bool],
-    ) -> Result<ferrolm_model::StepLogits, ferrolm_model::ModelError> {
+        rows: &[ferrolm_sampling::RowRequest<'_>],
+    ) -> Result<Vec<Option<ferrolm_sampling::TokenLogprobs>>, ferrolm_model::ModelError> {
         self.calls += 1;
         if self.fail_at_call == Some(self.calls) {
             return Err(ferrolm_model::ModelError::Device("injected failure".into()));
         }
-        let full = self.inner.execute(input, argmax_only)?;
-        let mut out = ferrolm_model::StepLogits::with_vocab(full.vocab());
-        for (i, &argmax) in argmax_only.iter().enumerate() {
-            let ferrolm_model::RowLogits::Full(row) = full.row(i) else {
-                unreachable!("the CPU runner gives full rows")
-            };
-            if argmax {
-                let lp = ferrolm_sampling::log_softmax(row);
-                let best = (0..row.len()).fold(0, |b, j| if row[j] > row[b] { j } else { b });
-                out.push_argmax(Some(best as u32), lp[best]);
-            } else {
-                out.push_full(row);
-            }
-        }
-        Ok(out)
+        self.inner.execute(input, rows)
     }
 }
 
@@ -435,8 +420,8 @@ fn start_device_like(name: &str, fail_at_call: Option<usize>) -> EngineHandle {
     EngineHandle::start(runner, None::<Arc<Tokenizer>>, config).expect("engine")
 }
 
-/// Rows the runner answers with an argmax only give the reference tokens and their logprobs;
-/// rows that need more (top logprobs) still get full logits.
+/// Rows the runner answers (token and logprobs only, as a device does) give the reference tokens,
+/// with top logprobs where they are asked for.
 #[test]
 fn argmax_rows_from_the_runner_give_the_reference_tokens() {
     let engine = start_device_like("llama", None);

@@ -2,12 +2,13 @@
 //! weights, activations and the paged KV cache in device memory, in one dtype chosen at load
 //! (bf16 by default; f32 to compare closely with the CPU backend).
 //!
-//! Per step the host uploads the batch's index buffers (a few KB), the GPU runs every layer, and
-//! only what the sampler needs comes back: the argmax and its logprob for rows the engine marks
-//! `argmax_only`, the full f32 row for the others.
+//! Per step the host uploads the batch's index buffers (a few KB), the GPU runs every layer and
+//! then samples (or takes prompt logprobs) on the logits where they are, and only the chosen
+//! tokens and the logprobs asked for come back (`GpuSampler`).
 
 use ferrolm_backend::cuda::{self as gpu_ops, Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor, GpuView};
 use ferrolm_backend::DType;
+use ferrolm_sampling::{RowRequest, TokenLogprobs};
 
 mod graphs;
 mod workspace;
@@ -18,7 +19,7 @@ use workspace::{Activations, StepBuffers};
 use crate::config::{Activation, ModelConfig};
 use crate::input::ModelInput;
 use crate::model::{Linear, Model};
-use crate::runner::{ModelRunner, StepLogits};
+use crate::runner::ModelRunner;
 use crate::ModelError;
 
 impl From<GpuError> for ModelError {
@@ -98,6 +99,8 @@ pub struct CudaRunner {
     /// Reused by every step; `None` until the first.
     acts: Option<Activations>,
     graphs: DecodeGraphs,
+    /// Sampling and logprobs on the logits, with its buffers.
+    sampler: gpu_ops::GpuSampler,
 }
 
 impl CudaRunner {
@@ -148,6 +151,7 @@ impl CudaRunner {
             weight_bytes,
             acts: None,
             graphs: DecodeGraphs::new(),
+            sampler: gpu_ops::GpuSampler::new(),
         })
     }
 
@@ -445,42 +449,24 @@ impl ModelRunner for CudaRunner {
         Ok(())
     }
 
-    fn execute(&mut self, input: &ModelInput, argmax_only: &[bool]) -> Result<StepLogits, ModelError> {
-        let vocab = self.config.vocab_size;
-        let rows = input.logits_indices.len();
-        assert_eq!(argmax_only.len(), rows, "execute: argmax_only has {} of {rows} rows", argmax_only.len());
+    fn execute(
+        &mut self,
+        input: &ModelInput,
+        rows: &[RowRequest<'_>],
+    ) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
+        let num_rows = input.logits_indices.len();
+        assert_eq!(rows.len(), num_rows, "execute: {} requests for {num_rows} logits rows", rows.len());
         if self.kv.is_empty() && self.config.num_hidden_layers > 0 {
             return Err(ModelError::Device("execute before allocate_kv_cache".into()));
         }
         if input.num_tokens() == 0 {
-            return Ok(StepLogits::with_vocab(vocab));
+            return Ok(Vec::new());
         }
         self.forward(input)?;
-        let logits = self.logits(rows);
-        let g = &self.gpu;
-        let argmax =
-            if argmax_only.iter().any(|&a| a) { gpu_ops::argmax_logsumexp(g, logits, vocab)? } else { Vec::new() };
-        let full_rows: Vec<u32> = (0..rows as u32).filter(|&r| !argmax_only[r as usize]).collect();
-        let full = if full_rows.is_empty() {
-            Vec::new()
-        } else if full_rows.len() == rows {
-            logits.to_f32_vec(g)?
-        } else {
-            let indices = g.upload(&full_rows)?;
-            let mut picked = GpuTensor::zeros(g, DType::F32, full_rows.len() * vocab)?;
-            gpu_ops::gather_rows(g, logits, vocab, &indices, picked.view_mut())?;
-            picked.to_f32_vec(g)?
-        };
-        let mut out = StepLogits::with_vocab(vocab);
-        let mut next_full = 0;
-        for r in 0..rows {
-            if argmax_only[r] {
-                out.push_argmax(argmax[r].token_id, argmax[r].token_logprob);
-            } else {
-                out.push_full(&full[next_full * vocab..(next_full + 1) * vocab]);
-                next_full += 1;
-            }
-        }
-        Ok(out)
+        // Taken out for the call so that the logits can stay borrowed from `self`.
+        let mut sampler = std::mem::take(&mut self.sampler);
+        let out = sampler.sample(&self.gpu, self.logits(num_rows), self.config.vocab_size, rows);
+        self.sampler = sampler;
+        Ok(out?)
     }
 }

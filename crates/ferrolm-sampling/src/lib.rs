@@ -2,11 +2,14 @@
 //! (penalties, `min_tokens`, temperature, top-k, top-p, min-p), seeded sampling, logprobs,
 //! and stop strings over streamed text.
 //!
-//! Everything here is per sequence and plain CPU code: the engine hands each sequence its
-//! own logits row, and what comes back never depends on the rest of the batch.
+//! Everything here is per sequence and plain CPU code: each step's work on a logits row is a
+//! [`SamplePlan`], applied on the host here or by a device where the logits are, and what comes
+//! back never depends on the rest of the batch.
 //!
 //! - [`params`]: `SamplingParams`, `GenerationDefaults`, validation.
 //! - [`sampler`]: `RequestSampler`, one per sequence, owning its random stream.
+//! - [`plan`]: `SamplePlan` and its host application; `RowRequest`, what a runner computes
+//!   from a row.
 //! - `penalties`, `filters`: the processing steps, in vLLM's order.
 //! - [`logprobs`]: `log_softmax`, `top_n`, per-token logprobs.
 //! - [`stop`]: `StopChecker` and `FinishReason`.
@@ -16,11 +19,13 @@ mod filters;
 pub mod logprobs;
 pub mod params;
 mod penalties;
+pub mod plan;
 pub mod sampler;
 pub mod stop;
 
 pub use error::SamplingError;
 pub use logprobs::{log_softmax, logsumexp, token_logprobs, top_n, TokenLogprobs};
 pub use params::{GenerationDefaults, SamplingParams, GREEDY_TEMPERATURE_EPS, MAX_LOGPROBS, MAX_N};
+pub use plan::{RowRequest, SamplePlan, TokenAdjust};
 pub use sampler::{RequestSampler, SampleOutput};
 pub use stop::{FinishReason, StopChecker, StopResult};

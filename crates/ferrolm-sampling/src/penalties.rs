@@ -6,72 +6,97 @@
 //! - frequency and presence (OpenAI): output tokens only,
 //!   `l -= frequency * count; l -= presence * (count > 0)`.
 //!
-//! The state is sparse (a set of prompt ids, a map of output counts) so a request costs
-//! memory in the tokens it saw, not in the vocabulary. Ids outside the logits row are
-//! skipped, never indexed.
+//! The state is sparse (one [`TokenAdjust`] per token some penalty touches, kept up to date as
+//! tokens are generated) so a request costs memory in the tokens it saw, not in the vocabulary,
+//! and each step's plan copies the list as it is. Ids outside the logits row are skipped by
+//! whoever applies the list, never indexed.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+
+use crate::plan::TokenAdjust;
 
 /// What a request has seen, and how hard to push back on it.
 #[derive(Debug, Clone)]
 pub(crate) struct Penalties {
-    repetition: f32,
-    presence: f32,
-    frequency: f32,
-    /// Distinct prompt ids; left empty when the repetition penalty is off.
-    prompt_tokens: HashSet<u32>,
-    /// Output token id -> times generated.
-    output_counts: HashMap<u32, u32>,
+    pub(crate) repetition: f32,
+    pub(crate) presence: f32,
+    pub(crate) frequency: f32,
+    /// One entry per token a penalty touches: every distinct prompt id while the repetition
+    /// penalty is on, every output id while any penalty is on. `mask` is always false here.
+    adjusts: Vec<TokenAdjust>,
+    /// Token id -> its entry in `adjusts`.
+    index: HashMap<u32, usize>,
 }
 
 impl Penalties {
     pub(crate) fn new(repetition: f32, presence: f32, frequency: f32, prompt: &[u32]) -> Self {
-        let prompt_tokens = if repetition != 1.0 { prompt.iter().copied().collect() } else { HashSet::new() };
-        Self { repetition, presence, frequency, prompt_tokens, output_counts: HashMap::new() }
+        let mut p = Self { repetition, presence, frequency, adjusts: Vec::new(), index: HashMap::new() };
+        if repetition != 1.0 {
+            for &token in prompt {
+                p.entry(token);
+            }
+        }
+        p
     }
 
-    /// Whether [`Penalties::apply`] leaves every score as it is.
+    /// Whether no entry changes any score.
     pub(crate) fn is_off(&self) -> bool {
         self.repetition == 1.0 && self.presence == 0.0 && self.frequency == 0.0
     }
 
     pub(crate) fn record(&mut self, token: u32) {
-        *self.output_counts.entry(token).or_insert(0) += 1;
+        if self.is_off() {
+            return;
+        }
+        let i = self.entry(token);
+        self.adjusts[i].output_count += 1;
     }
 
-    // scores: [vocab]
-    pub(crate) fn apply(&self, scores: &mut [f32]) {
-        if self.repetition != 1.0 {
-            let p = self.repetition;
-            let penalize = |l: f32| if l > 0.0 { l / p } else { l * p };
-            for &t in &self.prompt_tokens {
-                if let Some(l) = scores.get_mut(t as usize) {
-                    *l = penalize(*l);
-                }
-            }
-            for &t in self.output_counts.keys() {
-                if self.prompt_tokens.contains(&t) {
-                    continue; // penalized once above
-                }
-                if let Some(l) = scores.get_mut(t as usize) {
-                    *l = penalize(*l);
-                }
-            }
-        }
-        if self.frequency != 0.0 || self.presence != 0.0 {
-            for (&t, &count) in &self.output_counts {
-                if let Some(l) = scores.get_mut(t as usize) {
-                    *l -= self.frequency * count as f32;
-                    *l -= self.presence;
-                }
-            }
-        }
+    /// The entries, in the order tokens were first seen.
+    pub(crate) fn adjusts(&self) -> &[TokenAdjust] {
+        &self.adjusts
     }
+
+    /// Index of `token`'s entry in [`Self::adjusts`].
+    pub(crate) fn position(&self, token: u32) -> Option<usize> {
+        self.index.get(&token).copied()
+    }
+
+    fn entry(&mut self, token: u32) -> usize {
+        let repetition = self.repetition != 1.0;
+        let adjusts = &mut self.adjusts;
+        *self.index.entry(token).or_insert_with(|| {
+            adjusts.push(TokenAdjust { token, repetition, ..TokenAdjust::default() });
+            adjusts.len() - 1
+        })
+    }
+}
+
+/// `l` after the penalties `a` calls for: repetition, then frequency and presence for output
+/// tokens. Two roundings each for the latter, as vLLM's in-place updates.
+pub(crate) fn penalize(mut l: f32, a: &TokenAdjust, repetition: f32, frequency: f32, presence: f32) -> f32 {
+    if a.repetition {
+        l = if l > 0.0 { l / repetition } else { l * repetition };
+    }
+    if a.output_count > 0 && (frequency != 0.0 || presence != 0.0) {
+        l -= frequency * a.output_count as f32;
+        l -= presence;
+    }
+    l
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The penalties applied to a whole row, as a plan does.
+    fn apply(p: &Penalties, scores: &mut [f32]) {
+        for a in p.adjusts() {
+            if let Some(l) = scores.get_mut(a.token as usize) {
+                *l = penalize(*l, a, p.repetition, p.frequency, p.presence);
+            }
+        }
+    }
 
     #[test]
     fn repetition_penalty_divides_positive_and_multiplies_negative_logits() {
@@ -80,9 +105,10 @@ mod tests {
         p.record(1);
         p.record(2);
         let mut scores = [4.0, -3.0, 1.5, 5.0];
-        p.apply(&mut scores);
+        apply(&p, &mut scores);
         // each seen token penalized exactly once, however often it was seen
         assert_eq!(scores, [2.0, -6.0, 0.75, 5.0]);
+        assert_eq!(p.adjusts().len(), 4, "one entry per distinct token");
     }
 
     #[test]
@@ -92,7 +118,7 @@ mod tests {
             p.record(t);
         }
         let mut scores = [1.0, 1.0, 1.0, 1.0];
-        p.apply(&mut scores);
+        apply(&p, &mut scores);
         // token 0: 1 - 0.25*3 - 0.5; token 2: 1 - 0.25 - 0.5; prompt-only token 3 untouched
         assert_eq!(scores, [-0.25, 1.0, 0.25, 1.0]);
     }
@@ -103,7 +129,7 @@ mod tests {
         p.record(0);
         p.record(0);
         let mut scores = [6.0, -2.0];
-        p.apply(&mut scores);
+        apply(&p, &mut scores);
         // 6 / 2 - 1*2 - 1 = 0
         assert_eq!(scores, [0.0, -2.0]);
     }
@@ -114,7 +140,15 @@ mod tests {
         p.record(1);
         p.record(42);
         let mut scores = [1.0, 1.0, -1.0];
-        p.apply(&mut scores);
+        apply(&p, &mut scores);
         assert_eq!(scores, [1.0, 3.0, -1.0]);
+    }
+
+    #[test]
+    fn no_entries_while_every_penalty_is_off() {
+        let mut p = Penalties::new(1.0, 0.0, 0.0, &[1, 2, 3]);
+        p.record(4);
+        assert!(p.is_off());
+        assert!(p.adjusts().is_empty());
     }
 }

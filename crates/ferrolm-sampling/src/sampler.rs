@@ -5,23 +5,28 @@
 //! top-k, top-p, min-p and one draw. Top-k runs on the logits just before temperature is
 //! applied, which picks the same tokens because `exp((l - max) / T)` is monotone.
 //!
+//! A step is [`RequestSampler::plan`] (what the step does, as data: see [`SamplePlan`]),
+//! the plan applied to the row wherever the row is (on the host, [`SamplePlan::apply`]; on a
+//! GPU, the CUDA backend's sampler), then [`RequestSampler::record`] of the token.
+//! [`RequestSampler::sample`] is the three on the host.
+//!
 //! Invariants that continuous batching relies on:
 //! - The sampler owns its random stream (ChaCha8, seeded from the request's `seed` or the
 //!   engine's fallback, one stream per sequence index) and takes exactly one uniform from
-//!   it per non-greedy step, and none per greedy step. Same seed and same logits rows give
+//!   it per non-greedy plan, and none per greedy one. Same seed and same logits rows give
 //!   the same tokens whatever else shares the batch, and however the batch is split.
-//! - `sample` records the token it returns (for penalties and `min_tokens`), so the
-//!   caller never has to.
+//! - Every plan is followed by the `record` of its token before the next plan (penalties
+//!   and `min_tokens` depend on it); a step that picks no token ends the sequence.
 //! - Reported logprobs are those of the raw logits row, not of the processed one.
 
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use crate::error::SamplingError;
-use crate::filters;
-use crate::logprobs::{token_logprobs, TokenLogprobs};
+use crate::logprobs::TokenLogprobs;
 use crate::params::SamplingParams;
 use crate::penalties::Penalties;
+use crate::plan::{SamplePlan, TokenAdjust};
 use crate::stop::FinishReason;
 
 /// What [`RequestSampler::sample`] returns: the chosen token, its logprob under the raw
@@ -93,76 +98,54 @@ impl RequestSampler {
     }
 
     /// Picks the next token from `logits` (the model's raw output for this sequence) and
-    /// records it. `eos_token_ids` are the model's EOS ids; with the request's stop token
-    /// ids they are masked until `min_tokens` tokens exist (EOS not, with `ignore_eos`).
-    /// Ids outside the row are ignored.
+    /// records it: [`Self::plan`], [`SamplePlan::apply`], [`Self::record`].
     // logits: [vocab]
     pub fn sample(&mut self, logits: &[f32], eos_token_ids: &[u32]) -> Result<SampleOutput, SamplingError> {
         if logits.is_empty() {
             return Err(SamplingError::EmptyLogits);
         }
-        let mut scores = logits.to_vec(); // [vocab]
-        self.penalties.apply(&mut scores);
+        let out = self.plan(eos_token_ids).apply(logits).ok_or(SamplingError::NoCandidates)?;
+        self.record(out.token);
+        Ok(out)
+    }
+
+    /// What the next step does to its logits row: the filters, the uniform it draws with (taken
+    /// from the stream here, one per non-greedy plan), and the penalties and masks as a list of
+    /// tokens. `eos_token_ids` are the model's EOS ids; with the request's stop token ids they
+    /// are masked until `min_tokens` tokens exist (EOS not, with `ignore_eos`).
+    pub fn plan(&mut self, eos_token_ids: &[u32]) -> SamplePlan {
+        let mut adjusts = self.penalties.adjusts().to_vec();
         if self.num_output_tokens < self.min_tokens {
             let eos = if self.ignore_eos { &[][..] } else { eos_token_ids };
-            for &t in eos.iter().chain(&self.stop_token_ids) {
-                if let Some(s) = scores.get_mut(t as usize) {
-                    *s = f32::NEG_INFINITY;
+            let penalized = adjusts.len();
+            for &token in eos.iter().chain(&self.stop_token_ids) {
+                // One entry per token: a device applies the entries in parallel.
+                match self.penalties.position(token) {
+                    Some(i) => adjusts[i].mask = true,
+                    None if adjusts[penalized..].iter().any(|a| a.token == token) => {}
+                    None => adjusts.push(TokenAdjust { token, mask: true, ..TokenAdjust::default() }),
                 }
             }
         }
-        // NOTE: NaN can never win and +inf would turn into NaN after `l - max`.
-        for s in &mut scores {
-            if s.is_nan() {
-                *s = f32::NEG_INFINITY;
-            } else if *s == f32::INFINITY {
-                *s = f32::MAX;
-            }
+        SamplePlan {
+            greedy: self.greedy,
+            temperature: self.temperature,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            u: if self.greedy { 0.0 } else { self.rng.random() },
+            num_top_logprobs: self.num_top_logprobs,
+            repetition_penalty: self.penalties.repetition,
+            frequency_penalty: self.penalties.frequency,
+            presence_penalty: self.penalties.presence,
+            adjusts,
         }
+    }
 
-        let token = if self.greedy { filters::argmax(&scores) } else { self.sample_random(&scores) }
-            .ok_or(SamplingError::NoCandidates)?;
-
+    /// Records `token`, the one the last [`Self::plan`] picked, for penalties and `min_tokens`.
+    pub fn record(&mut self, token: u32) {
         self.penalties.record(token);
         self.num_output_tokens += 1;
-        Ok(token_logprobs(logits, token, self.num_top_logprobs))
-    }
-
-    /// Whether the next token is exactly the argmax of the raw logits with only its own logprob
-    /// wanted: greedy, no penalties, no top logprobs, and past `min_tokens` (so nothing is
-    /// masked). A backend may then pick the token where the logits are (see [`Self::accept`]).
-    pub fn is_plain_argmax(&self) -> bool {
-        self.greedy
-            && self.penalties.is_off()
-            && self.num_top_logprobs == 0
-            && self.num_output_tokens >= self.min_tokens
-    }
-
-    /// Records `token`, chosen outside [`Self::sample`] by the argmax of the raw logits (only
-    /// valid while [`Self::is_plain_argmax`]), with `logprob` its log-softmax value.
-    pub fn accept(&mut self, token: u32, logprob: f32) -> SampleOutput {
-        debug_assert!(self.is_plain_argmax(), "accept: the sampler needs the full logits");
-        self.penalties.record(token);
-        self.num_output_tokens += 1;
-        TokenLogprobs { token, logprob, top_logprobs: Vec::new() }
-    }
-
-    // scores: [vocab], penalized and masked, no NaN, no +inf
-    fn sample_random(&mut self, scores: &[f32]) -> Option<u32> {
-        let mut cands = Vec::new(); // [num_candidates] of (token id, logit, then weight)
-        filters::collect_candidates(scores, &mut cands);
-        if cands.is_empty() {
-            return None;
-        }
-        let mut reordered = filters::top_k(&mut cands, self.top_k);
-        filters::apply_temperature(&mut cands, self.temperature);
-        reordered |= filters::top_p(&mut cands, self.top_p);
-        filters::min_p(&mut cands, self.min_p);
-        if reordered {
-            cands.sort_unstable_by_key(|c| c.0);
-        }
-        let u: f64 = self.rng.random();
-        filters::draw(&cands, u)
     }
 
     /// Why the sequence ends after `token` (the one `sample` just returned), if it does:
@@ -182,3 +165,6 @@ impl RequestSampler {
         None
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -331,19 +331,19 @@ fn bad_inputs_are_errors_not_panics() -> Result<(), String> {
 }
 
 #[test]
-fn plain_argmax_only_when_nothing_but_the_argmax_matters() -> Result<(), SamplingError> {
-    let plain = |p: &SamplingParams| RequestSampler::new(p, &[1], 0).map(|s| s.is_plain_argmax());
-    assert!(plain(&greedy())?);
-    assert!(!plain(&params(|p| p.temperature = 0.7))?);
-    assert!(!plain(&params(|p| {
+fn plans_list_only_what_changes_the_row() -> Result<(), SamplingError> {
+    let plan = |p: &SamplingParams| RequestSampler::new(p, &[1], 0).map(|mut s| s.plan(&[7]));
+    let g = plan(&greedy())?;
+    assert!(g.greedy && g.adjusts.is_empty() && g.u == 0.0);
+    let t = plan(&params(|p| p.temperature = 0.7))?;
+    assert!(!t.greedy && (0.0..1.0).contains(&t.u));
+    let rep = plan(&params(|p| {
         p.temperature = 0.0;
         p.repetition_penalty = 1.1;
-    }))?);
-    assert!(!plain(&params(|p| {
-        p.temperature = 0.0;
-        p.logprobs = Some(2);
-    }))?);
-    // Below min_tokens EOS is masked, so the raw argmax may be wrong; after it, plain again.
+    }))?;
+    assert_eq!(rep.adjusts.len(), 1);
+    assert!(rep.adjusts[0].token == 1 && rep.adjusts[0].repetition && !rep.adjusts[0].mask);
+    // Below min_tokens EOS is masked; after it, nothing is.
     let mut s = RequestSampler::new(
         &params(|p| {
             p.temperature = 0.0;
@@ -352,21 +352,30 @@ fn plain_argmax_only_when_nothing_but_the_argmax_matters() -> Result<(), Samplin
         &[],
         0,
     )?;
-    assert!(!s.is_plain_argmax());
+    let first = s.plan(&[7]);
+    assert!(first.adjusts.len() == 1 && first.adjusts[0].token == 7 && first.adjusts[0].mask);
     let logits = row(50, 3);
-    s.sample(&logits, &[7])?;
-    assert!(s.is_plain_argmax());
+    let out = first.apply(&logits).ok_or(SamplingError::NoCandidates)?;
+    s.record(out.token);
+    assert!(s.plan(&[7]).adjusts.is_empty());
     Ok(())
 }
 
 #[test]
-fn accepting_a_device_argmax_equals_sampling_it() -> Result<(), SamplingError> {
-    let (mut host, mut device) =
-        (RequestSampler::new(&greedy(), &[1, 2], 0)?, RequestSampler::new(&greedy(), &[1, 2], 0)?);
-    for salt in 0..5 {
+fn recording_a_device_choice_equals_sampling_it() -> Result<(), SamplingError> {
+    let p = params(|p| {
+        p.seed = Some(5);
+        p.top_p = 0.8;
+        p.presence_penalty = 0.5;
+        p.logprobs = Some(2);
+    });
+    let (mut host, mut device) = (RequestSampler::new(&p, &[1, 2], 0)?, RequestSampler::new(&p, &[1, 2], 0)?);
+    for salt in 0..20 {
         let logits = row(40, salt);
         let want = host.sample(&logits, &[])?;
-        let got = device.accept(want.token, want.logprob);
+        // What a device does: apply the plan where the row is, send the token back.
+        let got = device.plan(&[]).apply(&logits).ok_or(SamplingError::NoCandidates)?;
+        device.record(got.token);
         assert_eq!(got, want);
         assert_eq!(device.finish_reason(got.token, &[]), host.finish_reason(want.token, &[]));
     }

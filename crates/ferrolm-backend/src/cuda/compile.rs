@@ -12,7 +12,7 @@ use cudarc::nvrtc::{self, CompileError, CompileOptions};
 use super::GpuError;
 
 /// The kernel sources, concatenated in this order into one module.
-const SOURCES: [(&str, &str); 7] = [
+const SOURCES: [(&str, &str); 8] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
@@ -20,6 +20,7 @@ const SOURCES: [(&str, &str); 7] = [
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("flash_attention.cu", include_str!("kernels/flash_attention.cu")),
     ("logits.cu", include_str!("kernels/logits.cu")),
+    ("sampling.cu", include_str!("kernels/sampling.cu")),
 ];
 
 /// The module's PTX text and whether it came from the disk cache.

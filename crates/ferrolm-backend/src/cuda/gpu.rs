@@ -41,10 +41,11 @@ const KERNELS: &[&str] = &[
     "paged_attention_decode_g8",
     "paged_attention_combine",
     "argmax_logsumexp",
+    "sample_rows",
 ];
 
 /// Kernels that may need more than the default 48 KiB of dynamic shared memory.
-const LARGE_SHARED_KERNELS: [&str; 1] = ["paged_attention"];
+const LARGE_SHARED_KERNELS: [&str; 2] = ["paged_attention", "sample_rows"];
 
 /// cuBLAS's workspace, set once so that GEMMs inside a captured graph allocate nothing.
 const BLAS_WORKSPACE_BYTES: usize = 32 << 20;

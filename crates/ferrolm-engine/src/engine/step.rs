@@ -6,10 +6,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, TryRecvError};
 use std::sync::Arc;
 
-use ferrolm_model::{ModelInput, ModelRunner, RowLogits, StepLogits};
-use ferrolm_sampling::{token_logprobs, RequestSampler, StopChecker, TokenLogprobs};
+use ferrolm_model::{ModelInput, ModelRunner};
+use ferrolm_sampling::{RequestSampler, RowRequest, SamplePlan, StopChecker, TokenLogprobs};
 use ferrolm_tokenizer::{IncrementalDetokenizer, Tokenizer};
-use rayon::prelude::*;
 use tokio::sync::mpsc as tokio_mpsc;
 
 use super::handle::{Command, EngineConfig, EngineError, GenerateRequest};
@@ -57,15 +56,6 @@ struct PromptLogprobs {
     prompt: Vec<u32>,
     /// One entry per prompt token; the first stays `None`.
     values: Vec<PromptLogprob>,
-}
-
-/// The rows of one scheduled request in a step's logits.
-struct LogitRows<'a> {
-    s: &'a ScheduledRequest,
-    first: usize,
-    count: usize,
-    /// Every row of the chunk (prompt logprobs), not only the last.
-    all: bool,
 }
 
 /// A token sampled this step, waiting to be emitted.
@@ -259,21 +249,42 @@ impl Engine {
             );
             all_rows.push(wants_prompt);
         }
-        // Rows whose sampler needs only the argmax of the raw logits (greedy, nothing masked or
-        // penalized, no top logprobs): the runner may pick it where the logits are.
-        let mut argmax_only = Vec::with_capacity(input.logits_indices.len());
-        for (s, &all) in out.scheduled.iter().zip(&all_rows) {
+        // What each logits row is for: the next prompt token's logprobs for prompt logprob rows,
+        // and one plan per request that samples (its uniform drawn now).
+        let eos_token_ids = &self.eos_token_ids;
+        let plans: Vec<Option<SamplePlan>> = out
+            .scheduled
+            .iter()
+            .map(|s| match self.sequences.get_mut(&s.request_id) {
+                Some(seq) if s.samples_next_token => Some(seq.sampler.plan(eos_token_ids)),
+                _ => None,
+            })
+            .collect();
+        let mut rows = Vec::with_capacity(input.logits_indices.len());
+        for ((s, &all), plan) in out.scheduled.iter().zip(&all_rows).zip(&plans) {
             if all {
-                argmax_only.extend(std::iter::repeat_n(false, s.num_scheduled_tokens));
-            } else if s.samples_next_token {
-                argmax_only.push(self.sequences.get(&s.request_id).is_some_and(|q| q.sampler.is_plain_argmax()));
+                let prompt = self.sequences.get(&s.request_id).and_then(|q| q.prompt_logprobs.as_ref());
+                for i in 0..s.num_scheduled_tokens - usize::from(s.samples_next_token) {
+                    let next = prompt.and_then(|p| Some((*p.prompt.get(s.num_computed_tokens + i + 1)?, p.num_top)));
+                    rows.push(next.map_or(UNUSED_ROW, |(token, num_top)| RowRequest::Logprobs { token, num_top }));
+                }
+            }
+            if s.samples_next_token {
+                rows.push(plan.as_ref().map_or(UNUSED_ROW, RowRequest::Sample));
             }
         }
-        let logits = match self.runner.execute(&input, &argmax_only) {
-            Ok(logits) => logits,
+        let executed = self.runner.execute(&input, &rows).map_err(|e| e.to_string()).and_then(|results| {
+            if results.len() == rows.len() {
+                Ok(results)
+            } else {
+                Err(format!("the runner answered {} of {} logits rows", results.len(), rows.len()))
+            }
+        });
+        let mut results = match executed {
+            Ok(results) => results,
             Err(err) => {
                 // The step's KV writes may be incomplete: every request in it is aborted.
-                tracing_error(&EngineError::Device(err.to_string()));
+                tracing_error(&EngineError::Device(err));
                 for s in &out.scheduled {
                     self.scheduler.finish_request(s.request_id, FinishReason::Abort);
                     self.send_final(s.request_id, FinishReason::Abort);
@@ -283,45 +294,29 @@ impl Engine {
             }
         };
 
-        // Each scheduled request's rows of `logits`.
-        let mut rows_of = HashMap::with_capacity(out.scheduled.len());
-        let mut row = 0;
-        for (s, &all) in out.scheduled.iter().zip(&all_rows) {
-            let rows = if all { s.num_scheduled_tokens } else { usize::from(s.samples_next_token) };
-            rows_of.insert(s.request_id, LogitRows { s, first: row, count: rows, all });
-            row += rows;
-        }
-        // Sampling and logprobs are independent per sequence (each has its own RNG), so they
-        // run in parallel; the results are then taken in schedule order.
-        let mut work: Vec<(&mut Sequence, &LogitRows)> =
-            self.sequences.iter_mut().filter_map(|(id, seq)| rows_of.get(id).map(|r| (seq, r))).collect();
-        let eos_token_ids = &self.eos_token_ids;
-        let mut results: HashMap<RequestId, Result<TokenLogprobs, ()>> = work
-            .par_iter_mut()
-            .filter_map(|(seq, &LogitRows { s, first: row, count: rows, all })| {
-                if all {
-                    record_prompt_logprobs(seq, s, &logits, row);
-                }
-                if !s.samples_next_token {
-                    return None;
-                }
-                let result = match logits.row(row + rows - 1) {
-                    RowLogits::Full(row) => seq.sampler.sample(row, eos_token_ids).map_err(|_| ()),
-                    RowLogits::Argmax { token: Some(token), logprob } => Ok(seq.sampler.accept(token, logprob)),
-                    RowLogits::Argmax { token: None, .. } => Err(()),
-                };
-                Some((s.request_id, result))
-            })
-            .collect();
-        drop(work);
         let mut sampled = Vec::new();
         let mut failed = Vec::new();
-        for s in &out.scheduled {
-            match results.remove(&s.request_id) {
-                Some(Ok(lp)) => sampled.push(Sampled { id: s.request_id, logprobs: lp }),
-                Some(Err(())) => failed.push(s.request_id),
-                None => {}
+        let mut row = 0;
+        for (s, &all) in out.scheduled.iter().zip(&all_rows) {
+            let count = if all { s.num_scheduled_tokens } else { usize::from(s.samples_next_token) };
+            let Some(seq) = self.sequences.get_mut(&s.request_id) else {
+                row += count;
+                continue;
+            };
+            if all {
+                let prompt_rows = count - usize::from(s.samples_next_token);
+                record_prompt_logprobs(seq, s, &mut results[row..row + prompt_rows]);
             }
+            if s.samples_next_token {
+                match results[row + count - 1].take() {
+                    Some(logprobs) => {
+                        seq.sampler.record(logprobs.token);
+                        sampled.push(Sampled { id: s.request_id, logprobs });
+                    }
+                    None => failed.push(s.request_id),
+                }
+            }
+            row += count;
         }
         self.stats.prompt_tokens.fetch_add(
             out.scheduled
@@ -419,14 +414,17 @@ impl Engine {
     }
 }
 
-/// Stores the logprob of each prompt token that the rows of this chunk predict (rows
-/// `first..first + s.num_scheduled_tokens` of `logits`, all full).
-fn record_prompt_logprobs(seq: &mut Sequence, s: &ScheduledRequest, logits: &StepLogits, first: usize) {
+/// A row nothing is wanted from (its request has no sequence any more); its result is dropped.
+const UNUSED_ROW: RowRequest<'static> = RowRequest::Logprobs { token: u32::MAX, num_top: 0 };
+
+/// Stores the logprob of each prompt token that the rows of this chunk predict (`results`: the
+/// chunk's rows from its first, each predicting the token after it).
+fn record_prompt_logprobs(seq: &mut Sequence, s: &ScheduledRequest, results: &mut [Option<TokenLogprobs>]) {
     let Some(p) = seq.prompt_logprobs.as_mut() else { return };
-    for i in 0..s.num_scheduled_tokens {
+    for (i, result) in results.iter_mut().enumerate() {
         let next = s.num_computed_tokens + i + 1;
-        if let (Some(&token), RowLogits::Full(row)) = (p.prompt.get(next), logits.row(first + i)) {
-            p.values[next] = Some(token_logprobs(row, token, p.num_top));
+        if next < p.prompt.len() {
+            p.values[next] = result.take();
         }
     }
 }

@@ -1,0 +1,574 @@
+// Sampling and logprobs where the logits are: per row, what ferrolm-sampling's
+// `RowRequest::apply` computes on the host, step by step (plan.rs, filters.rs, logprobs.rs):
+// - raw statistics for logprobs: max and ln(sum(exp(l - max))) over the non-NaN logits in f64,
+//   the chosen token's logprob, and the top N (N <= 20) in `rank_desc` order (value descending,
+//   NaN last, ties to the lower id);
+// - scores: penalties and masks from a sparse per-row list (one entry per token), NaN -> -inf,
+//   +inf -> FLT_MAX;
+// - greedy: argmax, lowest id on ties, -inf skipped;
+// - otherwise: top-k as an exact threshold on the order-preserving key of the score (ties to the
+//   lower ids), weights exp((s - max) / T) over the survivors, top-p as the smallest rank-order
+//   prefix whose weight reaches top_p of the total (ties to the lower ids), min-p at
+//   min_p * (max weight), then the first id (in id order) whose cumulative weight exceeds
+//   u * total, or the last weighted id.
+//
+// One block of SAMPLE_THREADS per row. Thresholds are found by radix select, 8 bits a pass, over
+// per-warp histograms in dynamic shared memory ([warps, 256] u32 counts, then [warps, 256] f64
+// masses). Every sum and scan runs in a fixed order (no floating-point atomics), so a row's result
+// depends on nothing but the row and its parameters. Sums are f64 as on the host but in another
+// order: a choice can differ from the host's only where u * total or top_p * total sits on a
+// cumulative boundary to within that rounding.
+
+#define SAMPLE_THREADS 1024
+#define SAMPLE_WARPS (SAMPLE_THREADS / 32)
+#define RADIX_BINS 256
+#define SAMPLE_MAX_TOP 20
+// Consecutive ids per thread in the id-order scans (ties, the draw).
+#define SCAN_ITEMS 8
+
+#define SAMPLE_GREEDY 0u
+#define SAMPLE_RANDOM 1u
+#define SAMPLE_LOGPROBS 2u
+#define ADJUST_REPETITION 1u
+#define ADJUST_MASK 2u
+#define NO_ID 0xffffffffu
+#define FULL_MASK 0xffffffffu
+#define POS_INF __int_as_float(0x7f800000)
+#define MAX_FINITE __int_as_float(0x7f7fffff)
+
+// Mirrors `RowParams` in sampling.rs.
+struct SampleRow {
+    double u;
+    float temperature, top_p, min_p, repetition_penalty, frequency_penalty, presence_penalty;
+    u32 top_k;  // 0: off
+    u32 mode;
+    u32 token;  // SAMPLE_LOGPROBS: the token whose logprob is wanted
+    u32 num_top;
+    u32 adjust_start, adjust_len;
+    u32 scratch_row;  // NO_ID: none (greedy rows without adjustments, logprob rows)
+    u32 pad;
+};
+
+// Mirrors `Adjust` in sampling.rs.
+struct SampleAdjust {
+    u32 token, output_count, flags;
+};
+
+// Mirrors `RowResult` in sampling.rs.
+struct SampleOut {
+    u32 token;  // NO_ID: nothing to pick
+    float logprob;
+    u32 top_ids[SAMPLE_MAX_TOP];
+    float top_logprobs[SAMPLE_MAX_TOP];
+};
+
+struct SampleSmem {
+    SampleRow p;
+    double red_d[SAMPLE_WARPS];
+    u64 red_k[SAMPLE_WARPS];
+    float red_f[SAMPLE_WARPS];
+    u32 red_u[SAMPLE_WARPS];
+    u32 red_i[SAMPLE_WARPS];
+    // Radix select: the bin picked, what is still to take below it, the mass of the bins above.
+    u32 pick, need, ties;
+    double mass;
+    u32 found;
+};
+
+__device__ __forceinline__ float sanitize(float x) { return isnan(x) ? NEG_INF : (x == POS_INF ? MAX_FINITE : x); }
+
+// Monotone in `f32::total_cmp` order (-0 below +0).
+__device__ __forceinline__ u32 order_key(float x) {
+    const u32 b = __float_as_uint(x);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// Larger is earlier in `rank_desc` order; unique per id. NaN ranks below -inf.
+__device__ __forceinline__ u64 rank_key(float x, u32 id) {
+    const u32 k = isnan(x) ? 0u : order_key(x);
+    return ((u64)k << 32) | (u64)(NO_ID - id);
+}
+
+// `log_softmax_one`: ((l - max) - ln_sum) in f64, rounded once.
+__device__ __forceinline__ float logprob_of(float l, float max, double ln_sum) {
+    return (float)(((double)l - (double)max) - ln_sum);
+}
+
+// The host's `penalize`, then the mask; each rounding explicit so that nothing is fused.
+__device__ __forceinline__ float adjust_logit(float l, const SampleAdjust& a, const SampleRow& p) {
+    if (a.flags & ADJUST_REPETITION) {
+        l = l > 0.f ? __fdiv_rn(l, p.repetition_penalty) : __fmul_rn(l, p.repetition_penalty);
+    }
+    if (a.output_count > 0 && (p.frequency_penalty != 0.f || p.presence_penalty != 0.f)) {
+        l = __fsub_rn(l, __fmul_rn(p.frequency_penalty, __uint2float_rn(a.output_count)));
+        l = __fsub_rn(l, p.presence_penalty);
+    }
+    return (a.flags & ADJUST_MASK) ? NEG_INF : l;
+}
+
+// `exp((s - max) / T)` as the host computes it in f32: the f64 exp rounded once to f32 is the
+// correctly rounded expf, which glibc's agrees with (to within rare double-rounding cases).
+__device__ __forceinline__ float temper(float s, float max, float t) {
+    return (float)exp((double)__fdiv_rn(__fsub_rn(s, max), t));
+}
+
+// Block-wide reduction with `op` (commutative); every thread gets the result, computed in the same
+// fixed order whatever the timing. `red`: SAMPLE_WARPS slots of shared memory.
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T v, T* red, Op op) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(FULL_MASK, v, o));
+    __syncthreads();  // `red` may still be read by a previous call
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = red[0];
+    for (u32 w = 1; w < SAMPLE_WARPS; ++w) v = op(v, red[w]);
+    return v;
+}
+
+__device__ __forceinline__ float block_max_f(float v, SampleSmem& sm) {
+    return block_reduce(v, sm.red_f, [](float a, float b) { return fmaxf(a, b); });
+}
+__device__ __forceinline__ double block_sum_d(double v, SampleSmem& sm) {
+    return block_reduce(v, sm.red_d, [](double a, double b) { return a + b; });
+}
+__device__ __forceinline__ u32 block_sum_u(u32 v, SampleSmem& sm) {
+    return block_reduce(v, sm.red_u, [](u32 a, u32 b) { return a + b; });
+}
+__device__ __forceinline__ u32 block_max_u(u32 v, SampleSmem& sm) {
+    return block_reduce(v, sm.red_i, [](u32 a, u32 b) { return max(a, b); });
+}
+__device__ __forceinline__ u32 block_min_u(u32 v, SampleSmem& sm) {
+    return block_reduce(v, sm.red_i, [](u32 a, u32 b) { return min(a, b); });
+}
+__device__ __forceinline__ u64 block_max_k(u64 v, SampleSmem& sm) {
+    return block_reduce(v, sm.red_k, [](u64 a, u64 b) { return a > b ? a : b; });
+}
+
+// Exclusive prefix sum over the block in thread order; `*total` gets the sum of all. Fixed order.
+template <typename T>
+__device__ __forceinline__ T block_exclusive_scan(T v, T* red, T* total) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    T incl = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        const T x = __shfl_up_sync(FULL_MASK, incl, o);
+        if ((int)lane >= o) incl += x;
+    }
+    T excl = __shfl_up_sync(FULL_MASK, incl, 1);
+    if (lane == 0) excl = 0;
+    __syncthreads();
+    if (lane == 31) red[warp] = incl;
+    __syncthreads();
+    T before = 0, all = 0;
+    for (u32 w = 0; w < SAMPLE_WARPS; ++w) {
+        if (w == warp) before = all;
+        all += red[w];
+    }
+    *total = all;
+    return before + excl;
+}
+
+// Radix select over 32-bit keys, 8 bits a pass from the top, among the ids for which
+// `elem(i, key, mass)` is true, walking keys from the largest down.
+// Count mode (!SUMS): stops at the `need`-th element; sm.need is left with how many elements of
+// exactly the returned key are to be taken (1..=sm.ties).
+// Sum mode: stops where the mass reaches `target`; sm.mass is left with the mass of all larger
+// keys and sm.ties with the number of elements of the returned key. Where rounding leaves the
+// target unreached, the smallest key is returned (everything is taken).
+template <bool SUMS, typename Elem>
+__device__ u32 radix_select(u32 vocab, Elem elem, u32 need, double target, SampleSmem& sm, u32* hist_count,
+                            double* hist_sum) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    u32 prefix = 0, mask = 0;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        sm.need = need;
+        sm.mass = 0.0;
+    }
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (u32 j = threadIdx.x; j < SAMPLE_WARPS * RADIX_BINS; j += SAMPLE_THREADS) {
+            hist_count[j] = 0;
+            if (SUMS) hist_sum[j] = 0.0;
+        }
+        __syncthreads();
+        u32* my_count = hist_count + warp * RADIX_BINS;
+        double* my_sum = hist_sum + warp * RADIX_BINS;
+        for (u32 base = 0; base < vocab; base += SAMPLE_THREADS) {
+            const u32 i = base + threadIdx.x;
+            u32 key = 0;
+            double mass = 0.0;
+            const bool valid = i < vocab && elem(i, key, mass) && (key & mask) == prefix;
+            const u32 ballot = __ballot_sync(FULL_MASK, valid);
+            if (ballot == 0) continue;
+            const u32 bin = valid ? (key >> shift) & 0xffu : RADIX_BINS;
+            const u32 peers = __match_any_sync(FULL_MASK, bin);
+            const bool leader = valid && (u32)(__ffs(peers) - 1) == lane;
+            if (SUMS) {
+                // Each bin's masses summed in lane order, so that the histogram is reproducible.
+                double total = 0.0;
+                for (u32 bits = ballot; bits != 0; bits &= bits - 1) {
+                    const int src = __ffs(bits) - 1;
+                    const u32 b = __shfl_sync(FULL_MASK, bin, src);
+                    const double m = __shfl_sync(FULL_MASK, mass, src);
+                    if (b == bin) total += m;
+                }
+                if (leader) {
+                    my_count[bin] += __popc(peers);
+                    my_sum[bin] += total;
+                }
+            } else if (leader) {
+                my_count[bin] += __popc(peers);
+            }
+        }
+        __syncthreads();
+        // Warp 0's row of the histograms becomes the block's (each thread reads only its bin).
+        for (u32 b = threadIdx.x; b < RADIX_BINS; b += SAMPLE_THREADS) {
+            u32 c = 0;
+            double m = 0.0;
+            for (u32 w = 0; w < SAMPLE_WARPS; ++w) {
+                c += hist_count[w * RADIX_BINS + b];
+                if (SUMS) m += hist_sum[w * RADIX_BINS + b];
+            }
+            hist_count[b] = c;
+            if (SUMS) hist_sum[b] = m;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            // Lane l holds bins 255 - 8l down to 248 - 8l, so lane order is descending key order.
+            u32 c8 = 0;
+            double m8 = 0.0;
+            for (int j = 0; j < 8; ++j) {
+                const u32 b = 255 - 8 * lane - j;
+                c8 += hist_count[b];
+                if (SUMS) m8 += hist_sum[b];
+            }
+            u32 c_incl = c8;
+            double m_incl = m8;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const u32 c = __shfl_up_sync(FULL_MASK, c_incl, o);
+                const double m = __shfl_up_sync(FULL_MASK, m_incl, o);
+                if ((int)lane >= o) {
+                    c_incl += c;
+                    m_incl += m;
+                }
+            }
+            u32 c_excl = __shfl_up_sync(FULL_MASK, c_incl, 1);
+            double m_excl = __shfl_up_sync(FULL_MASK, m_incl, 1);
+            if (lane == 0) {
+                c_excl = 0;
+                m_excl = 0.0;
+            }
+            const u32 need_now = sm.need;
+            const double mass_now = sm.mass;
+            const bool reached = SUMS ? mass_now + m_incl >= target : c_incl >= need_now;
+            const u32 reached_lanes = __ballot_sync(FULL_MASK, reached);
+            // Unreached (sum mode, rounding): the lane of the smallest nonempty bins.
+            const u32 chosen = reached_lanes != 0 ? __ffs(reached_lanes) - 1
+                                                  : 31 - __clz(__ballot_sync(FULL_MASK, c8 > 0));
+            if (lane == chosen) {
+                u32 c = c_excl, c_last = c_excl, last = NO_ID;
+                double m = m_excl, m_last = m_excl;
+                u32 pick = NO_ID;
+                for (int j = 0; j < 8; ++j) {
+                    const u32 b = 255 - 8 * lane - j;
+                    const u32 cb = hist_count[b];
+                    if (cb == 0) continue;
+                    const double mb = SUMS ? hist_sum[b] : 0.0;
+                    if (SUMS ? mass_now + (m + mb) >= target : c + cb >= need_now) {
+                        pick = b;
+                        break;
+                    }
+                    last = b;
+                    c_last = c;
+                    m_last = m;
+                    c += cb;
+                    m += mb;
+                }
+                if (pick == NO_ID) {  // rounding: the lane's smallest nonempty bin
+                    pick = last;
+                    c = c_last;
+                    m = m_last;
+                }
+                sm.pick = pick;
+                sm.need = need_now - c;
+                sm.mass = mass_now + m;
+                sm.ties = hist_count[pick];
+            }
+        }
+        __syncthreads();
+        prefix |= sm.pick << shift;
+        mask |= 0xffu << shift;
+    }
+    return prefix;
+}
+
+// The id of the `m`-th id (from 1, in id order) for which `pred(i)` holds; NO_ID if there are fewer.
+template <typename Pred>
+__device__ u32 nth_in_id_order(u32 vocab, Pred pred, u32 m, SampleSmem& sm) {
+    __syncthreads();
+    if (threadIdx.x == 0) sm.found = NO_ID;
+    u32 before = 0;  // matches in earlier chunks; the same in every thread
+    for (u32 base = 0; base < vocab; base += SAMPLE_THREADS * SCAN_ITEMS) {
+        const u32 first = base + threadIdx.x * SCAN_ITEMS;
+        u32 local = 0;
+        for (u32 j = 0; j < SCAN_ITEMS; ++j) local += (first + j < vocab && pred(first + j)) ? 1u : 0u;
+        u32 total;
+        const u32 excl = before + block_exclusive_scan(local, sm.red_u, &total);
+        if (excl < m && m <= excl + local) {
+            u32 c = excl;
+            for (u32 j = 0; j < SCAN_ITEMS; ++j) {
+                if (first + j < vocab && pred(first + j) && ++c == m) {
+                    sm.found = first + j;
+                    break;
+                }
+            }
+        }
+        before += total;
+        if (before >= m) break;
+    }
+    __syncthreads();
+    return sm.found;
+}
+
+// The first id (in id order) whose cumulative weight exceeds `target`, weights `weight(i)` (0 for
+// ids out of the draw); NO_ID if none. A thread whose share looks like it crosses but whose own
+// running sum does not (rounding) answers with its last weighted id.
+template <typename Weight>
+__device__ u32 draw_in_id_order(u32 vocab, Weight weight, double target, SampleSmem& sm) {
+    double before = 0.0;
+    for (u32 base = 0; base < vocab; base += SAMPLE_THREADS * SCAN_ITEMS) {
+        const u32 first = base + threadIdx.x * SCAN_ITEMS;
+        double local = 0.0;
+        for (u32 j = 0; j < SCAN_ITEMS; ++j) local += first + j < vocab ? (double)weight(first + j) : 0.0;
+        double total;
+        const double start = before + block_exclusive_scan(local, sm.red_d, &total);
+        u32 hit = NO_ID;
+        if (start + local > target) {
+            double c = start;
+            for (u32 j = 0; j < SCAN_ITEMS && first + j < vocab; ++j) {
+                const float w = weight(first + j);
+                if (w <= 0.f) continue;
+                c += (double)w;
+                hit = first + j;
+                if (c > target) break;
+            }
+        }
+        hit = block_min_u(hit, sm);
+        if (hit != NO_ID) return hit;
+        before += total;
+    }
+    return NO_ID;
+}
+
+// The greedy choice over `score(i)`: the largest, lowest id on ties; NO_ID if all are -inf.
+template <typename Score>
+__device__ u32 greedy_pick(u32 vocab, Score score, SampleSmem& sm) {
+    float best = NEG_INF;
+    u32 best_id = NO_ID;
+    for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const float s = score(i);
+        if (s != NEG_INF && s > best) {
+            best = s;
+            best_id = i;
+        }
+    }
+    const float top = block_max_f(best, sm);
+    if (top == NEG_INF) return NO_ID;
+    return block_min_u(best == top ? best_id : NO_ID, sm);
+}
+
+// The non-greedy choice for the row whose processed scores are in `sc` (overwritten with weights).
+__device__ u32 random_pick(u32 vocab, float* sc, SampleSmem& sm, u32* hist_count, double* hist_sum) {
+    const SampleRow& p = sm.p;
+    // Candidates: scores above -inf.
+    u32 count = 0;
+    float top = NEG_INF;
+    for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const float s = sanitize(sc[i]);
+        if (s != NEG_INF) {
+            ++count;
+            top = fmaxf(top, s);
+        }
+    }
+    count = block_sum_u(count, sm);
+    top = block_max_f(top, sm);
+    if (count == 0) return NO_ID;
+
+    // top-k: keep keys above k_key, and those equal to it up to id k_cut.
+    const bool k_on = p.top_k > 0 && p.top_k < count;
+    u32 k_key = 0, k_cut = NO_ID;
+    if (k_on) {
+        auto cand = [&](u32 i, u32& key, double&) {
+            const float s = sanitize(sc[i]);
+            key = order_key(s);
+            return s != NEG_INF;
+        };
+        k_key = radix_select<false>(vocab, cand, p.top_k, 0.0, sm, hist_count, hist_sum);
+        const u32 take = sm.need;
+        k_cut = nth_in_id_order(vocab, [&](u32 i) {
+            const float s = sanitize(sc[i]);
+            return s != NEG_INF && order_key(s) == k_key;
+        }, take, sm);
+    }
+
+    // Weights of the survivors (-1 for the others), written over the scores.
+    u32 kept = 0;
+    double total = 0.0;
+    float max_w = 0.f;
+    for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const float s = sanitize(sc[i]);
+        const u32 key = order_key(s);
+        const bool keep = s != NEG_INF && (!k_on || key > k_key || (key == k_key && i <= k_cut));
+        float w = -1.f;
+        if (keep) {
+            w = temper(s, top, p.temperature);
+            ++kept;
+            total += (double)w;
+            max_w = fmaxf(max_w, w);
+        }
+        sc[i] = w;
+    }
+    kept = block_sum_u(kept, sm);
+    total = block_sum_d(total, sm);
+    max_w = block_max_f(max_w, sm);
+
+    // top-p: keep weights above p_key, and those equal to it up to id p_cut.
+    const bool p_on = p.top_p < 1.f && kept > 1;
+    u32 p_key = 0, p_cut = NO_ID;
+    if (p_on) {
+        const double target = (double)p.top_p * total;
+        auto survivor = [&](u32 i, u32& key, double& mass) {
+            const float w = sc[i];
+            key = __float_as_uint(w);
+            mass = (double)w;
+            return w >= 0.f;
+        };
+        p_key = radix_select<true>(vocab, survivor, 0, target, sm, hist_count, hist_sum);
+        const float tie_w = __uint_as_float(p_key);
+        const u32 ties = sm.ties;
+        u32 take = ties;
+        if (tie_w > 0.f) {
+            const double q = ceil((target - sm.mass) / (double)tie_w);
+            take = q < 1.0 ? 1u : (q < (double)ties ? (u32)q : ties);
+        }
+        p_cut = nth_in_id_order(vocab, [&](u32 i) { return sc[i] >= 0.f && __float_as_uint(sc[i]) == p_key; }, take, sm);
+    }
+
+    // min-p, then the draw over what is left, in id order.
+    const float min_w = p.min_p > 0.f ? __fmul_rn(p.min_p, max_w) : 0.f;
+    auto weight = [&](u32 i) {
+        const float w = sc[i];
+        if (w < 0.f) return 0.f;
+        const u32 key = __float_as_uint(w);
+        if (p_on && (key < p_key || (key == p_key && i > p_cut))) return 0.f;
+        if (p.min_p > 0.f && w < min_w) return 0.f;
+        return w;
+    };
+    double drawn = 0.0;
+    u32 last = 0;  // 1 + the last weighted id
+    for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const float w = weight(i);
+        if (w > 0.f) {
+            drawn += (double)w;
+            last = i + 1;
+        }
+    }
+    drawn = block_sum_d(drawn, sm);
+    last = block_max_u(last, sm);
+    const u32 hit = draw_in_id_order(vocab, weight, p.u * drawn, sm);
+    return hit != NO_ID ? hit : (last == 0 ? NO_ID : last - 1);
+}
+
+// logits: [rows, vocab]; rows: [rows]; adjusts: the rows' lists, concatenated; scratch:
+// [scratch rows, vocab] f32 (processed scores, then weights, of the rows that have one);
+// out: [rows]. Dynamic shared memory: SAMPLE_WARPS * RADIX_BINS * (4 + 8) bytes.
+template <typename T>
+__device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, const SampleRow* rows,
+                                                 const SampleAdjust* adjusts, float* scratch, SampleOut* out) {
+    extern __shared__ __align__(16) unsigned char sample_smem[];
+    u32* hist_count = reinterpret_cast<u32*>(sample_smem);  // [SAMPLE_WARPS, RADIX_BINS]
+    double* hist_sum = reinterpret_cast<double*>(sample_smem + SAMPLE_WARPS * RADIX_BINS * sizeof(u32));
+    __shared__ SampleSmem sm;
+    if (threadIdx.x == 0) sm.p = rows[blockIdx.x];
+    __syncthreads();
+    const SampleRow& p = sm.p;
+    const T* raw = logits + (u64)blockIdx.x * vocab;
+    float* sc = p.scratch_row == NO_ID ? nullptr : scratch + (u64)p.scratch_row * vocab;
+    SampleOut* o = out + blockIdx.x;
+
+    // Raw statistics, copying the row to the scratch row on the way.
+    float max = NEG_INF;
+    for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const float x = to_float(raw[i]);
+        if (sc != nullptr) sc[i] = x;
+        if (!isnan(x)) max = fmaxf(max, x);
+    }
+    max = block_max_f(max, sm);
+    double ln_sum = 0.0;
+    if (isfinite(max)) {
+        double sum = 0.0;
+        for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+            const float x = to_float(raw[i]);
+            if (!isnan(x)) sum += exp((double)x - (double)max);
+        }
+        ln_sum = log(block_sum_d(sum, sm));
+    }
+
+    // The top N raw logprobs: N passes, each taking the best rank key below the last one taken.
+    const u32 n = min(min(p.num_top, vocab), (u32)SAMPLE_MAX_TOP);
+    u64 prev = ~0ull;
+    for (u32 j = 0; j < SAMPLE_MAX_TOP; ++j) {
+        if (j >= n) {
+            if (threadIdx.x == 0) {
+                o->top_ids[j] = NO_ID;
+                o->top_logprobs[j] = NEG_INF;
+            }
+            continue;
+        }
+        u64 best = 0;
+        for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+            const u64 k = rank_key(to_float(raw[i]), i);
+            if (k < prev && k > best) best = k;
+        }
+        best = block_max_k(best, sm);
+        prev = best;
+        if (threadIdx.x == 0) {
+            const u32 id = NO_ID - (u32)best;
+            o->top_ids[j] = id;
+            o->top_logprobs[j] = logprob_of(to_float(raw[id]), max, ln_sum);
+        }
+    }
+
+    u32 token = p.token;
+    if (p.mode != SAMPLE_LOGPROBS) {
+        if (sc != nullptr) {
+            // The block reductions above ordered the copy before these writes.
+            for (u32 j = threadIdx.x; j < p.adjust_len; j += SAMPLE_THREADS) {
+                const SampleAdjust a = adjusts[p.adjust_start + j];
+                if (a.token < vocab) sc[a.token] = adjust_logit(to_float(raw[a.token]), a, p);
+            }
+            __syncthreads();
+        }
+        if (p.mode == SAMPLE_GREEDY) {
+            token = sc != nullptr ? greedy_pick(vocab, [&](u32 i) { return sanitize(sc[i]); }, sm)
+                                  : greedy_pick(vocab, [&](u32 i) { return sanitize(to_float(raw[i])); }, sm);
+        } else {
+            token = random_pick(vocab, sc, sm, hist_count, hist_sum);
+        }
+    }
+    if (threadIdx.x == 0) {
+        o->token = token;
+        o->logprob = token < vocab ? logprob_of(to_float(raw[token]), max, ln_sum) : NEG_INF;
+    }
+}
+
+#define SAMPLE_ROWS(T, S) \
+    extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_##S( \
+        const T* logits, u32 vocab, const SampleRow* rows, const SampleAdjust* adjusts, float* scratch, \
+        SampleOut* out) { \
+        sample_rows_impl<T>(logits, vocab, rows, adjusts, scratch, out); \
+    }
+FOR_EACH_DTYPE(SAMPLE_ROWS)

@@ -1,0 +1,245 @@
+//! Sampling and logprobs where the logits are (`kernels/sampling.cu`): per logits row, what
+//! [`RowRequest::apply`] (ferrolm-sampling) computes on the host, so that only the chosen tokens
+//! and the logprobs asked for come back.
+//!
+//! One call is one upload of the rows' parameters (`[rows]` [`RowParams`]), one of their
+//! penalty/mask lists concatenated (`[entries]` [`Adjust`], each row pointing at its own), one
+//! launch of a block per row, and one download of `[rows]` [`RowResult`]s. Rows that sample
+//! (or that penalize or mask) get a row of scratch for their processed scores. The scratch and
+//! result buffers are kept and grown, so a steady batch allocates nothing but the two uploads.
+
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use ferrolm_sampling::{RowRequest, TokenLogprobs, MAX_LOGPROBS};
+
+use super::gpu::to_u32;
+use super::{Gpu, GpuError, GpuView};
+
+/// Threads per row (`SAMPLE_THREADS`).
+const THREADS: u32 = 1024;
+/// The radix select's per-warp histograms: `[warps, 256]` u32 counts, then `[warps, 256]` f64.
+const SHARED_BYTES: usize = (THREADS as usize / 32) * 256 * (4 + 8);
+/// Top logprobs per row the kernel can return (`SAMPLE_MAX_TOP`).
+const MAX_TOP: usize = 20;
+const _: () = assert!(MAX_TOP == MAX_LOGPROBS as usize);
+
+const MODE_GREEDY: u32 = 0;
+const MODE_RANDOM: u32 = 1;
+const MODE_LOGPROBS: u32 = 2;
+const ADJUST_REPETITION: u32 = 1;
+const ADJUST_MASK: u32 = 2;
+/// No token / no scratch row.
+const NO_ID: u32 = u32::MAX;
+
+/// One row's parameters: `SampleRow` in sampling.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct RowParams {
+    u: f64,
+    temperature: f32,
+    top_p: f32,
+    min_p: f32,
+    repetition_penalty: f32,
+    frequency_penalty: f32,
+    presence_penalty: f32,
+    /// 0 is off; a `top_k` beyond u32 is off too (it is not below the candidate count).
+    top_k: u32,
+    mode: u32,
+    /// `MODE_LOGPROBS`: the token whose logprob is wanted.
+    token: u32,
+    num_top: u32,
+    adjust_start: u32,
+    adjust_len: u32,
+    scratch_row: u32,
+    _pad: u32,
+}
+
+/// One `TokenAdjust`: `SampleAdjust` in sampling.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct Adjust {
+    token: u32,
+    output_count: u32,
+    flags: u32,
+}
+
+/// One row's answer: `SampleOut` in sampling.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct RowResult {
+    /// `NO_ID` when nothing could be picked.
+    token: u32,
+    logprob: f32,
+    top_ids: [u32; MAX_TOP],
+    top_logprobs: [f32; MAX_TOP],
+}
+
+impl RowResult {
+    /// What a fresh result buffer holds, so that a row the kernel failed to write reads as an
+    /// impossible token with an impossible logprob (`0x7f7f7f7f`, 3.4e38), never as a plausible
+    /// answer.
+    const POISON: RowResult = RowResult {
+        token: 0x7f7f_7f7f,
+        logprob: f32::from_bits(0x7f7f_7f7f),
+        top_ids: [0x7f7f_7f7f; MAX_TOP],
+        top_logprobs: [f32::from_bits(0x7f7f_7f7f); MAX_TOP],
+    };
+}
+
+const _: () = assert!(std::mem::size_of::<RowParams>() == 64);
+const _: () = assert!(std::mem::size_of::<Adjust>() == 12);
+const _: () = assert!(std::mem::size_of::<RowResult>() == 8 + 8 * MAX_TOP);
+
+// SAFETY: plain `#[repr(C)]` data of u32/f32/f64 fields, laid out as their sampling.cu structs.
+unsafe impl DeviceRepr for RowParams {}
+// SAFETY: as above.
+unsafe impl DeviceRepr for Adjust {}
+// SAFETY: as above; every bit pattern is a valid value.
+unsafe impl DeviceRepr for RowResult {}
+
+/// The device buffers of the sampler, kept from call to call.
+#[derive(Default)]
+pub struct GpuSampler {
+    /// `[capacity, vocab]` f32: processed scores, then weights, of the rows that need them.
+    scratch: Option<CudaSlice<f32>>,
+    /// `[capacity]`, poisoned when allocated.
+    results: Option<CudaSlice<RowResult>>,
+    /// Host staging of the two uploads, reused.
+    params: Vec<RowParams>,
+    adjusts: Vec<Adjust>,
+}
+
+impl GpuSampler {
+    pub fn new() -> GpuSampler {
+        GpuSampler::default()
+    }
+
+    /// For each row of `logits` (`[rows.len(), vocab]`, any activation dtype, read only), what
+    /// [`RowRequest::apply`] gives for that row on the host: the sampled token (or `None` when
+    /// nothing can be picked) or the given token, with its raw logprob and the top logprobs.
+    pub fn sample(
+        &mut self,
+        gpu: &Gpu,
+        logits: GpuView<'_>,
+        vocab: usize,
+        rows: &[RowRequest<'_>],
+    ) -> Result<Vec<Option<TokenLogprobs>>, GpuError> {
+        assert!(vocab > 0, "sample_rows: vocab is 0");
+        assert_eq!(logits.len(), rows.len() * vocab, "sample_rows: logits are not {} rows of {vocab}", rows.len());
+        if rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        if gpu.max_shared_per_block() < SHARED_BYTES {
+            return Err(GpuError::Unsupported {
+                op: "sample_rows",
+                reason: format!(
+                    "needs {SHARED_BYTES} bytes of shared memory per block, the device has {}",
+                    gpu.max_shared_per_block()
+                ),
+            });
+        }
+        let vocab_u32 = to_u32("sample_rows", "vocab", vocab);
+        let num_rows = to_u32("sample_rows", "rows", rows.len());
+
+        self.params.clear();
+        self.adjusts.clear();
+        let mut scratch_rows = 0;
+        for row in rows {
+            let params = row_params(row, &mut self.adjusts, &mut scratch_rows);
+            self.params.push(params);
+        }
+        let params = gpu.upload(&self.params)?;
+        // Plain greedy batches have no list at all: the kernel then never reads the pointer.
+        let adjusts = if self.adjusts.is_empty() { None } else { Some(gpu.upload(&self.adjusts)?) };
+        let scratch_len = scratch_rows as usize * vocab;
+        if scratch_len > 0 && self.scratch.as_ref().is_none_or(|s| s.len() < scratch_len) {
+            self.scratch = None; // freed before the larger one is taken
+            let len = (scratch_rows as usize).next_power_of_two() * vocab;
+            // SAFETY: the kernel writes each element of a row's scratch before it reads it.
+            self.scratch = Some(unsafe { gpu.stream().alloc::<f32>(len) }?);
+        }
+        if self.results.as_ref().is_none_or(|r| r.len() < rows.len()) {
+            self.results = None;
+            self.results = Some(gpu.upload(&vec![RowResult::POISON; rows.len().next_power_of_two()])?);
+        }
+        let results = self.results.as_mut().expect("allocated above");
+
+        let logits_ptr = logits.ptr();
+        let params_ptr = gpu.index_ptr(&params);
+        let adjusts_ptr = adjusts.as_ref().map_or(0, |a| gpu.index_ptr(a));
+        let scratch_ptr = self.scratch.as_ref().map_or(0, |s| gpu.index_ptr(s));
+        let results_ptr = gpu.index_ptr(&*results);
+        let mut launch = gpu.launch_builder("sample_rows", logits.dtype());
+        launch.arg(&logits_ptr).arg(&vocab_u32).arg(&params_ptr).arg(&adjusts_ptr).arg(&scratch_ptr).arg(&results_ptr);
+        let cfg = LaunchConfig {
+            grid_dim: (num_rows, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: SHARED_BYTES as u32,
+        };
+        // SAFETY: the arguments match the kernel's parameters: `rows` parameter rows whose
+        // adjustment ranges lie in `adjusts` and whose scratch rows lie in `scratch`, and a result
+        // buffer of at least `rows` entries.
+        unsafe { launch.launch(cfg) }?;
+        let out = gpu.stream().clone_dtoh(&results.slice(..rows.len()))?;
+        gpu.synchronize()?;
+
+        Ok(rows.iter().zip(&out).map(|(row, r)| token_logprobs(row, r, vocab)).collect())
+    }
+}
+
+/// The kernel's parameters for `row`; its adjustments go to the end of `adjusts`, and it takes the
+/// next scratch row if it needs one.
+fn row_params(row: &RowRequest<'_>, adjusts: &mut Vec<Adjust>, scratch_rows: &mut u32) -> RowParams {
+    match *row {
+        RowRequest::Sample(plan) => {
+            let adjust_start = to_u32("sample_rows", "adjustments", adjusts.len());
+            adjusts.extend(plan.adjusts.iter().map(|a| Adjust {
+                token: a.token,
+                output_count: a.output_count,
+                flags: if a.repetition { ADJUST_REPETITION } else { 0 } | if a.mask { ADJUST_MASK } else { 0 },
+            }));
+            // Greedy rows with nothing to adjust take the argmax of the raw row in place.
+            let scratch_row = if plan.greedy && plan.adjusts.is_empty() {
+                NO_ID
+            } else {
+                *scratch_rows += 1;
+                *scratch_rows - 1
+            };
+            RowParams {
+                u: plan.u,
+                temperature: plan.temperature,
+                top_p: plan.top_p,
+                min_p: plan.min_p,
+                repetition_penalty: plan.repetition_penalty,
+                frequency_penalty: plan.frequency_penalty,
+                presence_penalty: plan.presence_penalty,
+                top_k: u32::try_from(plan.top_k).unwrap_or(u32::MAX),
+                mode: if plan.greedy { MODE_GREEDY } else { MODE_RANDOM },
+                token: NO_ID,
+                num_top: num_top(plan.num_top_logprobs),
+                adjust_start,
+                adjust_len: to_u32("sample_rows", "adjustments", plan.adjusts.len()),
+                scratch_row,
+                _pad: 0,
+            }
+        }
+        RowRequest::Logprobs { token, num_top: n } => {
+            RowParams { mode: MODE_LOGPROBS, token, num_top: num_top(n), scratch_row: NO_ID, ..RowParams::default() }
+        }
+    }
+}
+
+fn num_top(n: usize) -> u32 {
+    assert!(n <= MAX_TOP, "sample_rows: {n} top logprobs asked for, at most {MAX_TOP}");
+    n as u32
+}
+
+/// The host's answer for `row` from the kernel's `r`.
+fn token_logprobs(row: &RowRequest<'_>, r: &RowResult, vocab: usize) -> Option<TokenLogprobs> {
+    let (token, num_top) = match *row {
+        RowRequest::Sample(plan) => ((r.token != NO_ID).then_some(r.token)?, plan.num_top_logprobs),
+        RowRequest::Logprobs { token, num_top } => (token, num_top),
+    };
+    let n = num_top.min(vocab);
+    let top_logprobs = r.top_ids[..n].iter().copied().zip(r.top_logprobs[..n].iter().copied()).collect();
+    Some(TokenLogprobs { token, logprob: r.logprob, top_logprobs })
+}
