@@ -195,11 +195,12 @@ impl CudaRunner {
         };
         let padded = shape.pad(input);
         self.ensure_activations(shape.batch, shape.batch)?;
-        let step = StepShape::of(&padded);
         if let Some(entry) = self.graphs.graphs.get_mut(&shape) {
             entry.buffers.copy_from(&self.gpu, &padded)?;
             return entry.graph.launch();
         }
+        // Only a capture needs the step's host-side shape; a replay has it baked in.
+        let step = StepShape::of(&padded);
         let buffers = StepBuffers::upload(&self.gpu, &padded)?;
         let acts = self.acts.as_mut().expect("activations were just ensured");
         let (g, cfg, model, block_size) = (&self.gpu, &self.config, &self.model, self.block_size);
