@@ -2,7 +2,8 @@
 //! f16 activations. GPU outputs start as NaN so that an element an op fails to write shows up;
 //! low-precision runs compare with the CPU op on inputs rounded to that dtype.
 //!
-//! Without a usable GPU each test prints `skipping: no GPU (<reason>)` and passes.
+//! Without a usable GPU each test prints `skipping: no GPU (<reason>)` and passes; a GPU that is
+//! there but fails to open fails the test.
 
 #![cfg(feature = "cuda")]
 
@@ -23,10 +24,11 @@ const DTYPES: [(DType, f32); 3] = [(DType::F32, 1e-4), (DType::BF16, 1e-2), (DTy
 fn gpu_or_skip() -> Option<Gpu> {
     match Gpu::new(0) {
         Ok(gpu) => Some(gpu),
-        Err(e) => {
+        Err(e) if e.means_no_gpu() => {
             eprintln!("skipping: no GPU ({e})");
             None
         }
+        Err(e) => panic!("the GPU is there but could not be opened: {e}"),
     }
 }
 

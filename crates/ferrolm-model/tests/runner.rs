@@ -74,7 +74,8 @@ fn backends(dir: &Path) -> Vec<(String, Box<dyn ModelRunner>, Rule)> {
                     let runner = CudaRunner::new(&load_model(dir), gpu, dtype).expect("upload");
                     all.push((format!("cuda {dtype:?}"), Box::new(runner), rule));
                 }
-                Err(err) => eprintln!("skipping the CUDA runner: no GPU ({err})"),
+                Err(err) if err.means_no_gpu() => eprintln!("skipping the CUDA runner: no GPU ({err})"),
+                Err(err) => panic!("the GPU is there but could not be opened: {err}"),
             }
         }
     }
@@ -276,7 +277,8 @@ fn cuda_graph_decode_steps_equal_eager_steps() {
         for graphs in [false, true] {
             let gpu = match Gpu::new(0) {
                 Ok(gpu) => gpu,
-                Err(err) => return eprintln!("skipping: no GPU ({err})"),
+                Err(err) if err.means_no_gpu() => return eprintln!("skipping: no GPU ({err})"),
+                Err(err) => panic!("the GPU is there but could not be opened: {err}"),
             };
             let mut runner = CudaRunner::new(&load_model(&dir), gpu, dtype).expect("upload");
             runner.set_cuda_graphs(graphs);

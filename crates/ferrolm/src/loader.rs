@@ -179,10 +179,12 @@ fn cuda_runner_if_present(model: Model, _args: &EngineArgs) -> Result<Result<Pla
 fn cuda_runner_if_present(model: Model, args: &EngineArgs) -> Result<Result<Placed, Model>> {
     match ferrolm_backend::cuda::Gpu::new(0) {
         Ok(gpu) => cuda_place(model, gpu, args).map(Ok),
-        Err(err) => {
+        Err(err) if err.means_no_gpu() => {
             tracing::info!(reason = %err, "no usable GPU; running on the CPU");
             Ok(Err(model))
         }
+        // A GPU that is there but fails must not quietly become a CPU server.
+        Err(err) => Err(anyhow::Error::new(err).context("the GPU could not be opened (--device cpu runs without it)")),
     }
 }
 

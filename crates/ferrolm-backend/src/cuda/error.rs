@@ -24,3 +24,20 @@ pub enum GpuError {
     #[error("{op}: {reason}")]
     Unsupported { op: &'static str, reason: String },
 }
+
+impl GpuError {
+    /// Whether the error says this machine has no usable GPU (no driver, no CUDA libraries, no
+    /// device, or a driver too old), as opposed to a GPU that is there and failed. GPU tests skip
+    /// on the first kind only.
+    pub fn means_no_gpu(&self) -> bool {
+        use cudarc::driver::sys::CUresult;
+        match self {
+            GpuError::NoDriver | GpuError::MissingLibrary(_) | GpuError::DriverTooOld { .. } => true,
+            GpuError::NoDevice { .. } => true,
+            GpuError::Driver(DriverError(code)) => {
+                matches!(code, CUresult::CUDA_ERROR_NO_DEVICE | CUresult::CUDA_ERROR_STUB_LIBRARY)
+            }
+            _ => false,
+        }
+    }
+}

@@ -53,6 +53,17 @@ const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 /// Oldest driver API the cudarc bindings were generated for (`cuda-13000`).
 const MIN_DRIVER_VERSION: i32 = 13000;
 
+/// Lets `f` take all the shared memory a block may opt into: `max_shared_per_block` less what the
+/// kernel declares statically (asking for more than that is `CUDA_ERROR_INVALID_VALUE`).
+fn allow_dynamic_shared(f: &CudaFunction, max_shared_per_block: i32) -> Result<(), GpuError> {
+    let static_bytes = f.shared_size_bytes()?;
+    f.set_attribute(
+        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        max_shared_per_block - static_bytes,
+    )?;
+    Ok(())
+}
+
 /// One CUDA device with everything the ops need.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
@@ -130,10 +141,7 @@ impl Gpu {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let f = module.load_function(&format!("{name}_{}", dtype_suffix(dtype)))?;
                 if LARGE_SHARED_KERNELS.contains(&name) {
-                    f.set_attribute(
-                        CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                        max_shared_per_block,
-                    )?;
+                    allow_dynamic_shared(&f, max_shared_per_block)?;
                 }
                 kernels.insert((name, dtype), f);
             }
@@ -142,10 +150,7 @@ impl Gpu {
         for &name in &flash_attention::KERNELS {
             for dtype in [DType::BF16, DType::F16] {
                 let f = module.load_function(&format!("{name}_{}", dtype_suffix(dtype)))?;
-                f.set_attribute(
-                    CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    max_shared_per_block,
-                )?;
+                allow_dynamic_shared(&f, max_shared_per_block)?;
                 kernels.insert((name, dtype), f);
             }
         }

@@ -32,7 +32,7 @@ impl Device {
             Flag::Cpu => Device::Cpu,
             Flag::Cuda => Device::Cuda,
             #[cfg(feature = "cuda")]
-            Flag::Auto if ferrolm_backend::cuda::Gpu::new(0).is_ok() => Device::Cuda,
+            Flag::Auto if !matches!(ferrolm_backend::cuda::Gpu::new(0), Err(e) if e.means_no_gpu()) => Device::Cuda,
             Flag::Auto => Device::Cpu,
         }
     }
