@@ -20,7 +20,10 @@ for line in sys.stdin:
         print(m["executable"])' "$2" | tail -n 1)
     cp "$path" "$DEST/$2"
 done
-strip "$DEST"/ferrolm "$DEST"/cuda_ops "$DEST"/runner
+# The attention kernels on their own (see crates/ferrolm-backend/examples/attention_bench.rs).
+cargo build --release --locked -p ferrolm-backend --features cuda --example attention_bench
+cp "$CARGO_TARGET_DIR/release/examples/attention_bench" "$DEST/attention_bench"
+strip "$DEST"/ferrolm "$DEST"/cuda_ops "$DEST"/runner "$DEST"/attention_bench
 # The revision the binaries were built from (the bench JSON records it; see gpu-check.sh).
 git describe --always --dirty >"$DEST/REVISION"
 ls -la "$DEST"

@@ -31,6 +31,10 @@ const MAX_QUERY_TILE: usize = 32;
 const DECODE_THREADS: usize = 128;
 /// Query heads a decode block takes at most (the largest `G` the kernel is instantiated for).
 const DECODE_MAX_HEADS: usize = 8;
+/// Elements of K (and of V) per shared-memory tile of the decode kernel (`DECODE_TILE_ELEMS`).
+const DECODE_TILE_ELEMS: usize = 4096;
+/// Tiles in the decode kernel's ring of K/V copies (`DECODE_STAGES`).
+const DECODE_STAGES: usize = 4;
 /// Decode blocks wanted per launch: a few per SM of a large GPU (132 on an H200), so that short
 /// batches still fill the device.
 const DECODE_TARGET_BLOCKS: usize = 512;
@@ -196,7 +200,7 @@ fn attention(
 
     if general_only {
         paged_general(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
-    } else if meta.max_query_len <= 1 && decode_supported(head_dim, k_cache, v_cache) {
+    } else if meta.max_query_len <= 1 && decode_supported(gpu, head_dim, k_cache, v_cache) {
         paged_decode(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
     } else if let Some(kernel) = flash_attention::kernel_for(gpu, head_dim, q, k_cache, v_cache, &out) {
         flash_attention::paged_flash(gpu, kernel, q, k_cache, v_cache, meta, num_heads, num_kv_heads, out)
@@ -205,14 +209,24 @@ fn attention(
     }
 }
 
-/// The decode kernel reads 8 elements per lane with 16-byte loads, `head_dim / 8` lanes per key.
-fn decode_supported(head_dim: usize, k_cache: GpuView<'_>, v_cache: GpuView<'_>) -> bool {
+/// The decode kernel reads 8 elements per lane, `head_dim / 8` lanes per key, and copies K/V rows
+/// into shared memory 16 bytes at a time.
+fn decode_supported(gpu: &Gpu, head_dim: usize, k_cache: GpuView<'_>, v_cache: GpuView<'_>) -> bool {
     let lanes = head_dim / 8;
     head_dim.is_multiple_of(8)
         && lanes.is_power_of_two()
         && lanes <= 32
         && k_cache.ptr().is_multiple_of(16)
         && v_cache.ptr().is_multiple_of(16)
+        && decode_shared_bytes(k_cache.dtype().size_in_bytes(), DECODE_MAX_HEADS, head_dim) <= gpu.max_shared_per_block()
+}
+
+/// Shared memory of a decode block: the ring of K/V tiles, which the cross-warp merge of `g`
+/// heads' f32 states reuses at the end.
+fn decode_shared_bytes(elem_size: usize, g: usize, head_dim: usize) -> usize {
+    let ring = DECODE_STAGES * 2 * DECODE_TILE_ELEMS * elem_size;
+    let merge = 4 * (DECODE_THREADS / 32) * g * (head_dim + 2);
+    ring.max(merge)
 }
 
 /// The arguments both kernels take after their pointers, in order.
@@ -280,7 +294,7 @@ fn paged_decode(
     let kv_width = num_kv_heads * head_dim;
     let num_blocks = k_cache.len() / kv_width / meta.block_size;
     let g = split.heads_per_block;
-    let shared = 4 * (DECODE_THREADS / 32) * g * (head_dim + 2);
+    let shared = decode_shared_bytes(q.dtype().size_in_bytes(), g, head_dim);
     let cfg = LaunchConfig {
         grid_dim: (
             to_u32(op, "num_tokens", num_tokens),

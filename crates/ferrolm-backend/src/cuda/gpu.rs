@@ -45,7 +45,14 @@ const KERNELS: &[&str] = &[
 ];
 
 /// Kernels that may need more than the default 48 KiB of dynamic shared memory.
-const LARGE_SHARED_KERNELS: [&str; 2] = ["paged_attention", "sample_rows"];
+const LARGE_SHARED_KERNELS: &[&str] = &[
+    "paged_attention",
+    "paged_attention_decode_g1",
+    "paged_attention_decode_g2",
+    "paged_attention_decode_g4",
+    "paged_attention_decode_g8",
+    "sample_rows",
+];
 
 /// cuBLAS's workspace, set once so that GEMMs inside a captured graph allocate nothing.
 const BLAS_WORKSPACE_BYTES: usize = 32 << 20;

@@ -205,32 +205,39 @@ FOR_EACH_DTYPE(PAGED_ATTENTION)
 // Decode: one query row per block, split over the context (flash-decoding).
 //
 // Each block takes one token, up to G query heads of one KV head, and one partition of the
-// token's visible keys. The K and V of each key are loaded once, 16 bytes per lane, and serve all
-// G heads. A key's head_dim is spread over L = head_dim / 8 lanes (8 elements each), so a warp
-// works on 32 / L keys at once (one key per "sub-group" of L lanes); scores are reduced over
-// those L lanes with shuffles.
+// token's visible keys. The K and V of each key are read from device memory once and serve all
+// G heads.
 //
-// One pass, no barrier inside the loop: each sub-group keeps its own online-softmax state (max,
-// sum, output accumulators) over the keys it visits, and loads the K and V rows of
-// DECODE_UNROLL keys before it uses any, so that a warp has 2 * DECODE_UNROLL 16-byte loads per
-// lane in flight. The states of the sub-groups are merged at the end, with shuffles inside a
-// warp and through shared memory across warps. With one partition the block writes the
+// The partition's keys go through shared memory in tiles of DECODE_TILE_ELEMS elements each of K
+// and V (DECODE_TILE_ELEMS / head_dim keys), copied with 16-byte cp.async into a ring of
+// DECODE_STAGES tiles: while the block works on one tile, the copies of the next
+// DECODE_STAGES - 1 are in flight, so that the loads of a block never wait on its arithmetic
+// and each SM keeps well over 100 KB of reads outstanding (what the memory system needs to run
+// near its bandwidth). The block table entry of each copied row is read by the thread that
+// issues the copy.
+//
+// In a tile, a key's head_dim is spread over L = head_dim / 8 lanes (8 elements each), so a warp
+// works on 32 / L keys at once (one key per "sub-group" of L lanes); scores are reduced over
+// those L lanes with shuffles. Each sub-group keeps its own online-softmax state (max, sum,
+// output accumulators) over the keys it visits; the states are merged at the end, with shuffles
+// inside a warp and through shared memory across warps. With one partition the block writes the
 // normalized output; with several it writes its unnormalized output and (max, sum) to the
 // workspace for `paged_attention_combine`.
 
 #define DECODE_WARPS 4
-// Keys each sub-group loads ahead before using them.
-#define DECODE_UNROLL 4
+// Keys of a tile, in DECODE_PASSES passes of DECODE_WARPS * (256 / head_dim) keys (one per
+// sub-group of every warp): DECODE_TILE_ELEMS / head_dim keys, whatever head_dim is.
+#define DECODE_PASSES 4
+#define DECODE_TILE_ELEMS (DECODE_PASSES * DECODE_WARPS * 256)
+// Tiles in the ring (DECODE_STAGES - 1 in flight while one is used).
+#define DECODE_STAGES 4
 
-// Where a lane's 8 elements of key `key` start in `cache`, or null for a block id past the
-// cache (which reads as zeros, as in the general kernel).
-template <typename T>
-__device__ __forceinline__ const T* decode_row(const T* cache, const u32* table, u32 key, u32 block_size,
-                                               u32 num_blocks, u32 kv_width, u32 col) {
+// The slot of key `key` in the cache, or -1 for a block id past the cache (whose rows read as
+// zeros, as in the general kernel).
+__device__ __forceinline__ long long decode_slot(const u32* table, u32 key, u32 block_size, u32 num_blocks) {
     const u32 block = table[key / block_size];
-    if (block >= num_blocks) return nullptr;
-    const u64 slot = (u64)block * block_size + key % block_size;
-    return cache + slot * kv_width + col;
+    if (block >= num_blocks) return -1;
+    return (long long)block * block_size + key % block_size;
 }
 
 // The request that owns row `t`: the last r with query_start_loc[r] <= t, past requests with
@@ -284,12 +291,31 @@ template <typename T> __device__ __forceinline__ void unpack8(const Raw8<T>& r, 
 // state that has seen no key yet).
 __device__ __forceinline__ float merge_scale(float m, float m_new) { return m == NEG_INF ? 0.f : expf(m - m_new); }
 
+// Copies keys [k0, k0 + nk) of the partition (those below `end`) into one ring slot: K and V,
+// each [nk, head_dim]; keys at or past `end` and rows of blocks past the cache are zero-filled.
+template <typename T>
+__device__ __forceinline__ void decode_copy_tile(T* k_s, T* v_s, const T* k_cache, const T* v_cache,
+                                                 const u32* table, u32 k0, u32 nk, u32 end, u32 D, u32 kv_width,
+                                                 u32 col0, u32 block_size, u32 num_blocks) {
+    const u32 per_chunk = 16 / sizeof(T);  // elements per 16-byte copy
+    const u32 chunks_per_row = D / per_chunk;
+    for (u32 c = threadIdx.x; c < nk * chunks_per_row; c += blockDim.x) {
+        const u32 j = c / chunks_per_row, e = (c % chunks_per_row) * per_chunk;
+        const u32 key = k0 + j;
+        const long long slot = key < end ? decode_slot(table, key, block_size, num_blocks) : -1;
+        const u64 at = slot < 0 ? 0 : (u64)slot * kv_width + col0 + e;
+        cp_async16(smem_addr(k_s + j * D + e), k_cache + at, slot >= 0);
+        cp_async16(smem_addr(v_s + j * D + e), v_cache + at, slot >= 0);
+    }
+}
+
 // q, out: [T, num_heads, head_dim]; part_out: [T, num_heads, num_parts, head_dim] f32;
 // part_ml: [T, num_heads, num_parts, 2] f32 (max and sum of exp); both unused with one partition.
 // Grid: (T, num_kv_heads * head_chunks, num_parts), DECODE_WARPS warps. head_dim / 8 must be a
 // power of two of at most 32. Partition p covers keys [begin + p * part_len, begin + (p + 1) *
 // part_len) of the visible range, and the last partition everything past that.
-// Shared memory (f32): red_s [DECODE_WARPS, G, head_dim], ml_s [DECODE_WARPS, G, 2].
+// Shared memory: the ring, DECODE_STAGES * 2 * DECODE_TILE_ELEMS elements of T; after the loop
+// the same bytes hold red_s [DECODE_WARPS, G, head_dim] and ml_s [DECODE_WARPS, G, 2] (f32).
 template <typename T, int G>
 __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, T* out,
                                                   float* part_out, float* part_ml, const u32* query_start_loc,
@@ -297,7 +323,7 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
                                                   u32 num_heads, u32 num_kv_heads, u32 head_dim,
                                                   u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window,
                                                   float scale, u32 part_len) {
-    extern __shared__ float smem[];
+    extern __shared__ __align__(16) unsigned char decode_smem[];
     const u32 D = head_dim;
     const u32 L = D / 8;           // lanes per key
     const u32 kpw = 32 / L;        // keys per warp step (sub-groups per warp)
@@ -309,10 +335,12 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
     const u32 head0 = kv_head * group + (blockIdx.y % head_chunks) * G;
     const u32 nh = min((u32)G, kv_head * group + group - head0);
     const u32 kv_width = num_kv_heads * D;
-    const u32 col = kv_head * D + li * 8;
     const u32 t = blockIdx.x, part = blockIdx.z, num_parts = gridDim.z;
+    const u32 tile_keys = DECODE_TILE_ELEMS / D;
+    const u32 pass_keys = DECODE_WARPS * kpw;
 
-    float* red_s = smem;
+    T* ring = reinterpret_cast<T*>(decode_smem);
+    float* red_s = reinterpret_cast<float*>(decode_smem);
     float* ml_s = red_s + DECODE_WARPS * G * D;
 
     const u32 r = request_of_row(query_start_loc, num_reqs, t);
@@ -331,6 +359,19 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
             part_ml[at * 2 + 1] = 0.f;
         }
         return;
+    }
+    const u32 num_tiles = (end - start + tile_keys - 1) / tile_keys;
+#define DECODE_RING_K(slot) (ring + (slot) * 2 * DECODE_TILE_ELEMS)
+#define DECODE_RING_V(slot) (ring + (slot) * 2 * DECODE_TILE_ELEMS + DECODE_TILE_ELEMS)
+    // Start the first DECODE_STAGES - 1 tiles' copies; one commit group per tile (empty past
+    // the last), so that "all but DECODE_STAGES - 2 groups done" always means "tile i is in".
+#pragma unroll
+    for (int st = 0; st < DECODE_STAGES - 1; st++) {
+        if ((u32)st < num_tiles) {
+            decode_copy_tile(DECODE_RING_K(st), DECODE_RING_V(st), k_cache, v_cache, table, start + st * tile_keys,
+                             tile_keys, end, D, kv_width, kv_head * D, block_size, num_blocks);
+        }
+        cp_async_commit();
     }
 
     // This lane's 8 elements of each head's query, pre-scaled; heads past nh stay zero.
@@ -351,42 +392,45 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
         for (int i = 0; i < 8; i++) acc[g][i] = 0.f;
     }
 
-    // The loop bounds are uniform over the warp, so every lane joins the shuffles.
-    const u32 step = DECODE_WARPS * kpw;
-    for (u32 base = start + warp * kpw; base < end; base += step * DECODE_UNROLL) {
-        Raw8<T> kr[DECODE_UNROLL], vr[DECODE_UNROLL];
-#pragma unroll
-        for (int u = 0; u < DECODE_UNROLL; u++) {
-            const u32 key = base + u * step + sub;
-            const T* kp = key < end ? decode_row(k_cache, table, key, block_size, num_blocks, kv_width, col) : nullptr;
-            if (kp) {
-                load_raw(kp, kr[u]);
-                load_raw(v_cache + (kp - k_cache), vr[u]);
-            } else {
-                zero_raw(kr[u]);
-                zero_raw(vr[u]);
-            }
+    for (u32 tile = 0; tile < num_tiles; tile++) {
+        cp_async_wait<DECODE_STAGES - 2>();
+        // Tile `tile` is in for every thread's copies, and every warp is done with the slot the
+        // next copy overwrites (the one used in the previous iteration).
+        __syncthreads();
+        const u32 next = tile + DECODE_STAGES - 1;
+        if (next < num_tiles) {
+            const u32 slot = next % DECODE_STAGES;
+            decode_copy_tile(DECODE_RING_K(slot), DECODE_RING_V(slot), k_cache, v_cache, table,
+                             start + next * tile_keys, tile_keys, end, D, kv_width, kv_head * D, block_size,
+                             num_blocks);
         }
-        float s[DECODE_UNROLL][G];
+        cp_async_commit();
+
+        const T* k_s = DECODE_RING_K(tile % DECODE_STAGES);
+        const T* v_s = DECODE_RING_V(tile % DECODE_STAGES);
+        const u32 k0 = start + tile * tile_keys;
+        float s[DECODE_PASSES][G];
 #pragma unroll
-        for (int u = 0; u < DECODE_UNROLL; u++) {
-            const u32 key = base + u * step + sub;
+        for (int u = 0; u < DECODE_PASSES; u++) {
+            const u32 j = u * pass_keys + warp * kpw + sub;
+            Raw8<T> kr;
+            load_raw(k_s + j * D + li * 8, kr);
             float kx[8];
-            unpack8(kr[u], kx);
+            unpack8(kr, kx);
 #pragma unroll
             for (int g = 0; g < G; g++) {
                 float dot = 0.f;
 #pragma unroll
                 for (int i = 0; i < 8; i++) dot = fmaf(qr[g][i], kx[i], dot);
                 for (u32 o = L / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-                s[u][g] = key < end ? dot : NEG_INF;
+                s[u][g] = k0 + j < end ? dot : NEG_INF;
             }
         }
 #pragma unroll
         for (int g = 0; g < G; g++) {
             float m_new = m[g];
 #pragma unroll
-            for (int u = 0; u < DECODE_UNROLL; u++) m_new = fmaxf(m_new, s[u][g]);
+            for (int u = 0; u < DECODE_PASSES; u++) m_new = fmaxf(m_new, s[u][g]);
             if (m_new == NEG_INF) continue;  // no key of this sub-group yet
             const float alpha = merge_scale(m[g], m_new);
             l[g] *= alpha;
@@ -395,9 +439,12 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
             m[g] = m_new;
         }
 #pragma unroll
-        for (int u = 0; u < DECODE_UNROLL; u++) {
+        for (int u = 0; u < DECODE_PASSES; u++) {
+            const u32 j = u * pass_keys + warp * kpw + sub;
+            Raw8<T> vr;
+            load_raw(v_s + j * D + li * 8, vr);
             float vx[8];
-            unpack8(vr[u], vx);
+            unpack8(vr, vx);
 #pragma unroll
             for (int g = 0; g < G; g++) {
                 const float p = s[u][g] == NEG_INF ? 0.f : expf(s[u][g] - m[g]);
@@ -407,6 +454,11 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
             }
         }
     }
+#undef DECODE_RING_K
+#undef DECODE_RING_V
+    // Every copy has landed and every warp is done with the ring before red_s reuses it.
+    cp_async_wait<0>();
+    __syncthreads();
 
     // Merge the sub-groups of the warp (lanes li, li + L, li + 2L, ...), then the warps.
 #pragma unroll
@@ -462,8 +514,8 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
     }
 }
 
-// MINB: blocks per SM the register budget is set for (3 leaves G <= 4 about 168 registers, so that
-// the K and V rows in flight need no spills; G = 8 holds twice the state and gets 2).
+// MINB: blocks per SM the register budget is set for (3, as the bf16 ring of 64 KiB allows, leaves
+// G <= 4 about 168 registers, with no spills; G = 8 holds twice the state and gets 2).
 #define PAGED_DECODE(T, S, G, MINB) \
     extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32, MINB) paged_attention_decode_g##G##_##S( \
         const T* q, const T* k_cache, const T* v_cache, T* out, float* part_out, float* part_ml, \

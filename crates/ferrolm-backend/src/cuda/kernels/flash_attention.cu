@@ -27,20 +27,6 @@
 #define FA_THREADS (FA_WARPS * 32)
 #define FA_ROWS (FA_WARPS * 16)
 
-__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
-
-// 16 bytes from global to shared memory, or 16 zero bytes when `valid` is false (nothing read).
-__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N> __device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
-
 // Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, and register i holds
 // matrix i's fragment: element (lane / 4, 2 * (lane % 4) + {0, 1}), or with .trans its transpose
 // (2 * (lane % 4) + {0, 1}, lane / 4).
