@@ -6,7 +6,8 @@
 #   scripts/gpu-check.sh [BIN_DIR] [quick|full]
 #
 # BIN_DIR (default .device-carry) holds `ferrolm` (built with --features cuda), `cuda_ops` and
-# `runner` (the test binaries), and optionally `attention_bench` (the attention kernels alone).
+# `runner` (the test binaries), and optionally `attention_bench` and `gemv_bench` (the attention
+# and GEMV kernels alone).
 # `quick` skips the 8B throughput runs. With PEER=1 the same workloads also run through HF
 # transformers (tools/peer_hf.py; needs torch and transformers).
 # Results (test logs, bench JSON) go to $OUT (default: a new temporary directory).
@@ -38,10 +39,13 @@ run_tests() { # name binary
 run_tests cuda_ops "$BIN/cuda_ops"
 run_tests runner "$BIN/runner"
 
-# Attention kernels alone, 8B shape (decode at batch 1 and 256, prefill, mixed).
-if [ -x "$BIN/attention_bench" ]; then
-    timeout "${BENCH_TIMEOUT:-240}" "$BIN/attention_bench" 2>&1 | tee "$OUT/attention_bench.txt"
-fi
+# Attention kernels alone, 8B shape (decode at batch 1 and 256, prefill, mixed), and the GEMV
+# kernel next to cuBLAS on the 8B and 1B projections.
+for kernel_bench in attention_bench gemv_bench; do
+    if [ -x "$BIN/$kernel_bench" ]; then
+        timeout "${BENCH_TIMEOUT:-240}" "$BIN/$kernel_bench" 2>&1 | tee "$OUT/$kernel_bench.txt"
+    fi
+done
 
 bench() { # label json args...   (ferrolm)
     local label=$1 json=$2

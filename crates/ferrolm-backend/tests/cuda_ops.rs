@@ -307,7 +307,8 @@ fn gated_activations_match_cpu() -> Result<(), GpuError> {
     let mut rng = rng(7);
     type CpuAct = fn(&[f32], usize, &mut [f32]);
     let ops: [(&str, CpuAct); 2] = [("silu_and_mul", cpu::silu_and_mul), ("gelu_tanh_and_mul", cpu::gelu_tanh_and_mul)];
-    for (rows, inter) in [(1, 5), (3, 128), (9, 4864), (2, 14336)] {
+    // The last shape has more columns than its blocks of a row cover at once (a strided loop).
+    for (rows, inter) in [(1, 5), (3, 128), (9, 4864), (2, 14336), (600, 4864)] {
         let mut gate_up = random_vec(&mut rng, rows * 2 * inter, 8.0);
         // Saturating inputs: no NaN from exp overflow.
         gate_up[0] = -200.0;
@@ -874,8 +875,11 @@ fn paged_attention_work_list_is_shared_by_a_steps_layers() -> Result<(), GpuErro
 fn linear_matches_cpu() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
     let mut rng = rng(13);
-    for &m in &[1, 7, 64, 130] {
-        for &k in &[64, 1000] {
+    // m up to GEMV_MAX_M takes the GEMV kernel where k is a multiple of 8 (not k = 100), one
+    // or several of its unrolled steps (k = 1000: 125 chunks for 32 lanes) and its tail;
+    // larger m take cuBLAS. `linear_cublas` is checked on the same inputs.
+    for &m in &[1, 2, 3, 4, 7, 64, 130] {
+        for &k in &[64, 100, 1000] {
             for &n in &[1, 130, 2048] {
                 let x = random_vec(&mut rng, m * k, 1.0);
                 let w = random_vec(&mut rng, n * k, 0.5);
@@ -890,13 +894,18 @@ fn linear_matches_cpu() -> Result<(), GpuError> {
                     for (y_dtype, y_tol) in [(dtype, tol), (DType::F32, f32_tol)] {
                         for with_bias in [false, true] {
                             let b = with_bias.then_some(bias.as_slice());
-                            let mut y = nan_tensor(&gpu, y_dtype, m * n)?;
-                            let b_dev = with_bias.then(|| bias_dev.view());
-                            cuda::linear(&gpu, x_dev.view(), m, k, w_dev.view(), n, b_dev, y.view_mut())?;
                             let mut want = vec![0.0; m * n];
                             cpu::linear(&x_r, m, k, WeightView::F32(&w_r), n, b, &mut want);
-                            let what = format!("linear {dtype:?}->{y_dtype:?} m={m} k={k} n={n} bias={with_bias}");
-                            check(&what, &y.to_f32_vec(&gpu)?, &want, y_tol);
+                            for cublas in [false, m <= cuda::GEMV_MAX_M] {
+                                let lin = if cublas { cuda::linear_cublas } else { cuda::linear };
+                                let mut y = nan_tensor(&gpu, y_dtype, m * n)?;
+                                let b_dev = with_bias.then(|| bias_dev.view());
+                                lin(&gpu, x_dev.view(), m, k, w_dev.view(), n, b_dev, y.view_mut())?;
+                                let what = format!(
+                                    "linear {dtype:?}->{y_dtype:?} m={m} k={k} n={n} bias={with_bias} cublas={cublas}"
+                                );
+                                check(&what, &y.to_f32_vec(&gpu)?, &want, y_tol);
+                            }
                         }
                     }
                 }

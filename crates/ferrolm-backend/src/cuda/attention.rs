@@ -7,7 +7,8 @@
 //! Three kernels compute attention. Batches of decodes (`max_query_len <= 1`) take the decode
 //! kernel: one block per (token, KV head, context partition), K/V read once per GQA group with
 //! 16-byte loads, and, when there are too few (token, KV head) pairs to fill the device, the
-//! context split into partitions whose partial results a second kernel combines (flash-decoding).
+//! context split into partitions whose partial results the last block of each merges
+//! (flash-decoding).
 //! Prefill chunks and mixed batches in bf16 or f16 take the tensor-core kernel of
 //! [`super::flash_attention`] where it has the head size; everything else goes to the general
 //! kernel, which tiles query rows and keys through shared memory in f32. All compute the same
@@ -16,7 +17,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::flash_attention::{self, AttentionWork};
-use super::gpu::{rows_config, to_u32};
+use super::gpu::{rows_config, to_u32, DECODE_COUNTERS};
 use super::ops::same_dtype;
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
 
@@ -218,7 +219,8 @@ fn decode_supported(gpu: &Gpu, head_dim: usize, k_cache: GpuView<'_>, v_cache: G
         && lanes <= 32
         && k_cache.ptr().is_multiple_of(16)
         && v_cache.ptr().is_multiple_of(16)
-        && decode_shared_bytes(k_cache.dtype().size_in_bytes(), DECODE_MAX_HEADS, head_dim) <= gpu.max_shared_per_block()
+        && decode_shared_bytes(k_cache.dtype().size_in_bytes(), DECODE_MAX_HEADS, head_dim)
+            <= gpu.max_shared_per_block()
 }
 
 /// Shared memory of a decode block: the ring of K/V tiles, which the cross-warp merge of `g`
@@ -295,16 +297,22 @@ fn paged_decode(
     let num_blocks = k_cache.len() / kv_width / meta.block_size;
     let g = split.heads_per_block;
     let shared = decode_shared_bytes(q.dtype().size_in_bytes(), g, head_dim);
+    let head_blocks = num_tokens * num_kv_heads * split.head_chunks;
+    assert!(
+        num_parts == 1 || head_blocks <= DECODE_COUNTERS,
+        "paged_attention: {head_blocks} head blocks split into partitions, more than the {DECODE_COUNTERS} counters"
+    );
     let cfg = LaunchConfig {
         grid_dim: (
-            to_u32(op, "num_tokens", num_tokens),
-            to_u32(op, "KV heads times head chunks", num_kv_heads * split.head_chunks),
+            to_u32(op, "tokens times KV heads times head chunks", head_blocks),
             to_u32(op, "partitions", num_parts),
+            1,
         ),
         block_dim: (DECODE_THREADS as u32, 1, 1),
         shared_mem_bytes: shared as u32,
     };
     let (q_ptr, kc_ptr, vc_ptr, out_ptr) = (q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr());
+    let counters_ptr = gpu.index_ptr(gpu.decode_counters());
     let qsl_ptr = gpu.index_ptr(meta.query_start_loc);
     let lens_ptr = gpu.index_ptr(meta.seq_lens);
     let tables_ptr = gpu.index_ptr(meta.block_tables);
@@ -318,7 +326,7 @@ fn paged_decode(
         _ => "paged_attention_decode_g8",
     };
     let mut launch = gpu.launch_builder(kernel, q.dtype());
-    launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&out_ptr).arg(&part_out).arg(&part_ml);
+    launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&out_ptr).arg(&part_out).arg(&part_ml).arg(&counters_ptr);
     launch.arg(&qsl_ptr).arg(&lens_ptr).arg(&tables_ptr).arg(&reqs);
     for a in &args {
         launch.arg(a);
@@ -326,23 +334,11 @@ fn paged_decode(
     launch.arg(&meta.scale).arg(&part_len);
     // SAFETY: the arguments match the kernel's parameters in order; head_dim suits the kernel
     // (`decode_supported`), the workspace holds `num_parts` partitions of every (token, head),
-    // and the shared memory is as the kernel lays it out.
+    // there is a zeroed counter per block of a partition (checked above), and the shared memory
+    // is as the kernel lays it out.
     unsafe { launch.launch(cfg) }?;
 
-    if num_parts > 1 {
-        let cfg = LaunchConfig {
-            grid_dim: (to_u32(op, "num_tokens", num_tokens), to_u32(op, "num_heads", num_heads), 1),
-            block_dim: (head_dim.div_ceil(32).min(4) as u32 * 32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (heads, dim, parts) = (args[0], args[2], to_u32(op, "partitions", num_parts));
-        let mut launch = gpu.launch_builder("paged_attention_combine", q.dtype());
-        launch.arg(&part_out).arg(&part_ml).arg(&out_ptr).arg(&heads).arg(&dim).arg(&parts);
-        // SAFETY: the arguments match the kernel's parameters; the decode launch above wrote
-        // every partition's statistics, and the output of every partition that saw keys.
-        unsafe { launch.launch(cfg) }?;
-    }
-    // The workspace's free is queued on the stream after both kernels.
+    // The workspace's free is queued on the stream after the kernel.
     drop(workspace);
     Ok(())
 }

@@ -12,7 +12,7 @@ use cudarc::nvrtc::{self, CompileError, CompileOptions};
 use super::GpuError;
 
 /// The kernel sources, concatenated in this order into one module.
-const SOURCES: [(&str, &str); 8] = [
+const SOURCES: [(&str, &str); 9] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
@@ -21,6 +21,7 @@ const SOURCES: [(&str, &str); 8] = [
     ("flash_attention.cu", include_str!("kernels/flash_attention.cu")),
     ("logits.cu", include_str!("kernels/logits.cu")),
     ("sampling.cu", include_str!("kernels/sampling.cu")),
+    ("gemv.cu", include_str!("kernels/gemv.cu")),
 ];
 
 /// The module's PTX text and whether it came from the disk cache.

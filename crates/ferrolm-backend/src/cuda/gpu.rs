@@ -39,9 +39,16 @@ const KERNELS: &[&str] = &[
     "paged_attention_decode_g2",
     "paged_attention_decode_g4",
     "paged_attention_decode_g8",
-    "paged_attention_combine",
     "argmax_logsumexp",
     "sample_rows",
+    "gemv_m1",
+    "gemv_m2",
+    "gemv_m3",
+    "gemv_m4",
+    "gemv_m1_to_f32",
+    "gemv_m2_to_f32",
+    "gemv_m3_to_f32",
+    "gemv_m4_to_f32",
 ];
 
 /// Kernels that may need more than the default 48 KiB of dynamic shared memory.
@@ -53,6 +60,11 @@ const LARGE_SHARED_KERNELS: &[&str] = &[
     "paged_attention_decode_g8",
     "sample_rows",
 ];
+
+/// Counters of the decode attention kernel's partition merge, one per (token, head block) of a
+/// launch with several partitions (which the kernel's work split only makes for fewer blocks
+/// than this; see cuda/attention.rs).
+pub(crate) const DECODE_COUNTERS: usize = 512;
 
 /// cuBLAS's workspace, set once so that GEMMs inside a captured graph allocate nothing.
 const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
@@ -78,6 +90,9 @@ pub struct Gpu {
     blas: CudaBlas,
     /// Held for the handle's lifetime (see [`BLAS_WORKSPACE_BYTES`]).
     _blas_workspace: CudaSlice<u8>,
+    /// `[DECODE_COUNTERS]`, zero between launches: allocated once, so that captured graphs
+    /// keep a valid address.
+    decode_counters: CudaSlice<u32>,
     kernels: HashMap<(&'static str, DType), CudaFunction>,
     name: String,
     compute_capability: (u32, u32),
@@ -161,6 +176,7 @@ impl Gpu {
                 kernels.insert((name, dtype), f);
             }
         }
+        let decode_counters = stream.alloc_zeros::<u32>(DECODE_COUNTERS)?;
         Ok(Gpu {
             name: ctx.name()?,
             compute_capability: (major as u32, minor as u32),
@@ -169,6 +185,7 @@ impl Gpu {
             stream,
             blas,
             _blas_workspace: blas_workspace,
+            decode_counters,
             kernels,
         })
     }
@@ -254,6 +271,11 @@ impl Gpu {
     pub(crate) fn blas_handle(&self) -> Result<blas_sys::cublasHandle_t, GpuError> {
         self.ctx.bind_to_thread()?;
         Ok(*self.blas.handle())
+    }
+
+    /// The decode attention kernel's merge counters (`[DECODE_COUNTERS]`, zero between launches).
+    pub(crate) fn decode_counters(&self) -> &CudaSlice<u32> {
+        &self.decode_counters
     }
 
     pub(crate) fn max_shared_per_block(&self) -> usize {

@@ -1,14 +1,20 @@
-//! `linear` through cuBLAS: `y = x · w^T (+ bias)` with f32 accumulation.
+//! `linear`: `y = x · w^T (+ bias)` with f32 accumulation, through our GEMV kernel
+//! (`kernels/gemv.cu`) for up to [`GEMV_MAX_M`] rows and through cuBLAS otherwise.
 
 use std::ffi::c_void;
 
 use cudarc::cublas::result::gemm_ex;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
-use cudarc::driver::{result as driver, PushKernelArg};
+use cudarc::driver::{result as driver, LaunchConfig, PushKernelArg};
 
 use super::gpu::{rows_config, to_u32};
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
 use crate::DType;
+
+/// Most rows of `x` the GEMV kernel takes (it is instantiated for 1 to 4); more go to cuBLAS.
+pub const GEMV_MAX_M: usize = 4;
+/// Warps (output columns) per GEMV block (`GEMV_WARPS`).
+const GEMV_WARPS: usize = 8;
 
 /// `y[m, n] = x[m, k] · w[n, k]^T (+ bias[n])`, `w` in the HF layout `[out, in]`. `x` and `w`
 /// share a dtype; `y` is in that dtype or f32 (f32 logits from bf16 activations, say); `bias` is
@@ -24,6 +30,36 @@ pub fn linear(
     n: usize,
     bias: Option<GpuView<'_>>,
     y: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    linear_with(gpu, x, m, k, w, n, bias, y, true)
+}
+
+/// [`linear`] through cuBLAS whatever `m` is: the point of comparison of the GEMV kernel.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_cublas(
+    gpu: &Gpu,
+    x: GpuView<'_>,
+    m: usize,
+    k: usize,
+    w: GpuView<'_>,
+    n: usize,
+    bias: Option<GpuView<'_>>,
+    y: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    linear_with(gpu, x, m, k, w, n, bias, y, false)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn linear_with(
+    gpu: &Gpu,
+    x: GpuView<'_>,
+    m: usize,
+    k: usize,
+    w: GpuView<'_>,
+    n: usize,
+    bias: Option<GpuView<'_>>,
+    y: GpuViewMut<'_>,
+    allow_gemv: bool,
 ) -> Result<(), GpuError> {
     assert_eq!(x.len(), m * k, "linear: x has {} elements, expected [m={m}, k={k}]", x.len());
     assert_eq!(w.len(), n * k, "linear: w has {} elements, expected [n={n}, k={k}]", w.len());
@@ -51,7 +87,11 @@ pub fn linear(
         None
     };
     let (acc_ptr, acc_dtype) = scratch.as_ref().map_or((y.ptr(), y.dtype()), |buf| (gpu.index_ptr(buf), DType::F32));
-    gemm(gpu, x, m, k, w, n, acc_ptr, acc_dtype)?;
+    if allow_gemv && gemv_fits(x, m, k, w) {
+        gemv(gpu, x, m, k, w, n, acc_ptr, acc_dtype)?;
+    } else {
+        gemm(gpu, x, m, k, w, n, acc_ptr, acc_dtype)?;
+    }
     if let Some(bias) = bias {
         let (y_ptr, bias_ptr, n_u32) = (y.ptr(), bias.ptr(), to_u32("linear", "n", n));
         let mut launch = gpu.launch_builder("bias_add", y.dtype());
@@ -61,6 +101,56 @@ pub fn linear(
     }
     // The scratch buffer is freed in stream order, after the bias kernel has read it.
     drop(scratch);
+    Ok(())
+}
+
+/// Whether the GEMV kernel takes this product: few rows, and rows of whole 16-byte chunks at
+/// 16-byte aligned addresses.
+fn gemv_fits(x: GpuView<'_>, m: usize, k: usize, w: GpuView<'_>) -> bool {
+    (1..=GEMV_MAX_M).contains(&m)
+        && k > 0
+        && k.is_multiple_of(8)
+        && x.ptr().is_multiple_of(16)
+        && w.ptr().is_multiple_of(16)
+}
+
+/// `out[m, n] = x[m, k] · w[n, k]^T` through the GEMV kernel (`gemv_fits` holds).
+#[allow(clippy::too_many_arguments)]
+fn gemv(
+    gpu: &Gpu,
+    x: GpuView<'_>,
+    m: usize,
+    k: usize,
+    w: GpuView<'_>,
+    n: usize,
+    out_ptr: u64,
+    out_dtype: DType,
+) -> Result<(), GpuError> {
+    let to_f32 = out_dtype == DType::F32 && x.dtype() != DType::F32;
+    let kernel = match (m, to_f32) {
+        (1, false) => "gemv_m1",
+        (2, false) => "gemv_m2",
+        (3, false) => "gemv_m3",
+        (4, false) => "gemv_m4",
+        (1, true) => "gemv_m1_to_f32",
+        (2, true) => "gemv_m2_to_f32",
+        (3, true) => "gemv_m3_to_f32",
+        (4, true) => "gemv_m4_to_f32",
+        _ => unreachable!("gemv_fits admits 1..={GEMV_MAX_M} rows"),
+    };
+    let (x_ptr, w_ptr) = (x.ptr(), w.ptr());
+    let (k_u32, n_u32) = (to_u32("linear", "k", k), to_u32("linear", "n", n));
+    let cfg = LaunchConfig {
+        grid_dim: (to_u32("linear", "GEMV blocks", n.div_ceil(GEMV_WARPS)), 1, 1),
+        block_dim: (GEMV_WARPS as u32 * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.launch_builder(kernel, x.dtype());
+    launch.arg(&x_ptr).arg(&w_ptr).arg(&out_ptr).arg(&k_u32).arg(&n_u32);
+    // SAFETY: the arguments match the kernel's parameters; x holds m rows of k, w n rows of k,
+    // out m rows of n in the kernel's output type, and the kernel's alignment needs hold
+    // (`gemv_fits`).
+    unsafe { launch.launch(cfg) }?;
     Ok(())
 }
 

@@ -1,7 +1,7 @@
 //! The row-wise ops: embedding lookup, RMSNorm (plain, fused with the residual add, and per
 //! head), the q/k/v split, the gated activations and the row gather. One block per row.
 
-use cudarc::driver::{DevicePtr, PushKernelArg};
+use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::gpu::{rows_config, to_u32};
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
@@ -196,8 +196,15 @@ fn act_and_mul(
     let (gu_ptr, out_ptr, inter_u32) = (gate_up.ptr(), out.ptr(), to_u32(op, "inter", inter));
     let mut launch = gpu.launch_builder(op, out.dtype());
     launch.arg(&gu_ptr).arg(&out_ptr).arg(&inter_u32);
+    // Blocks of 256 columns, up to 64 per row; fewer per row for a large batch.
+    let chunks = inter.div_ceil(256).min(64).min(4096usize.div_ceil(rows)).max(1);
+    let cfg = LaunchConfig {
+        grid_dim: (to_u32(op, "rows", rows), chunks as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
     // SAFETY: the arguments match the kernel's parameters; both buffers hold `rows` rows.
-    unsafe { launch.launch(rows_config(rows, inter)) }?;
+    unsafe { launch.launch(cfg) }?;
     Ok(())
 }
 

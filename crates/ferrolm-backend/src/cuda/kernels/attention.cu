@@ -222,7 +222,7 @@ FOR_EACH_DTYPE(PAGED_ATTENTION)
 // output accumulators) over the keys it visits; the states are merged at the end, with shuffles
 // inside a warp and through shared memory across warps. With one partition the block writes the
 // normalized output; with several it writes its unnormalized output and (max, sum) to the
-// workspace for `paged_attention_combine`.
+// workspace, and the last block of the token's partitions merges them (`decode_finish`).
 
 #define DECODE_WARPS 4
 // Keys of a tile, in DECODE_PASSES passes of DECODE_WARPS * (256 / head_dim) keys (one per
@@ -234,10 +234,14 @@ FOR_EACH_DTYPE(PAGED_ATTENTION)
 
 // The slot of key `key` in the cache, or -1 for a block id past the cache (whose rows read as
 // zeros, as in the general kernel).
+// Block sizes are powers of two in practice (16 by default): then a shift and a mask.
 __device__ __forceinline__ long long decode_slot(const u32* table, u32 key, u32 block_size, u32 num_blocks) {
-    const u32 block = table[key / block_size];
+    const bool pow2 = (block_size & (block_size - 1)) == 0;
+    const u32 index = pow2 ? key >> (__ffs(block_size) - 1) : key / block_size;
+    const u32 offset = pow2 ? key & (block_size - 1) : key % block_size;
+    const u32 block = table[index];
     if (block >= num_blocks) return -1;
-    return (long long)block * block_size + key % block_size;
+    return (long long)block * block_size + offset;
 }
 
 // The request that owns row `t`: the last r with query_start_loc[r] <= t, past requests with
@@ -287,20 +291,62 @@ template <typename T> __device__ __forceinline__ void unpack8(const Raw8<T>& r, 
     }
 }
 
-// The factor that moves online-softmax state kept against max `m` to max `m_new >= m` (0 for
-// state that has seen no key yet).
-__device__ __forceinline__ float merge_scale(float m, float m_new) { return m == NEG_INF ? 0.f : expf(m - m_new); }
+// Scores are kept in base 2 (the query is pre-scaled by log2(e)), so that each exponential is
+// one exp2. The factor that moves online-softmax state kept against max `m` to max `m_new >= m`
+// (0 for state that has seen no key yet).
+__device__ __forceinline__ float merge_scale(float m, float m_new) { return m == NEG_INF ? 0.f : exp2f(m - m_new); }
+
+// With several partitions, the block that finishes last among those of its (token, head block)
+// merges their partial results into `out`: out = sum_p 2^(m_p - M) o_p / sum_p 2^(m_p - M) l_p
+// with M the largest m_p, skipping partitions with a max of -inf (they saw no keys and wrote no
+// o_p). `counters[blockIdx.x]` counts the finished partitions and is left at 0 for the next
+// launch. Every thread of the block calls this after its partial results are written.
+template <typename T>
+__device__ __forceinline__ void decode_finish(const float* part_out, const float* part_ml, T* out, u32* counters,
+                                              u32 t, u32 head0, u32 nh, u32 num_heads, u32 D, u32 num_parts) {
+    __shared__ u32 is_last;
+    // This block's partial results are visible to every block before it counts itself.
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u32 done = atomicAdd(&counters[blockIdx.x], 1u) + 1;
+        is_last = done == num_parts;
+        if (done == num_parts) counters[blockIdx.x] = 0;
+    }
+    __syncthreads();
+    if (!is_last) return;
+    __threadfence();
+    for (u32 e = threadIdx.x; e < nh * D; e += blockDim.x) {
+        const u32 g = e / D, d = e % D;
+        const u64 row = (u64)t * num_heads + head0 + g;
+        const float* ml = part_ml + row * num_parts * 2;
+        float m = NEG_INF;
+        for (u32 p = 0; p < num_parts; p++) m = fmaxf(m, __ldcg(ml + p * 2));
+        float o = 0.f, l = 0.f;
+        for (u32 p = 0; p < num_parts; p++) {
+            const float mp = __ldcg(ml + p * 2);
+            if (mp == NEG_INF) continue;
+            const float w = exp2f(mp - m);
+            l += w * __ldcg(ml + p * 2 + 1);
+            o += w * __ldcg(part_out + (row * num_parts + p) * D + d);
+        }
+        out[row * D + d] = from_float<T>(o / l);
+    }
+}
 
 // Copies keys [k0, k0 + nk) of the partition (those below `end`) into one ring slot: K and V,
 // each [nk, head_dim]; keys at or past `end` and rows of blocks past the cache are zero-filled.
+// A row is D / (16 / sizeof(T)) 16-byte chunks, a power of two that divides the block size, so
+// each thread copies the same chunk of every (blockDim.x / chunks)-th row.
 template <typename T>
 __device__ __forceinline__ void decode_copy_tile(T* k_s, T* v_s, const T* k_cache, const T* v_cache,
                                                  const u32* table, u32 k0, u32 nk, u32 end, u32 D, u32 kv_width,
                                                  u32 col0, u32 block_size, u32 num_blocks) {
     const u32 per_chunk = 16 / sizeof(T);  // elements per 16-byte copy
     const u32 chunks_per_row = D / per_chunk;
-    for (u32 c = threadIdx.x; c < nk * chunks_per_row; c += blockDim.x) {
-        const u32 j = c / chunks_per_row, e = (c % chunks_per_row) * per_chunk;
+    const u32 row_step = blockDim.x / chunks_per_row;
+    const u32 e = (threadIdx.x % chunks_per_row) * per_chunk;
+    for (u32 j = threadIdx.x / chunks_per_row; j < nk; j += row_step) {
         const u32 key = k0 + j;
         const long long slot = key < end ? decode_slot(table, key, block_size, num_blocks) : -1;
         const u64 at = slot < 0 ? 0 : (u64)slot * kv_width + col0 + e;
@@ -310,15 +356,18 @@ __device__ __forceinline__ void decode_copy_tile(T* k_s, T* v_s, const T* k_cach
 }
 
 // q, out: [T, num_heads, head_dim]; part_out: [T, num_heads, num_parts, head_dim] f32;
-// part_ml: [T, num_heads, num_parts, 2] f32 (max and sum of exp); both unused with one partition.
-// Grid: (T, num_kv_heads * head_chunks, num_parts), DECODE_WARPS warps. head_dim / 8 must be a
-// power of two of at most 32. Partition p covers keys [begin + p * part_len, begin + (p + 1) *
-// part_len) of the visible range, and the last partition everything past that.
+// part_ml: [T, num_heads, num_parts, 2] f32 (base-2 max and sum of exp2); counters: [T * num_kv_heads *
+// head_chunks] u32, all 0 (and left so); the three unused with one partition.
+// Grid: (T * num_kv_heads * head_chunks, num_parts), head blocks fastest; DECODE_WARPS warps.
+// head_dim / 8 must be a power of two of at most 32. Partition p covers keys [begin + p *
+// part_len, begin + (p + 1) * part_len) of the visible range, and the last partition everything
+// past that.
 // Shared memory: the ring, DECODE_STAGES * 2 * DECODE_TILE_ELEMS elements of T; after the loop
 // the same bytes hold red_s [DECODE_WARPS, G, head_dim] and ml_s [DECODE_WARPS, G, 2] (f32).
 template <typename T, int G>
 __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, T* out,
-                                                  float* part_out, float* part_ml, const u32* query_start_loc,
+                                                  float* part_out, float* part_ml, u32* counters,
+                                                  const u32* query_start_loc,
                                                   const u32* seq_lens, const u32* block_tables, u32 num_reqs,
                                                   u32 num_heads, u32 num_kv_heads, u32 head_dim,
                                                   u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window,
@@ -331,11 +380,15 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
     const u32 sub = lane / L, li = lane % L;
     const u32 group = num_heads / num_kv_heads;
     const u32 head_chunks = (group + G - 1) / G;
-    const u32 kv_head = blockIdx.y / head_chunks;
-    const u32 head0 = kv_head * group + (blockIdx.y % head_chunks) * G;
+    // Blocks of one token's heads are consecutive, so that blocks resident together read whole
+    // cache rows (all KV heads of the same keys) rather than one head's slice of many rows.
+    const u32 heads_total = num_kv_heads * head_chunks;
+    const u32 t = blockIdx.x / heads_total, head_block = blockIdx.x % heads_total;
+    const u32 kv_head = head_block / head_chunks;
+    const u32 head0 = kv_head * group + (head_block % head_chunks) * G;
     const u32 nh = min((u32)G, kv_head * group + group - head0);
     const u32 kv_width = num_kv_heads * D;
-    const u32 t = blockIdx.x, part = blockIdx.z, num_parts = gridDim.z;
+    const u32 part = blockIdx.y, num_parts = gridDim.y;
     const u32 tile_keys = DECODE_TILE_ELEMS / D;
     const u32 pass_keys = DECODE_WARPS * kpw;
 
@@ -352,12 +405,13 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
     const u32* table = block_tables + (u64)r * max_blocks_per_seq;
 
     if (start >= end) {
-        // Nothing to see in this partition: the combine step skips a max of -inf.
+        // Nothing to see in this partition: the merge skips a max of -inf.
         if (threadIdx.x < nh) {
             const u64 at = ((u64)t * num_heads + head0 + threadIdx.x) * num_parts + part;
             part_ml[at * 2] = NEG_INF;
             part_ml[at * 2 + 1] = 0.f;
         }
+        decode_finish(part_out, part_ml, out, counters, t, head0, nh, num_heads, D, num_parts);
         return;
     }
     const u32 num_tiles = (end - start + tile_keys - 1) / tile_keys;
@@ -374,13 +428,15 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
         cp_async_commit();
     }
 
-    // This lane's 8 elements of each head's query, pre-scaled; heads past nh stay zero.
+    // This lane's 8 elements of each head's query, pre-scaled (by log2(e) too: base-2 scores);
+    // heads past nh stay zero.
+    const float q_scale = scale * 1.4426950408889634f;
     float qr[G][8];
 #pragma unroll
     for (int g = 0; g < G; g++) {
 #pragma unroll
         for (int i = 0; i < 8; i++) {
-            qr[g][i] = (u32)g < nh ? to_float(q[((u64)t * num_heads + head0 + g) * D + li * 8 + i]) * scale : 0.f;
+            qr[g][i] = (u32)g < nh ? to_float(q[((u64)t * num_heads + head0 + g) * D + li * 8 + i]) * q_scale : 0.f;
         }
     }
     float acc[G][8], m[G], l[G];
@@ -422,7 +478,10 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
                 float dot = 0.f;
 #pragma unroll
                 for (int i = 0; i < 8; i++) dot = fmaf(qr[g][i], kx[i], dot);
-                for (u32 o = L / 2; o > 0; o >>= 1) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+#pragma unroll
+                for (int o = 16; o > 0; o >>= 1) {
+                    if ((u32)o < L) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+                }
                 s[u][g] = k0 + j < end ? dot : NEG_INF;
             }
         }
@@ -447,7 +506,7 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
             unpack8(vr, vx);
 #pragma unroll
             for (int g = 0; g < G; g++) {
-                const float p = s[u][g] == NEG_INF ? 0.f : expf(s[u][g] - m[g]);
+                const float p = s[u][g] == NEG_INF ? 0.f : exp2f(s[u][g] - m[g]);
                 l[g] += p;
 #pragma unroll
                 for (int i = 0; i < 8; i++) acc[g][i] = fmaf(p, vx[i], acc[g][i]);
@@ -463,7 +522,9 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
     // Merge the sub-groups of the warp (lanes li, li + L, li + 2L, ...), then the warps.
 #pragma unroll
     for (int g = 0; g < G; g++) {
-        for (u32 o = L; o < 32; o <<= 1) {
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            if ((u32)o < L) continue;
             const float m2 = __shfl_xor_sync(0xffffffffu, m[g], o);
             const float l2 = __shfl_xor_sync(0xffffffffu, l[g], o);
             const float m_new = fmaxf(m[g], m2);
@@ -512,17 +573,18 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
             }
         }
     }
+    if (num_parts > 1) decode_finish(part_out, part_ml, out, counters, t, head0, nh, num_heads, D, num_parts);
 }
 
 // MINB: blocks per SM the register budget is set for (3, as the bf16 ring of 64 KiB allows, leaves
 // G <= 4 about 168 registers, with no spills; G = 8 holds twice the state and gets 2).
 #define PAGED_DECODE(T, S, G, MINB) \
     extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32, MINB) paged_attention_decode_g##G##_##S( \
-        const T* q, const T* k_cache, const T* v_cache, T* out, float* part_out, float* part_ml, \
+        const T* q, const T* k_cache, const T* v_cache, T* out, float* part_out, float* part_ml, u32* counters, \
         const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, u32 num_reqs, u32 num_heads, \
         u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, \
         float scale, u32 part_len) { \
-        paged_decode_impl<T, G>(q, k_cache, v_cache, out, part_out, part_ml, query_start_loc, seq_lens, \
+        paged_decode_impl<T, G>(q, k_cache, v_cache, out, part_out, part_ml, counters, query_start_loc, seq_lens, \
                                 block_tables, num_reqs, num_heads, num_kv_heads, head_dim, max_blocks_per_seq, \
                                 block_size, num_blocks, window, scale, part_len); \
     }
@@ -534,33 +596,3 @@ FOR_EACH_DTYPE(PAGED_DECODE_G1)
 FOR_EACH_DTYPE(PAGED_DECODE_G2)
 FOR_EACH_DTYPE(PAGED_DECODE_G4)
 FOR_EACH_DTYPE(PAGED_DECODE_G8)
-
-// Merges the partitions of each (token, head): out = sum_p e^(m_p - M) o_p / sum_p e^(m_p - M) l_p
-// with M the largest m_p; partitions with a max of -inf saw no keys and are skipped (their o_p
-// was never written). Grid: (T, num_heads); any multiple of 32 threads.
-template <typename T>
-__device__ __forceinline__ void paged_combine_impl(const float* part_out, const float* part_ml, T* out,
-                                                   u32 num_heads, u32 head_dim, u32 num_parts) {
-    const u64 row = (u64)blockIdx.x * num_heads + blockIdx.y;
-    const float* ml = part_ml + row * num_parts * 2;
-    float m = NEG_INF;
-    for (u32 p = 0; p < num_parts; p++) m = fmaxf(m, ml[p * 2]);
-    for (u32 d = threadIdx.x; d < head_dim; d += blockDim.x) {
-        float o = 0.f, l = 0.f;
-        for (u32 p = 0; p < num_parts; p++) {
-            const float mp = ml[p * 2];
-            if (mp == NEG_INF) continue;
-            const float w = expf(mp - m);
-            l += w * ml[p * 2 + 1];
-            o += w * part_out[(row * num_parts + p) * head_dim + d];
-        }
-        out[row * head_dim + d] = from_float<T>(o / l);
-    }
-}
-
-#define PAGED_COMBINE(T, S) \
-    extern "C" __global__ void paged_attention_combine_##S(const float* part_out, const float* part_ml, T* out, \
-                                                           u32 num_heads, u32 head_dim, u32 num_parts) { \
-        paged_combine_impl<T>(part_out, part_ml, out, num_heads, head_dim, num_parts); \
-    }
-FOR_EACH_DTYPE(PAGED_COMBINE)

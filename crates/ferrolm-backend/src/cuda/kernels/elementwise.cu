@@ -1,5 +1,6 @@
 // Row-wise copies and element-wise ops: embedding lookup, the q/k/v split, gated activations,
-// bias add and row gather. One block per row; threads stride over the row's columns.
+// bias add and row gather. One block per row (gated activations: a few) and threads striding
+// over the row's columns.
 
 // ids: [T]; table: [vocab, hidden]; out: [T, hidden] (in T, or f32 for an f32 residual
 // stream). An id past the table gives a zero row (callers check ids against the vocabulary;
@@ -63,12 +64,14 @@ __device__ __forceinline__ float gelu_tanh(float x) {
     return 0.5f * x * (1.f + tanhf(sqrt_2_over_pi * (x + 0.044715f * x * x * x)));
 }
 
-// gate_up: [rows, 2 * inter] (gate columns, then up columns); out: [rows, inter].
+// gate_up: [rows, 2 * inter] (gate columns, then up columns); out: [rows, inter]. Grid:
+// (rows, column chunks): a row is spread over blocks, so that one row (a decode step at batch 1)
+// still runs on many SMs.
 #define ACT_AND_MUL(NAME, ACT, T, S) \
     extern "C" __global__ void NAME##_##S(const T* gate_up, T* out, u32 inter) { \
         const u64 r = blockIdx.x; \
         const T* gate = gate_up + r * 2 * inter; \
-        for (u32 j = threadIdx.x; j < inter; j += blockDim.x) { \
+        for (u32 j = blockIdx.y * blockDim.x + threadIdx.x; j < inter; j += gridDim.y * blockDim.x) { \
             out[r * inter + j] = from_float<T>(ACT(to_float(gate[j])) * to_float(gate[inter + j])); \
         } \
     }

@@ -363,6 +363,14 @@ __device__ u32 draw_in_id_order(u32 vocab, Weight weight, double target, SampleS
     return NO_ID;
 }
 
+// The block's argmax from each thread's best (score, lowest id): the lowest id of the highest
+// score, or NO_ID when every score is -inf.
+__device__ __forceinline__ u32 greedy_reduce(float best, u32 best_id, SampleSmem& sm) {
+    const float top = block_max_f(best, sm);
+    if (top == NEG_INF) return NO_ID;
+    return block_min_u(best == top ? best_id : NO_ID, sm);
+}
+
 // The greedy choice over `score(i)`: the largest, lowest id on ties; NO_ID if all are -inf.
 template <typename Score>
 __device__ u32 greedy_pick(u32 vocab, Score score, SampleSmem& sm) {
@@ -375,9 +383,7 @@ __device__ u32 greedy_pick(u32 vocab, Score score, SampleSmem& sm) {
             best_id = i;
         }
     }
-    const float top = block_max_f(best, sm);
-    if (top == NEG_INF) return NO_ID;
-    return block_min_u(best == top ? best_id : NO_ID, sm);
+    return greedy_reduce(best, best_id, sm);
 }
 
 // The non-greedy choice for the row whose processed scores are in `sc` (overwritten with weights).
@@ -499,20 +505,29 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
     float* sc = p.scratch_row == NO_ID ? nullptr : scratch + (u64)p.scratch_row * vocab;
     SampleOut* o = out + blockIdx.x;
 
-    // Raw statistics, copying the row to the scratch row on the way.
-    float max = NEG_INF;
+    // Raw statistics, copying the row to the scratch row on the way; a greedy row with nothing
+    // to adjust also finds its argmax here.
+    float max = NEG_INF, best = NEG_INF;
+    u32 best_id = NO_ID;
     for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
         const float x = to_float(raw[i]);
         if (sc != nullptr) sc[i] = x;
         if (!isnan(x)) max = fmaxf(max, x);
+        const float s = sanitize(x);
+        if (s != NEG_INF && s > best) {
+            best = s;
+            best_id = i;
+        }
     }
     max = block_max_f(max, sm);
     double ln_sum = 0.0;
     if (isfinite(max)) {
+        // Terms in f32 (x - max <= 0, so each is in [0, 1] to a few ulp), summed in f64: within
+        // 1e-6 of the host's all-f64 sum after the log, at a small part of f64 exp's cost.
         double sum = 0.0;
         for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
             const float x = to_float(raw[i]);
-            if (!isnan(x)) sum += exp((double)x - (double)max);
+            if (!isnan(x)) sum += (double)expf(x - max);
         }
         ln_sum = log(block_sum_d(sum, sm));
     }
@@ -554,7 +569,7 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
         }
         if (p.mode == SAMPLE_GREEDY) {
             token = sc != nullptr ? greedy_pick(vocab, [&](u32 i) { return sanitize(sc[i]); }, sm)
-                                  : greedy_pick(vocab, [&](u32 i) { return sanitize(to_float(raw[i])); }, sm);
+                                  : greedy_reduce(best, best_id, sm);
         } else {
             token = random_pick(vocab, sc, sm, hist_count, hist_sum);
         }

@@ -1,0 +1,104 @@
+//! Times `cuda::linear` for a few rows (the GEMV kernel) next to `cuda::linear_cublas` on the
+//! same inputs, on the projections of the Llama-3.1-8B and Llama-3.2-1B shapes in bf16.
+//!
+//! ```text
+//! cargo build --release -p ferrolm-backend --features cuda --example gemv_bench
+//! target/release/examples/gemv_bench
+//! ```
+//!
+//! Each shape's weights are cycled through in enough copies that one pass is several times the
+//! 50 MB L2 cache, so the reads come from device memory as in a decode step. A line gives the
+//! mean time per call over 64 back-to-back calls (best of 5 such runs) and the weight bytes read
+//! per call over that time.
+
+use cudarc::driver::sys::CUevent_flags;
+use ferrolm_backend::cuda::{self, Gpu, GpuError, GpuTensor};
+use ferrolm_backend::{DType, WeightView};
+use half::bf16;
+
+/// Bytes of weights cycled through per shape.
+const WORKING_SET: usize = 512 << 20;
+const CALLS: usize = 64;
+
+fn main() {
+    let gpu = match Gpu::new(0) {
+        Ok(gpu) => gpu,
+        Err(e) => {
+            eprintln!("no GPU: {e}");
+            return;
+        }
+    };
+    println!("{} (compute capability {:?})", gpu.name(), gpu.compute_capability());
+    println!("{:<34} {:>3} {:>10} {:>10} {:>10} {:>10}", "shape (n x k)", "m", "gemv us", "GB/s", "cublas us", "GB/s");
+    let shapes = [
+        ("8b qkv", 6144, 4096),
+        ("8b o_proj", 4096, 4096),
+        ("8b gate_up", 28672, 4096),
+        ("8b down", 4096, 14336),
+        ("8b lm_head", 128256, 4096),
+        ("1b qkv", 3072, 2048),
+        ("1b o_proj", 2048, 2048),
+        ("1b gate_up", 16384, 2048),
+        ("1b down", 2048, 8192),
+        ("1b lm_head", 128256, 2048),
+    ];
+    for (name, n, k) in shapes {
+        for m in [1, 2, 4] {
+            if let Err(e) = run(&gpu, name, m, n, k) {
+                eprintln!("{name} m={m}: {e}");
+            }
+        }
+    }
+}
+
+fn run(gpu: &Gpu, name: &str, m: usize, n: usize, k: usize) -> Result<(), GpuError> {
+    let bytes = n * k * 2;
+    let copies = WORKING_SET.div_ceil(bytes).clamp(1, 16);
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let mut random = |len: usize| {
+        let data: Vec<bf16> = (0..len)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                bf16::from_f32((seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+            })
+            .collect();
+        GpuTensor::from_weights(gpu, WeightView::BF16(&data), DType::BF16)
+    };
+    let weights = (0..copies).map(|_| random(n * k)).collect::<Result<Vec<_>, _>>()?;
+    let x = random(m * k)?;
+    let out_dtype = if n == 128256 { DType::F32 } else { DType::BF16 };
+    let mut y = GpuTensor::zeros(gpu, out_dtype, m * n)?;
+    let ctx = gpu.stream().context();
+    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    let mut times = [0.0f64; 2];
+    for (slot, lin) in [cuda::linear, cuda::linear_cublas].into_iter().enumerate() {
+        let mut call = |i: usize| lin(gpu, x.view(), m, k, weights[i % copies].view(), n, None, y.view_mut());
+        for i in 0..copies {
+            call(i)?;
+        }
+        let mut best = f64::INFINITY;
+        for _ in 0..5 {
+            start.record(gpu.stream())?;
+            for i in 0..CALLS {
+                call(i)?;
+            }
+            end.record(gpu.stream())?;
+            end.synchronize()?;
+            best = best.min(start.elapsed_ms(&end)? as f64 / 1e3 / CALLS as f64);
+        }
+        times[slot] = best;
+    }
+    let gbs = |s: f64| bytes as f64 / s / 1e9;
+    println!(
+        "{:<34} {m:>3} {:>10.2} {:>10.0} {:>10.2} {:>10.0}",
+        format!("{name} ({n} x {k})"),
+        times[0] * 1e6,
+        gbs(times[0]),
+        times[1] * 1e6,
+        gbs(times[1])
+    );
+    Ok(())
+}
