@@ -300,12 +300,15 @@ __device__ __forceinline__ float merge_scale(float m, float m_new) { return m ==
 // merges their partial results into `out`: out = sum_p 2^(m_p - M) o_p / sum_p 2^(m_p - M) l_p
 // with M the largest m_p, skipping partitions with a max of -inf (they saw no keys and wrote no
 // o_p). `counters[blockIdx.x]` counts the finished partitions and is left at 0 for the next
-// launch. Every thread of the block calls this after its partial results are written.
+// launch. Every thread of the block calls this after its partial results are written; `w_s`
+// (shared, nh * num_parts floats) may overlap whatever the block kept in shared memory before.
 template <typename T>
 __device__ __forceinline__ void decode_finish(const float* part_out, const float* part_ml, T* out, u32* counters,
-                                              u32 t, u32 head0, u32 nh, u32 num_heads, u32 D, u32 num_parts) {
+                                              float* w_s, u32 t, u32 head0, u32 nh, u32 num_heads, u32 D,
+                                              u32 num_parts) {
     __shared__ u32 is_last;
-    // This block's partial results are visible to every block before it counts itself.
+    // This block's partial results are visible to every block before it counts itself, and
+    // every thread is done with the block's shared memory.
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -316,21 +319,38 @@ __device__ __forceinline__ void decode_finish(const float* part_out, const float
     __syncthreads();
     if (!is_last) return;
     __threadfence();
+    // One warp per head: each partition's normalized weight 2^(m_p - M) / sum_q 2^(m_q - M) l_q,
+    // 0 for partitions that saw no keys.
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    for (u32 g = warp; g < nh; g += num_warps) {
+        const float* ml = part_ml + ((u64)t * num_heads + head0 + g) * num_parts * 2;
+        float m = NEG_INF;
+        for (u32 p = lane; p < num_parts; p += 32) m = fmaxf(m, __ldcg(ml + p * 2));
+        m = warp_max(m);
+        float l = 0.f;
+        for (u32 p = lane; p < num_parts; p += 32) {
+            const float mp = __ldcg(ml + p * 2);
+            const float w = mp == NEG_INF ? 0.f : exp2f(mp - m);
+            w_s[g * num_parts + p] = w;
+            l += w * __ldcg(ml + p * 2 + 1);
+        }
+        l = warp_sum(l);
+        __syncwarp();
+        for (u32 p = lane; p < num_parts; p += 32) w_s[g * num_parts + p] /= l;
+    }
+    __syncthreads();
     for (u32 e = threadIdx.x; e < nh * D; e += blockDim.x) {
         const u32 g = e / D, d = e % D;
         const u64 row = (u64)t * num_heads + head0 + g;
-        const float* ml = part_ml + row * num_parts * 2;
-        float m = NEG_INF;
-        for (u32 p = 0; p < num_parts; p++) m = fmaxf(m, __ldcg(ml + p * 2));
-        float o = 0.f, l = 0.f;
+        const float* w = w_s + g * num_parts;
+        const float* o_p = part_out + row * num_parts * D + d;
+        float o = 0.f;
+#pragma unroll 4
         for (u32 p = 0; p < num_parts; p++) {
-            const float mp = __ldcg(ml + p * 2);
-            if (mp == NEG_INF) continue;
-            const float w = exp2f(mp - m);
-            l += w * __ldcg(ml + p * 2 + 1);
-            o += w * __ldcg(part_out + (row * num_parts + p) * D + d);
+            const float wp = w[p];
+            o += wp == 0.f ? 0.f : wp * __ldcg(o_p + (u64)p * D);
         }
-        out[row * D + d] = from_float<T>(o / l);
+        out[row * D + d] = from_float<T>(o);
     }
 }
 
@@ -411,7 +431,8 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
             part_ml[at * 2] = NEG_INF;
             part_ml[at * 2 + 1] = 0.f;
         }
-        decode_finish(part_out, part_ml, out, counters, t, head0, nh, num_heads, D, num_parts);
+        decode_finish(part_out, part_ml, out, counters, reinterpret_cast<float*>(decode_smem), t, head0, nh,
+                      num_heads, D, num_parts);
         return;
     }
     const u32 num_tiles = (end - start + tile_keys - 1) / tile_keys;
@@ -573,7 +594,9 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
             }
         }
     }
-    if (num_parts > 1) decode_finish(part_out, part_ml, out, counters, t, head0, nh, num_heads, D, num_parts);
+    if (num_parts > 1) {
+        decode_finish(part_out, part_ml, out, counters, red_s, t, head0, nh, num_heads, D, num_parts);
+    }
 }
 
 // MINB: blocks per SM the register budget is set for (3, as the bf16 ring of 64 KiB allows, leaves
