@@ -24,7 +24,6 @@ mod error;
 mod flash_attention;
 mod gpu;
 mod linear;
-mod logits;
 mod ops;
 mod rope;
 mod sampling;
@@ -36,7 +35,6 @@ pub use error::GpuError;
 pub use flash_attention::AttentionWork;
 pub use gpu::{Gpu, GpuGraph};
 pub use linear::{linear, linear_cublas, GEMV_MAX_M};
-pub use logits::{argmax_logsumexp, argmax_logsumexp_into, RowArgmax};
 pub use ops::{
     add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, split_qkv,
 };

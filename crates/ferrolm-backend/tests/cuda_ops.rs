@@ -938,63 +938,6 @@ fn linear_of_a_row_range_writes_only_those_rows() -> Result<(), GpuError> {
     Ok(())
 }
 
-/// `(argmax, max, ln(sum(exp(l - max))))` over the non-NaN, non-`-inf` logits, in f64.
-fn reference_argmax(row: &[f32]) -> (Option<u32>, f32, f64) {
-    let mut best: Option<(u32, f32)> = None;
-    for (i, &l) in row.iter().enumerate() {
-        if l.is_nan() || l == f32::NEG_INFINITY {
-            continue;
-        }
-        if best.is_none_or(|(_, b)| l > b) {
-            best = Some((i as u32, l));
-        }
-    }
-    let Some((id, max)) = best else { return (None, f32::NEG_INFINITY, 0.0) };
-    let sum: f64 = row.iter().filter(|l| !l.is_nan()).map(|&l| (l as f64 - max as f64).exp()).sum();
-    (Some(id), max, sum.ln())
-}
-
-#[test]
-fn argmax_logsumexp_matches_host() -> Result<(), GpuError> {
-    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
-    let mut rng = rng(15);
-    let vocab = 151_936;
-    let rows = 5;
-    let mut logits = random_vec(&mut rng, rows * vocab, 10.0);
-    // Row 1: a tie, won by the lower id.
-    logits[vocab + 40_000] = 25.0;
-    logits[vocab + 100] = 25.0;
-    // Row 2: masked and NaN entries, the largest masked.
-    for i in (0..vocab).step_by(3) {
-        logits[2 * vocab + i] = f32::NEG_INFINITY;
-    }
-    logits[2 * vocab + 7] = f32::NAN;
-    // Row 3: nothing to pick.
-    logits[3 * vocab..4 * vocab].fill(f32::NEG_INFINITY);
-    // Row 4: large logits, where `max - logsumexp` would lose bits.
-    logits[4 * vocab..].iter_mut().for_each(|l| *l += 1.0e4);
-    for dtype in [DType::F32, DType::BF16] {
-        let (logits_dev, stored) = upload(&gpu, &logits, dtype)?;
-        let got = cuda::argmax_logsumexp(&gpu, logits_dev.view(), vocab)?;
-        assert_eq!(got.len(), rows);
-        for (r, g) in got.iter().enumerate() {
-            let (id, max, ln_sum) = reference_argmax(&stored[r * vocab..][..vocab]);
-            assert_eq!(g.token_id, id, "{dtype:?} row {r}");
-            assert_eq!(g.max, max, "{dtype:?} row {r}");
-            if id.is_some() {
-                let lse = max as f64 + ln_sum;
-                assert!((g.logsumexp as f64 - lse).abs() <= 1e-6 * lse.abs().max(1.0), "{dtype:?} row {r}: {g:?}");
-                let logprob_err = (g.token_logprob as f64 + ln_sum).abs();
-                assert!(logprob_err <= 2e-5 * ln_sum.abs().max(1.0), "{dtype:?} row {r}: {g:?} vs {ln_sum}");
-            } else {
-                assert_eq!(g.logsumexp, f32::NEG_INFINITY, "row {r}");
-            }
-        }
-        assert_eq!(got[1].token_id, Some(100));
-    }
-    Ok(())
-}
-
 // ---------------------------------------------------------------------------------------------
 // Sampling: `GpuSampler` against the host definition of each row's answer, `RowRequest::apply`.
 
@@ -1166,6 +1109,55 @@ fn sampling_matches_the_host_sampler() -> Result<(), GpuError> {
     }
     // bf16 logits: coarse values, so ties everywhere.
     check_sampling_launch(&gpu, &mut sampler, &mut rng, 32_001, 24, DType::BF16)?;
+    Ok(())
+}
+
+/// Greedy rows with nothing to adjust (the sampler finds their argmax in its first pass) at a
+/// 151,936-token vocabulary: a tie far apart (won by the lower id), masked and NaN entries, a row
+/// with nothing to pick, and logits near 1e4 (where `max - logsumexp` would lose bits), with and
+/// without top logprobs.
+#[test]
+fn greedy_sampling_edges_match_the_host() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(15);
+    let mut sampler = cuda::GpuSampler::new();
+    let vocab = 151_936;
+    let rows = 5;
+    let mut logits = random_vec(&mut rng, rows * vocab, 10.0);
+    logits[vocab + 40_000] = 25.0;
+    logits[vocab + 100] = 25.0;
+    for i in (0..vocab).step_by(3) {
+        logits[2 * vocab + i] = f32::NEG_INFINITY;
+    }
+    logits[2 * vocab + 7] = f32::NAN;
+    logits[3 * vocab..4 * vocab].fill(f32::NEG_INFINITY);
+    logits[4 * vocab..].iter_mut().for_each(|l| *l += 1.0e4);
+    let plans: Vec<SamplePlan> = (0..rows)
+        .map(|r| SamplePlan {
+            greedy: true,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            u: 0.0,
+            num_top_logprobs: [0, 5][r % 2],
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            adjusts: Vec::new(),
+        })
+        .collect();
+    let requests: Vec<RowRequest> = plans.iter().map(RowRequest::Sample).collect();
+    for dtype in [DType::F32, DType::BF16] {
+        let (dev, stored) = upload(&gpu, &logits, dtype)?;
+        let got = sampler.sample(&gpu, dev.view(), vocab, &requests)?;
+        for (r, (req, g)) in requests.iter().zip(&got).enumerate() {
+            let want = req.apply(&stored[r * vocab..][..vocab]);
+            assert_same_answer(g, &want, &format!("{dtype:?} greedy row {r}"));
+        }
+        assert_eq!(got[1].as_ref().map(|t| t.token), Some(100), "{dtype:?}: the tie goes to the lower id");
+        assert!(got[3].is_none(), "{dtype:?}: a row of -inf has nothing to pick");
+    }
     Ok(())
 }
 

@@ -39,7 +39,6 @@ const KERNELS: &[&str] = &[
     "paged_attention_decode_g2",
     "paged_attention_decode_g4",
     "paged_attention_decode_g8",
-    "argmax_logsumexp",
     "sample_rows",
     "gemv_m1",
     "gemv_m2",
