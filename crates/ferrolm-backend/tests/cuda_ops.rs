@@ -1132,21 +1132,7 @@ fn greedy_sampling_edges_match_the_host() -> Result<(), GpuError> {
     logits[2 * vocab + 7] = f32::NAN;
     logits[3 * vocab..4 * vocab].fill(f32::NEG_INFINITY);
     logits[4 * vocab..].iter_mut().for_each(|l| *l += 1.0e4);
-    let plans: Vec<SamplePlan> = (0..rows)
-        .map(|r| SamplePlan {
-            greedy: true,
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            u: 0.0,
-            num_top_logprobs: [0, 5][r % 2],
-            repetition_penalty: 1.0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            adjusts: Vec::new(),
-        })
-        .collect();
+    let plans: Vec<SamplePlan> = (0..rows).map(|r| SamplePlan::greedy([0, 5][r % 2])).collect();
     let requests: Vec<RowRequest> = plans.iter().map(RowRequest::Sample).collect();
     for dtype in [DType::F32, DType::BF16] {
         let (dev, stored) = upload(&gpu, &logits, dtype)?;

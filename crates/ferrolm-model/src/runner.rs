@@ -101,19 +101,7 @@ mod tests {
     #[test]
     fn each_row_gets_its_own_request() {
         let logits = [1.0, 3.0, 2.0, f32::NAN, f32::NEG_INFINITY, f32::NEG_INFINITY, 5.0, 4.0, 6.0];
-        let greedy = SamplePlan {
-            greedy: true,
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            u: 0.0,
-            num_top_logprobs: 1,
-            repetition_penalty: 1.0,
-            frequency_penalty: 0.0,
-            presence_penalty: 0.0,
-            adjusts: Vec::new(),
-        };
+        let greedy = SamplePlan::greedy(1);
         let rows =
             [RowRequest::Sample(&greedy), RowRequest::Sample(&greedy), RowRequest::Logprobs { token: 7, num_top: 2 }];
         let got = apply_rows(&logits, 3, &rows);

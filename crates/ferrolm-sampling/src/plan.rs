@@ -54,6 +54,23 @@ pub struct SamplePlan {
 }
 
 impl SamplePlan {
+    /// Argmax with the `num_top_logprobs` highest logprobs, nothing adjusted.
+    pub fn greedy(num_top_logprobs: usize) -> SamplePlan {
+        SamplePlan {
+            greedy: true,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            u: 0.0,
+            num_top_logprobs,
+            repetition_penalty: 1.0,
+            frequency_penalty: 0.0,
+            presence_penalty: 0.0,
+            adjusts: Vec::new(),
+        }
+    }
+
     /// The token this step picks from `logits` (the model's raw row), with its raw logprob and
     /// the top logprobs; `None` when no token is left to pick (every score `-inf` or NaN).
     // logits: [vocab]
