@@ -8,7 +8,7 @@
 # BIN_DIR (default .device-carry) holds `ferrolm` (built with --features cuda), `cuda_ops` and
 # `runner` (the test binaries), and optionally `attention_bench` and `gemv_bench` (the attention
 # and GEMV kernels alone).
-# `quick` skips the 8B throughput runs. With PEER=1 the same workloads also run through HF
+# `quick` skips the 8B throughput runs (`full` includes a 1000-request run of about 3 minutes). With PEER=1 the same workloads also run through HF
 # transformers (tools/peer_hf.py; needs torch and transformers).
 # Results (test logs, bench JSON) go to $OUT (default: a new temporary directory).
 set -u
@@ -103,6 +103,10 @@ if [ "$MODE" = full ]; then
         --max-num-seqs 256 --max-num-batched-tokens 8192 --temperature 0.8
     bench "llama-3.1-8b 64 x (512+256)" l8b-throughput-64.json throughput --model-config bench-configs/llama-3.1-8b.json \
         --num-prompts 64 --input-len 512 --output-len 256 --max-num-seqs 256 --max-num-batched-tokens 8192
+    # Issue 7's large row: 1000 requests of 1000 + 1000 tokens submitted at once (~3 minutes).
+    BENCH_TIMEOUT=${LARGE_BENCH_TIMEOUT:-420} bench "llama-3.1-8b 1000 x (1000+1000)" l8b-throughput-1000.json \
+        throughput --model-config bench-configs/llama-3.1-8b.json --num-prompts 1000 --input-len 1000 \
+        --output-len 1000 --max-num-seqs 256 --max-num-batched-tokens 8192
 fi
 if [ "${PEER:-0}" = 1 ]; then
     peer "HF llama-3.2-1b latency 128+256" hf-l1b-latency.json latency --model-config bench-configs/llama-3.2-1b.json \
