@@ -8,8 +8,9 @@
 # BIN_DIR (default .device-carry) holds `ferrolm` (built with --features cuda), `cuda_ops` and
 # `runner` (the test binaries), and optionally `attention_bench` and `gemv_bench` (the attention
 # and GEMV kernels alone).
-# `quick` skips the 8B throughput runs (`full` includes a 1000-request run of about 3 minutes). With PEER=1 the same workloads also run through HF
-# transformers (tools/peer_hf.py; needs torch and transformers).
+# `quick` skips the 8B throughput runs (`full` includes a 1000-request run of about 3 minutes).
+# With PEER=1 the same workloads also run through HF transformers (tools/peer_hf.py; needs torch
+# and transformers).
 # Results (test logs, bench JSON) go to $OUT (default: a new temporary directory).
 set -u
 BIN=${1:-.device-carry}
