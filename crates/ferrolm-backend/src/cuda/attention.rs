@@ -17,7 +17,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::flash_attention::{self, AttentionWork};
-use super::gpu::{rows_config, to_u32, DECODE_COUNTERS};
+use super::gpu::{rows_config, to_u32};
 use super::ops::same_dtype;
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
 
@@ -37,8 +37,9 @@ const DECODE_TILE_ELEMS: usize = 4096;
 /// Tiles in the decode kernel's ring of K/V copies (`DECODE_STAGES`).
 const DECODE_STAGES: usize = 4;
 /// Decode blocks wanted per launch: a few per SM of a large GPU (132 on an H200), so that short
-/// batches still fill the device.
-const DECODE_TARGET_BLOCKS: usize = 512;
+/// batches still fill the device. The context is split only for fewer (token, head block)
+/// pairs than this, so it is also the number of merge counters the `Gpu` keeps.
+pub(crate) const DECODE_TARGET_BLOCKS: usize = 512;
 /// Fewest keys per partition: below this a block's fixed cost outweighs its loads.
 const DECODE_MIN_PART: usize = 32;
 /// Most partitions per (token, head); bounds the workspace and the combine step.
@@ -299,8 +300,8 @@ fn paged_decode(
     let shared = decode_shared_bytes(q.dtype().size_in_bytes(), g, head_dim);
     let head_blocks = num_tokens * num_kv_heads * split.head_chunks;
     assert!(
-        num_parts == 1 || head_blocks <= DECODE_COUNTERS,
-        "paged_attention: {head_blocks} head blocks split into partitions, more than the {DECODE_COUNTERS} counters"
+        num_parts == 1 || head_blocks <= DECODE_TARGET_BLOCKS,
+        "paged_attention: {head_blocks} head blocks split into partitions, more than the {DECODE_TARGET_BLOCKS} counters"
     );
     let cfg = LaunchConfig {
         grid_dim: (

@@ -13,6 +13,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+use super::attention;
 use super::compile;
 use super::flash_attention;
 use super::GpuError;
@@ -60,11 +61,6 @@ const LARGE_SHARED_KERNELS: &[&str] = &[
     "sample_rows",
 ];
 
-/// Counters of the decode attention kernel's partition merge, one per (token, head block) of a
-/// launch with several partitions (which the kernel's work split only makes for fewer blocks
-/// than this; see cuda/attention.rs).
-pub(crate) const DECODE_COUNTERS: usize = 512;
-
 /// cuBLAS's workspace, set once so that GEMMs inside a captured graph allocate nothing.
 const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
 
@@ -89,8 +85,9 @@ pub struct Gpu {
     blas: CudaBlas,
     /// Held for the handle's lifetime (see [`BLAS_WORKSPACE_BYTES`]).
     _blas_workspace: CudaSlice<u8>,
-    /// `[DECODE_COUNTERS]`, zero between launches: allocated once, so that captured graphs
-    /// keep a valid address.
+    /// The decode attention kernel's partition-merge counters, one per (token, head block) of a
+    /// split launch (`attention::DECODE_TARGET_BLOCKS`, more than a split launch has), zero
+    /// between launches: allocated once, so that captured graphs keep a valid address.
     decode_counters: CudaSlice<u32>,
     kernels: HashMap<(&'static str, DType), CudaFunction>,
     name: String,
@@ -175,7 +172,7 @@ impl Gpu {
                 kernels.insert((name, dtype), f);
             }
         }
-        let decode_counters = stream.alloc_zeros::<u32>(DECODE_COUNTERS)?;
+        let decode_counters = stream.alloc_zeros::<u32>(attention::DECODE_TARGET_BLOCKS)?;
         Ok(Gpu {
             name: ctx.name()?,
             compute_capability: (major as u32, minor as u32),
@@ -272,7 +269,7 @@ impl Gpu {
         Ok(*self.blas.handle())
     }
 
-    /// The decode attention kernel's merge counters (`[DECODE_COUNTERS]`, zero between launches).
+    /// The decode attention kernel's merge counters (zero between launches).
     pub(crate) fn decode_counters(&self) -> &CudaSlice<u32> {
         &self.decode_counters
     }

@@ -1,5 +1,6 @@
 //! `linear`: `y = x · w^T (+ bias)` with f32 accumulation, through our GEMV kernel
-//! (`kernels/gemv.cu`) for up to [`GEMV_MAX_M`] rows and through cuBLAS otherwise.
+//! (`kernels/gemv.cu`) for one row, or up to [`GEMV_MAX_M`] rows of a small matrix, and through
+//! cuBLAS otherwise.
 
 use std::ffi::c_void;
 

@@ -1,5 +1,6 @@
 //! The row-wise ops: embedding lookup, RMSNorm (plain, fused with the residual add, and per
-//! head), the q/k/v split, the gated activations and the row gather. One block per row.
+//! head), the q/k/v split, the gated activations and the row gather. One block per row (the
+//! gated activations: a row spread over several).
 
 use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 
