@@ -915,6 +915,33 @@ fn linear_matches_cpu() -> Result<(), GpuError> {
     Ok(())
 }
 
+/// The GEMV kernel with k split over 2 to 8 warps per column (k of 2048 and more), with k not a
+/// multiple of the warps' stride (a tail), at every row count it takes, against the CPU.
+#[test]
+fn linear_of_few_rows_splits_long_rows_across_warps() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(15);
+    for m in 1..=cuda::GEMV_MAX_M {
+        for &k in &[2048, 4104, 14336] {
+            for &n in &[1, 37, 300] {
+                let x = random_vec(&mut rng, m * k, 1.0);
+                let w = random_vec(&mut rng, n * k, 0.5);
+                for (dtype, tol) in DTYPES {
+                    let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
+                    let (w_dev, w_r) = upload(&gpu, &w, dtype)?;
+                    let mut y = nan_tensor(&gpu, DType::F32, m * n)?;
+                    cuda::linear(&gpu, x_dev.view(), m, k, w_dev.view(), n, None, y.view_mut())?;
+                    let mut want = vec![0.0; m * n];
+                    cpu::linear(&x_r, m, k, WeightView::F32(&w_r), n, None, &mut want);
+                    let f32_tol = if dtype == DType::F32 { 1e-4 } else { tol.min(1e-3) };
+                    check(&format!("linear {dtype:?}->F32 m={m} k={k} n={n}"), &y.to_f32_vec(&gpu)?, &want, f32_tol);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn linear_of_a_row_range_writes_only_those_rows() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };

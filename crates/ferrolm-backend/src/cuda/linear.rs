@@ -121,6 +121,16 @@ fn gemv_fits(x: GpuView<'_>, m: usize, k: usize, w: GpuView<'_>) -> bool {
         && w.ptr().is_multiple_of(16)
 }
 
+/// Warps per output column of the GEMV kernel (a power of two up to `GEMV_WARPS`): about 128
+/// 8-element chunks of k per warp (4 loads per lane), and none where there are columns enough
+/// to fill the device with one warp each (the 128k-row lm_head).
+fn gemv_ksplit(n: usize, k: usize) -> usize {
+    if n >= 32 * 1024 {
+        return 1;
+    }
+    (k / 8 / 128).clamp(1, GEMV_WARPS).next_power_of_two().min(GEMV_WARPS)
+}
+
 /// `out[m, n] = x[m, k] · w[n, k]^T` through the GEMV kernel (`gemv_fits` holds).
 #[allow(clippy::too_many_arguments)]
 fn gemv(
@@ -147,13 +157,15 @@ fn gemv(
     };
     let (x_ptr, w_ptr) = (x.ptr(), w.ptr());
     let (k_u32, n_u32) = (to_u32("linear", "k", k), to_u32("linear", "n", n));
+    let ksplit = gemv_ksplit(n, k);
+    let ksplit_u32 = ksplit as u32;
     let cfg = LaunchConfig {
-        grid_dim: (to_u32("linear", "GEMV blocks", n.div_ceil(GEMV_WARPS)), 1, 1),
+        grid_dim: (to_u32("linear", "GEMV blocks", n.div_ceil(GEMV_WARPS / ksplit)), 1, 1),
         block_dim: (GEMV_WARPS as u32 * 32, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut launch = gpu.launch_builder(kernel, x.dtype());
-    launch.arg(&x_ptr).arg(&w_ptr).arg(&out_ptr).arg(&k_u32).arg(&n_u32);
+    launch.arg(&x_ptr).arg(&w_ptr).arg(&out_ptr).arg(&k_u32).arg(&n_u32).arg(&ksplit_u32);
     // SAFETY: the arguments match the kernel's parameters; x holds m rows of k, w n rows of k,
     // out m rows of n in the kernel's output type, and the kernel's alignment needs hold
     // (`gemv_fits`).
