@@ -121,11 +121,17 @@ fn gemv_fits(x: GpuView<'_>, m: usize, k: usize, w: GpuView<'_>) -> bool {
         && w.ptr().is_multiple_of(16)
 }
 
+/// Columns from which the GEMV kernel takes one warp per column. On the H200 splitting k helped
+/// every projection of fewer columns (Llama-3.2-1B's qkv, o_proj and down: 7.1 -> 6.6, 6.5 -> 5.8
+/// and 16.6 -> 12.9 us) and slowed every one of 4096 or more (8B o_proj 12.4 -> 12.9, gate_up
+/// 58.2 -> 64.1 us): with that many columns one warp each already keeps enough loads in flight.
+const GEMV_KSPLIT_BELOW_COLUMNS: usize = 4096;
+
 /// Warps per output column of the GEMV kernel (a power of two up to `GEMV_WARPS`): about 128
-/// 8-element chunks of k per warp (4 loads per lane), and none where there are columns enough
-/// to fill the device with one warp each (the 128k-row lm_head).
+/// 8-element chunks of k per warp (4 loads per lane) for matrices of fewer than
+/// `GEMV_KSPLIT_BELOW_COLUMNS` columns, one otherwise.
 fn gemv_ksplit(n: usize, k: usize) -> usize {
-    if n >= 32 * 1024 {
+    if n >= GEMV_KSPLIT_BELOW_COLUMNS {
         return 1;
     }
     (k / 8 / 128).clamp(1, GEMV_WARPS).next_power_of_two().min(GEMV_WARPS)

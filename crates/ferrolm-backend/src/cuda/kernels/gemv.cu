@@ -8,7 +8,7 @@
 // 8-element chunks p * 32 + l, then every (32 * ksplit)-th, of w[j, :] and of each x row, and
 // accumulates in f32 (exact products of the inputs, fused multiply-adds). The warp sums its
 // lanes with shuffles and the column's warps meet in shared memory. Splitting k puts more
-// warps, and so more loads, in flight on the narrow projections (n of a few thousand), whose
+// warps, and so more loads, in flight on the narrow projections (under 4096 columns), whose
 // single warp per column would otherwise wait on one load after another. Needs k % 8 == 0 and
 // 16-byte aligned x and w (the host checks). Grid: ceil(n / (GEMV_WARPS / ksplit)) blocks of
 // GEMV_WARPS warps.
