@@ -7,8 +7,8 @@
 //! target/release/examples/attention_bench
 //! ```
 //!
-//! Cases: a decode step of 1 sequence at context 384 and of 256 sequences at context 640 (the
-//! decode kernel), a 512-token and a 2048-token prompt of one sequence, and a mixed step of 16
+//! Cases: a decode step of 1 sequence at context 384 and 4096 and of 256 sequences at context
+//! 640 and 1500 (the decode kernel), a 512-token and a 2048-token prompt of one sequence, and a mixed step of 16
 //! 512-token prompts with 200 decodes at context 600 (the tensor-core kernel). Each is timed with
 //! CUDA events around one call, best of 20 after a warm-up, and again as the mean of 32
 //! back-to-back calls (one per layer, as a model step issues them, sharing one metadata and so
@@ -43,9 +43,11 @@ fn main() {
     println!("{:<42} {:>12} {:>12} {:>14} {:>14}", "case", "best us", "mean32 us", "best GB/s", "mean32 GB/s");
     let mut mixed = vec![(512, 512); 16];
     mixed.extend([(600, 1); 200]);
-    let cases: [(&str, Vec<(usize, usize)>); 5] = [
+    let cases: [(&str, Vec<(usize, usize)>); 7] = [
         ("decode batch 1, context 384", vec![(384, 1)]),
+        ("decode batch 1, context 4096", vec![(4096, 1)]),
         ("decode batch 256, context 640", vec![(640, 1); 256]),
+        ("decode batch 256, context 1500", vec![(1500, 1); 256]),
         ("prefill 512 of one sequence", vec![(512, 512)]),
         ("prefill 2048 of one sequence", vec![(2048, 2048)]),
         ("mixed 16 x 512 prefill + 200 decodes @600", mixed),

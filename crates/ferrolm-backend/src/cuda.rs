@@ -34,7 +34,7 @@ pub use cudarc::driver::{CudaSlice, DevicePtr};
 pub use error::GpuError;
 pub use flash_attention::AttentionWork;
 pub use gpu::{Gpu, GpuGraph};
-pub use linear::{linear, linear_cublas, GEMV_MAX_M};
+pub use linear::{linear, linear_cublas, linear_gated, GatedActivation, GEMV_MAX_M};
 pub use ops::{
     add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, split_qkv,
 };

@@ -768,23 +768,56 @@ fn paged_attention_tensor_core_prefill_and_mixed_batches() -> Result<(), GpuErro
     Ok(())
 }
 
-/// Batches of decodes on the tensor-core kernel (one work item per request, no list uploaded):
-/// sent there by a hint above 1, or by a head size the decode kernel does not take.
+/// Batches of decodes on the tensor-core prefill kernel (one work item per request, no list
+/// uploaded), sent there by a hint above 1.
 #[test]
 fn paged_attention_tensor_core_decodes() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
     let mut rng = rng(15);
     for heads in TENSOR_CORE_HEADS {
-        let hints: &[usize] = if matches!(heads.head_dim, 80 | 96) { &[1, 2] } else { &[2] };
         for (dtype, tol) in [DTYPES[1], DTYPES[2]] {
             let batch = Batch::random(&mut rng, heads, &DECODES, 16, dtype);
-            for &hint in hints {
-                for window in [None, Some(50)] {
-                    compare_attention(&gpu, &batch, heads, 16, window, dtype, tol, hint)?;
+            for window in [None, Some(50)] {
+                compare_attention(&gpu, &batch, heads, 16, window, dtype, tol, 2)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Batches of decodes in bf16 and f16, which take the tensor-core decode kernel: every head
+/// size it is compiled for; GQA groups of 1, 3, 4, 7, 16 (a whole tile of rows) and 24 (a whole
+/// and a partial head chunk); block sizes 16, 5 (not a power of two) and 32; windows; a lone
+/// sequence 3000 deep (its context split into partitions, one shorter than a tile) and decodes
+/// at depths on and off block and tile edges; and 300 sequences, too many to split.
+#[test]
+fn paged_attention_tensor_core_decode_kernel() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(17);
+    let configs = [
+        Heads { num_heads: 32, num_kv_heads: 8, head_dim: 128 },
+        Heads { num_heads: 8, num_kv_heads: 8, head_dim: 128 },
+        Heads { num_heads: 6, num_kv_heads: 2, head_dim: 64 },
+        Heads { num_heads: 14, num_kv_heads: 2, head_dim: 64 },
+        Heads { num_heads: 16, num_kv_heads: 1, head_dim: 96 },
+        Heads { num_heads: 48, num_kv_heads: 2, head_dim: 80 },
+    ];
+    let deep = [(3000, 1)];
+    let edges = [(1, 1), (63, 1), (64, 1), (65, 1), (129, 1), (700, 1), (17, 1)];
+    let many: Vec<(usize, usize)> = (0..300).map(|i| (1 + (i * 37) % 400, 1)).collect();
+    let mut worst = [0.0f32; 2];
+    for heads in configs {
+        for (block_size, window) in [(16, None), (5, Some(100)), (32, Some(1))] {
+            for (d, (dtype, tol)) in [DTYPES[1], DTYPES[2]].into_iter().enumerate() {
+                for requests in [&deep[..], &edges[..], &many[..]] {
+                    let batch = Batch::random(&mut rng, heads, requests, block_size, dtype);
+                    let err = compare_attention(&gpu, &batch, heads, block_size, window, dtype, tol, 1)?;
+                    worst[d] = worst[d].max(err);
                 }
             }
         }
     }
+    eprintln!("tensor-core decode max relative error: bf16 {:e}, f16 {:e}", worst[0], worst[1]);
     Ok(())
 }
 
@@ -935,6 +968,73 @@ fn linear_of_few_rows_splits_long_rows_across_warps() -> Result<(), GpuError> {
                     cpu::linear(&x_r, m, k, WeightView::F32(&w_r), n, None, &mut want);
                     let f32_tol = if dtype == DType::F32 { 1e-4 } else { tol.min(1e-3) };
                     check(&format!("linear {dtype:?}->F32 m={m} k={k} n={n}"), &y.to_f32_vec(&gpu)?, &want, f32_tol);
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `linear_gated` (the GEMV kernel with the activation in its epilogue, for up to 4 rows without
+/// a bias) gives the bits of `linear` followed by `silu_and_mul` / `gelu_tanh_and_mul`, with k
+/// split or not; with 5 rows or a bias it is that composition. Both against the CPU as well.
+#[test]
+fn linear_gated_matches_linear_then_activation() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(18);
+    for act in [cuda::GatedActivation::Silu, cuda::GatedActivation::GeluTanh] {
+        for m in 1..=cuda::GEMV_MAX_M + 1 {
+            for &(k, inter) in &[(64, 100), (2048, 300), (4104, 37), (1024, 2100)] {
+                for with_bias in [false, true] {
+                    let x = random_vec(&mut rng, m * k, 1.0);
+                    let w = random_vec(&mut rng, 2 * inter * k, 0.1);
+                    let b = random_vec(&mut rng, 2 * inter, 0.5);
+                    for (dtype, tol) in DTYPES {
+                        let what = format!("linear_gated {act:?} {dtype:?} m={m} k={k} inter={inter} bias {with_bias}");
+                        let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
+                        let (w_dev, w_r) = upload(&gpu, &w, dtype)?;
+                        let b_dev = GpuTensor::from_f32(&gpu, &b, DType::F32)?;
+                        let bias = with_bias.then(|| b_dev.view());
+                        let mut gate_up = nan_tensor(&gpu, dtype, m * 2 * inter)?;
+                        let mut got = nan_tensor(&gpu, dtype, m * inter)?;
+                        cuda::linear_gated(
+                            &gpu,
+                            x_dev.view(),
+                            m,
+                            k,
+                            w_dev.view(),
+                            inter,
+                            bias,
+                            act,
+                            gate_up.view_mut(),
+                            got.view_mut(),
+                        )?;
+                        let mut want = nan_tensor(&gpu, dtype, m * inter)?;
+                        cuda::linear(&gpu, x_dev.view(), m, k, w_dev.view(), 2 * inter, bias, gate_up.view_mut())?;
+                        match act {
+                            cuda::GatedActivation::Silu => {
+                                cuda::silu_and_mul(&gpu, gate_up.view(), inter, want.view_mut())?
+                            }
+                            cuda::GatedActivation::GeluTanh => {
+                                cuda::gelu_tanh_and_mul(&gpu, gate_up.view(), inter, want.view_mut())?
+                            }
+                        }
+                        let (got, want) = (got.to_f32_vec(&gpu)?, want.to_f32_vec(&gpu)?);
+                        let same = got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits());
+                        assert!(same, "{what}: differs from linear then the activation");
+
+                        let mut gu = vec![0.0; m * 2 * inter];
+                        cpu::linear(&x_r, m, k, WeightView::F32(&w_r), 2 * inter, with_bias.then_some(&b[..]), &mut gu);
+                        let gu = rounded(&gu, dtype);
+                        let mut cpu_out = vec![0.0; m * inter];
+                        match act {
+                            cuda::GatedActivation::Silu => cpu::silu_and_mul(&gu, inter, &mut cpu_out),
+                            cuda::GatedActivation::GeluTanh => cpu::gelu_tanh_and_mul(&gu, inter, &mut cpu_out),
+                        }
+                        // gate and up are rounded to the dtype before the activation, so a sum one
+                        // rounding step off on the GPU moves the result by up to two such steps.
+                        check(&what, &got, &cpu_out, if dtype == DType::F32 { tol } else { 2.0 * tol });
+                    }
                 }
             }
         }

@@ -6,7 +6,9 @@
 //! then samples (or takes prompt logprobs) on the logits where they are, and only the chosen
 //! tokens and the logprobs asked for come back (`GpuSampler`).
 
-use ferrolm_backend::cuda::{self as gpu_ops, Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor, GpuView};
+use ferrolm_backend::cuda::{
+    self as gpu_ops, GatedActivation, Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor, GpuView,
+};
 use ferrolm_backend::DType;
 use ferrolm_sampling::{RowRequest, TokenLogprobs};
 
@@ -375,12 +377,23 @@ fn decoder(
             eps,
             a.normed.rows_mut(0..t, h),
         )?;
-        layer.gate_up_proj.forward(g, &a.normed, t, &mut a.gate_up)?;
-        let (gate_up, act) = (a.gate_up.rows(0..t, 2 * inter), a.act.rows_mut(0..t, inter));
-        match cfg.activation {
-            Activation::Silu => gpu_ops::silu_and_mul(g, gate_up, inter, act)?,
-            Activation::GeluTanh => gpu_ops::gelu_tanh_and_mul(g, gate_up, inter, act)?,
-        }
+        let act = match cfg.activation {
+            Activation::Silu => GatedActivation::Silu,
+            Activation::GeluTanh => GatedActivation::GeluTanh,
+        };
+        let up = &layer.gate_up_proj;
+        gpu_ops::linear_gated(
+            g,
+            a.normed.rows(0..t, h),
+            t,
+            up.in_features,
+            up.weight.view(),
+            inter,
+            up.bias.as_ref().map(GpuTensor::view),
+            act,
+            a.gate_up.rows_mut(0..t, 2 * inter),
+            a.act.rows_mut(0..t, inter),
+        )?;
         layer.down_proj.forward(g, &a.act, t, &mut a.pending)?;
     }
 

@@ -4,11 +4,13 @@
 //! Each layer's cache is a K and a V tensor of `[num_blocks * block_size, num_kv_heads * head_dim]`
 //! in the activation dtype; `slot = block_id * block_size + offset`.
 //!
-//! Three kernels compute attention. Batches of decodes (`max_query_len <= 1`) take the decode
-//! kernel: one block per (token, KV head, context partition), K/V read once per GQA group with
-//! 16-byte loads, and, when there are too few (token, KV head) pairs to fill the device, the
-//! context split into partitions whose partial results the last block of each merges
-//! (flash-decoding).
+//! Four kernels compute attention. Batches of decodes (`max_query_len <= 1`) take a decode
+//! kernel: one block per (token, KV head, context partition), K/V read once per GQA group, and,
+//! when there are too few (token, KV head) pairs to fill the device, the context split into
+//! partitions whose partial results the last block of each merges (flash-decoding). In bf16 and
+//! f16, for head sizes 64, 80, 96 and 128, that is the tensor-core decode kernel
+//! (`kernels/decode_attention.cu`, the block's query heads as the rows of one mma tile); else
+//! the decode kernel of `kernels/attention.cu`, which works in f32 on CUDA cores.
 //! Prefill chunks and mixed batches in bf16 or f16 take the tensor-core kernel of
 //! [`super::flash_attention`] where it has the head size; everything else goes to the general
 //! kernel, which tiles query rows and keys through shared memory in f32. All compute the same
@@ -20,6 +22,7 @@ use super::flash_attention::{self, AttentionWork};
 use super::gpu::{rows_config, to_u32};
 use super::ops::same_dtype;
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
+use crate::DType;
 
 /// Keys per shared-memory tile (`ATTN_TILE` in attention.cu).
 const KEY_TILE: usize = 32;
@@ -42,6 +45,18 @@ const DECODE_STAGES: usize = 4;
 pub(crate) const DECODE_TARGET_BLOCKS: usize = 512;
 /// Fewest keys per partition: below this a block's fixed cost outweighs its loads.
 const DECODE_MIN_PART: usize = 32;
+
+/// The tensor-core decode kernel of each head size (`paged_decode_mma_d{D}`), loaded for bf16
+/// and f16 only.
+pub(crate) const DECODE_MMA_KERNELS: [&str; 4] =
+    ["paged_decode_mma_d64", "paged_decode_mma_d80", "paged_decode_mma_d96", "paged_decode_mma_d128"];
+/// Head sizes of [`DECODE_MMA_KERNELS`], in order.
+const DECODE_MMA_HEAD_DIMS: [usize; 4] = [64, 80, 96, 128];
+/// Query heads of a tensor-core decode block (`DM_ROWS`: the rows of one mma tile).
+const DECODE_MMA_HEADS: usize = 16;
+/// Keys per tile of the tensor-core decode kernel (`DM_TILE_KEYS`), and its fewest keys per
+/// partition: a shorter partition leaves warps of its one tile idle.
+const DECODE_MMA_TILE_KEYS: usize = 64;
 /// Most partitions per (token, head); bounds the workspace and the combine step.
 const DECODE_MAX_PARTS: usize = 128;
 
@@ -200,15 +215,64 @@ fn attention(
         return Ok(());
     }
 
+    let decode = if meta.max_query_len <= 1 { decode_kernel(gpu, head_dim, q, k_cache, v_cache, &out) } else { None };
     if general_only {
         paged_general(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
-    } else if meta.max_query_len <= 1 && decode_supported(gpu, head_dim, k_cache, v_cache) {
-        paged_decode(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
+    } else if let Some(kernel) = decode {
+        paged_decode(gpu, kernel, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
     } else if let Some(kernel) = flash_attention::kernel_for(gpu, head_dim, q, k_cache, v_cache, &out) {
         flash_attention::paged_flash(gpu, kernel, q, k_cache, v_cache, meta, num_heads, num_kv_heads, out)
     } else {
         paged_general(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
     }
+}
+
+/// Which decode kernel takes a batch of decodes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum DecodeKernel {
+    /// `paged_attention_decode_g{G}` (attention.cu).
+    Cuda,
+    /// `paged_decode_mma_d{D}` (decode_attention.cu).
+    TensorCore(&'static str),
+}
+
+/// The decode kernel for these operands, if one takes them: the tensor-core kernel for bf16 and
+/// f16 of its head sizes, else the CUDA-core one where it has the head size.
+fn decode_kernel(
+    gpu: &Gpu,
+    head_dim: usize,
+    q: GpuView<'_>,
+    k_cache: GpuView<'_>,
+    v_cache: GpuView<'_>,
+    out: &GpuViewMut<'_>,
+) -> Option<DecodeKernel> {
+    // The tensor-core kernel reads Q and writes its output in pairs of elements, and copies K/V
+    // rows 16 bytes at a time.
+    let aligned = q.ptr().is_multiple_of(4)
+        && out.ptr().is_multiple_of(4)
+        && k_cache.ptr().is_multiple_of(16)
+        && v_cache.ptr().is_multiple_of(16);
+    let index = DECODE_MMA_HEAD_DIMS.iter().position(|&d| d == head_dim);
+    match index {
+        Some(i)
+            if q.dtype() != DType::F32
+                && aligned
+                && decode_mma_shared_bytes(head_dim) <= gpu.max_shared_per_block() =>
+        {
+            Some(DecodeKernel::TensorCore(DECODE_MMA_KERNELS[i]))
+        }
+        _ => decode_supported(gpu, head_dim, k_cache, v_cache).then_some(DecodeKernel::Cuda),
+    }
+}
+
+/// Shared memory of a tensor-core decode block: its ring of K/V tiles (4 tiles for head size
+/// 64, 3 above; rows of `head_dim + 8` 2-byte elements), which the cross-warp merge of 16 rows'
+/// f32 states reuses at the end.
+fn decode_mma_shared_bytes(head_dim: usize) -> usize {
+    let stages = if head_dim <= 64 { 4 } else { 3 };
+    let ring = stages * 2 * DECODE_MMA_TILE_KEYS * (head_dim + 8) * 2;
+    let merge = 4 * (DECODE_THREADS / 32) * DECODE_MMA_HEADS * (head_dim + 2);
+    ring.max(merge)
 }
 
 /// The decode kernel reads 8 elements per lane, `head_dim / 8` lanes per key, and copies K/V rows
@@ -256,6 +320,7 @@ fn shape_args(
 #[allow(clippy::too_many_arguments)]
 fn paged_decode(
     gpu: &Gpu,
+    kernel: DecodeKernel,
     q: GpuView<'_>,
     k_cache: GpuView<'_>,
     v_cache: GpuView<'_>,
@@ -273,7 +338,12 @@ fn paged_decode(
     if let Some(w) = meta.sliding_window {
         max_context = max_context.min(w);
     }
-    let split = DecodeSplit::new(num_heads / num_kv_heads, num_tokens * num_kv_heads, max_context);
+    let group = num_heads / num_kv_heads;
+    let (heads_per_block, min_part) = match kernel {
+        DecodeKernel::Cuda => (group.min(DECODE_MAX_HEADS).next_power_of_two(), DECODE_MIN_PART),
+        DecodeKernel::TensorCore(_) => (DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS),
+    };
+    let split = DecodeSplit::new(heads_per_block, min_part, group, num_tokens * num_kv_heads, max_context);
     let num_parts = split.num_parts;
 
     // Partial results of each (token, head, partition): out then (max, sum), f32; none when the
@@ -297,7 +367,10 @@ fn paged_decode(
     let kv_width = num_kv_heads * head_dim;
     let num_blocks = k_cache.len() / kv_width / meta.block_size;
     let g = split.heads_per_block;
-    let shared = decode_shared_bytes(q.dtype().size_in_bytes(), g, head_dim);
+    let shared = match kernel {
+        DecodeKernel::Cuda => decode_shared_bytes(q.dtype().size_in_bytes(), g, head_dim),
+        DecodeKernel::TensorCore(_) => decode_mma_shared_bytes(head_dim),
+    };
     let head_blocks = num_tokens * num_kv_heads * split.head_chunks;
     assert!(
         num_parts == 1 || head_blocks <= DECODE_TARGET_BLOCKS,
@@ -320,21 +393,22 @@ fn paged_decode(
     let reqs = to_u32(op, "num_reqs", num_reqs);
     let args = shape_args(op, meta, num_heads, num_kv_heads, head_dim, num_blocks);
     let part_len = to_u32(op, "partition length", split.part_len);
-    let kernel = match g {
-        1 => "paged_attention_decode_g1",
-        2 => "paged_attention_decode_g2",
-        4 => "paged_attention_decode_g4",
-        _ => "paged_attention_decode_g8",
+    let name = match (kernel, g) {
+        (DecodeKernel::TensorCore(name), _) => name,
+        (DecodeKernel::Cuda, 1) => "paged_attention_decode_g1",
+        (DecodeKernel::Cuda, 2) => "paged_attention_decode_g2",
+        (DecodeKernel::Cuda, 4) => "paged_attention_decode_g4",
+        (DecodeKernel::Cuda, _) => "paged_attention_decode_g8",
     };
-    let mut launch = gpu.launch_builder(kernel, q.dtype());
+    let mut launch = gpu.launch_builder(name, q.dtype());
     launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&out_ptr).arg(&part_out).arg(&part_ml).arg(&counters_ptr);
     launch.arg(&qsl_ptr).arg(&lens_ptr).arg(&tables_ptr).arg(&reqs);
     for a in &args {
         launch.arg(a);
     }
     launch.arg(&meta.scale).arg(&part_len);
-    // SAFETY: the arguments match the kernel's parameters in order; head_dim suits the kernel
-    // (`decode_supported`), the workspace holds `num_parts` partitions of every (token, head),
+    // SAFETY: the arguments match the kernel's parameters in order (both decode kernels take
+    // the same); head_dim, dtype and alignment suit the kernel (`decode_kernel`), the workspace holds `num_parts` partitions of every (token, head),
     // there is a zeroed counter per block of a partition (checked above), and the shared memory
     // is as the kernel lays it out.
     unsafe { launch.launch(cfg) }?;
@@ -344,9 +418,10 @@ fn paged_decode(
     Ok(())
 }
 
-/// How the decode kernel splits the work: `heads_per_block` query heads of one KV head per
-/// block (the kernel's `G`), `head_chunks` blocks per KV head, and each row's visible keys in
-/// `num_parts` partitions of `part_len` keys (the last takes whatever remains).
+/// How a decode kernel splits the work: `heads_per_block` query heads of one KV head per block
+/// (the CUDA-core kernel's `G`, or the 16 rows of the tensor-core kernel's tile), `head_chunks`
+/// blocks per KV head, and each row's visible keys in `num_parts` partitions of `part_len` keys
+/// (the last takes whatever remains).
 #[derive(Debug, PartialEq)]
 struct DecodeSplit {
     heads_per_block: usize,
@@ -356,14 +431,15 @@ struct DecodeSplit {
 }
 
 impl DecodeSplit {
-    /// `rows`: (token, KV head) pairs; `max_context`: the most keys a row can see.
-    fn new(group: usize, rows: usize, max_context: usize) -> DecodeSplit {
-        let heads_per_block = group.min(DECODE_MAX_HEADS).next_power_of_two();
+    /// `max_heads`: the kernel's query heads per block; `min_part`: its fewest keys per
+    /// partition; `rows`: (token, KV head) pairs; `max_context`: the most keys a row can see.
+    fn new(max_heads: usize, min_part: usize, group: usize, rows: usize, max_context: usize) -> DecodeSplit {
+        let heads_per_block = max_heads.min(group.next_power_of_two());
         let head_chunks = group.div_ceil(heads_per_block);
         let max_context = max_context.max(1);
         let blocks = (rows * head_chunks).max(1);
         let parts =
-            DECODE_TARGET_BLOCKS.div_ceil(blocks).min(max_context.div_ceil(DECODE_MIN_PART)).clamp(1, DECODE_MAX_PARTS);
+            DECODE_TARGET_BLOCKS.div_ceil(blocks).min(max_context.div_ceil(min_part)).clamp(1, DECODE_MAX_PARTS);
         let part_len = max_context.div_ceil(parts).next_multiple_of(16);
         DecodeSplit { heads_per_block, head_chunks, num_parts: max_context.div_ceil(part_len), part_len }
     }
@@ -482,23 +558,45 @@ mod tests {
 
     #[test]
     fn decode_split_covers_the_context_and_fills_the_device() {
-        for group in [1, 2, 3, 4, 6, 8, 16, 32] {
-            for rows in [1, 8, 64, 2048, 100_000] {
-                for max_context in [0, 1, 16, 17, 384, 640, 3000, 131_072] {
-                    let s = DecodeSplit::new(group, rows, max_context);
-                    assert!(s.heads_per_block.is_power_of_two() && s.heads_per_block <= DECODE_MAX_HEADS, "{s:?}");
-                    assert!(s.heads_per_block * s.head_chunks >= group, "{s:?} group {group}");
-                    assert!(s.heads_per_block * (s.head_chunks - 1) < group, "{s:?} group {group}");
-                    assert!(s.num_parts >= 1 && s.num_parts <= DECODE_MAX_PARTS, "{s:?}");
-                    assert!(s.num_parts * s.part_len >= max_context, "{s:?} context {max_context}");
-                    assert!((s.num_parts - 1) * s.part_len < max_context.max(1), "{s:?} context {max_context}");
+        for (max_heads, min_part) in [(DECODE_MAX_HEADS, DECODE_MIN_PART), (DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS)] {
+            for group in [1, 2, 3, 4, 6, 7, 8, 16, 24, 32] {
+                for rows in [1, 8, 64, 2048, 100_000] {
+                    for max_context in [0, 1, 16, 17, 384, 640, 3000, 131_072] {
+                        let s = DecodeSplit::new(max_heads, min_part, group, rows, max_context);
+                        assert!(s.heads_per_block <= max_heads, "{s:?}");
+                        assert!(s.heads_per_block * s.head_chunks >= group, "{s:?} group {group}");
+                        assert!(s.heads_per_block * (s.head_chunks - 1) < group, "{s:?} group {group}");
+                        assert!(s.num_parts >= 1 && s.num_parts <= DECODE_MAX_PARTS, "{s:?}");
+                        assert!(s.num_parts * s.part_len >= max_context, "{s:?} context {max_context}");
+                        assert!((s.num_parts - 1) * s.part_len < max_context.max(1), "{s:?} context {max_context}");
+                        if s.num_parts > 1 {
+                            assert!(s.part_len >= min_part, "{s:?}");
+                        }
+                    }
                 }
             }
         }
+        // The tensor-core kernel's head chunks are those the kernel works out, ceil(group / 16).
+        for group in 1..=100 {
+            let s = DecodeSplit::new(DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS, group, 8, 100);
+            assert_eq!(s.head_chunks, group.div_ceil(DECODE_MMA_HEADS), "{s:?}");
+        }
         // Llama-3.1-8B (group 4, 8 KV heads): batch 1 splits its context, batch 256 does not.
-        let one = DecodeSplit::new(4, 8, 400);
+        let one = DecodeSplit::new(DECODE_MAX_HEADS, DECODE_MIN_PART, 4, 8, 400);
         assert_eq!(one, DecodeSplit { heads_per_block: 4, head_chunks: 1, num_parts: 13, part_len: 32 });
-        let many = DecodeSplit::new(4, 256 * 8, 656);
+        let one = DecodeSplit::new(DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS, 4, 8, 400);
+        assert_eq!(one, DecodeSplit { heads_per_block: 4, head_chunks: 1, num_parts: 7, part_len: 64 });
+        let many = DecodeSplit::new(DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS, 4, 256 * 8, 656);
         assert_eq!(many, DecodeSplit { heads_per_block: 4, head_chunks: 1, num_parts: 1, part_len: 656 });
+    }
+
+    #[test]
+    fn tensor_core_decode_blocks_fit_two_per_sm() {
+        // An H200 SM has 228 KiB of shared memory, 1 KiB of it reserved per block.
+        for head_dim in DECODE_MMA_HEAD_DIMS {
+            assert!(2 * (decode_mma_shared_bytes(head_dim) + 1024) <= 228 * 1024, "head_dim {head_dim}");
+        }
+        assert_eq!(decode_mma_shared_bytes(128), 104_448);
+        assert_eq!(decode_mma_shared_bytes(64), 73_728);
     }
 }

@@ -12,13 +12,14 @@ use cudarc::nvrtc::{self, CompileError, CompileOptions};
 use super::GpuError;
 
 /// The kernel sources, concatenated in this order into one module.
-const SOURCES: [(&str, &str); 8] = [
+const SOURCES: [(&str, &str); 9] = [
     ("common.cuh", include_str!("kernels/common.cuh")),
     ("norm.cu", include_str!("kernels/norm.cu")),
     ("elementwise.cu", include_str!("kernels/elementwise.cu")),
     ("rope.cu", include_str!("kernels/rope.cu")),
     ("attention.cu", include_str!("kernels/attention.cu")),
     ("flash_attention.cu", include_str!("kernels/flash_attention.cu")),
+    ("decode_attention.cu", include_str!("kernels/decode_attention.cu")),
     ("sampling.cu", include_str!("kernels/sampling.cu")),
     ("gemv.cu", include_str!("kernels/gemv.cu")),
 ];

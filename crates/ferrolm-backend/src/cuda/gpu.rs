@@ -49,6 +49,14 @@ const KERNELS: &[&str] = &[
     "gemv_m2_to_f32",
     "gemv_m3_to_f32",
     "gemv_m4_to_f32",
+    "gemv_silu_m1",
+    "gemv_silu_m2",
+    "gemv_silu_m3",
+    "gemv_silu_m4",
+    "gemv_gelu_tanh_m1",
+    "gemv_gelu_tanh_m2",
+    "gemv_gelu_tanh_m3",
+    "gemv_gelu_tanh_m4",
 ];
 
 /// Kernels that may need more than the default 48 KiB of dynamic shared memory.
@@ -165,7 +173,7 @@ impl Gpu {
             }
         }
         // The tensor-core kernels exist for half types only, each with its own shared memory.
-        for &name in &flash_attention::KERNELS {
+        for &name in flash_attention::KERNELS.iter().chain(&attention::DECODE_MMA_KERNELS) {
             for dtype in [DType::BF16, DType::F16] {
                 let f = module.load_function(&format!("{name}_{}", dtype_suffix(dtype)))?;
                 allow_dynamic_shared(&f, max_shared_per_block)?;

@@ -161,9 +161,23 @@ fn gemv(
         (4, true) => "gemv_m4_to_f32",
         _ => unreachable!("gemv_fits admits 1..={GEMV_MAX_M} rows"),
     };
+    launch_gemv(gpu, kernel, x, k, w, n, gemv_ksplit(n, k), out_ptr)
+}
+
+/// Launches GEMV kernel `kernel` for `n` output columns with `ksplit` warps per column.
+#[allow(clippy::too_many_arguments)]
+fn launch_gemv(
+    gpu: &Gpu,
+    kernel: &'static str,
+    x: GpuView<'_>,
+    k: usize,
+    w: GpuView<'_>,
+    n: usize,
+    ksplit: usize,
+    out_ptr: u64,
+) -> Result<(), GpuError> {
     let (x_ptr, w_ptr) = (x.ptr(), w.ptr());
     let (k_u32, n_u32) = (to_u32("linear", "k", k), to_u32("linear", "n", n));
-    let ksplit = gemv_ksplit(n, k);
     let ksplit_u32 = ksplit as u32;
     let cfg = LaunchConfig {
         grid_dim: (to_u32("linear", "GEMV blocks", n.div_ceil(GEMV_WARPS / ksplit)), 1, 1),
@@ -172,11 +186,68 @@ fn gemv(
     };
     let mut launch = gpu.launch_builder(kernel, x.dtype());
     launch.arg(&x_ptr).arg(&w_ptr).arg(&out_ptr).arg(&k_u32).arg(&n_u32).arg(&ksplit_u32);
-    // SAFETY: the arguments match the kernel's parameters; x holds m rows of k, w n rows of k,
-    // out m rows of n in the kernel's output type, and the kernel's alignment needs hold
-    // (`gemv_fits`).
+    // SAFETY: the arguments match the kernel's parameters; x holds the kernel's m rows of k, w
+    // n rows of k (a gated kernel's 2 n), out m rows of n in the kernel's output type, and the
+    // kernel's alignment needs hold (`gemv_fits`).
     unsafe { launch.launch(cfg) }?;
     Ok(())
+}
+
+/// The activation of a gated MLP: `act(gate) * up`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GatedActivation {
+    Silu,
+    /// GELU with the tanh approximation (`gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+/// `out[m, inter] = act(x · w_gate^T + b_gate) * (x · w_up^T + b_up)` for `w = [gate; up]`
+/// (`[2 * inter, k]`), bit for bit as [`linear`] into `gate_up` (`[m, 2 * inter]`, x's dtype)
+/// followed by [`super::silu_and_mul`] or [`super::gelu_tanh_and_mul`]. Where the GEMV kernel
+/// takes the product and there is no bias, one kernel does both, the activation in its
+/// epilogue, and `gate_up` is left as it was.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_gated(
+    gpu: &Gpu,
+    x: GpuView<'_>,
+    m: usize,
+    k: usize,
+    w: GpuView<'_>,
+    inter: usize,
+    bias: Option<GpuView<'_>>,
+    act: GatedActivation,
+    gate_up: GpuViewMut<'_>,
+    out: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    assert_eq!(x.len(), m * k, "linear_gated: x has {} elements, expected [m={m}, k={k}]", x.len());
+    assert_eq!(w.len(), 2 * inter * k, "linear_gated: w has {} elements, expected [2 * {inter}, {k}]", w.len());
+    assert_eq!(out.len(), m * inter, "linear_gated: out has {} elements, expected [{m}, {inter}]", out.len());
+    assert_eq!(out.dtype(), x.dtype(), "linear_gated: out is {:?} but x is {:?}", out.dtype(), x.dtype());
+    if bias.is_none() && m > 0 && inter > 0 && gemv_fits(x, m, k, w) {
+        assert_eq!(x.dtype(), w.dtype(), "linear_gated: x is {:?} but w is {:?}", x.dtype(), w.dtype());
+        let kernel = match (act, m) {
+            (GatedActivation::Silu, 1) => "gemv_silu_m1",
+            (GatedActivation::Silu, 2) => "gemv_silu_m2",
+            (GatedActivation::Silu, 3) => "gemv_silu_m3",
+            (GatedActivation::Silu, 4) => "gemv_silu_m4",
+            (GatedActivation::GeluTanh, 1) => "gemv_gelu_tanh_m1",
+            (GatedActivation::GeluTanh, 2) => "gemv_gelu_tanh_m2",
+            (GatedActivation::GeluTanh, 3) => "gemv_gelu_tanh_m3",
+            (GatedActivation::GeluTanh, 4) => "gemv_gelu_tanh_m4",
+            _ => unreachable!("gemv_fits admits 1..={GEMV_MAX_M} rows"),
+        };
+        // The split of the unfused product over 2 * inter rows, so that each sum is the same.
+        return launch_gemv(gpu, kernel, x, k, w, inter, gemv_ksplit(2 * inter, k), out.ptr());
+    }
+    assert!(inter > 0, "linear_gated: inter is 0");
+    let rows = gate_up.len() / (2 * inter);
+    assert!(rows >= m, "linear_gated: gate_up holds {rows} rows of 2 * {inter}, not {m}");
+    let mut gate_up = gate_up.rows(0..m, 2 * inter);
+    linear(gpu, x, m, k, w, 2 * inter, bias, gate_up.reborrow())?;
+    match act {
+        GatedActivation::Silu => super::ops::silu_and_mul(gpu, gate_up.as_view(), inter, out),
+        GatedActivation::GeluTanh => super::ops::gelu_tanh_and_mul(gpu, gate_up.as_view(), inter, out),
+    }
 }
 
 /// `out[m, n] = x[m, k] · w[n, k]^T` through `cublasGemmEx`, `out` of `out_dtype` at `out_ptr`.

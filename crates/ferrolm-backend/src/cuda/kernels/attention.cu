@@ -354,6 +354,43 @@ __device__ __forceinline__ void decode_finish(const float* part_out, const float
     }
 }
 
+// The end of a decode block: merges the online-softmax states its WARPS warps left in shared
+// memory, red_s [WARPS, ROWS, D] (unnormalized outputs) and ml_s [WARPS, ROWS, 2] (base-2 max,
+// sum), for its nh heads, then writes the normalized output (one partition) or the partition's
+// partial result, and with several partitions lets the last block merge them (`decode_finish`,
+// which reuses red_s). Every thread calls this after red_s and ml_s are written and synced.
+template <typename T, int WARPS, int ROWS>
+__device__ __forceinline__ void decode_store(float* red_s, const float* ml_s, T* out, float* part_out,
+                                             float* part_ml, u32* counters, u32 t, u32 head0, u32 nh,
+                                             u32 num_heads, u32 D, u32 part, u32 num_parts) {
+    for (u32 e = threadIdx.x; e < nh * D; e += blockDim.x) {
+        const u32 g = e / D, d = e % D;
+        float mx = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) mx = fmaxf(mx, ml_s[(w * ROWS + g) * 2]);
+        float o = 0.f, sum = 0.f;
+#pragma unroll
+        for (int w = 0; w < WARPS; w++) {
+            const float a = merge_scale(ml_s[(w * ROWS + g) * 2], mx);
+            o += a * red_s[(w * ROWS + g) * D + d];
+            sum += a * ml_s[(w * ROWS + g) * 2 + 1];
+        }
+        const u64 row = (u64)t * num_heads + head0 + g;
+        if (num_parts == 1) {
+            out[row * D + d] = from_float<T>(o / sum);
+        } else {
+            part_out[(row * num_parts + part) * D + d] = o;
+            if (d == 0) {
+                part_ml[(row * num_parts + part) * 2] = mx;
+                part_ml[(row * num_parts + part) * 2 + 1] = sum;
+            }
+        }
+    }
+    if (num_parts > 1) {
+        decode_finish(part_out, part_ml, out, counters, red_s, t, head0, nh, num_heads, D, num_parts);
+    }
+}
+
 // Copies keys [k0, k0 + nk) of the partition (those below `end`) into one ring slot: K and V,
 // each [nk, head_dim]; keys at or past `end` and rows of blocks past the cache are zero-filled.
 // A row is D / (16 / sizeof(T)) 16-byte chunks, a power of two that divides the block size, so
@@ -571,32 +608,8 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
         }
     }
     __syncthreads();
-    for (u32 e = threadIdx.x; e < nh * D; e += blockDim.x) {
-        const u32 g = e / D, d = e % D;
-        float mx = NEG_INF;
-#pragma unroll
-        for (int w = 0; w < DECODE_WARPS; w++) mx = fmaxf(mx, ml_s[(w * G + g) * 2]);
-        float o = 0.f, sum = 0.f;
-#pragma unroll
-        for (int w = 0; w < DECODE_WARPS; w++) {
-            const float a = merge_scale(ml_s[(w * G + g) * 2], mx);
-            o += a * red_s[(w * G + g) * D + d];
-            sum += a * ml_s[(w * G + g) * 2 + 1];
-        }
-        const u64 row = (u64)t * num_heads + head0 + g;
-        if (num_parts == 1) {
-            out[row * D + d] = from_float<T>(o / sum);
-        } else {
-            part_out[(row * num_parts + part) * D + d] = o;
-            if (d == 0) {
-                part_ml[(row * num_parts + part) * 2] = mx;
-                part_ml[(row * num_parts + part) * 2 + 1] = sum;
-            }
-        }
-    }
-    if (num_parts > 1) {
-        decode_finish(part_out, part_ml, out, counters, red_s, t, head0, nh, num_heads, D, num_parts);
-    }
+    decode_store<T, DECODE_WARPS, G>(red_s, ml_s, out, part_out, part_ml, counters, t, head0, nh, num_heads, D, part,
+                                     num_parts);
 }
 
 // MINB: blocks per SM the register budget is set for (3, as the bf16 ring of 64 KiB allows, leaves

@@ -37,54 +37,98 @@ __device__ __forceinline__ void gemv_chunk(const Raw8<T>& wraw, const T* x, u32 
     }
 }
 
-template <typename T, typename O, int M>
+// Gated kernels (ACT 1: silu, 2: gelu_tanh) take w = [gate; up], [2 n, k], and write
+// y[r, j] = act(gate_j) * up_j with gate_j = x_r . w[j, :] and up_j = x_r . w[n + j, :], each
+// rounded to T first: the bits of `linear` into a T buffer followed by silu_and_mul /
+// gelu_tanh_and_mul, with ksplit chosen for the 2 n rows, in one launch and without the
+// [m, 2 n] round trip. A warp then takes both rows of its column.
+template <int ACT> __device__ __forceinline__ float gated(float g, float u) {
+    return (ACT == 1 ? silu(g) : gelu_tanh(g)) * u;
+}
+
+template <typename T, typename O, int M, int ACT>
 __device__ __forceinline__ void gemv_impl(const T* x, const T* w, O* y, u32 k, u32 n, u32 ksplit) {
-    constexpr int U = GEMV_UNROLL(M);
-    __shared__ float part_s[GEMV_WARPS][M];
+    constexpr int NW = ACT == 0 ? 1 : 2;  // rows of w per column
+    constexpr int U = GEMV_UNROLL(M * NW);
+    __shared__ float part_s[GEMV_WARPS][M * NW];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 part = warp % ksplit;
     const u32 j = blockIdx.x * (GEMV_WARPS / ksplit) + warp / ksplit;
-    float acc[M];
+    float acc[NW][M];
 #pragma unroll
-    for (int r = 0; r < M; r++) acc[r] = 0.f;
+    for (int h = 0; h < NW; h++) {
+#pragma unroll
+        for (int r = 0; r < M; r++) acc[h][r] = 0.f;
+    }
     if (j < n) {
-        const T* wr = w + (u64)j * k;
+        const T* wr[NW];
+#pragma unroll
+        for (int h = 0; h < NW; h++) wr[h] = w + ((u64)h * n + j) * k;
         const u32 chunks = k / 8, stride = 32 * ksplit;
         u32 c = part * 32 + lane;
         for (; c + stride * (U - 1) < chunks; c += stride * U) {
-            Raw8<T> wraw[U];
+            Raw8<T> wraw[NW][U];
 #pragma unroll
-            for (int u = 0; u < U; u++) load_raw(wr + (u64)(c + stride * u) * 8, wraw[u]);
+            for (int h = 0; h < NW; h++) {
 #pragma unroll
-            for (int u = 0; u < U; u++) gemv_chunk<T, M>(wraw[u], x, k, c + stride * u, acc);
+                for (int u = 0; u < U; u++) load_raw(wr[h] + (u64)(c + stride * u) * 8, wraw[h][u]);
+            }
+#pragma unroll
+            for (int h = 0; h < NW; h++) {
+#pragma unroll
+                for (int u = 0; u < U; u++) gemv_chunk<T, M>(wraw[h][u], x, k, c + stride * u, acc[h]);
+            }
         }
         for (; c < chunks; c += stride) {
-            Raw8<T> wraw;
-            load_raw(wr + (u64)c * 8, wraw);
-            gemv_chunk<T, M>(wraw, x, k, c, acc);
+#pragma unroll
+            for (int h = 0; h < NW; h++) {
+                Raw8<T> wraw;
+                load_raw(wr[h] + (u64)c * 8, wraw);
+                gemv_chunk<T, M>(wraw, x, k, c, acc[h]);
+            }
         }
     }
 #pragma unroll
-    for (int r = 0; r < M; r++) {
-        const float s = warp_sum(acc[r]);
-        if (lane == 0) part_s[warp][r] = s;
+    for (int h = 0; h < NW; h++) {
+#pragma unroll
+        for (int r = 0; r < M; r++) {
+            const float s = warp_sum(acc[h][r]);
+            if (lane == 0) part_s[warp][h * M + r] = s;
+        }
     }
     __syncthreads();
     if (part == 0 && lane < M && j < n) {
-        float s = 0.f;
-        for (u32 p = 0; p < ksplit; p++) s += part_s[warp + p][lane];
-        y[(u64)lane * n + j] = from_float<O>(s);
+        float s[NW];
+#pragma unroll
+        for (int h = 0; h < NW; h++) {
+            s[h] = 0.f;
+            for (u32 p = 0; p < ksplit; p++) s[h] += part_s[warp + p][h * M + lane];
+        }
+        if constexpr (ACT == 0) {
+            y[(u64)lane * n + j] = from_float<O>(s[0]);
+        } else {
+            const float g = to_float(from_float<T>(s[0])), u = to_float(from_float<T>(s[NW - 1]));
+            y[(u64)lane * n + j] = from_float<O>(gated<ACT>(g, u));
+        }
     }
 }
 
 #define GEMV(T, S, M) \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_m##M##_##S(const T* x, const T* w, T* y, \
                                                                                 u32 k, u32 n, u32 ksplit) { \
-        gemv_impl<T, T, M>(x, w, y, k, n, ksplit); \
+        gemv_impl<T, T, M, 0>(x, w, y, k, n, ksplit); \
     } \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_m##M##_to_f32_##S( \
         const T* x, const T* w, float* y, u32 k, u32 n, u32 ksplit) { \
-        gemv_impl<T, float, M>(x, w, y, k, n, ksplit); \
+        gemv_impl<T, float, M, 0>(x, w, y, k, n, ksplit); \
+    } \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_silu_m##M##_##S( \
+        const T* x, const T* w, T* y, u32 k, u32 n, u32 ksplit) { \
+        gemv_impl<T, T, M, 1>(x, w, y, k, n, ksplit); \
+    } \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_gelu_tanh_m##M##_##S( \
+        const T* x, const T* w, T* y, u32 k, u32 n, u32 ksplit) { \
+        gemv_impl<T, T, M, 2>(x, w, y, k, n, ksplit); \
     }
 #define GEMV_M1(T, S) GEMV(T, S, 1)
 #define GEMV_M2(T, S) GEMV(T, S, 2)
