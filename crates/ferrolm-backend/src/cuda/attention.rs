@@ -46,12 +46,14 @@ pub(crate) const DECODE_TARGET_BLOCKS: usize = 512;
 /// Fewest keys per partition: below this a block's fixed cost outweighs its loads.
 const DECODE_MIN_PART: usize = 32;
 
-/// The tensor-core decode kernel of each head size (`paged_decode_mma_d{D}`), loaded for bf16
-/// and f16 only.
-pub(crate) const DECODE_MMA_KERNELS: [&str; 4] =
-    ["paged_decode_mma_d64", "paged_decode_mma_d80", "paged_decode_mma_d96", "paged_decode_mma_d128"];
-/// Head sizes of [`DECODE_MMA_KERNELS`], in order.
-const DECODE_MMA_HEAD_DIMS: [usize; 4] = [64, 80, 96, 128];
+/// The tensor-core decode kernel of each head size it is compiled for, `(head_dim, name)`;
+/// loaded for bf16 and f16 only.
+pub(crate) const DECODE_MMA_KERNELS: [(usize, &str); 4] = [
+    (64, "paged_decode_mma_d64"),
+    (80, "paged_decode_mma_d80"),
+    (96, "paged_decode_mma_d96"),
+    (128, "paged_decode_mma_d128"),
+];
 /// Query heads of a tensor-core decode block (`DM_ROWS`: the rows of one mma tile).
 const DECODE_MMA_HEADS: usize = 16;
 /// Keys per tile of the tensor-core decode kernel (`DM_TILE_KEYS`), and its fewest keys per
@@ -252,14 +254,14 @@ fn decode_kernel(
         && out.ptr().is_multiple_of(4)
         && k_cache.ptr().is_multiple_of(16)
         && v_cache.ptr().is_multiple_of(16);
-    let index = DECODE_MMA_HEAD_DIMS.iter().position(|&d| d == head_dim);
-    match index {
-        Some(i)
+    let tensor_core = DECODE_MMA_KERNELS.iter().find(|&&(d, _)| d == head_dim);
+    match tensor_core {
+        Some(&(_, name))
             if q.dtype() != DType::F32
                 && aligned
                 && decode_mma_shared_bytes(head_dim) <= gpu.max_shared_per_block() =>
         {
-            Some(DecodeKernel::TensorCore(DECODE_MMA_KERNELS[i]))
+            Some(DecodeKernel::TensorCore(name))
         }
         _ => decode_supported(gpu, head_dim, k_cache, v_cache).then_some(DecodeKernel::Cuda),
     }
@@ -339,11 +341,11 @@ fn paged_decode(
         max_context = max_context.min(w);
     }
     let group = num_heads / num_kv_heads;
-    let (heads_per_block, min_part) = match kernel {
-        DecodeKernel::Cuda => (group.min(DECODE_MAX_HEADS).next_power_of_two(), DECODE_MIN_PART),
+    let (max_heads, min_part) = match kernel {
+        DecodeKernel::Cuda => (DECODE_MAX_HEADS, DECODE_MIN_PART),
         DecodeKernel::TensorCore(_) => (DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS),
     };
-    let split = DecodeSplit::new(heads_per_block, min_part, group, num_tokens * num_kv_heads, max_context);
+    let split = DecodeSplit::new(max_heads, min_part, group, num_tokens * num_kv_heads, max_context);
     let num_parts = split.num_parts;
 
     // Partial results of each (token, head, partition): out then (max, sum), f32; none when the
@@ -593,7 +595,7 @@ mod tests {
     #[test]
     fn tensor_core_decode_blocks_fit_two_per_sm() {
         // An H200 SM has 228 KiB of shared memory, 1 KiB of it reserved per block.
-        for head_dim in DECODE_MMA_HEAD_DIMS {
+        for (head_dim, _) in DECODE_MMA_KERNELS {
             assert!(2 * (decode_mma_shared_bytes(head_dim) + 1024) <= 228 * 1024, "head_dim {head_dim}");
         }
         assert_eq!(decode_mma_shared_bytes(128), 104_448);

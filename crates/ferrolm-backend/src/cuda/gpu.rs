@@ -173,7 +173,8 @@ impl Gpu {
             }
         }
         // The tensor-core kernels exist for half types only, each with its own shared memory.
-        for &name in flash_attention::KERNELS.iter().chain(&attention::DECODE_MMA_KERNELS) {
+        let decode_mma = attention::DECODE_MMA_KERNELS.iter().map(|(_, name)| name);
+        for &name in flash_attention::KERNELS.iter().chain(decode_mma) {
             for dtype in [DType::BF16, DType::F16] {
                 let f = module.load_function(&format!("{name}_{}", dtype_suffix(dtype)))?;
                 allow_dynamic_shared(&f, max_shared_per_block)?;

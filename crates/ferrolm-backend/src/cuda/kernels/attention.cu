@@ -256,6 +256,39 @@ __device__ __forceinline__ u32 request_of_row(const u32* query_start_loc, u32 nu
     return lo;
 }
 
+// The work of one decode block, in the grid both decode kernels use ((T * num_kv_heads *
+// head_chunks, num_parts), head blocks fastest, `heads` query heads per block): token t of
+// request r, query heads head0..head0 + nh of KV head kv_head, and keys [start, end) of
+// partition `part` of the token's visible range (the last partition takes what is left).
+struct DecodeWork {
+    u32 t, r, kv_head, head0, nh, part, num_parts, start, end;
+};
+
+__device__ __forceinline__ DecodeWork decode_work(u32 heads, const u32* query_start_loc, const u32* seq_lens,
+                                                  u32 num_reqs, u32 num_heads, u32 num_kv_heads, u32 window,
+                                                  u32 part_len) {
+    DecodeWork w;
+    const u32 group = num_heads / num_kv_heads;
+    const u32 head_chunks = (group + heads - 1) / heads;
+    // Blocks of one token's heads are consecutive, so that blocks resident together read whole
+    // cache rows (all KV heads of the same keys) rather than one head's slice of many rows.
+    const u32 heads_total = num_kv_heads * head_chunks;
+    w.t = blockIdx.x / heads_total;
+    const u32 head_block = blockIdx.x % heads_total;
+    w.kv_head = head_block / head_chunks;
+    w.head0 = w.kv_head * group + (head_block % head_chunks) * heads;
+    w.nh = min(heads, w.kv_head * group + group - w.head0);
+    w.part = blockIdx.y;
+    w.num_parts = gridDim.y;
+    w.r = request_of_row(query_start_loc, num_reqs, w.t);
+    const u32 q_begin = query_start_loc[w.r], q_end = query_start_loc[w.r + 1];
+    const u32 pos = seq_lens[w.r] - (q_end - q_begin) + (w.t - q_begin);
+    const u32 key_begin = (window != 0 && pos + 1 > window) ? pos + 1 - window : 0;
+    w.start = key_begin + min(w.part * part_len, pos + 1 - key_begin);
+    w.end = w.part + 1 == w.num_parts ? pos + 1 : min(w.start + part_len, pos + 1);
+    return w;
+}
+
 // 8 consecutive elements as loaded from the cache, converted to f32 when used.
 template <typename T> struct Raw8 { uint4 u; };
 template <> struct Raw8<float> { float4 a, b; };
@@ -354,6 +387,19 @@ __device__ __forceinline__ void decode_finish(const float* part_out, const float
     }
 }
 
+// A block whose partition holds no key records a max of -inf for its heads (the merge skips
+// it) and takes its part in the merge (`smem` as decode_finish's `w_s`). Every thread calls it.
+template <typename T>
+__device__ __forceinline__ void decode_empty_partition(const DecodeWork& w, float* part_out, float* part_ml, T* out,
+                                                       u32* counters, float* smem, u32 num_heads, u32 D) {
+    if (threadIdx.x < w.nh) {
+        const u64 at = ((u64)w.t * num_heads + w.head0 + threadIdx.x) * w.num_parts + w.part;
+        part_ml[at * 2] = NEG_INF;
+        part_ml[at * 2 + 1] = 0.f;
+    }
+    decode_finish(part_out, part_ml, out, counters, smem, w.t, w.head0, w.nh, num_heads, D, w.num_parts);
+}
+
 // The end of a decode block: merges the online-softmax states its WARPS warps left in shared
 // memory, red_s [WARPS, ROWS, D] (unnormalized outputs) and ml_s [WARPS, ROWS, 2] (base-2 max,
 // sum), for its nh heads, then writes the normalized output (one partition) or the partition's
@@ -435,17 +481,11 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
     const u32 kpw = 32 / L;        // keys per warp step (sub-groups per warp)
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 sub = lane / L, li = lane % L;
-    const u32 group = num_heads / num_kv_heads;
-    const u32 head_chunks = (group + G - 1) / G;
-    // Blocks of one token's heads are consecutive, so that blocks resident together read whole
-    // cache rows (all KV heads of the same keys) rather than one head's slice of many rows.
-    const u32 heads_total = num_kv_heads * head_chunks;
-    const u32 t = blockIdx.x / heads_total, head_block = blockIdx.x % heads_total;
-    const u32 kv_head = head_block / head_chunks;
-    const u32 head0 = kv_head * group + (head_block % head_chunks) * G;
-    const u32 nh = min((u32)G, kv_head * group + group - head0);
+    const DecodeWork work =
+        decode_work(G, query_start_loc, seq_lens, num_reqs, num_heads, num_kv_heads, window, part_len);
+    const u32 t = work.t, kv_head = work.kv_head, head0 = work.head0, nh = work.nh;
+    const u32 part = work.part, num_parts = work.num_parts, start = work.start, end = work.end;
     const u32 kv_width = num_kv_heads * D;
-    const u32 part = blockIdx.y, num_parts = gridDim.y;
     const u32 tile_keys = DECODE_TILE_ELEMS / D;
     const u32 pass_keys = DECODE_WARPS * kpw;
 
@@ -453,23 +493,10 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
     float* red_s = reinterpret_cast<float*>(decode_smem);
     float* ml_s = red_s + DECODE_WARPS * G * D;
 
-    const u32 r = request_of_row(query_start_loc, num_reqs, t);
-    const u32 q_begin = query_start_loc[r], q_end = query_start_loc[r + 1];
-    const u32 pos = seq_lens[r] - (q_end - q_begin) + (t - q_begin);
-    const u32 key_begin = (window != 0 && pos + 1 > window) ? pos + 1 - window : 0;
-    const u32 start = key_begin + min(part * part_len, pos + 1 - key_begin);
-    const u32 end = part + 1 == num_parts ? pos + 1 : min(start + part_len, pos + 1);
-    const u32* table = block_tables + (u64)r * max_blocks_per_seq;
+    const u32* table = block_tables + (u64)work.r * max_blocks_per_seq;
 
     if (start >= end) {
-        // Nothing to see in this partition: the merge skips a max of -inf.
-        if (threadIdx.x < nh) {
-            const u64 at = ((u64)t * num_heads + head0 + threadIdx.x) * num_parts + part;
-            part_ml[at * 2] = NEG_INF;
-            part_ml[at * 2 + 1] = 0.f;
-        }
-        decode_finish(part_out, part_ml, out, counters, reinterpret_cast<float*>(decode_smem), t, head0, nh,
-                      num_heads, D, num_parts);
+        decode_empty_partition(work, part_out, part_ml, out, counters, red_s, num_heads, D);
         return;
     }
     const u32 num_tiles = (end - start + tile_keys - 1) / tile_keys;

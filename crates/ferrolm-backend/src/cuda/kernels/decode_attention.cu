@@ -58,32 +58,15 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
     float* ml_s = red_s + DM_WARPS * DM_ROWS * D;
 
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-    const u32 group = num_heads / num_kv_heads;
-    const u32 head_chunks = (group + DM_ROWS - 1) / DM_ROWS;
-    const u32 heads_total = num_kv_heads * head_chunks;
-    const u32 t = blockIdx.x / heads_total, head_block = blockIdx.x % heads_total;
-    const u32 kv_head = head_block / head_chunks;
-    const u32 head0 = kv_head * group + (head_block % head_chunks) * DM_ROWS;
-    const u32 nh = min((u32)DM_ROWS, kv_head * group + group - head0);
+    const DecodeWork work =
+        decode_work(DM_ROWS, query_start_loc, seq_lens, num_reqs, num_heads, num_kv_heads, window, part_len);
+    const u32 t = work.t, kv_head = work.kv_head, head0 = work.head0, nh = work.nh;
+    const u32 part = work.part, num_parts = work.num_parts, start = work.start, end = work.end;
     const u32 kv_width = num_kv_heads * D;
-    const u32 part = blockIdx.y, num_parts = gridDim.y;
-
-    const u32 r = request_of_row(query_start_loc, num_reqs, t);
-    const u32 q_begin = query_start_loc[r], q_end = query_start_loc[r + 1];
-    const u32 pos = seq_lens[r] - (q_end - q_begin) + (t - q_begin);
-    const u32 key_begin = window_start(pos, window);
-    const u32 start = key_begin + min(part * part_len, pos + 1 - key_begin);
-    const u32 end = part + 1 == num_parts ? pos + 1 : min(start + part_len, pos + 1);
-    const u32* table = block_tables + (u64)r * max_blocks_per_seq;
+    const u32* table = block_tables + (u64)work.r * max_blocks_per_seq;
 
     if (start >= end) {
-        // Nothing to see in this partition: the merge skips a max of -inf.
-        if (tid < nh) {
-            const u64 at = ((u64)t * num_heads + head0 + tid) * num_parts + part;
-            part_ml[at * 2] = NEG_INF;
-            part_ml[at * 2 + 1] = 0.f;
-        }
-        decode_finish(part_out, part_ml, out, counters, red_s, t, head0, nh, num_heads, D, num_parts);
+        decode_empty_partition(work, part_out, part_ml, out, counters, red_s, num_heads, D);
         return;
     }
 
@@ -168,7 +151,6 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
             mma16816(s[0], qf[ks], b[0], b[1], T());
             mma16816(s[1], qf[ks], b[2], b[3], T());
         }
-        // Key key0 is in the partition, so every row has a finite max.
         float mx_lo = NEG_INF, mx_hi = NEG_INF;
 #pragma unroll
         for (int nt = 0; nt < 2; nt++) {
@@ -180,27 +162,8 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
             mx_lo = fmaxf(mx_lo, fmaxf(s[nt][0], s[nt][1]));
             mx_hi = fmaxf(mx_hi, fmaxf(s[nt][2], s[nt][3]));
         }
-        // A row's 4 lanes hold its columns.
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-        mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-        mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-        const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
-        const float alpha_lo = exp2f(m_lo - new_lo), alpha_hi = exp2f(m_hi - new_hi);
-        m_lo = new_lo;
-        m_hi = new_hi;
-        float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < 2; nt++) {
-            s[nt][0] = exp2f(s[nt][0] - new_lo);
-            s[nt][1] = exp2f(s[nt][1] - new_lo);
-            s[nt][2] = exp2f(s[nt][2] - new_hi);
-            s[nt][3] = exp2f(s[nt][3] - new_hi);
-            sum_lo += s[nt][0] + s[nt][1];
-            sum_hi += s[nt][2] + s[nt][3];
-        }
-        l_lo = l_lo * alpha_lo + sum_lo;
-        l_hi = l_hi * alpha_hi + sum_hi;
+        float alpha_lo, alpha_hi;
+        softmax_step(s, mx_lo, mx_hi, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi);
         // Once the maxima settle most tiles leave them as they are: skip the rescale then.
         if (__any_sync(0xffffffffu, alpha_lo != 1.f || alpha_hi != 1.f)) {
 #pragma unroll

@@ -85,6 +85,39 @@ __device__ __forceinline__ u32 split2(float x, float y, u32& rest, __half tag) {
     return *reinterpret_cast<const u32*>(&v);
 }
 
+// One online-softmax step over a tile of S in mma accumulator layout, for a thread's two rows
+// (lo: s[nt][0..1], hi: s[nt][2..3]), scores in base 2 and masked ones -inf, given the maxima of
+// the thread's own columns: takes each row's max over its 4 lanes, moves the running maxima m
+// and the thread's partial sums l to it, turns s into weights, and sets alpha to the factors
+// the outputs kept so far must be scaled by. A row that has seen no key yet keeps a max of
+// -inf and subtracts 0 instead, so that its weights are exp2(-inf) = 0 rather than NaN.
+template <int NT>
+__device__ __forceinline__ void softmax_step(float (&s)[NT][4], float mx_lo, float mx_hi, float& m_lo, float& m_hi,
+                                             float& l_lo, float& l_hi, float& alpha_lo, float& alpha_hi) {
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+    const float new_lo = fmaxf(m_lo, mx_lo), new_hi = fmaxf(m_hi, mx_hi);
+    const float ref_lo = new_lo == NEG_INF ? 0.f : new_lo, ref_hi = new_hi == NEG_INF ? 0.f : new_hi;
+    alpha_lo = exp2f(m_lo - ref_lo);
+    alpha_hi = exp2f(m_hi - ref_hi);
+    m_lo = new_lo;
+    m_hi = new_hi;
+    float sum_lo = 0.f, sum_hi = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        s[nt][0] = exp2f(s[nt][0] - ref_lo);
+        s[nt][1] = exp2f(s[nt][1] - ref_lo);
+        s[nt][2] = exp2f(s[nt][2] - ref_hi);
+        s[nt][3] = exp2f(s[nt][3] - ref_hi);
+        sum_lo += s[nt][0] + s[nt][1];
+        sum_hi += s[nt][2] + s[nt][3];
+    }
+    l_lo = l_lo * alpha_lo + sum_lo;
+    l_hi = l_hi * alpha_hi + sum_hi;
+}
+
 // n / d for n < 2^31, as umulhi(n, mul) >> shift with the host's `fast_divisor(d)` (mul 0: d = 1).
 __device__ __forceinline__ u32 fast_div(u32 n, u32 mul, u32 shift) { return mul ? __umulhi(n, mul) >> shift : n; }
 
@@ -279,30 +312,8 @@ __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, co
                 mx_lo = fmaxf(mx_lo, fmaxf(s[nt][0], s[nt][1]));
                 mx_hi = fmaxf(mx_hi, fmaxf(s[nt][2], s[nt][3]));
             }
-            // A row's 4 lanes hold its columns.
-            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
-            mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
-            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
-            mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
-            const float new_lo = fmaxf(m_run_lo, mx_lo), new_hi = fmaxf(m_run_hi, mx_hi);
-            // A row that has seen no key yet keeps a max of -inf: subtract 0 instead, so that its
-            // weights are exp2(-inf) = 0 rather than NaN.
-            const float ref_lo = new_lo == NEG_INF ? 0.f : new_lo, ref_hi = new_hi == NEG_INF ? 0.f : new_hi;
-            const float alpha_lo = exp2f(m_run_lo - ref_lo), alpha_hi = exp2f(m_run_hi - ref_hi);
-            m_run_lo = new_lo;
-            m_run_hi = new_hi;
-            float sum_lo = 0.f, sum_hi = 0.f;
-#pragma unroll
-            for (int nt = 0; nt < NT; nt++) {
-                s[nt][0] = exp2f(s[nt][0] - ref_lo);
-                s[nt][1] = exp2f(s[nt][1] - ref_lo);
-                s[nt][2] = exp2f(s[nt][2] - ref_hi);
-                s[nt][3] = exp2f(s[nt][3] - ref_hi);
-                sum_lo += s[nt][0] + s[nt][1];
-                sum_hi += s[nt][2] + s[nt][3];
-            }
-            l_lo = l_lo * alpha_lo + sum_lo;
-            l_hi = l_hi * alpha_hi + sum_hi;
+            float alpha_lo, alpha_hi;
+            softmax_step(s, mx_lo, mx_hi, m_run_lo, m_run_hi, l_lo, l_hi, alpha_lo, alpha_hi);
 #pragma unroll
             for (int dt = 0; dt < DT; dt++) {
                 o[dt][0] *= alpha_lo;
