@@ -87,6 +87,12 @@ bench "llama-3.2-1b latency 128+256" l1b-latency.json latency --model-config ben
     --input-len 128 --output-len 256 --num-iters 3
 bench "llama-3.1-8b latency 128+256" l8b-latency.json latency --model-config bench-configs/llama-3.1-8b.json \
     --input-len 128 --output-len 256 --num-iters 3
+# The same without programmatic dependent launch: what overlapping each kernel's launch and
+# prologue with the kernel before it gains.
+FERROLM_PDL=0 bench "llama-3.2-1b latency, no PDL" l1b-latency-nopdl.json latency \
+    --model-config bench-configs/llama-3.2-1b.json --input-len 128 --output-len 256 --num-iters 3
+FERROLM_PDL=0 bench "llama-3.1-8b latency, no PDL" l8b-latency-nopdl.json latency \
+    --model-config bench-configs/llama-3.1-8b.json --input-len 128 --output-len 256 --num-iters 3
 # The same without CUDA graphs: what replaying decode steps from graphs gains.
 FERROLM_CUDA_GRAPHS=0 bench "llama-3.1-8b latency, no graphs" l8b-latency-eager.json latency \
     --model-config bench-configs/llama-3.1-8b.json --input-len 128 --output-len 256 --num-iters 3

@@ -22,7 +22,9 @@ if [ -z "$NCU" ]; then
     exit 1
 fi
 # Leave the clocks as they are (the machine's own setting), as in every other measurement.
-ncu_run() { timeout "${PROFILE_TIMEOUT:-200}" "$NCU" --clock-control none "$@"; }
+# CACHE=none keeps the L2 between kernels (as in a graph replay, where a small kernel's inputs
+# are still in the L2) instead of flushing it before each one.
+ncu_run() { timeout "${PROFILE_TIMEOUT:-200}" "$NCU" --clock-control none --cache-control "${CACHE:-all}" "$@"; }
 
 for model in ${MODELS:-llama-3.2-1b llama-3.1-8b}; do
     FERROLM_CUDA_GRAPHS=0 ncu_run --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/$model.csv" \

@@ -16,7 +16,7 @@
 //! kernel, which tiles query rows and keys through shared memory in f32. All compute the same
 //! function for any batch; `max_query_len` and the dtype only pick the kernel.
 
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 use super::flash_attention::{self, AttentionWork};
 use super::gpu::{rows_config, to_u32};
@@ -43,6 +43,11 @@ const DECODE_STAGES: usize = 4;
 /// batches still fill the device. The context is split only for fewer (token, head block)
 /// pairs than this, so it is also the number of merge counters the `Gpu` keeps.
 pub(crate) const DECODE_TARGET_BLOCKS: usize = 512;
+/// Floats of the decode workspace the `Gpu` keeps. A split launch has at most
+/// `2 * DECODE_TARGET_BLOCKS` (block, partition) pairs (parts = ceil(target / blocks) for at most
+/// `target` blocks), each of at most `DECODE_MMA_HEADS` query heads with `head_dim + 2` floats:
+/// 16.9 MB covers every head size up to 256.
+pub(crate) const DECODE_WORKSPACE_FLOATS: usize = 2 * DECODE_TARGET_BLOCKS * DECODE_MMA_HEADS * (256 + 2);
 /// Fewest keys per partition: below this a block's fixed cost outweighs its loads.
 const DECODE_MIN_PART: usize = 32;
 
@@ -352,19 +357,21 @@ fn paged_decode(
     // context is not split. Stream-ordered allocation: freed after the kernels that use it.
     let partial_len = num_tokens * num_heads * num_parts * head_dim;
     let stats_len = num_tokens * num_heads * num_parts * 2;
-    let workspace = if num_parts > 1 {
-        // SAFETY: the decode kernel writes every element the combine kernel reads.
+    // The `Gpu`'s workspace holds any split the kernels make (see DECODE_WORKSPACE_FLOATS);
+    // a larger one (a head size past 256) is allocated for the call.
+    let fits = partial_len + stats_len <= DECODE_WORKSPACE_FLOATS;
+    let workspace = if num_parts > 1 && !fits {
+        // SAFETY: the decode kernel writes every element the merge reads.
         Some(unsafe { gpu.stream().alloc::<f32>(partial_len + stats_len) }?)
     } else {
         None
     };
-    let (part_out, part_ml) = match &workspace {
-        Some(ws) => {
-            let base = gpu.index_ptr(ws);
-            (base, base + (partial_len * std::mem::size_of::<f32>()) as u64)
-        }
-        None => (0u64, 0u64),
+    let base = match &workspace {
+        Some(ws) => gpu.index_ptr(ws),
+        None => gpu.index_ptr(gpu.decode_workspace()),
     };
+    let (part_out, part_ml) =
+        if num_parts > 1 { (base, base + (partial_len * std::mem::size_of::<f32>()) as u64) } else { (0u64, 0u64) };
 
     let kv_width = num_kv_heads * head_dim;
     let num_blocks = k_cache.len() / kv_width / meta.block_size;
@@ -590,6 +597,32 @@ mod tests {
         assert_eq!(one, DecodeSplit { heads_per_block: 4, head_chunks: 1, num_parts: 7, part_len: 64 });
         let many = DecodeSplit::new(DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS, 4, 256 * 8, 656);
         assert_eq!(many, DecodeSplit { heads_per_block: 4, head_chunks: 1, num_parts: 1, part_len: 656 });
+    }
+
+    #[test]
+    fn split_decodes_fit_the_gpu_workspace() {
+        let kernels = [(DECODE_MAX_HEADS, DECODE_MIN_PART), (DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS)];
+        let mut largest = 0;
+        for (max_heads, min_part) in kernels {
+            for group in [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17, 32, 96] {
+                for kv_heads in [1, 2, 4, 8, 16, 32] {
+                    for tokens in [1, 2, 3, 7, 16, 31, 64, 100, 256, 511, 512] {
+                        for context in [1, 16, 100, 1000, 4096, 32768, 131072] {
+                            let s = DecodeSplit::new(max_heads, min_part, group, tokens * kv_heads, context);
+                            if s.num_parts == 1 {
+                                continue;
+                            }
+                            // What paged_decode takes of the workspace at head_dim 256.
+                            let floats = tokens * kv_heads * group * s.num_parts * (256 + 2);
+                            assert!(floats <= DECODE_WORKSPACE_FLOATS, "{s:?} tokens {tokens} x {kv_heads} x {group}");
+                            largest = largest.max(floats);
+                        }
+                    }
+                }
+            }
+        }
+        // The bound is reached, not just respected from afar.
+        assert!(largest * 2 > DECODE_WORKSPACE_FLOATS, "largest split {largest}");
     }
 
     #[test]

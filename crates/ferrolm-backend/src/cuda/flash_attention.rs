@@ -11,7 +11,7 @@
 use std::cell::OnceCell;
 use std::fmt;
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::gpu::to_u32;
 use super::{Gpu, GpuAttentionMetadata, GpuError, GpuView, GpuViewMut};

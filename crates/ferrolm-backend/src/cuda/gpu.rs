@@ -2,14 +2,18 @@
 //! kernels.
 
 use std::collections::HashMap;
+use std::ffi::c_void;
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
+use cudarc::driver::sys::{
+    cuLaunchKernelEx, CUfunction, CUgraphInstantiate_flags, CUlaunchAttribute, CUlaunchAttributeID,
+    CUlaunchAttributeValue, CUlaunchConfig, CUstreamCaptureMode,
+};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchArgs,
-    LaunchConfig,
+    CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
 };
 use cudarc::nvrtc::Ptx;
 
@@ -102,6 +106,13 @@ pub struct Gpu {
     compute_capability: (u32, u32),
     /// Dynamic shared memory a block may opt into, in bytes.
     max_shared_per_block: usize,
+    /// Kernels are launched with programmatic stream serialization (compute capability 9.0 and
+    /// later, unless `FERROLM_PDL=0`); see [`Launch`].
+    programmatic_launch: bool,
+    /// The decode attention kernels' partial results when they split a context
+    /// (`attention::DECODE_WORKSPACE_FLOATS`, the most a split launch needs): allocated once so
+    /// that a captured decode step holds no allocation and its kernels follow one another.
+    decode_workspace: CudaSlice<f32>,
 }
 
 impl Gpu {
@@ -182,7 +193,12 @@ impl Gpu {
             }
         }
         let decode_counters = stream.alloc_zeros::<u32>(attention::DECODE_TARGET_BLOCKS)?;
+        // SAFETY: a decode kernel writes every element of the workspace that it reads.
+        let decode_workspace = unsafe { stream.alloc::<f32>(attention::DECODE_WORKSPACE_FLOATS) }?;
+        let programmatic_launch = major >= 9 && std::env::var("FERROLM_PDL").map_or(true, |v| v != "0");
         Ok(Gpu {
+            programmatic_launch,
+            decode_workspace,
             name: ctx.name()?,
             compute_capability: (major as u32, minor as u32),
             max_shared_per_block: max_shared_per_block.max(0) as usize,
@@ -283,20 +299,82 @@ impl Gpu {
         &self.decode_counters
     }
 
+    /// The decode attention kernels' workspace for split contexts.
+    pub(crate) fn decode_workspace(&self) -> &CudaSlice<f32> {
+        &self.decode_workspace
+    }
+
     pub(crate) fn max_shared_per_block(&self) -> usize {
         self.max_shared_per_block
     }
 
     /// A launch of kernel `name` for activations of `dtype`, on this `Gpu`'s stream.
-    pub(crate) fn launch_builder(&self, name: &'static str, dtype: DType) -> LaunchArgs<'_> {
+    pub(crate) fn launch_builder<'a>(&'a self, name: &'static str, dtype: DType) -> Launch<'a> {
         let f = self.kernels.get(&(name, dtype)).unwrap_or_else(|| panic!("kernel {name} was not loaded"));
-        self.stream.launch_builder(f)
+        Launch { gpu: self, func: f.cu_function(), args: Vec::new(), _args: PhantomData }
+    }
+
+    /// Whether kernels are launched with programmatic stream serialization (see [`Launch`]).
+    pub fn programmatic_launch(&self) -> bool {
+        self.programmatic_launch
     }
 
     /// The raw device address of an index buffer, for a kernel argument.
     pub(crate) fn index_ptr<T>(&self, buf: &impl DevicePtr<T>) -> u64 {
         let (ptr, _no_event) = buf.device_ptr(&self.stream);
         ptr
+    }
+}
+
+/// One kernel launch being built: its arguments, by reference, in the kernel's parameter order.
+///
+/// On devices that support it (compute capability 9.0 and later) every launch allows
+/// programmatic dependent launch: the kernel's blocks may start before the previous kernel on
+/// the stream has finished. Every kernel of this crate waits for its predecessor with
+/// `pdl_wait` (kernels/common.cuh) before it touches memory an earlier kernel uses, so this only
+/// overlaps one kernel's launch and prologue (weight loads, L2 prefetches) with the tail of the
+/// one before. Copies, cuBLAS GEMMs and graph launches keep full stream order.
+pub(crate) struct Launch<'a> {
+    gpu: &'a Gpu,
+    func: CUfunction,
+    args: Vec<*mut c_void>,
+    _args: PhantomData<&'a ()>,
+}
+
+impl<'a> Launch<'a> {
+    /// Appends one argument; it must stay alive (it is borrowed) until the launch.
+    pub(crate) fn arg<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
+        self.args.push(value as *const T as *mut c_void);
+        self
+    }
+
+    /// Queues the kernel on the `Gpu`'s stream.
+    ///
+    /// # Safety
+    /// The arguments must match the kernel's parameters in number, order and type, and the
+    /// memory they point to must be valid for what the kernel does with it.
+    pub(crate) unsafe fn launch(&mut self, cfg: LaunchConfig) -> Result<(), GpuError> {
+        let stream = self.gpu.raw_stream()?;
+        let mut attr = CUlaunchAttribute {
+            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: CUlaunchAttributeValue { programmaticStreamSerializationAllowed: 1 },
+        };
+        let config = CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: stream,
+            attrs: &mut attr,
+            numAttrs: u32::from(self.gpu.programmatic_launch),
+        };
+        // SAFETY: the caller vouches for the arguments; `config` and `attr` outlive the call.
+        unsafe { cuLaunchKernelEx(&config, self.func, self.args.as_mut_ptr(), std::ptr::null_mut()) }.result()?;
+        Ok(())
     }
 }
 

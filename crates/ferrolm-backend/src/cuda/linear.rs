@@ -6,7 +6,7 @@ use std::ffi::c_void;
 
 use cudarc::cublas::result::gemm_ex;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
-use cudarc::driver::{result as driver, LaunchConfig, PushKernelArg};
+use cudarc::driver::{result as driver, LaunchConfig};
 
 use super::gpu::{rows_config, to_u32};
 use super::{Gpu, GpuError, GpuView, GpuViewMut};

@@ -2,7 +2,7 @@
 //! head), the q/k/v split, the gated activations and the row gather. One block per row (the
 //! gated activations: a row spread over several).
 
-use cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DevicePtr, LaunchConfig};
 
 use super::gpu::{rows_config, to_u32};
 use super::{Gpu, GpuError, GpuView, GpuViewMut};

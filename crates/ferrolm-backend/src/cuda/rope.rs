@@ -1,6 +1,6 @@
 //! Rotary position embedding on the device, with the frequency tables kept on the device.
 
-use cudarc::driver::{CudaSlice, DevicePtr, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr};
 
 use super::gpu::{rows_config, to_u32};
 use super::ops::same_dtype;

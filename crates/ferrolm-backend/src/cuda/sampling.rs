@@ -8,7 +8,7 @@
 //! (or that penalize or mask) get a row of scratch for their processed scores. The scratch and
 //! result buffers are kept and grown, so a steady batch allocates nothing but the two uploads.
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 use ferrolm_sampling::{RowRequest, TokenLogprobs, MAX_LOGPROBS};
 
 use super::gpu::to_u32;

@@ -18,8 +18,10 @@ use super::workspace::StepBuffers;
 use crate::input::ModelInput;
 
 /// Batch sizes that get a graph; a decode batch takes the smallest bucket that holds it.
-const GRAPH_BATCHES: [usize; 20] =
-    [1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256];
+const GRAPH_BATCHES: [usize; 28] = [
+    1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256, 288, 320, 352, 384, 416, 448,
+    480, 512,
+];
 
 /// Narrowest block table a graph is captured for, in blocks.
 const MIN_TABLE_WIDTH: usize = 8;
@@ -126,7 +128,9 @@ mod tests {
         assert_eq!(GraphShape::of(&decodes(3, 9)), Some(GraphShape { batch: 4, table_width: 16 }));
         assert_eq!(GraphShape::of(&decodes(17, 2)), Some(GraphShape { batch: 32, table_width: 8 }));
         assert_eq!(GraphShape::of(&decodes(250, 40)), Some(GraphShape { batch: 256, table_width: 64 }));
-        assert_eq!(GraphShape::of(&decodes(257, 2)), None);
+        assert_eq!(GraphShape::of(&decodes(257, 2)), Some(GraphShape { batch: 288, table_width: 8 }));
+        assert_eq!(GraphShape::of(&decodes(512, 2)), Some(GraphShape { batch: 512, table_width: 8 }));
+        assert_eq!(GraphShape::of(&decodes(513, 2)), None);
         assert_eq!(GraphShape::of(&ModelInput::default()), None);
     }
 

@@ -21,6 +21,7 @@ __device__ __forceinline__ void reshape_and_cache_impl(const T* k, const T* v, c
 #define RESHAPE_AND_CACHE(T, S) \
     extern "C" __global__ void reshape_and_cache_##S(const T* k, const T* v, const i64* slot_mapping, T* k_cache, \
                                                      T* v_cache, u32 kv_width, i64 num_slots) { \
+        pdl_enter(); \
         reshape_and_cache_impl<T>(k, v, slot_mapping, k_cache, v_cache, kv_width, num_slots); \
     }
 FOR_EACH_DTYPE(RESHAPE_AND_CACHE)
@@ -195,6 +196,7 @@ __device__ __forceinline__ void paged_attention_impl(const T* q, const T* k_cach
         const u32* block_tables, u32 num_reqs, u32 num_tokens, u32 num_heads, u32 num_kv_heads, u32 head_dim, \
         u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, float scale, u32 q_tile, \
         u32 heads_per_block) { \
+        pdl_enter(); \
         paged_attention_impl<T>(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, num_reqs, \
                                 num_tokens, num_heads, num_kv_heads, head_dim, max_blocks_per_seq, block_size, \
                                 num_blocks, window, scale, q_tile, heads_per_block); \
@@ -647,6 +649,7 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
         const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, u32 num_reqs, u32 num_heads, \
         u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, \
         float scale, u32 part_len) { \
+        pdl_enter(); \
         paged_decode_impl<T, G>(q, k_cache, v_cache, out, part_out, part_ml, counters, query_start_loc, seq_lens, \
                                 block_tables, num_reqs, num_heads, num_kv_heads, head_dim, max_blocks_per_seq, \
                                 block_size, num_blocks, window, scale, part_len); \

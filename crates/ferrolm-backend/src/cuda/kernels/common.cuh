@@ -48,6 +48,38 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
+// Programmatic dependent launch (sm_90 and later; no-ops before). The host launches every
+// kernel with programmatic stream serialization, so a kernel's blocks may start while the
+// kernel before it on the stream is still running. Every kernel therefore calls `pdl_wait`
+// before it reads anything an earlier kernel wrote or writes anything an earlier kernel reads,
+// and before it may return: the wait returns once the previous kernel has completed and its
+// writes are visible, and since that kernel waited on its own predecessor in the same way,
+// every earlier kernel has completed too. Only data no kernel writes (weights, the step's index
+// buffers copied in before the step) may be read before it. `pdl_launch_dependents` then lets
+// the next kernel's blocks launch (once every block of this one has called it or exited), so
+// that its launch and prologue overlap this kernel's work.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// Both, at the start of a kernel that has nothing to do before the wait.
+__device__ __forceinline__ void pdl_enter() {
+    pdl_wait();
+    pdl_launch_dependents();
+}
+
+// Fetches the 128-byte line holding `p` into the L2 (no register, no L1); always coherent, so it
+// may run before `pdl_wait` even on data an earlier kernel is still writing.
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p)); }
+
 // Asynchronous copies from global to shared memory (sm_80 and later).
 __device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
 

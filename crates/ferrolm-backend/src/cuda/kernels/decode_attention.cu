@@ -65,6 +65,19 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
     const u32 kv_width = num_kv_heads * D;
     const u32* table = block_tables + (u64)work.r * max_blocks_per_seq;
 
+    // The K/V rows of the first tiles go into the L2 while the kernels before this one finish
+    // (see pdl_wait): the block tables and the context lengths were copied in before the step.
+    constexpr u32 LINE = 128 / sizeof(T), LINES = D / LINE > 0 ? D / LINE : 1;
+    const u32 first_end = min(end, start + (STAGES - 1) * DM_TILE_KEYS);
+    for (u32 e = tid; start + e / LINES < first_end; e += DM_THREADS) {
+        const long long at_slot = decode_slot(table, start + e / LINES, block_size, num_blocks);
+        if (at_slot >= 0) {
+            const u64 at = (u64)at_slot * kv_width + kv_head * D + (e % LINES) * LINE;
+            prefetch_l2(k_cache + at);
+            prefetch_l2(v_cache + at);
+        }
+    }
+    pdl_enter();
     if (start >= end) {
         decode_empty_partition(work, part_out, part_ml, out, counters, red_s, num_heads, D);
         return;

@@ -23,10 +23,12 @@ __device__ __forceinline__ void embedding_impl(const u32* ids, const T* table, O
 #define EMBEDDING(T, S) \
     extern "C" __global__ void embedding_##S(const u32* ids, const T* table, T* out, u32 hidden, u32 vocab, \
                                              float scale) { \
+        pdl_enter(); \
         embedding_impl<T, T>(ids, table, out, hidden, vocab, scale); \
     } \
     extern "C" __global__ void embedding_to_f32_##S(const u32* ids, const T* table, float* out, u32 hidden, \
                                                     u32 vocab, float scale) { \
+        pdl_enter(); \
         embedding_impl<T, float>(ids, table, out, hidden, vocab, scale); \
     }
 FOR_EACH_DTYPE(EMBEDDING)
@@ -51,6 +53,7 @@ __device__ __forceinline__ void split_qkv_impl(const T* qkv, T* q, T* k, T* v, u
 
 #define SPLIT_QKV(T, S) \
     extern "C" __global__ void split_qkv_##S(const T* qkv, T* q, T* k, T* v, u32 q_size, u32 kv_size) { \
+        pdl_enter(); \
         split_qkv_impl<T>(qkv, q, k, v, q_size, kv_size); \
     }
 FOR_EACH_DTYPE(SPLIT_QKV)
@@ -69,6 +72,7 @@ __device__ __forceinline__ float gelu_tanh(float x) {
 // still runs on many SMs.
 #define ACT_AND_MUL(NAME, ACT, T, S) \
     extern "C" __global__ void NAME##_##S(const T* gate_up, T* out, u32 inter) { \
+        pdl_enter(); \
         const u64 r = blockIdx.x; \
         const T* gate = gate_up + r * 2 * inter; \
         for (u32 j = blockIdx.y * blockDim.x + threadIdx.x; j < inter; j += gridDim.y * blockDim.x) { \
@@ -84,6 +88,7 @@ FOR_EACH_DTYPE(GELU_TANH_AND_MUL)
 // is rounded to T once. `acc` may be `y` when T is f32 (each thread reads, then writes, its element).
 #define BIAS_ADD(T, S) \
     extern "C" __global__ void bias_add_##S(const float* acc, const float* bias, T* y, u32 n) { \
+        pdl_enter(); \
         const u64 base = (u64)blockIdx.x * n; \
         for (u32 j = threadIdx.x; j < n; j += blockDim.x) y[base + j] = from_float<T>(acc[base + j] + bias[j]); \
     }
@@ -92,6 +97,7 @@ FOR_EACH_DTYPE(BIAS_ADD)
 // src: [src_rows, width]; indices: [rows]; dst: [rows, width]. An index past `src` gives a zero row.
 #define GATHER_ROWS(T, S) \
     extern "C" __global__ void gather_rows_##S(const T* src, const u32* indices, T* dst, u32 width, u32 src_rows) { \
+        pdl_enter(); \
         const u32 r = indices[blockIdx.x]; \
         T* out = dst + (u64)blockIdx.x * width; \
         for (u32 j = threadIdx.x; j < width; j += blockDim.x) { \

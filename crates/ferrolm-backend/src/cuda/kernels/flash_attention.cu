@@ -378,6 +378,7 @@ __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, co
         const u32* seq_lens, const u32* block_tables, u32 num_heads, u32 num_kv_heads, u32 max_blocks_per_seq, \
         u32 block_size, u32 bs_mul, u32 bs_shift, u32 num_blocks, u32 window, float scale_log2, u32 heads_per_tile, \
         u32 head_chunks) { \
+        pdl_enter(); \
         flash_attention_impl<T, D, BN, Q_IN_REGS>(q, k_cache, v_cache, out, work, query_start_loc, seq_lens, \
                                                   block_tables, num_heads, num_kv_heads, max_blocks_per_seq, \
                                                   block_size, bs_mul, bs_shift, num_blocks, window, scale_log2, \

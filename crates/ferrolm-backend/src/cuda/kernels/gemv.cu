@@ -60,31 +60,41 @@ __device__ __forceinline__ void gemv_impl(const T* x, const T* w, O* y, u32 k, u
 #pragma unroll
         for (int r = 0; r < M; r++) acc[h][r] = 0.f;
     }
+    const T* wr[NW];
+#pragma unroll
+    for (int h = 0; h < NW; h++) wr[h] = w + ((u64)h * n + j) * k;  // read only when j < n
+    const u32 chunks = k / 8, stride = 32 * ksplit;
+    u32 c = part * 32 + lane;
+    // The weights depend on no kernel: the lane's first U chunks are loaded before waiting for
+    // the kernel that writes x, so that they stream in while that kernel finishes.
+    Raw8<T> wraw[NW][U];
+    bool full = j < n && c + stride * (U - 1) < chunks;
+    auto load_w = [&]() {
+#pragma unroll
+        for (int h = 0; h < NW; h++) {
+#pragma unroll
+            for (int u = 0; u < U; u++) load_raw(wr[h] + (u64)(c + stride * u) * 8, wraw[h][u]);
+        }
+    };
+    if (full) load_w();
+    pdl_enter();
     if (j < n) {
-        const T* wr[NW];
-#pragma unroll
-        for (int h = 0; h < NW; h++) wr[h] = w + ((u64)h * n + j) * k;
-        const u32 chunks = k / 8, stride = 32 * ksplit;
-        u32 c = part * 32 + lane;
-        for (; c + stride * (U - 1) < chunks; c += stride * U) {
-            Raw8<T> wraw[NW][U];
-#pragma unroll
-            for (int h = 0; h < NW; h++) {
-#pragma unroll
-                for (int u = 0; u < U; u++) load_raw(wr[h] + (u64)(c + stride * u) * 8, wraw[h][u]);
-            }
+        while (full) {
 #pragma unroll
             for (int h = 0; h < NW; h++) {
 #pragma unroll
                 for (int u = 0; u < U; u++) gemv_chunk<T, M>(wraw[h][u], x, k, c + stride * u, acc[h]);
             }
+            c += stride * U;
+            full = c + stride * (U - 1) < chunks;
+            if (full) load_w();
         }
         for (; c < chunks; c += stride) {
 #pragma unroll
             for (int h = 0; h < NW; h++) {
-                Raw8<T> wraw;
-                load_raw(wr[h] + (u64)c * 8, wraw);
-                gemv_chunk<T, M>(wraw, x, k, c, acc[h]);
+                Raw8<T> tail;
+                load_raw(wr[h] + (u64)c * 8, tail);
+                gemv_chunk<T, M>(tail, x, k, c, acc[h]);
             }
         }
     }

@@ -21,10 +21,12 @@ __device__ __forceinline__ void rms_norm_impl(const X* x, const float* w, T* out
 
 #define RMS_NORM(T, S) \
     extern "C" __global__ void rms_norm_##S(const T* x, const float* w, T* out, u32 hidden, float eps) { \
+        pdl_enter(); \
         rms_norm_impl<T, T>(x, w, out, hidden, eps); \
     } \
     extern "C" __global__ void rms_norm_from_f32_##S(const float* x, const float* w, T* out, u32 hidden, \
                                                      float eps) { \
+        pdl_enter(); \
         rms_norm_impl<float, T>(x, w, out, hidden, eps); \
     }
 FOR_EACH_DTYPE(RMS_NORM)
@@ -53,10 +55,12 @@ __device__ __forceinline__ void add_rms_norm_impl(R* residual, const T* x, const
 #define ADD_RMS_NORM(T, S) \
     extern "C" __global__ void add_rms_norm_##S(T* residual, const T* x, const float* w, T* out, u32 hidden, \
                                                 float eps) { \
+        pdl_enter(); \
         add_rms_norm_impl<T, T>(residual, x, w, out, hidden, eps); \
     } \
     extern "C" __global__ void add_rms_norm_f32_residual_##S(float* residual, const T* x, const float* w, T* out, \
                                                              u32 hidden, float eps) { \
+        pdl_enter(); \
         add_rms_norm_impl<float, T>(residual, x, w, out, hidden, eps); \
     }
 FOR_EACH_DTYPE(ADD_RMS_NORM)

@@ -28,6 +28,7 @@ __device__ __forceinline__ void rope_impl(T* x, const u32* positions, const floa
 #define ROPE(T, S) \
     extern "C" __global__ void rope_##S(T* x, const u32* positions, const float* inv_freq, u32 long_start, \
                                         u32 num_heads, u32 head_dim, u32 half, float attention_scaling) { \
+        pdl_enter(); \
         rope_impl<T>(x, positions, inv_freq, long_start, num_heads, head_dim, half, attention_scaling); \
     }
 FOR_EACH_DTYPE(ROPE)
@@ -85,6 +86,7 @@ __device__ __forceinline__ void qkv_rope_cache_impl(const T* qkv, const u32* pos
         const T* qkv, const u32* positions, const i64* slot_mapping, const float* inv_freq, u32 long_start, \
         T* q_out, T* k_cache, T* v_cache, u32 num_heads, u32 num_kv_heads, u32 head_dim, u32 half, \
         float attention_scaling, i64 num_slots) { \
+        pdl_enter(); \
         qkv_rope_cache_impl<T>(qkv, positions, slot_mapping, inv_freq, long_start, q_out, k_cache, v_cache, \
                                num_heads, num_kv_heads, head_dim, half, attention_scaling, num_slots); \
     }

@@ -584,6 +584,7 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
     extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_##S( \
         const T* logits, u32 vocab, const SampleRow* rows, const SampleAdjust* adjusts, float* scratch, \
         SampleOut* out) { \
+        pdl_enter(); \
         sample_rows_impl<T>(logits, vocab, rows, adjusts, scratch, out); \
     }
 FOR_EACH_DTYPE(SAMPLE_ROWS)
