@@ -140,10 +140,10 @@ impl Case {
         let attend = if general { cuda::paged_attention_general } else { cuda::paged_attention };
         let Case { q, out, caches, .. } = self;
         let step = || GpuAttentionMetadata {
-            query_start_loc: &self.query_start_loc,
+            query_start_loc: self.query_start_loc.as_view(),
             query_start_loc_host: &self.query_start_loc_host,
-            seq_lens: &self.seq_lens,
-            block_tables: &self.block_tables,
+            seq_lens: self.seq_lens.as_view(),
+            block_tables: self.block_tables.as_view(),
             max_blocks_per_seq: self.blocks_per_seq,
             max_query_len: self.max_query_len,
             block_size: BLOCK_SIZE,

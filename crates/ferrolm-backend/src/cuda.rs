@@ -12,7 +12,8 @@
 //! - Arithmetic is f32 whatever the storage dtype; each op rounds its outputs to the storage
 //!   dtype once. Small parameter vectors (norm weights, biases, RoPE frequencies) stay f32.
 //! - Index buffers (token ids, positions, slot mapping, block tables, query_start_loc,
-//!   seq_lens) are plain `CudaSlice`s uploaded each step with [`Gpu::upload`].
+//!   seq_lens) are device slices or views; a step's are written in one copy through a
+//!   [`StagedBuffer`].
 //!
 //! Layout: `gpu` (device, context, kernels) and `compile` (NVRTC and its disk cache) set up;
 //! `tensor` holds device buffers; the ops are split by kind, with their CUDA C++ source in
@@ -27,10 +28,11 @@ mod linear;
 mod ops;
 mod rope;
 mod sampling;
+mod staging;
 mod tensor;
 
 pub use attention::{paged_attention, paged_attention_general, reshape_and_cache, GpuAttentionMetadata};
-pub use cudarc::driver::{CudaSlice, DevicePtr};
+pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 pub use error::GpuError;
 pub use flash_attention::AttentionWork;
 pub use gpu::{Gpu, GpuGraph};
@@ -40,4 +42,5 @@ pub use ops::{
 };
 pub use rope::{qkv_rope_cache, rope, GpuRopeTable};
 pub use sampling::GpuSampler;
+pub use staging::{StagedBuffer, StagedPart};
 pub use tensor::{GpuTensor, GpuView, GpuViewMut};

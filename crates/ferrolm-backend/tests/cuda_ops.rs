@@ -439,8 +439,16 @@ fn qkv_rope_cache_equals_the_ops_it_fuses() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
     let mut rng = rng(21);
     // (tokens, heads, kv_heads, head_dim, rotary_dim, long_start)
-    let cases =
-        [(1, 4, 1, 8, 8, None), (7, 6, 2, 64, 32, None), (33, 32, 8, 128, 128, Some(500)), (5, 2, 2, 80, 0, None)];
+    // A few tokens spread each token over several blocks (1 x 8B's shape: 28), 64 and more take
+    // one block per token.
+    let cases = [
+        (1, 4, 1, 8, 8, None),
+        (7, 6, 2, 64, 32, None),
+        (33, 32, 8, 128, 128, Some(500)),
+        (5, 2, 2, 80, 0, None),
+        (1, 32, 8, 128, 128, None),
+        (70, 8, 2, 64, 64, Some(1000)),
+    ];
     for (tokens, heads, kv_heads, dim, rotary, long_start) in cases {
         let (q_size, kv_size) = (heads * dim, kv_heads * dim);
         let num_slots = 3 * tokens + 2;
@@ -600,10 +608,10 @@ fn compare_attention(
     let (qsl, lens, tables) =
         (gpu.upload(&batch.query_start_loc)?, gpu.upload(&batch.seq_lens)?, gpu.upload(&batch.block_tables)?);
     let gpu_meta = GpuAttentionMetadata {
-        query_start_loc: &qsl,
+        query_start_loc: qsl.as_view(),
         query_start_loc_host: &batch.query_start_loc,
-        seq_lens: &lens,
-        block_tables: &tables,
+        seq_lens: lens.as_view(),
+        block_tables: tables.as_view(),
         max_blocks_per_seq: batch.max_blocks_per_seq,
         max_query_len,
         block_size,
@@ -863,10 +871,10 @@ fn paged_attention_work_list_is_shared_by_a_steps_layers() -> Result<(), GpuErro
         (gpu.upload(&layout.query_start_loc)?, gpu.upload(&layout.seq_lens)?, gpu.upload(&layout.block_tables)?);
     let scale = 1.0 / 128f32.sqrt();
     let meta = GpuAttentionMetadata {
-        query_start_loc: &qsl,
+        query_start_loc: qsl.as_view(),
         query_start_loc_host: &layout.query_start_loc,
-        seq_lens: &lens,
-        block_tables: &tables,
+        seq_lens: lens.as_view(),
+        block_tables: tables.as_view(),
         max_blocks_per_seq: layout.max_blocks_per_seq,
         max_query_len: layout.max_query_len,
         block_size,

@@ -101,6 +101,8 @@ pub struct CudaRunner {
     /// Reused by every step; `None` until the first.
     acts: Option<Activations>,
     graphs: DecodeGraphs,
+    /// The index buffers of steps that run eagerly, reused from step to step.
+    eager_buffers: Option<StepBuffers>,
     /// Sampling and logprobs on the logits, with its buffers.
     sampler: gpu_ops::GpuSampler,
 }
@@ -153,6 +155,7 @@ impl CudaRunner {
             weight_bytes,
             acts: None,
             graphs: DecodeGraphs::new(),
+            eager_buffers: None,
             sampler: gpu_ops::GpuSampler::new(),
         })
     }
@@ -190,10 +193,11 @@ impl CudaRunner {
         let shape = if self.graphs.disabled || self.model.layers.is_empty() { None } else { GraphShape::of(input) };
         let Some(shape) = shape else {
             self.ensure_activations(input.num_tokens(), rows)?;
-            let buffers = StepBuffers::upload(&self.gpu, input)?;
+            StepBuffers::upload_reusing(&mut self.eager_buffers, &self.gpu, input)?;
+            let buffers = self.eager_buffers.as_ref().expect("buffers were just written");
             let step = StepShape::of(input);
             let acts = self.acts.as_mut().expect("activations were just ensured");
-            return decoder(&self.gpu, &self.config, &self.model, &mut self.kv, self.block_size, acts, &buffers, &step);
+            return decoder(&self.gpu, &self.config, &self.model, &mut self.kv, self.block_size, acts, buffers, &step);
         };
         let padded = shape.pad(input);
         self.ensure_activations(shape.batch, shape.batch)?;
@@ -284,10 +288,10 @@ fn decoder(
     let (heads, kv_heads, hd) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
     let eps = cfg.rms_norm_eps;
     let meta = GpuAttentionMetadata {
-        query_start_loc: &b.query_start_loc,
+        query_start_loc: b.query_start_loc(),
         query_start_loc_host: &step.query_start_loc,
-        seq_lens: &b.seq_lens,
-        block_tables: &b.block_tables,
+        seq_lens: b.seq_lens(),
+        block_tables: b.block_tables(),
         max_blocks_per_seq: step.max_blocks_per_seq,
         max_query_len: step.max_query_len,
         block_size,
@@ -299,7 +303,7 @@ fn decoder(
 
     gpu_ops::embedding(
         g,
-        &b.token_ids,
+        &b.token_ids(),
         model.embed_tokens.view(),
         h,
         cfg.embedding_multiplier,
@@ -331,13 +335,13 @@ fn decoder(
             gpu_ops::split_qkv(g, a.qkv.rows(0..t, qkv_width), q_size, kv_size, q, k, v)?;
             gpu_ops::rms_norm_inplace(g, a.q.rows_mut(0..t, q_size), qn.view(), eps)?;
             gpu_ops::rms_norm_inplace(g, a.k.rows_mut(0..t, kv_size), kn.view(), eps)?;
-            gpu_ops::rope(g, a.q.rows_mut(0..t, q_size), &b.positions, heads, hd, &model.rope)?;
-            gpu_ops::rope(g, a.k.rows_mut(0..t, kv_size), &b.positions, kv_heads, hd, &model.rope)?;
+            gpu_ops::rope(g, a.q.rows_mut(0..t, q_size), &b.positions(), heads, hd, &model.rope)?;
+            gpu_ops::rope(g, a.k.rows_mut(0..t, kv_size), &b.positions(), kv_heads, hd, &model.rope)?;
             gpu_ops::reshape_and_cache(
                 g,
                 a.k.rows(0..t, kv_size),
                 a.v.rows(0..t, kv_size),
-                &b.slot_mapping,
+                &b.slot_mapping(),
                 kv_size,
                 k_cache.view_mut(),
                 v_cache.view_mut(),
@@ -346,8 +350,8 @@ fn decoder(
             gpu_ops::qkv_rope_cache(
                 g,
                 a.qkv.rows(0..t, qkv_width),
-                &b.positions,
-                &b.slot_mapping,
+                &b.positions(),
+                &b.slot_mapping(),
                 heads,
                 kv_heads,
                 hd,
@@ -401,9 +405,15 @@ fn decoder(
     let (last_residual, last_out) = if step.identity_rows {
         (&mut a.residual, &a.pending)
     } else {
-        gpu_ops::gather_rows(g, a.residual.rows(0..t, h), h, &b.logits_indices, a.last_residual.rows_mut(0..rows, h))?;
+        gpu_ops::gather_rows(
+            g,
+            a.residual.rows(0..t, h),
+            h,
+            &b.logits_indices(),
+            a.last_residual.rows_mut(0..rows, h),
+        )?;
         if !model.layers.is_empty() {
-            gpu_ops::gather_rows(g, a.pending.rows(0..t, h), h, &b.logits_indices, a.last_out.rows_mut(0..rows, h))?;
+            gpu_ops::gather_rows(g, a.pending.rows(0..t, h), h, &b.logits_indices(), a.last_out.rows_mut(0..rows, h))?;
         }
         (&mut a.last_residual, &a.last_out)
     };

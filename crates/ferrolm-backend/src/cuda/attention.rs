@@ -16,7 +16,7 @@
 //! kernel, which tiles query rows and keys through shared memory in f32. All compute the same
 //! function for any batch; `max_query_len` and the dtype only pick the kernel.
 
-use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
+use cudarc::driver::{CudaView, DevicePtr, LaunchConfig};
 
 use super::flash_attention::{self, AttentionWork};
 use super::gpu::{rows_config, to_u32};
@@ -43,11 +43,21 @@ const DECODE_STAGES: usize = 4;
 /// batches still fill the device. The context is split only for fewer (token, head block)
 /// pairs than this, so it is also the number of merge counters the `Gpu` keeps.
 pub(crate) const DECODE_TARGET_BLOCKS: usize = 512;
-/// Floats of the decode workspace the `Gpu` keeps. A split launch has at most
-/// `2 * DECODE_TARGET_BLOCKS` (block, partition) pairs (parts = ceil(target / blocks) for at most
-/// `target` blocks), each of at most `DECODE_MMA_HEADS` query heads with `head_dim + 2` floats:
-/// 16.9 MB covers every head size up to 256.
-pub(crate) const DECODE_WORKSPACE_FLOATS: usize = 2 * DECODE_TARGET_BLOCKS * DECODE_MMA_HEADS * (256 + 2);
+/// Floats of the decode workspace the `Gpu` keeps. A split launch of `target` blocks has at most
+/// `2 * target` (block, partition) pairs (parts = ceil(target / blocks) for at most `target`
+/// blocks), each of at most `max_heads` query heads with `head_dim + 2` floats: the larger of the
+/// two kernels' products, at head_dim 256 (8.5 MB).
+pub(crate) const DECODE_WORKSPACE_FLOATS: usize = 2 * split_heads_bound() * (256 + 2);
+
+const fn split_heads_bound() -> usize {
+    let cuda = CUDA_CORE_SPLIT.2 * CUDA_CORE_SPLIT.0;
+    let mma = TENSOR_CORE_SPLIT.2 * TENSOR_CORE_SPLIT.0;
+    if cuda > mma {
+        cuda
+    } else {
+        mma
+    }
+}
 /// Fewest keys per partition: below this a block's fixed cost outweighs its loads.
 const DECODE_MIN_PART: usize = 32;
 
@@ -64,23 +74,30 @@ const DECODE_MMA_HEADS: usize = 16;
 /// Keys per tile of the tensor-core decode kernel (`DM_TILE_KEYS`), and its fewest keys per
 /// partition: a shorter partition leaves warps of its one tile idle.
 const DECODE_MMA_TILE_KEYS: usize = 64;
+/// How each decode kernel splits a context: (query heads per block, fewest keys per partition,
+/// blocks a split aims at). The tensor-core kernel aims at one block per SM of a large GPU
+/// rather than four: its blocks stream a partition several times faster, so more, shorter
+/// partitions only lengthen the merge (H200, 8B shape, batch 1 at context 4096: 64 partitions
+/// of 64 keys 31.6 us, 16 of 256 keys 16.4 us; at context 384 both give 6 partitions of 64).
+const CUDA_CORE_SPLIT: (usize, usize, usize) = (DECODE_MAX_HEADS, DECODE_MIN_PART, DECODE_TARGET_BLOCKS);
+const TENSOR_CORE_SPLIT: (usize, usize, usize) = (DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS, 128);
 /// Most partitions per (token, head); bounds the workspace and the combine step.
 const DECODE_MAX_PARTS: usize = 128;
 
 /// Describes the flattened batch for [`paged_attention`], as [`crate::cpu::AttentionMetadata`]
 /// does, with the index buffers on the device. Build one per step: its `work` keeps what the
 /// step's first layer works out for the others.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct GpuAttentionMetadata<'a> {
     /// `[num_reqs + 1]`: request `r` owns query rows `query_start_loc[r]..query_start_loc[r + 1]`.
-    pub query_start_loc: &'a CudaSlice<u32>,
+    pub query_start_loc: CudaView<'a, u32>,
     /// `[num_reqs + 1]`: the same on the host, from which the tensor-core kernel's work list is
     /// built.
     pub query_start_loc_host: &'a [u32],
     /// `[num_reqs]`: context length of request `r` after this step (cached + new tokens).
-    pub seq_lens: &'a CudaSlice<u32>,
+    pub seq_lens: CudaView<'a, u32>,
     /// `[num_reqs, max_blocks_per_seq]`, padded: the KV block ids of each request.
-    pub block_tables: &'a CudaSlice<u32>,
+    pub block_tables: CudaView<'a, u32>,
     pub max_blocks_per_seq: usize,
     /// The most query rows of any request (1 for a batch of decodes). Only the work split
     /// depends on it; results are correct for any value.
@@ -346,11 +363,11 @@ fn paged_decode(
         max_context = max_context.min(w);
     }
     let group = num_heads / num_kv_heads;
-    let (max_heads, min_part) = match kernel {
-        DecodeKernel::Cuda => (DECODE_MAX_HEADS, DECODE_MIN_PART),
-        DecodeKernel::TensorCore(_) => (DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS),
+    let (max_heads, min_part, target) = match kernel {
+        DecodeKernel::Cuda => CUDA_CORE_SPLIT,
+        DecodeKernel::TensorCore(_) => TENSOR_CORE_SPLIT,
     };
-    let split = DecodeSplit::new(max_heads, min_part, group, num_tokens * num_kv_heads, max_context);
+    let split = DecodeSplit::new(max_heads, min_part, target, group, num_tokens * num_kv_heads, max_context);
     let num_parts = split.num_parts;
 
     // Partial results of each (token, head, partition): out then (max, sum), f32; none when the
@@ -396,9 +413,9 @@ fn paged_decode(
     };
     let (q_ptr, kc_ptr, vc_ptr, out_ptr) = (q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr());
     let counters_ptr = gpu.index_ptr(gpu.decode_counters());
-    let qsl_ptr = gpu.index_ptr(meta.query_start_loc);
-    let lens_ptr = gpu.index_ptr(meta.seq_lens);
-    let tables_ptr = gpu.index_ptr(meta.block_tables);
+    let qsl_ptr = gpu.index_ptr(&meta.query_start_loc);
+    let lens_ptr = gpu.index_ptr(&meta.seq_lens);
+    let tables_ptr = gpu.index_ptr(&meta.block_tables);
     let reqs = to_u32(op, "num_reqs", num_reqs);
     let args = shape_args(op, meta, num_heads, num_kv_heads, head_dim, num_blocks);
     let part_len = to_u32(op, "partition length", split.part_len);
@@ -441,14 +458,21 @@ struct DecodeSplit {
 
 impl DecodeSplit {
     /// `max_heads`: the kernel's query heads per block; `min_part`: its fewest keys per
-    /// partition; `rows`: (token, KV head) pairs; `max_context`: the most keys a row can see.
-    fn new(max_heads: usize, min_part: usize, group: usize, rows: usize, max_context: usize) -> DecodeSplit {
+    /// partition; `target`: the blocks a split aims at (at most `DECODE_TARGET_BLOCKS`); `rows`:
+    /// (token, KV head) pairs; `max_context`: the most keys a row can see.
+    fn new(
+        max_heads: usize,
+        min_part: usize,
+        target: usize,
+        group: usize,
+        rows: usize,
+        max_context: usize,
+    ) -> DecodeSplit {
         let heads_per_block = max_heads.min(group.next_power_of_two());
         let head_chunks = group.div_ceil(heads_per_block);
         let max_context = max_context.max(1);
         let blocks = (rows * head_chunks).max(1);
-        let parts =
-            DECODE_TARGET_BLOCKS.div_ceil(blocks).min(max_context.div_ceil(min_part)).clamp(1, DECODE_MAX_PARTS);
+        let parts = target.div_ceil(blocks).min(max_context.div_ceil(min_part)).clamp(1, DECODE_MAX_PARTS);
         let part_len = max_context.div_ceil(parts).next_multiple_of(16);
         DecodeSplit { heads_per_block, head_chunks, num_parts: max_context.div_ceil(part_len), part_len }
     }
@@ -491,9 +515,9 @@ fn paged_general(
         shared_mem_bytes: shared as u32,
     };
     let (q_ptr, kc_ptr, vc_ptr, out_ptr) = (q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr());
-    let qsl_ptr = gpu.index_ptr(meta.query_start_loc);
-    let lens_ptr = gpu.index_ptr(meta.seq_lens);
-    let tables_ptr = gpu.index_ptr(meta.block_tables);
+    let qsl_ptr = gpu.index_ptr(&meta.query_start_loc);
+    let lens_ptr = gpu.index_ptr(&meta.seq_lens);
+    let tables_ptr = gpu.index_ptr(&meta.block_tables);
     let num_blocks = k_cache.len() / kv_width / meta.block_size;
     let (reqs, tokens) = (to_u32(op, "num_reqs", num_reqs), to_u32(op, "num_tokens", num_tokens));
     let args = shape_args(op, meta, num_heads, num_kv_heads, head_dim, num_blocks);
@@ -567,11 +591,11 @@ mod tests {
 
     #[test]
     fn decode_split_covers_the_context_and_fills_the_device() {
-        for (max_heads, min_part) in [(DECODE_MAX_HEADS, DECODE_MIN_PART), (DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS)] {
+        for (max_heads, min_part, target) in [CUDA_CORE_SPLIT, TENSOR_CORE_SPLIT] {
             for group in [1, 2, 3, 4, 6, 7, 8, 16, 24, 32] {
                 for rows in [1, 8, 64, 2048, 100_000] {
                     for max_context in [0, 1, 16, 17, 384, 640, 3000, 131_072] {
-                        let s = DecodeSplit::new(max_heads, min_part, group, rows, max_context);
+                        let s = DecodeSplit::new(max_heads, min_part, target, group, rows, max_context);
                         assert!(s.heads_per_block <= max_heads, "{s:?}");
                         assert!(s.heads_per_block * s.head_chunks >= group, "{s:?} group {group}");
                         assert!(s.heads_per_block * (s.head_chunks - 1) < group, "{s:?} group {group}");
@@ -587,28 +611,32 @@ mod tests {
         }
         // The tensor-core kernel's head chunks are those the kernel works out, ceil(group / 16).
         for group in 1..=100 {
-            let s = DecodeSplit::new(DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS, group, 8, 100);
+            let (heads, min_part, target) = TENSOR_CORE_SPLIT;
+            let s = DecodeSplit::new(heads, min_part, target, group, 8, 100);
             assert_eq!(s.head_chunks, group.div_ceil(DECODE_MMA_HEADS), "{s:?}");
         }
         // Llama-3.1-8B (group 4, 8 KV heads): batch 1 splits its context, batch 256 does not.
-        let one = DecodeSplit::new(DECODE_MAX_HEADS, DECODE_MIN_PART, 4, 8, 400);
+        let (cuda, mma) = (CUDA_CORE_SPLIT, TENSOR_CORE_SPLIT);
+        let one = DecodeSplit::new(cuda.0, cuda.1, cuda.2, 4, 8, 400);
         assert_eq!(one, DecodeSplit { heads_per_block: 4, head_chunks: 1, num_parts: 13, part_len: 32 });
-        let one = DecodeSplit::new(DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS, 4, 8, 400);
+        let one = DecodeSplit::new(mma.0, mma.1, mma.2, 4, 8, 400);
         assert_eq!(one, DecodeSplit { heads_per_block: 4, head_chunks: 1, num_parts: 7, part_len: 64 });
-        let many = DecodeSplit::new(DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS, 4, 256 * 8, 656);
+        // At context 4096 the tensor-core kernel takes 16 partitions of 256 keys, not 64 of 64.
+        let long = DecodeSplit::new(mma.0, mma.1, mma.2, 4, 8, 4096);
+        assert_eq!(long, DecodeSplit { heads_per_block: 4, head_chunks: 1, num_parts: 16, part_len: 256 });
+        let many = DecodeSplit::new(mma.0, mma.1, mma.2, 4, 256 * 8, 656);
         assert_eq!(many, DecodeSplit { heads_per_block: 4, head_chunks: 1, num_parts: 1, part_len: 656 });
     }
 
     #[test]
     fn split_decodes_fit_the_gpu_workspace() {
-        let kernels = [(DECODE_MAX_HEADS, DECODE_MIN_PART), (DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS)];
         let mut largest = 0;
-        for (max_heads, min_part) in kernels {
+        for (max_heads, min_part, target) in [CUDA_CORE_SPLIT, TENSOR_CORE_SPLIT] {
             for group in [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17, 32, 96] {
                 for kv_heads in [1, 2, 4, 8, 16, 32] {
                     for tokens in [1, 2, 3, 7, 16, 31, 64, 100, 256, 511, 512] {
                         for context in [1, 16, 100, 1000, 4096, 32768, 131072] {
-                            let s = DecodeSplit::new(max_heads, min_part, group, tokens * kv_heads, context);
+                            let s = DecodeSplit::new(max_heads, min_part, target, group, tokens * kv_heads, context);
                             if s.num_parts == 1 {
                                 continue;
                             }

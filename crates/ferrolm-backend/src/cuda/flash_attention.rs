@@ -221,9 +221,9 @@ pub(crate) fn paged_flash(
     let (bs_mul, bs_shift) = fast_divisor(block_size);
     let (q_ptr, kc_ptr, vc_ptr, out_ptr) = (q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr());
     let work_ptr = list.items.as_ref().map_or(0, |items| gpu.index_ptr(items));
-    let qsl_ptr = gpu.index_ptr(meta.query_start_loc);
-    let lens_ptr = gpu.index_ptr(meta.seq_lens);
-    let tables_ptr = gpu.index_ptr(meta.block_tables);
+    let qsl_ptr = gpu.index_ptr(&meta.query_start_loc);
+    let lens_ptr = gpu.index_ptr(&meta.seq_lens);
+    let tables_ptr = gpu.index_ptr(&meta.block_tables);
     let args = [
         to_u32(op, "num_heads", num_heads),
         to_u32(op, "num_kv_heads", num_kv_heads),

@@ -1,6 +1,6 @@
 //! Rotary position embedding on the device, with the frequency tables kept on the device.
 
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 use super::gpu::{rows_config, to_u32};
 use super::ops::same_dtype;
@@ -133,6 +133,24 @@ pub fn qkv_rope_cache(
     let work = (num_heads + num_kv_heads) * (head_dim - table.half) + kv_size;
     // SAFETY: the arguments match the kernel's parameters; qkv and q_out hold `tokens` rows, and
     // the kernel checks every slot against the cache.
-    unsafe { launch.launch(rows_config(tokens, work)) }?;
+    unsafe { launch.launch(qkv_rope_cache_config(tokens, work)) }?;
     Ok(())
+}
+
+/// Threads per block of `qkv_rope_cache` when a token's elements are spread over several blocks.
+const SPREAD_THREADS: usize = 128;
+
+/// One block per token for large batches; for a few tokens (decode at small batch), each token's
+/// `work` elements spread over blocks of `SPREAD_THREADS`, so that the kernel is not one SM's
+/// work (8B at batch 1: 3584 elements, 28 blocks instead of one of 1024 threads).
+fn qkv_rope_cache_config(tokens: usize, work: usize) -> LaunchConfig {
+    let spread = if tokens >= 64 { 1 } else { work.div_ceil(SPREAD_THREADS).min(64) };
+    if spread <= 1 {
+        return rows_config(tokens, work);
+    }
+    LaunchConfig {
+        grid_dim: (tokens as u32, spread as u32, 1),
+        block_dim: (SPREAD_THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }

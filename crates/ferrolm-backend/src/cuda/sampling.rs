@@ -12,6 +12,7 @@ use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 use ferrolm_sampling::{RowRequest, TokenLogprobs, MAX_LOGPROBS};
 
 use super::gpu::to_u32;
+use super::staging::StagedBuffer;
 use super::{Gpu, GpuError, GpuView};
 
 /// Threads per row (`SAMPLE_THREADS`).
@@ -103,9 +104,10 @@ pub struct GpuSampler {
     scratch: Option<CudaSlice<f32>>,
     /// `[capacity]`, poisoned when allocated.
     results: Option<CudaSlice<RowResult>>,
-    /// Host staging of the two uploads, reused.
+    /// The rows' parameters and adjustments, built on the host and sent in one copy.
     params: Vec<RowParams>,
     adjusts: Vec<Adjust>,
+    staged: Option<StagedBuffer>,
 }
 
 impl GpuSampler {
@@ -147,9 +149,17 @@ impl GpuSampler {
             let params = row_params(row, &mut self.adjusts, &mut scratch_rows);
             self.params.push(params);
         }
-        let params = gpu.upload(&self.params)?;
+        let arrays = [plain_bytes(&self.params), plain_bytes(&self.adjusts)];
+        let bytes = StagedBuffer::bytes_for(arrays.iter().map(|a| a.len()));
+        if self.staged.as_ref().is_none_or(|s| s.capacity() < bytes) {
+            self.staged = None;
+            self.staged = Some(StagedBuffer::new(gpu, bytes.next_power_of_two())?);
+        }
+        let staged = self.staged.as_mut().expect("allocated above");
+        let parts = staged.write(gpu, &arrays)?;
+        let params_ptr = staged.ptr(gpu, parts[0]);
         // Plain greedy batches have no list at all: the kernel then never reads the pointer.
-        let adjusts = if self.adjusts.is_empty() { None } else { Some(gpu.upload(&self.adjusts)?) };
+        let adjusts_ptr = if self.adjusts.is_empty() { 0 } else { staged.ptr(gpu, parts[1]) };
         let scratch_len = scratch_rows as usize * vocab;
         if scratch_len > 0 && self.scratch.as_ref().is_none_or(|s| s.len() < scratch_len) {
             self.scratch = None; // freed before the larger one is taken
@@ -164,8 +174,6 @@ impl GpuSampler {
         let results = self.results.as_mut().expect("allocated above");
 
         let logits_ptr = logits.ptr();
-        let params_ptr = gpu.index_ptr(&params);
-        let adjusts_ptr = adjusts.as_ref().map_or(0, |a| gpu.index_ptr(a));
         let scratch_ptr = self.scratch.as_ref().map_or(0, |s| gpu.index_ptr(s));
         let results_ptr = gpu.index_ptr(&*results);
         let mut launch = gpu.launch_builder("sample_rows", logits.dtype());
@@ -184,6 +192,18 @@ impl GpuSampler {
 
         Ok(rows.iter().zip(&out).map(|(row, r)| token_logprobs(row, r, vocab)).collect())
     }
+}
+
+/// The kernel's parameter structs that have no padding bytes (their sizes are asserted above).
+trait Unpadded: DeviceRepr {}
+impl Unpadded for RowParams {}
+impl Unpadded for Adjust {}
+
+/// The bytes of a slice of the kernel's parameter structs.
+fn plain_bytes<T: Unpadded>(items: &[T]) -> &[u8] {
+    // SAFETY: `#[repr(C)]` structs of 4- and 8-byte fields with no padding, so every byte of the
+    // slice is initialized.
+    unsafe { std::slice::from_raw_parts(items.as_ptr().cast::<u8>(), std::mem::size_of_val(items)) }
 }
 
 /// The kernel's parameters for `row`; its adjustments go to the end of `adjusts`, and it takes the

@@ -5,7 +5,7 @@
 //! addresses fixed, which captured decode graphs rely on: the runner drops its graphs whenever
 //! [`Activations::ensure`] reallocates.
 
-use ferrolm_backend::cuda::{CudaSlice, Gpu, GpuError, GpuTensor};
+use ferrolm_backend::cuda::{CudaView, Gpu, GpuError, GpuTensor, StagedBuffer, StagedPart};
 use ferrolm_backend::DType;
 
 use crate::config::ModelConfig;
@@ -109,47 +109,98 @@ impl Activations {
     }
 }
 
-/// A step's index buffers on the device, as [`ModelInput`] holds them on the host.
+/// A step's index buffers on the device, as [`ModelInput`] holds them on the host, in one
+/// buffer written by one copy from pinned memory (see [`StagedBuffer`]).
 pub(super) struct StepBuffers {
-    /// `[T]`
-    pub(super) token_ids: CudaSlice<u32>,
-    /// `[T]`
-    pub(super) positions: CudaSlice<u32>,
-    /// `[num_reqs + 1]`
-    pub(super) query_start_loc: CudaSlice<u32>,
-    /// `[num_reqs]`
-    pub(super) seq_lens: CudaSlice<u32>,
-    /// `[num_reqs, max_blocks_per_seq]`
-    pub(super) block_tables: CudaSlice<u32>,
-    /// `[T]`
-    pub(super) slot_mapping: CudaSlice<i64>,
-    /// `[rows]`
-    pub(super) logits_indices: CudaSlice<u32>,
+    staged: StagedBuffer,
+    /// Where each array lies, in the order of [`step_arrays`].
+    parts: [StagedPart; 7],
+}
+
+/// `input`'s index arrays as bytes: token ids `[T]`, positions `[T]`, query_start_loc
+/// `[num_reqs + 1]`, seq_lens `[num_reqs]`, block tables `[num_reqs, max_blocks_per_seq]`, slot
+/// mapping `[T]` (i64), logits indices `[rows]`.
+fn step_arrays(input: &ModelInput) -> [&[u8]; 7] {
+    [
+        bytemuck::cast_slice(&input.token_ids),
+        bytemuck::cast_slice(&input.positions),
+        bytemuck::cast_slice(&input.query_start_loc),
+        bytemuck::cast_slice(&input.seq_lens),
+        bytemuck::cast_slice(&input.block_tables),
+        bytemuck::cast_slice(&input.slot_mapping),
+        bytemuck::cast_slice(&input.logits_indices),
+    ]
 }
 
 impl StepBuffers {
-    /// Fresh buffers holding `input`'s indices.
+    /// New buffers holding `input`'s indices.
     pub(super) fn upload(gpu: &Gpu, input: &ModelInput) -> Result<StepBuffers, GpuError> {
-        Ok(StepBuffers {
-            token_ids: gpu.upload(&input.token_ids)?,
-            positions: gpu.upload(&input.positions)?,
-            query_start_loc: gpu.upload(&input.query_start_loc)?,
-            seq_lens: gpu.upload(&input.seq_lens)?,
-            block_tables: gpu.upload(&input.block_tables)?,
-            slot_mapping: gpu.upload(&input.slot_mapping)?,
-            logits_indices: gpu.upload(&input.logits_indices)?,
-        })
+        let arrays = step_arrays(input);
+        let staged = StagedBuffer::new(gpu, StagedBuffer::bytes_for(arrays.iter().map(|a| a.len())))?;
+        let mut buffers = StepBuffers { staged, parts: [StagedPart::default(); 7] };
+        buffers.write(gpu, input)?;
+        Ok(buffers)
     }
 
-    /// Overwrites the buffers with `input`'s indices, which must have exactly their lengths.
+    /// Writes `input`'s indices into `this`, replacing it with a larger buffer when they do not
+    /// fit (the eager path's buffers, reused from step to step).
+    pub(super) fn upload_reusing(
+        this: &mut Option<StepBuffers>,
+        gpu: &Gpu,
+        input: &ModelInput,
+    ) -> Result<(), GpuError> {
+        let bytes = StagedBuffer::bytes_for(step_arrays(input).iter().map(|a| a.len()));
+        match this {
+            Some(buffers) if buffers.staged.capacity() >= bytes => buffers.write(gpu, input),
+            _ => {
+                // Twice what this step needs, so that slowly growing steps reallocate rarely.
+                let staged = StagedBuffer::new(gpu, 2 * bytes)?;
+                let buffers = this.insert(StepBuffers { staged, parts: [StagedPart::default(); 7] });
+                buffers.write(gpu, input)
+            }
+        }
+    }
+
+    /// Overwrites the buffers with `input`'s indices, which must have the lengths of those they
+    /// were made for (a captured graph reads them at fixed addresses).
     pub(super) fn copy_from(&mut self, gpu: &Gpu, input: &ModelInput) -> Result<(), GpuError> {
-        gpu.upload_into(&input.token_ids, &mut self.token_ids)?;
-        gpu.upload_into(&input.positions, &mut self.positions)?;
-        gpu.upload_into(&input.query_start_loc, &mut self.query_start_loc)?;
-        gpu.upload_into(&input.seq_lens, &mut self.seq_lens)?;
-        gpu.upload_into(&input.block_tables, &mut self.block_tables)?;
-        gpu.upload_into(&input.slot_mapping, &mut self.slot_mapping)?;
-        gpu.upload_into(&input.logits_indices, &mut self.logits_indices)?;
+        let before = self.parts;
+        self.write(gpu, input)?;
+        assert_eq!(before, self.parts, "StepBuffers::copy_from: the step's arrays changed size");
         Ok(())
+    }
+
+    fn write(&mut self, gpu: &Gpu, input: &ModelInput) -> Result<(), GpuError> {
+        let parts = self.staged.write(gpu, &step_arrays(input))?;
+        self.parts.copy_from_slice(&parts);
+        Ok(())
+    }
+
+    pub(super) fn token_ids(&self) -> CudaView<'_, u32> {
+        self.staged.view(self.parts[0])
+    }
+
+    pub(super) fn positions(&self) -> CudaView<'_, u32> {
+        self.staged.view(self.parts[1])
+    }
+
+    pub(super) fn query_start_loc(&self) -> CudaView<'_, u32> {
+        self.staged.view(self.parts[2])
+    }
+
+    pub(super) fn seq_lens(&self) -> CudaView<'_, u32> {
+        self.staged.view(self.parts[3])
+    }
+
+    pub(super) fn block_tables(&self) -> CudaView<'_, u32> {
+        self.staged.view(self.parts[4])
+    }
+
+    pub(super) fn slot_mapping(&self) -> CudaView<'_, i64> {
+        self.staged.view(self.parts[5])
+    }
+
+    pub(super) fn logits_indices(&self) -> CudaView<'_, u32> {
+        self.staged.view(self.parts[6])
     }
 }

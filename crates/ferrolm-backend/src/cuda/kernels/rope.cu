@@ -39,7 +39,9 @@ FOR_EACH_DTYPE(ROPE)
 // `split_qkv`, `rope` on q and k, and `reshape_and_cache` one after another, so the same bits.
 //
 // qkv: [T, (num_heads + 2 * num_kv_heads) * head_dim]; q_out: [T, num_heads * head_dim];
-// k_cache, v_cache: [num_slots, num_kv_heads * head_dim]. One block per token.
+// k_cache, v_cache: [num_slots, num_kv_heads * head_dim]. Grid: (T, blocks per token): a
+// token's elements are spread over gridDim.y blocks, so that a small batch fills more than a few
+// SMs.
 template <typename T>
 __device__ __forceinline__ void qkv_rope_cache_impl(const T* qkv, const u32* positions, const i64* slot_mapping,
                                                     const float* inv_freq, u32 long_start, T* q_out, T* k_cache,
@@ -55,7 +57,7 @@ __device__ __forceinline__ void qkv_rope_cache_impl(const T* qkv, const u32* pos
     // Per head: `half` rotated pairs, then the dims past `2 * half` that pass through.
     const u32 per_head = head_dim - half;
     const u32 rotated = (num_heads + num_kv_heads) * per_head;
-    for (u32 e = threadIdx.x; e < rotated + kv_size; e += blockDim.x) {
+    for (u32 e = blockIdx.y * blockDim.x + threadIdx.x; e < rotated + kv_size; e += gridDim.y * blockDim.x) {
         if (e >= rotated) {
             if (write_kv) v_cache[(u64)slot * kv_size + (e - rotated)] = row[q_size + kv_size + (e - rotated)];
             continue;
