@@ -43,15 +43,15 @@ const DECODE_STAGES: usize = 4;
 /// batches still fill the device. The context is split only for fewer (token, head block)
 /// pairs than this, so it is also the number of merge counters the `Gpu` keeps.
 pub(crate) const DECODE_TARGET_BLOCKS: usize = 512;
-/// Floats of the decode workspace the `Gpu` keeps. A split launch of `target` blocks has at most
-/// `2 * target` (block, partition) pairs (parts = ceil(target / blocks) for at most `target`
-/// blocks), each of at most `max_heads` query heads with `head_dim + 2` floats: the larger of the
-/// two kernels' products, at head_dim 256 (8.5 MB).
+/// Floats of the decode workspace the `Gpu` keeps. A split launch aiming at `target_blocks` has
+/// at most `2 * target_blocks` (block, partition) pairs (parts = ceil(target / blocks) for at most
+/// `target` blocks), each of at most `max_heads` query heads with `head_dim + 2` floats: the
+/// larger of the two kernels' products, at head_dim 256 (8.5 MB).
 pub(crate) const DECODE_WORKSPACE_FLOATS: usize = 2 * split_heads_bound() * (256 + 2);
 
 const fn split_heads_bound() -> usize {
-    let cuda = CUDA_CORE_SPLIT.2 * CUDA_CORE_SPLIT.0;
-    let mma = TENSOR_CORE_SPLIT.2 * TENSOR_CORE_SPLIT.0;
+    let cuda = CUDA_CORE_SPLIT.target_blocks * CUDA_CORE_SPLIT.max_heads;
+    let mma = TENSOR_CORE_SPLIT.target_blocks * TENSOR_CORE_SPLIT.max_heads;
     if cuda > mma {
         cuda
     } else {
@@ -74,13 +74,25 @@ const DECODE_MMA_HEADS: usize = 16;
 /// Keys per tile of the tensor-core decode kernel (`DM_TILE_KEYS`), and its fewest keys per
 /// partition: a shorter partition leaves warps of its one tile idle.
 const DECODE_MMA_TILE_KEYS: usize = 64;
-/// How each decode kernel splits a context: (query heads per block, fewest keys per partition,
-/// blocks a split aims at). The tensor-core kernel aims at one block per SM of a large GPU
-/// rather than four: its blocks stream a partition several times faster, so more, shorter
-/// partitions only lengthen the merge (H200, 8B shape, batch 1 at context 4096: 64 partitions
-/// of 64 keys 31.6 us, 16 of 256 keys 16.4 us; at context 384 both give 6 partitions of 64).
-const CUDA_CORE_SPLIT: (usize, usize, usize) = (DECODE_MAX_HEADS, DECODE_MIN_PART, DECODE_TARGET_BLOCKS);
-const TENSOR_CORE_SPLIT: (usize, usize, usize) = (DECODE_MMA_HEADS, DECODE_MMA_TILE_KEYS, 128);
+/// How a decode kernel splits a context.
+#[derive(Clone, Copy, Debug)]
+struct SplitPolicy {
+    /// Query heads per block.
+    max_heads: usize,
+    /// Fewest keys per partition.
+    min_part: usize,
+    /// Blocks a split aims at (at most `DECODE_TARGET_BLOCKS`, the merge counters).
+    target_blocks: usize,
+}
+
+/// The tensor-core kernel aims at one block per SM of a large GPU rather than four: its blocks
+/// stream a partition several times faster, so more, shorter partitions only lengthen the merge
+/// (H200, 8B shape, batch 1 at context 4096: 64 partitions of 64 keys 31.6 us, 16 of 256 keys
+/// 16.4 us; at context 384 both give 6 partitions of 64).
+const CUDA_CORE_SPLIT: SplitPolicy =
+    SplitPolicy { max_heads: DECODE_MAX_HEADS, min_part: DECODE_MIN_PART, target_blocks: DECODE_TARGET_BLOCKS };
+const TENSOR_CORE_SPLIT: SplitPolicy =
+    SplitPolicy { max_heads: DECODE_MMA_HEADS, min_part: DECODE_MMA_TILE_KEYS, target_blocks: 128 };
 /// Most partitions per (token, head); bounds the workspace and the combine step.
 const DECODE_MAX_PARTS: usize = 128;
 
@@ -363,19 +375,19 @@ fn paged_decode(
         max_context = max_context.min(w);
     }
     let group = num_heads / num_kv_heads;
-    let (max_heads, min_part, target) = match kernel {
+    let policy = match kernel {
         DecodeKernel::Cuda => CUDA_CORE_SPLIT,
         DecodeKernel::TensorCore(_) => TENSOR_CORE_SPLIT,
     };
-    let split = DecodeSplit::new(max_heads, min_part, target, group, num_tokens * num_kv_heads, max_context);
+    let split = DecodeSplit::new(policy, group, num_tokens * num_kv_heads, max_context);
     let num_parts = split.num_parts;
 
     // Partial results of each (token, head, partition): out then (max, sum), f32; none when the
-    // context is not split. Stream-ordered allocation: freed after the kernels that use it.
+    // context is not split.
     let partial_len = num_tokens * num_heads * num_parts * head_dim;
     let stats_len = num_tokens * num_heads * num_parts * 2;
     // The `Gpu`'s workspace holds any split the kernels make (see DECODE_WORKSPACE_FLOATS);
-    // a larger one (a head size past 256) is allocated for the call.
+    // a larger one (a head size past 256) is allocated for the call, stream-ordered.
     let fits = partial_len + stats_len <= DECODE_WORKSPACE_FLOATS;
     let workspace = if num_parts > 1 && !fits {
         // SAFETY: the decode kernel writes every element the merge reads.
@@ -457,22 +469,15 @@ struct DecodeSplit {
 }
 
 impl DecodeSplit {
-    /// `max_heads`: the kernel's query heads per block; `min_part`: its fewest keys per
-    /// partition; `target`: the blocks a split aims at (at most `DECODE_TARGET_BLOCKS`); `rows`:
-    /// (token, KV head) pairs; `max_context`: the most keys a row can see.
-    fn new(
-        max_heads: usize,
-        min_part: usize,
-        target: usize,
-        group: usize,
-        rows: usize,
-        max_context: usize,
-    ) -> DecodeSplit {
+    /// `policy`: the kernel's; `rows`: (token, KV head) pairs; `max_context`: the most keys a row
+    /// can see.
+    fn new(policy: SplitPolicy, group: usize, rows: usize, max_context: usize) -> DecodeSplit {
+        let SplitPolicy { max_heads, min_part, target_blocks } = policy;
         let heads_per_block = max_heads.min(group.next_power_of_two());
         let head_chunks = group.div_ceil(heads_per_block);
         let max_context = max_context.max(1);
         let blocks = (rows * head_chunks).max(1);
-        let parts = target.div_ceil(blocks).min(max_context.div_ceil(min_part)).clamp(1, DECODE_MAX_PARTS);
+        let parts = target_blocks.div_ceil(blocks).min(max_context.div_ceil(min_part)).clamp(1, DECODE_MAX_PARTS);
         let part_len = max_context.div_ceil(parts).next_multiple_of(16);
         DecodeSplit { heads_per_block, head_chunks, num_parts: max_context.div_ceil(part_len), part_len }
     }
@@ -591,11 +596,12 @@ mod tests {
 
     #[test]
     fn decode_split_covers_the_context_and_fills_the_device() {
-        for (max_heads, min_part, target) in [CUDA_CORE_SPLIT, TENSOR_CORE_SPLIT] {
+        for policy in [CUDA_CORE_SPLIT, TENSOR_CORE_SPLIT] {
+            let SplitPolicy { max_heads, min_part, .. } = policy;
             for group in [1, 2, 3, 4, 6, 7, 8, 16, 24, 32] {
                 for rows in [1, 8, 64, 2048, 100_000] {
                     for max_context in [0, 1, 16, 17, 384, 640, 3000, 131_072] {
-                        let s = DecodeSplit::new(max_heads, min_part, target, group, rows, max_context);
+                        let s = DecodeSplit::new(policy, group, rows, max_context);
                         assert!(s.heads_per_block <= max_heads, "{s:?}");
                         assert!(s.heads_per_block * s.head_chunks >= group, "{s:?} group {group}");
                         assert!(s.heads_per_block * (s.head_chunks - 1) < group, "{s:?} group {group}");
@@ -611,32 +617,31 @@ mod tests {
         }
         // The tensor-core kernel's head chunks are those the kernel works out, ceil(group / 16).
         for group in 1..=100 {
-            let (heads, min_part, target) = TENSOR_CORE_SPLIT;
-            let s = DecodeSplit::new(heads, min_part, target, group, 8, 100);
+            let s = DecodeSplit::new(TENSOR_CORE_SPLIT, group, 8, 100);
             assert_eq!(s.head_chunks, group.div_ceil(DECODE_MMA_HEADS), "{s:?}");
         }
         // Llama-3.1-8B (group 4, 8 KV heads): batch 1 splits its context, batch 256 does not.
         let (cuda, mma) = (CUDA_CORE_SPLIT, TENSOR_CORE_SPLIT);
-        let one = DecodeSplit::new(cuda.0, cuda.1, cuda.2, 4, 8, 400);
+        let one = DecodeSplit::new(cuda, 4, 8, 400);
         assert_eq!(one, DecodeSplit { heads_per_block: 4, head_chunks: 1, num_parts: 13, part_len: 32 });
-        let one = DecodeSplit::new(mma.0, mma.1, mma.2, 4, 8, 400);
+        let one = DecodeSplit::new(mma, 4, 8, 400);
         assert_eq!(one, DecodeSplit { heads_per_block: 4, head_chunks: 1, num_parts: 7, part_len: 64 });
         // At context 4096 the tensor-core kernel takes 16 partitions of 256 keys, not 64 of 64.
-        let long = DecodeSplit::new(mma.0, mma.1, mma.2, 4, 8, 4096);
+        let long = DecodeSplit::new(mma, 4, 8, 4096);
         assert_eq!(long, DecodeSplit { heads_per_block: 4, head_chunks: 1, num_parts: 16, part_len: 256 });
-        let many = DecodeSplit::new(mma.0, mma.1, mma.2, 4, 256 * 8, 656);
+        let many = DecodeSplit::new(mma, 4, 256 * 8, 656);
         assert_eq!(many, DecodeSplit { heads_per_block: 4, head_chunks: 1, num_parts: 1, part_len: 656 });
     }
 
     #[test]
     fn split_decodes_fit_the_gpu_workspace() {
         let mut largest = 0;
-        for (max_heads, min_part, target) in [CUDA_CORE_SPLIT, TENSOR_CORE_SPLIT] {
+        for policy in [CUDA_CORE_SPLIT, TENSOR_CORE_SPLIT] {
             for group in [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17, 32, 96] {
                 for kv_heads in [1, 2, 4, 8, 16, 32] {
                     for tokens in [1, 2, 3, 7, 16, 31, 64, 100, 256, 511, 512] {
                         for context in [1, 16, 100, 1000, 4096, 32768, 131072] {
-                            let s = DecodeSplit::new(max_heads, min_part, target, group, tokens * kv_heads, context);
+                            let s = DecodeSplit::new(policy, group, tokens * kv_heads, context);
                             if s.num_parts == 1 {
                                 continue;
                             }

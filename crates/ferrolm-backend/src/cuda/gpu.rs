@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::marker::PhantomData;
 use std::sync::Arc;
 
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
@@ -311,12 +310,7 @@ impl Gpu {
     /// A launch of kernel `name` for activations of `dtype`, on this `Gpu`'s stream.
     pub(crate) fn launch_builder<'a>(&'a self, name: &'static str, dtype: DType) -> Launch<'a> {
         let f = self.kernels.get(&(name, dtype)).unwrap_or_else(|| panic!("kernel {name} was not loaded"));
-        Launch { gpu: self, func: f.cu_function(), args: Vec::new(), _args: PhantomData }
-    }
-
-    /// Whether kernels are launched with programmatic stream serialization (see [`Launch`]).
-    pub fn programmatic_launch(&self) -> bool {
-        self.programmatic_launch
+        Launch { gpu: self, func: f.cu_function(), args: Vec::new() }
     }
 
     /// The raw device address of an index buffer, for a kernel argument.
@@ -338,7 +332,6 @@ pub(crate) struct Launch<'a> {
     gpu: &'a Gpu,
     func: CUfunction,
     args: Vec<*mut c_void>,
-    _args: PhantomData<&'a ()>,
 }
 
 impl<'a> Launch<'a> {

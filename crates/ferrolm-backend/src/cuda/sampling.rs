@@ -2,11 +2,12 @@
 //! [`RowRequest::apply`] (ferrolm-sampling) computes on the host, so that only the chosen tokens
 //! and the logprobs asked for come back.
 //!
-//! One call is one upload of the rows' parameters (`[rows]` [`RowParams`]), one of their
-//! penalty/mask lists concatenated (`[entries]` [`Adjust`], each row pointing at its own), one
-//! launch of a block per row, and one download of `[rows]` [`RowResult`]s. Rows that sample
-//! (or that penalize or mask) get a row of scratch for their processed scores. The scratch and
-//! result buffers are kept and grown, so a steady batch allocates nothing but the two uploads.
+//! One call is one copy of the rows' parameters (`[rows]` [`RowParams`]) and their penalty/mask
+//! lists concatenated (`[entries]` [`Adjust`], each row pointing at its own) through a
+//! [`StagedBuffer`], one launch of a block per row, and one download of `[rows]` [`RowResult`]s.
+//! Rows that sample (or that penalize or mask) get a row of scratch for their processed scores.
+//! The staging, scratch and result buffers are kept and grown, so a steady batch allocates
+//! nothing.
 
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 use ferrolm_sampling::{RowRequest, TokenLogprobs, MAX_LOGPROBS};

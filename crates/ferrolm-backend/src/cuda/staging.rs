@@ -19,18 +19,8 @@ const ALIGN: usize = 16;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StagedPart {
     offset: usize,
+    /// Bytes.
     len: usize,
-}
-
-impl StagedPart {
-    /// Elements of the array.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
 }
 
 /// A device buffer of several index arrays and the pinned host buffer they are written through.
