@@ -40,7 +40,7 @@ pub use linear::{linear, linear_cublas, linear_gated, GatedActivation, GEMV_MAX_
 pub use ops::{
     add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, split_qkv,
 };
-pub use rope::{qkv_rope_cache, rope, GpuRopeTable};
+pub use rope::{linear_qkv_rope_cache, qkv_rope_cache, rope, GpuRopeTable};
 pub use sampling::GpuSampler;
 pub use staging::{StagedBuffer, StagedPart};
 pub use tensor::{GpuTensor, GpuView, GpuViewMut};

@@ -511,6 +511,86 @@ fn qkv_rope_cache_equals_the_ops_it_fuses() -> Result<(), GpuError> {
     Ok(())
 }
 
+#[test]
+fn linear_qkv_rope_cache_equals_linear_then_qkv_rope_cache() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(22);
+    // (heads, kv_heads, head_dim, rotary_dim, k): 1, 2 and 4 rotary pairs per GEMV block (k
+    // splits of 1, 2 and 4 warps), a head size that is no power of two, and a partial rotary
+    // dimension (which takes the unfused path, as do 5 rows).
+    let shapes =
+        [(32, 8, 128, 128, 512), (8, 2, 64, 64, 1024), (4, 1, 64, 64, 2048), (6, 2, 80, 80, 4096), (4, 2, 64, 32, 256)];
+    for (heads, kv_heads, dim, rotary, k) in shapes {
+        let (q_size, kv_size) = (heads * dim, kv_heads * dim);
+        let n = q_size + 2 * kv_size;
+        let w = random_vec(&mut rng, n * k, 0.1);
+        let short = inv_freq(rotary, 10000.0);
+        let long: Vec<f32> = short.iter().map(|f| f * 0.25).collect();
+        let table = GpuRopeTable::new(&gpu, &short, Some((60, long.as_slice())), 1.1)?;
+        for m in 1..=cuda::GEMV_MAX_M + 1 {
+            let num_slots = 3 * m + 2;
+            let mut slot_pool: Vec<i64> = (0..num_slots as i64).collect();
+            slot_pool.shuffle(&mut rng);
+            let slots: Vec<i64> = (0..m).map(|t| if t % 3 == 1 { -1 } else { slot_pool[t] }).collect();
+            let positions: Vec<u32> = (0..m as u32).map(|t| t * 53 + 11).collect();
+            let (pos_dev, slots_dev) = (gpu.upload(&positions)?, gpu.upload(&slots)?);
+            let x = random_vec(&mut rng, m * k, 1.0);
+            for (dtype, _) in DTYPES {
+                let what =
+                    format!("linear_qkv_rope_cache {dtype:?} m={m} ({heads}+2x{kv_heads})x{dim} k={k} rotary {rotary}");
+                let (x_dev, _) = upload(&gpu, &x, dtype)?;
+                let (w_dev, _) = upload(&gpu, &w, dtype)?;
+                let sentinel = |v: f32| GpuTensor::from_f32(&gpu, &vec![v; num_slots * kv_size], dtype);
+                // Unfused.
+                let mut qkv = nan_tensor(&gpu, dtype, m * n)?;
+                cuda::linear(&gpu, x_dev.view(), m, k, w_dev.view(), n, None, qkv.view_mut())?;
+                let mut q_want = nan_tensor(&gpu, dtype, m * q_size)?;
+                let (mut kc_want, mut vc_want) = (sentinel(-5.0)?, sentinel(-6.0)?);
+                cuda::qkv_rope_cache(
+                    &gpu,
+                    qkv.view(),
+                    &pos_dev,
+                    &slots_dev,
+                    heads,
+                    kv_heads,
+                    dim,
+                    &table,
+                    q_want.view_mut(),
+                    kc_want.view_mut(),
+                    vc_want.view_mut(),
+                )?;
+                // Fused (or its fallback).
+                let mut scratch = nan_tensor(&gpu, dtype, m * n)?;
+                let mut q_got = nan_tensor(&gpu, dtype, m * q_size)?;
+                let (mut kc_got, mut vc_got) = (sentinel(-5.0)?, sentinel(-6.0)?);
+                cuda::linear_qkv_rope_cache(
+                    &gpu,
+                    x_dev.view(),
+                    k,
+                    w_dev.view(),
+                    &pos_dev,
+                    &slots_dev,
+                    heads,
+                    kv_heads,
+                    dim,
+                    &table,
+                    scratch.view_mut(),
+                    q_got.view_mut(),
+                    kc_got.view_mut(),
+                    vc_got.view_mut(),
+                )?;
+                let bits = |t: &GpuTensor| -> Result<Vec<u32>, GpuError> {
+                    Ok(t.to_f32_vec(&gpu)?.iter().map(|x| x.to_bits()).collect())
+                };
+                assert_eq!(bits(&q_got)?, bits(&q_want)?, "{what}: q");
+                assert_eq!(bits(&kc_got)?, bits(&kc_want)?, "{what}: k cache");
+                assert_eq!(bits(&vc_got)?, bits(&vc_want)?, "{what}: v cache");
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Query heads, KV heads, head_dim.
 #[derive(Clone, Copy, Debug)]
 struct Heads {

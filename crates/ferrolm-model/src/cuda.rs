@@ -328,8 +328,27 @@ fn decoder(
                 a.normed.rows_mut(0..t, h),
             )?;
         }
-        layer.qkv_proj.forward(g, &a.normed, t, &mut a.qkv)?;
-        if let Some((qn, kn)) = &layer.qk_norm {
+        let qkv = &layer.qkv_proj;
+        if layer.qk_norm.is_none() && qkv.bias.is_none() {
+            // Projection, rotation and cache write in one kernel where the GEMV takes the product.
+            gpu_ops::linear_qkv_rope_cache(
+                g,
+                a.normed.rows(0..t, h),
+                h,
+                qkv.weight.view(),
+                &b.positions(),
+                &b.slot_mapping(),
+                heads,
+                kv_heads,
+                hd,
+                &model.rope,
+                a.qkv.rows_mut(0..t, qkv_width),
+                a.q.rows_mut(0..t, q_size),
+                k_cache.view_mut(),
+                v_cache.view_mut(),
+            )?;
+        } else if let Some((qn, kn)) = &layer.qk_norm {
+            qkv.forward(g, &a.normed, t, &mut a.qkv)?;
             // q/k norms sit between the split and the rotation: the unfused path.
             let (q, k, v) = (a.q.rows_mut(0..t, q_size), a.k.rows_mut(0..t, kv_size), a.v.rows_mut(0..t, kv_size));
             gpu_ops::split_qkv(g, a.qkv.rows(0..t, qkv_width), q_size, kv_size, q, k, v)?;
@@ -347,6 +366,7 @@ fn decoder(
                 v_cache.view_mut(),
             )?;
         } else {
+            qkv.forward(g, &a.normed, t, &mut a.qkv)?;
             gpu_ops::qkv_rope_cache(
                 g,
                 a.qkv.rows(0..t, qkv_width),

@@ -60,6 +60,10 @@ const KERNELS: &[&str] = &[
     "gemv_gelu_tanh_m2",
     "gemv_gelu_tanh_m3",
     "gemv_gelu_tanh_m4",
+    "gemv_rope_cache_m1",
+    "gemv_rope_cache_m2",
+    "gemv_rope_cache_m3",
+    "gemv_rope_cache_m4",
 ];
 
 /// Kernels that may need more than the default 48 KiB of dynamic shared memory.

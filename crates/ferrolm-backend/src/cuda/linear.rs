@@ -15,7 +15,7 @@ use crate::DType;
 /// Most rows of `x` the GEMV kernel takes (it is instantiated for 1 to 4); more go to cuBLAS.
 pub const GEMV_MAX_M: usize = 4;
 /// Warps (output columns) per GEMV block (`GEMV_WARPS`).
-const GEMV_WARPS: usize = 8;
+pub(super) const GEMV_WARPS: usize = 8;
 
 /// `y[m, n] = x[m, k] · w[n, k]^T (+ bias[n])`, `w` in the HF layout `[out, in]`. `x` and `w`
 /// share a dtype; `y` is in that dtype or f32 (f32 logits from bf16 activations, say); `bias` is
@@ -113,7 +113,7 @@ const GEMV_MULTI_ROW_MAX_WEIGHTS: usize = 8 << 20;
 
 /// Whether the GEMV kernel takes this product: one row, or up to 4 of a small matrix, with rows
 /// of whole 16-byte chunks at 16-byte aligned addresses.
-fn gemv_fits(x: GpuView<'_>, m: usize, k: usize, w: GpuView<'_>) -> bool {
+pub(super) fn gemv_fits(x: GpuView<'_>, m: usize, k: usize, w: GpuView<'_>) -> bool {
     (m == 1 || (m <= GEMV_MAX_M && w.len() <= GEMV_MULTI_ROW_MAX_WEIGHTS))
         && k > 0
         && k.is_multiple_of(8)
@@ -130,7 +130,7 @@ const GEMV_KSPLIT_BELOW_COLUMNS: usize = 4096;
 /// Warps per output column of the GEMV kernel (a power of two up to `GEMV_WARPS`): about 128
 /// 8-element chunks of k per warp (4 loads per lane) for matrices of fewer than
 /// `GEMV_KSPLIT_BELOW_COLUMNS` columns, one otherwise.
-fn gemv_ksplit(n: usize, k: usize) -> usize {
+pub(super) fn gemv_ksplit(n: usize, k: usize) -> usize {
     if n >= GEMV_KSPLIT_BELOW_COLUMNS {
         return 1;
     }

@@ -154,3 +154,99 @@ fn qkv_rope_cache_config(tokens: usize, work: usize) -> LaunchConfig {
         shared_mem_bytes: 0,
     }
 }
+
+/// The qkv projection and [`qkv_rope_cache`] together: `x`: `[m, k]` times the fused projection
+/// `w`: `[(num_heads + 2 * num_kv_heads) * head_dim, k]` (no bias), rotated and written as
+/// [`qkv_rope_cache`] does, with `m` = the number of positions. Where the GEMV kernel takes the
+/// product and every dim of a head rotates, one kernel does both (`gemv_rope_cache` in
+/// kernels/gemv.cu), the same bits, and `qkv` is left as it was; otherwise [`super::linear`] into
+/// `qkv`: `[m, (num_heads + 2 * num_kv_heads) * head_dim]` and then [`qkv_rope_cache`].
+#[allow(clippy::too_many_arguments)]
+pub fn linear_qkv_rope_cache(
+    gpu: &Gpu,
+    x: GpuView<'_>,
+    k: usize,
+    w: GpuView<'_>,
+    positions: &impl DevicePtr<u32>,
+    slot_mapping: &impl DevicePtr<i64>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    table: &GpuRopeTable,
+    qkv: GpuViewMut<'_>,
+    q_out: GpuViewMut<'_>,
+    k_cache: GpuViewMut<'_>,
+    v_cache: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    let op = "linear_qkv_rope_cache";
+    let m = positions.len();
+    let (q_size, kv_size) = (num_heads * head_dim, num_kv_heads * head_dim);
+    let n = q_size + 2 * kv_size;
+    assert_eq!(x.len(), m * k, "{op}: x is not [{m}, {k}]");
+    assert_eq!(w.len(), n * k, "{op}: w is not [{n}, {k}]");
+    assert_eq!(slot_mapping.len(), m, "{op}: {} slots for {m} positions", slot_mapping.len());
+    assert_eq!(q_out.len(), m * q_size, "{op}: q_out is not [{m}, {q_size}]");
+    assert!(kv_size > 0 && k_cache.len().is_multiple_of(kv_size), "{op}: cache is not whole slots of {kv_size}");
+    assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
+    for dtype in [w.dtype(), q_out.dtype(), k_cache.dtype(), v_cache.dtype()] {
+        same_dtype(op, x.dtype(), dtype);
+    }
+    let ksplit = super::linear::gemv_ksplit(n, k);
+    let pairs = super::linear::GEMV_WARPS / ksplit / 2;
+    let fused = m > 0
+        && super::linear::gemv_fits(x, m, k, w)
+        && table.rotary_dim() == head_dim
+        && pairs >= 1
+        && table.half.is_multiple_of(pairs);
+    if !fused {
+        let rows = qkv.len() / n.max(1);
+        assert!(rows >= m, "{op}: qkv holds {rows} rows of {n}, not {m}");
+        let mut qkv = qkv.rows(0..m, n);
+        super::linear(gpu, x, m, k, w, n, None, qkv.reborrow())?;
+        return qkv_rope_cache(
+            gpu,
+            qkv.as_view(),
+            positions,
+            slot_mapping,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            table,
+            q_out,
+            k_cache,
+            v_cache,
+        );
+    }
+    let kernel = match m {
+        1 => "gemv_rope_cache_m1",
+        2 => "gemv_rope_cache_m2",
+        3 => "gemv_rope_cache_m3",
+        4 => "gemv_rope_cache_m4",
+        _ => unreachable!("gemv_fits admits 1..={} rows", super::GEMV_MAX_M),
+    };
+    let (x_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr) = (x.ptr(), w.ptr(), q_out.ptr(), k_cache.ptr(), v_cache.ptr());
+    let (pos_ptr, slots_ptr, freq_ptr) =
+        (gpu.index_ptr(positions), gpu.index_ptr(slot_mapping), gpu.index_ptr(&table.inv_freq));
+    let (k_u32, ksplit_u32) = (to_u32(op, "k", k), ksplit as u32);
+    let (heads, kv_heads, dim) = (
+        to_u32(op, "num_heads", num_heads),
+        to_u32(op, "num_kv_heads", num_kv_heads),
+        to_u32(op, "head_dim", head_dim),
+    );
+    let num_slots = (k_cache.len() / kv_size) as i64;
+    let cfg = LaunchConfig {
+        grid_dim: (to_u32(op, "blocks", n / (2 * pairs)), 1, 1),
+        block_dim: (super::linear::GEMV_WARPS as u32 * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.launch_builder(kernel, x.dtype());
+    launch.arg(&x_ptr).arg(&w_ptr).arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&pos_ptr).arg(&slots_ptr);
+    launch.arg(&freq_ptr).arg(&table.long_start).arg(&k_u32).arg(&ksplit_u32).arg(&heads).arg(&kv_heads).arg(&dim);
+    launch.arg(&table.attention_scaling).arg(&num_slots);
+    // SAFETY: the arguments match the kernel's parameters; x holds m rows of k, w n rows of k
+    // (whole 16-byte chunks, aligned: `gemv_fits`), q_out m rows of q_size, the caches whole
+    // slots (each checked by the kernel), and every block's pairs lie in one head
+    // (half % pairs == 0, head_dim = 2 * half).
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}

@@ -46,14 +46,17 @@ template <int ACT> __device__ __forceinline__ float gated(float g, float u) {
     return (ACT == 1 ? silu(g) : gelu_tanh(g)) * u;
 }
 
-template <typename T, typename O, int M, int ACT>
-__device__ __forceinline__ void gemv_impl(const T* x, const T* w, O* y, u32 k, u32 n, u32 ksplit) {
-    constexpr int NW = ACT == 0 ? 1 : 2;  // rows of w per column
+// The column sums of the block's warps: for the warp's column j (rows h * n + j of w, h < NW)
+// the dot products with the M rows of x, its ksplit parts met in shared memory. Returns whether
+// this thread holds a column's totals (`sums[h]` of row `lane`): lane < M of the column's first
+// warp, for j < n. Every thread of the block must call it (it synchronizes).
+template <typename T, int M, int NW>
+__device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n, u32 ksplit, u32 j,
+                                            float (&sums)[NW]) {
     constexpr int U = GEMV_UNROLL(M * NW);
     __shared__ float part_s[GEMV_WARPS][M * NW];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 part = warp % ksplit;
-    const u32 j = blockIdx.x * (GEMV_WARPS / ksplit) + warp / ksplit;
     float acc[NW][M];
 #pragma unroll
     for (int h = 0; h < NW; h++) {
@@ -107,20 +110,80 @@ __device__ __forceinline__ void gemv_impl(const T* x, const T* w, O* y, u32 k, u
         }
     }
     __syncthreads();
-    if (part == 0 && lane < M && j < n) {
-        float s[NW];
+    if (part != 0 || lane >= M || j >= n) return false;
 #pragma unroll
-        for (int h = 0; h < NW; h++) {
-            s[h] = 0.f;
-            for (u32 p = 0; p < ksplit; p++) s[h] += part_s[warp + p][h * M + lane];
-        }
-        if constexpr (ACT == 0) {
-            y[(u64)lane * n + j] = from_float<O>(s[0]);
-        } else {
-            const float g = to_float(from_float<T>(s[0])), u = to_float(from_float<T>(s[NW - 1]));
-            y[(u64)lane * n + j] = from_float<O>(gated<ACT>(g, u));
-        }
+    for (int h = 0; h < NW; h++) {
+        sums[h] = 0.f;
+        for (u32 p = 0; p < ksplit; p++) sums[h] += part_s[warp + p][h * M + lane];
     }
+    return true;
+}
+
+template <typename T, typename O, int M, int ACT>
+__device__ __forceinline__ void gemv_impl(const T* x, const T* w, O* y, u32 k, u32 n, u32 ksplit) {
+    constexpr int NW = ACT == 0 ? 1 : 2;  // rows of w per column
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 j = blockIdx.x * (GEMV_WARPS / ksplit) + warp / ksplit;
+    float s[NW];
+    if (!gemv_column<T, M, NW>(x, w, k, n, ksplit, j, s)) return;
+    if constexpr (ACT == 0) {
+        y[(u64)lane * n + j] = from_float<O>(s[0]);
+    } else {
+        const float g = to_float(from_float<T>(s[0])), u = to_float(from_float<T>(s[NW - 1]));
+        y[(u64)lane * n + j] = from_float<O>(gated<ACT>(g, u));
+    }
+}
+
+// The fused qkv projection with qkv_rope_cache (rope.cu) in its epilogue: w is
+// [(num_heads + 2 * num_kv_heads) * head_dim, k] and every dim of a head rotates (head_dim =
+// 2 * half). Instead of the columns j..j + cpb - 1 (cpb = GEMV_WARPS / ksplit), a block takes
+// P = cpb / 2 rotary pairs, the columns i..i + P - 1 and i + half..i + half + P - 1 of one head
+// (half % P == 0, the host checks), so that each pair is rotated where it is computed: q goes to
+// q_out [M, num_heads * head_dim], k and v to the caches [num_slots, num_kv_heads * head_dim] at
+// slot_mapping[r] (negative or past the cache: not written). The sums are rounded to T before the
+// rotation, as the qkv buffer of the unfused ops holds them, and rotated by rope_pair: the same
+// bits as linear followed by qkv_rope_cache. Grid: n / cpb blocks of GEMV_WARPS warps.
+template <typename T, int M>
+__device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, T* q_out, T* k_cache, T* v_cache,
+                                               const u32* positions, const i64* slot_mapping, const float* inv_freq,
+                                               u32 long_start, u32 k, u32 ksplit, u32 num_heads, u32 num_kv_heads,
+                                               u32 head_dim, float attention_scaling, i64 num_slots) {
+    __shared__ float vals_s[GEMV_WARPS][M];
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 half = head_dim / 2, pairs = GEMV_WARPS / ksplit / 2;
+    const u32 col = warp / ksplit, p = col % pairs, hi = col / pairs;
+    const u32 g = blockIdx.x * pairs + p, head = g / half, i = g % half;
+    const u32 n = (num_heads + 2 * num_kv_heads) * head_dim;
+    const u32 j = head * head_dim + hi * half + i;
+    float s[1];
+    if (gemv_column<T, M, 1>(x, w, k, n, ksplit, j, s)) vals_s[col][lane] = to_float(from_float<T>(s[0]));
+    __syncthreads();
+    if (hi != 0 || warp % ksplit != 0 || lane >= M || j >= n) return;
+    const u32 r = lane;
+    const float x0 = vals_s[col][r], x1 = vals_s[col + pairs][r];
+    const u32 q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+    if (head >= num_heads + num_kv_heads) {
+        const i64 slot = slot_mapping[r];
+        if (slot < 0 || slot >= num_slots) return;
+        T* dst = v_cache + (u64)slot * kv_size + (u64)(head - num_heads - num_kv_heads) * head_dim;
+        dst[i] = from_float<T>(x0);
+        dst[i + half] = from_float<T>(x1);
+        return;
+    }
+    const u32 pos = positions[r];
+    const float* freq = inv_freq + (pos >= long_start ? half : 0);
+    float y0, y1;
+    rope_pair(x0, x1, pos, freq[i], attention_scaling, y0, y1);
+    T* dst;
+    if (head < num_heads) {
+        dst = q_out + (u64)r * q_size + (u64)head * head_dim;
+    } else {
+        const i64 slot = slot_mapping[r];
+        if (slot < 0 || slot >= num_slots) return;
+        dst = k_cache + (u64)slot * kv_size + (u64)(head - num_heads) * head_dim;
+    }
+    dst[i] = from_float<T>(y0);
+    dst[i + half] = from_float<T>(y1);
 }
 
 #define GEMV(T, S, M) \
@@ -139,6 +202,13 @@ __device__ __forceinline__ void gemv_impl(const T* x, const T* w, O* y, u32 k, u
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_gelu_tanh_m##M##_##S( \
         const T* x, const T* w, T* y, u32 k, u32 n, u32 ksplit) { \
         gemv_impl<T, T, M, 2>(x, w, y, k, n, ksplit); \
+    } \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_rope_cache_m##M##_##S( \
+        const T* x, const T* w, T* q_out, T* k_cache, T* v_cache, const u32* positions, const i64* slot_mapping, \
+        const float* inv_freq, u32 long_start, u32 k, u32 ksplit, u32 num_heads, u32 num_kv_heads, u32 head_dim, \
+        float attention_scaling, i64 num_slots) { \
+        gemv_rope_impl<T, M>(x, w, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq, long_start, k, ksplit, \
+                             num_heads, num_kv_heads, head_dim, attention_scaling, num_slots); \
     }
 #define GEMV_M1(T, S) GEMV(T, S, 1)
 #define GEMV_M2(T, S) GEMV(T, S, 2)

@@ -2,6 +2,18 @@
 // of a head pairs with `i + half`; dims from `2 * half` on pass through (partial rotary).
 // Angles are `position * inv_freq[i]` in f32, as on the CPU.
 
+// One rotated pair: (x0, x1) at dims (i, i + half) of a head at position `pos`, with `freq` the
+// pair's inverse frequency. Every kernel that rotates goes through this, so all give the same bits.
+__device__ __forceinline__ void rope_pair(float x0, float x1, u32 pos, float freq, float attention_scaling,
+                                          float& y0, float& y1) {
+    float s, c;
+    sincosf((float)pos * freq, &s, &c);
+    c *= attention_scaling;
+    s *= attention_scaling;
+    y0 = x0 * c - x1 * s;
+    y1 = x1 * c + x0 * s;
+}
+
 // x: [T, num_heads, head_dim]; positions: [T]; inv_freq: [2, half], the short table then the
 // long one (LongRoPE; both rows equal otherwise). A token at `position >= long_start` uses the
 // long table. One block per token.
@@ -14,14 +26,11 @@ __device__ __forceinline__ void rope_impl(T* x, const u32* positions, const floa
     T* token = x + t * num_heads * head_dim;
     for (u32 e = threadIdx.x; e < num_heads * half; e += blockDim.x) {
         const u32 h = e / half, i = e % half;
-        float s, c;
-        sincosf((float)pos * freq[i], &s, &c);
-        c *= attention_scaling;
-        s *= attention_scaling;
         T* head = token + (u64)h * head_dim;
-        const float x0 = to_float(head[i]), x1 = to_float(head[i + half]);
-        head[i] = from_float<T>(x0 * c - x1 * s);
-        head[i + half] = from_float<T>(x1 * c + x0 * s);
+        float y0, y1;
+        rope_pair(to_float(head[i]), to_float(head[i + half]), pos, freq[i], attention_scaling, y0, y1);
+        head[i] = from_float<T>(y0);
+        head[i + half] = from_float<T>(y1);
     }
 }
 
@@ -73,13 +82,10 @@ __device__ __forceinline__ void qkv_rope_cache_impl(const T* qkv, const u32* pos
             dst[d] = src[d];
             continue;
         }
-        float s, c;
-        sincosf((float)pos * freq[i], &s, &c);
-        c *= attention_scaling;
-        s *= attention_scaling;
-        const float x0 = to_float(src[i]), x1 = to_float(src[i + half]);
-        dst[i] = from_float<T>(x0 * c - x1 * s);
-        dst[i + half] = from_float<T>(x1 * c + x0 * s);
+        float y0, y1;
+        rope_pair(to_float(src[i]), to_float(src[i + half]), pos, freq[i], attention_scaling, y0, y1);
+        dst[i] = from_float<T>(y0);
+        dst[i + half] = from_float<T>(y1);
     }
 }
 
