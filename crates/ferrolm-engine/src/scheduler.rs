@@ -27,6 +27,12 @@
 //! tokens. Only then do computed tokens advance and full blocks enter the prefix cache, so no
 //! request can hit a block whose K and V are not written yet. Calling `schedule()` again
 //! without an update drops the previous step: its tokens are scheduled anew.
+//!
+//! Scheduling ahead: while a step runs, `schedule_ahead()` may schedule the next one before the
+//! step's tokens are known, when that next step can only be every running request decoding one
+//! more token (see there). Its scheduled tokens are [`UNKNOWN_TOKEN`]: the runner takes them
+//! from the step before. The next `update_from_output()` applies the step in flight and makes
+//! the one scheduled ahead the step in flight; `schedule()` is not called in between.
 
 mod output;
 #[cfg(test)]
@@ -36,7 +42,7 @@ mod tests;
 
 use std::collections::{HashMap, VecDeque};
 
-pub use output::{ScheduledRequest, SchedulerOutput};
+pub use output::{ScheduledRequest, SchedulerOutput, UNKNOWN_TOKEN};
 
 use crate::kv::{BlockId, ComputedBlocks, KvCacheManager, PrefixCacheStats};
 use crate::request::{FinishReason, Request, RequestId, RequestStatus};
@@ -145,6 +151,9 @@ pub struct Scheduler {
     /// `(request, num_scheduled_tokens)` of the step in flight, applied by
     /// `update_from_output`.
     in_flight: Vec<(RequestId, usize)>,
+    /// The requests of the step scheduled ahead of the one in flight (one token each), which
+    /// becomes the step in flight at the next `update_from_output`.
+    ahead: Vec<RequestId>,
     next_arrival_index: u64,
     num_preemptions: u64,
 }
@@ -160,6 +169,7 @@ impl Scheduler {
             waiting: VecDeque::new(),
             running: Vec::new(),
             in_flight: Vec::new(),
+            ahead: Vec::new(),
             next_arrival_index: 0,
             num_preemptions: 0,
         })
@@ -217,6 +227,7 @@ impl Scheduler {
 
     /// Picks this step's requests and tokens and allocates their blocks.
     pub fn schedule(&mut self) -> SchedulerOutput {
+        debug_assert!(self.ahead.is_empty(), "schedule() with a step scheduled ahead still to update");
         let mut budget = self.config.max_num_batched_tokens;
         let mut out = SchedulerOutput::default();
 
@@ -266,6 +277,58 @@ impl Scheduler {
         out
     }
 
+    /// Schedules the step after the one in flight before that step's tokens are known, when the
+    /// next `schedule()` could only give every request one more decode: the step in flight
+    /// catches up every request in it (each samples), nobody waits, the budget holds them all,
+    /// and the pool has their next slots without preempting anyone. A request that surely ends
+    /// with the token in flight (it reaches `max_tokens` or `max_model_len`) is left out; one
+    /// that ends on a stop token is dropped when that token arrives, and the runner's answer
+    /// for it is ignored. `None`, with nothing changed, when the next step is not of this kind.
+    ///
+    /// Each scheduled token is [`UNKNOWN_TOKEN`] at position `num_computed_tokens`: the token
+    /// the step in flight samples for that request.
+    pub fn schedule_ahead(&mut self) -> Option<SchedulerOutput> {
+        if self.in_flight.is_empty() || !self.ahead.is_empty() || !self.waiting.is_empty() {
+            return None;
+        }
+        let mut next = Vec::with_capacity(self.in_flight.len());
+        let mut num_new_blocks = 0;
+        for &(id, n) in &self.in_flight {
+            let req = self.requests.get(&id)?;
+            let position = req.num_computed_tokens() + n;
+            if position != req.num_tokens() {
+                return None; // a prefill chunk that leaves prompt tokens for later
+            }
+            let ends = req.num_output_tokens() + 1 >= req.max_tokens() || position + 1 >= self.config.max_model_len;
+            if !ends {
+                num_new_blocks += self.kv.num_blocks_to_cover(id, position + 1);
+                next.push((id, position));
+            }
+        }
+        if next.is_empty()
+            || next.len() > self.config.max_num_batched_tokens
+            || num_new_blocks > self.kv.block_pool().num_free_blocks()
+        {
+            return None;
+        }
+        let mut out = SchedulerOutput::default();
+        for (id, position) in next {
+            let table = self.kv.allocate_ahead(id, position + 1).expect("the free blocks were counted").to_vec();
+            out.scheduled.push(ScheduledRequest {
+                request_id: id,
+                num_computed_tokens: position,
+                num_scheduled_tokens: 1,
+                token_ids: vec![UNKNOWN_TOKEN],
+                block_table: table,
+                is_new: false,
+                samples_next_token: true,
+            });
+            self.ahead.push(id);
+        }
+        out.total_num_scheduled_tokens = out.scheduled.len();
+        Some(out)
+    }
+
     fn admit_waiting(&mut self, budget: &mut usize, out: &mut SchedulerOutput) {
         while *budget > 0 && self.running.len() < self.config.max_num_seqs {
             let Some(&id) = self.waiting.front() else {
@@ -312,7 +375,8 @@ impl Scheduler {
     /// Applies the step in flight: computed tokens advance by what was scheduled, full blocks
     /// enter the prefix cache, and requests that caught up with their tokens get their sampled
     /// tokens (those of a partial prefill chunk are ignored). Finished requests (max_tokens,
-    /// max_model_len, stop token) release their blocks at once and are returned.
+    /// max_model_len, stop token) release their blocks at once and are returned. A step
+    /// scheduled ahead becomes the step in flight.
     ///
     /// `sampled` must hold at least one token for every request whose `samples_next_token` was
     /// set; otherwise nothing changes and the error names the first one missing. Requests
@@ -330,7 +394,8 @@ impl Scheduler {
         }
 
         let mut finished = Vec::new();
-        for (id, n) in std::mem::take(&mut self.in_flight) {
+        let applied = std::mem::replace(&mut self.in_flight, self.ahead.drain(..).map(|id| (id, 1)).collect());
+        for (id, n) in applied {
             let Some(req) = self.requests.get_mut(&id) else {
                 continue;
             };
@@ -361,6 +426,7 @@ impl Scheduler {
         }
         self.kv.free(request_id);
         self.in_flight.retain(|&(r, _)| r != request_id);
+        self.ahead.retain(|&r| r != request_id);
         req.status = RequestStatus::Finished(reason);
         Some(req)
     }

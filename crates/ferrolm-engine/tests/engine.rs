@@ -23,6 +23,7 @@ struct Setup {
     max_num_batched_tokens: usize,
     max_num_seqs: usize,
     max_pending_requests: usize,
+    overlap_steps: bool,
 }
 
 impl Default for Setup {
@@ -33,6 +34,7 @@ impl Default for Setup {
             max_num_batched_tokens: 2048,
             max_num_seqs: 64,
             max_pending_requests: 1024,
+            overlap_steps: true,
         }
     }
 }
@@ -50,7 +52,12 @@ fn start(name: &str, setup: Setup) -> (EngineHandle, Arc<Tokenizer>) {
         long_prefill_token_threshold: None,
         enable_prefix_caching: true,
     };
-    let config = EngineConfig { scheduler, max_pending_requests: setup.max_pending_requests, eos_token_ids: vec![1] };
+    let config = EngineConfig {
+        scheduler,
+        max_pending_requests: setup.max_pending_requests,
+        eos_token_ids: vec![1],
+        overlap_steps: setup.overlap_steps,
+    };
     (EngineHandle::start(model, Arc::clone(&tokenizer), config).expect("engine"), tokenizer)
 }
 
@@ -390,16 +397,20 @@ impl ferrolm_model::ModelRunner for DeviceLikeRunner {
         self.inner.allocate_kv_cache(num_blocks, block_size)
     }
 
-    fn execute(
+    fn launch(
         &mut self,
         input: &ferrolm_model::ModelInput,
         rows: &[ferrolm_sampling::RowRequest<'_>],
-    ) -> Result<Vec<Option<ferrolm_sampling::TokenLogprobs>>, ferrolm_model::ModelError> {
+    ) -> Result<(), ferrolm_model::ModelError> {
         self.calls += 1;
         if self.fail_at_call == Some(self.calls) {
             return Err(ferrolm_model::ModelError::Device("injected failure".into()));
         }
-        self.inner.execute(input, rows)
+        self.inner.launch(input, rows)
+    }
+
+    fn collect(&mut self) -> Result<Vec<Option<ferrolm_sampling::TokenLogprobs>>, ferrolm_model::ModelError> {
+        self.inner.collect()
     }
 }
 
@@ -415,7 +426,7 @@ fn start_device_like(name: &str, fail_at_call: Option<usize>) -> EngineHandle {
         long_prefill_token_threshold: None,
         enable_prefix_caching: true,
     };
-    let config = EngineConfig { scheduler, max_pending_requests: 1024, eos_token_ids: vec![1] };
+    let config = EngineConfig { scheduler, max_pending_requests: 1024, eos_token_ids: vec![1], overlap_steps: true };
     let runner: Box<dyn ferrolm_model::ModelRunner> = Box::new(runner);
     EngineHandle::start(runner, None::<Arc<Tokenizer>>, config).expect("engine")
 }
@@ -462,4 +473,59 @@ fn a_device_failure_aborts_the_step_and_the_engine_recovers() {
     let (prompt, want) = cases[1].clone();
     let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(5) }).expect("s"));
     assert_eq!(tokens(&out[0]), want[..5]);
+}
+
+/// What a client sees of one request: per sequence, each output's tokens, text, logprobs and
+/// finish reason.
+type Seen = Vec<Vec<(Vec<u32>, String, String, Option<FinishReason>)>>;
+
+fn seen(outputs: Vec<Vec<RequestOutput>>) -> Seen {
+    outputs
+        .into_iter()
+        .map(|seq| {
+            seq.into_iter().map(|o| (o.token_ids, o.text, format!("{:?}", o.logprobs), o.finish_reason)).collect()
+        })
+        .collect()
+}
+
+/// Mixed requests with steps launched ahead of the step before and with steps run one at a time:
+/// greedy and seeded sampling, EOS stops after `min_tokens`, `n = 2` with logprobs, penalties
+/// (which keep steps from going ahead) and stop strings. Clients see the very same outputs.
+#[test]
+fn steps_launched_ahead_give_the_outputs_of_steps_run_one_at_a_time() {
+    let run = |overlap_steps: bool| {
+        let (engine, _) = start("llama3_gqa", Setup { overlap_steps, max_num_seqs: 12, ..Setup::default() });
+        let streams: Vec<_> = mixed_prompts()
+            .into_iter()
+            .enumerate()
+            .map(|(i, (prompt, n))| {
+                let seed = Some(i as u64);
+                let sampled =
+                    SamplingParams { temperature: 1.0, seed, max_tokens: Some(n), ..SamplingParams::default() };
+                let params = match i % 5 {
+                    0 => greedy(n),
+                    1 => SamplingParams { min_tokens: n.min(2), ..sampled },
+                    2 => SamplingParams { n: 2, top_p: 0.9, logprobs: Some(2), ..sampled },
+                    // Only the first: while it runs, no step goes ahead.
+                    3 if i == 3 => SamplingParams { presence_penalty: 0.5, ..sampled },
+                    _ => SamplingParams { stop: vec!["a".into()], ..sampled },
+                };
+                engine.submit(GenerateRequest { prompt_token_ids: prompt, params }).expect("submit")
+            })
+            .collect();
+        let outputs: Vec<Seen> = streams.into_iter().map(|s| seen(collect(s))).collect();
+        wait_idle(&engine);
+        (outputs, engine.stats().num_steps_ahead)
+    };
+    let (one_at_a_time, none_ahead) = run(false);
+    assert_eq!(none_ahead, 0);
+    let (overlapped, ahead) = run(true);
+    assert!(ahead > 0, "no step went ahead");
+    for (i, (a, b)) in overlapped.iter().zip(&one_at_a_time).enumerate() {
+        assert_eq!(a, b, "request {i}");
+    }
+    let finishes =
+        |outs: &[Seen], reason| outs.iter().flatten().filter(|s| s.last().and_then(|o| o.3) == Some(reason)).count();
+    // The workload does exercise both ways of ending.
+    assert!(finishes(&one_at_a_time, FinishReason::Stop) > 0 && finishes(&one_at_a_time, FinishReason::Length) > 0);
 }

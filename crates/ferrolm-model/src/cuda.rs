@@ -8,6 +8,7 @@
 
 use ferrolm_backend::cuda::{
     self as gpu_ops, GatedActivation, Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor, GpuView,
+    StagedBuffer,
 };
 use ferrolm_backend::DType;
 use ferrolm_sampling::{RowRequest, TokenLogprobs};
@@ -105,6 +106,42 @@ pub struct CudaRunner {
     eager_buffers: Option<StepBuffers>,
     /// Sampling and logprobs on the logits, with its buffers.
     sampler: gpu_ops::GpuSampler,
+    /// The `(t, row)` pairs of a step's previous tokens on their way to the device.
+    previous: PreviousTokens,
+}
+
+/// The `(t, row)` pairs of a step's previous tokens (see [`ModelInput::previous_tokens`]), sent
+/// to the device through a buffer kept from step to step.
+#[derive(Default)]
+struct PreviousTokens {
+    staged: Option<StagedBuffer>,
+}
+
+impl PreviousTokens {
+    /// Queues the writes of `input`'s previous tokens into the step's token ids on the device,
+    /// from what the sampler's last launch sampled there.
+    fn write(
+        &mut self,
+        gpu: &Gpu,
+        sampler: &gpu_ops::GpuSampler,
+        vocab: usize,
+        input: &ModelInput,
+        buffers: &StepBuffers,
+    ) -> Result<(), GpuError> {
+        let pairs = &input.previous_tokens;
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let flat: Vec<u32> = pairs.iter().flat_map(|&(t, row)| [t, row]).collect();
+        let bytes: &[u8] = bytemuck::cast_slice(&flat);
+        if self.staged.as_ref().is_none_or(|b| b.capacity() < bytes.len()) {
+            self.staged = None;
+            self.staged = Some(StagedBuffer::new(gpu, bytes.len().next_power_of_two())?);
+        }
+        let staged = self.staged.as_mut().expect("allocated above");
+        let part = staged.write(gpu, &[bytes])?[0];
+        sampler.write_sampled_tokens(gpu, pairs, &staged.view::<u32>(part), vocab, &buffers.token_ids())
+    }
 }
 
 impl CudaRunner {
@@ -157,6 +194,7 @@ impl CudaRunner {
             graphs: DecodeGraphs::new(),
             eager_buffers: None,
             sampler: gpu_ops::GpuSampler::new(),
+            previous: PreviousTokens::default(),
         })
     }
 
@@ -195,6 +233,7 @@ impl CudaRunner {
             self.ensure_activations(input.num_tokens(), rows)?;
             StepBuffers::upload_reusing(&mut self.eager_buffers, &self.gpu, input)?;
             let buffers = self.eager_buffers.as_ref().expect("buffers were just written");
+            self.previous.write(&self.gpu, &self.sampler, self.config.vocab_size, input, buffers)?;
             let step = StepShape::of(input);
             let acts = self.acts.as_mut().expect("activations were just ensured");
             return decoder(&self.gpu, &self.config, &self.model, &mut self.kv, self.block_size, acts, buffers, &step);
@@ -203,11 +242,13 @@ impl CudaRunner {
         self.ensure_activations(shape.batch, shape.batch)?;
         if let Some(entry) = self.graphs.graphs.get_mut(&shape) {
             entry.buffers.copy_from(&self.gpu, &padded)?;
+            self.previous.write(&self.gpu, &self.sampler, self.config.vocab_size, input, &entry.buffers)?;
             return entry.graph.launch();
         }
         // Only a capture needs the step's host-side shape; a replay has it baked in.
         let step = StepShape::of(&padded);
         let buffers = StepBuffers::upload(&self.gpu, &padded)?;
+        self.previous.write(&self.gpu, &self.sampler, self.config.vocab_size, input, &buffers)?;
         let acts = self.acts.as_mut().expect("activations were just ensured");
         let (g, cfg, model, block_size) = (&self.gpu, &self.config, &self.model, self.block_size);
         let kv = &mut self.kv;
@@ -493,24 +534,23 @@ impl ModelRunner for CudaRunner {
         Ok(())
     }
 
-    fn execute(
-        &mut self,
-        input: &ModelInput,
-        rows: &[RowRequest<'_>],
-    ) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
+    fn launch(&mut self, input: &ModelInput, rows: &[RowRequest<'_>]) -> Result<(), ModelError> {
         let num_rows = input.logits_indices.len();
-        assert_eq!(rows.len(), num_rows, "execute: {} requests for {num_rows} logits rows", rows.len());
+        assert_eq!(rows.len(), num_rows, "launch: {} requests for {num_rows} logits rows", rows.len());
         if self.kv.is_empty() && self.config.num_hidden_layers > 0 {
-            return Err(ModelError::Device("execute before allocate_kv_cache".into()));
+            return Err(ModelError::Device("launch before allocate_kv_cache".into()));
         }
-        if input.num_tokens() == 0 {
-            return Ok(Vec::new());
+        if input.num_tokens() > 0 {
+            self.forward(input)?;
         }
-        self.forward(input)?;
         // Taken out for the call so that the logits can stay borrowed from `self`.
         let mut sampler = std::mem::take(&mut self.sampler);
-        let out = sampler.sample(&self.gpu, self.logits(num_rows), self.config.vocab_size, rows);
+        let launched = sampler.launch(&self.gpu, self.logits(num_rows), self.config.vocab_size, rows);
         self.sampler = sampler;
-        Ok(out?)
+        Ok(launched?)
+    }
+
+    fn collect(&mut self) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
+        Ok(self.sampler.collect()?)
     }
 }

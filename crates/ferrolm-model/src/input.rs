@@ -22,6 +22,10 @@ pub struct ModelInput {
     pub slot_mapping: Vec<i64>,
     /// Rows whose logits are wanted, in output order.
     pub logits_indices: Vec<u32>,
+    /// Tokens not known when the step was built (a step scheduled ahead of the one before it):
+    /// `(t, row)` makes `token_ids[t]` the token the step launched just before samples from its
+    /// logits row `row` (0 where that row picked none). The runner fills them in.
+    pub previous_tokens: Vec<(u32, u32)>,
 }
 
 impl ModelInput {
@@ -31,6 +35,25 @@ impl ModelInput {
 
     pub fn num_reqs(&self) -> usize {
         self.seq_lens.len()
+    }
+
+    /// Fills in [`Self::previous_tokens`] from `sampled`, the tokens the step before sampled per
+    /// logits row (`None`: none picked, token 0). An error names a pair outside the step or
+    /// outside `sampled`.
+    pub fn fill_previous_tokens(&mut self, sampled: &[Option<u32>]) -> Result<(), String> {
+        for &(t, row) in &self.previous_tokens {
+            let token = sampled.get(row as usize).ok_or_else(|| {
+                format!("previous token row {row} is outside the step before's {} rows", sampled.len())
+            })?;
+            let len = self.token_ids.len();
+            let slot = self
+                .token_ids
+                .get_mut(t as usize)
+                .ok_or_else(|| format!("previous token {t} is outside the step's {len} tokens"))?;
+            *slot = token.unwrap_or(0);
+        }
+        self.previous_tokens.clear();
+        Ok(())
     }
 
     /// Appends one request's scheduled tokens. `block_table` must cover `start + tokens.len()`
@@ -111,6 +134,22 @@ impl KvCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn previous_tokens_are_filled_from_the_step_before() {
+        let mut input = ModelInput::default();
+        input.push_request(&[u32::MAX], 5, &[0, 1], 4, true, false);
+        input.push_request(&[7], 2, &[2], 4, true, false);
+        input.push_request(&[u32::MAX], 9, &[3, 4, 5], 4, true, false);
+        input.previous_tokens = vec![(0, 2), (2, 0)];
+        let mut bad = input.clone();
+        input.fill_previous_tokens(&[Some(11), Some(12), None]).expect("in range");
+        assert_eq!(input.token_ids, vec![0, 7, 11]);
+        assert!(input.previous_tokens.is_empty());
+        assert!(bad.fill_previous_tokens(&[Some(1), Some(2)]).is_err(), "row 2 of 2 rows");
+        bad.previous_tokens = vec![(3, 0)];
+        assert!(bad.fill_previous_tokens(&[Some(1)]).is_err(), "token 3 of 3 tokens");
+    }
 
     #[test]
     fn push_requests_builds_flattened_batch() {

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 pub use config::{Activation, Architecture, GenerationConfig, ModelConfig};
 pub use input::{KvCache, ModelInput};
 pub use model::Model;
-pub use runner::{apply_rows, CpuRunner, ModelRunner};
+pub use runner::{apply_rows, sampled_tokens, CpuRunner, ModelRunner};
 pub use weights::{Tensor, WeightSource};
 
 #[derive(Debug, thiserror::Error)]

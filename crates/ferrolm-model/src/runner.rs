@@ -7,6 +7,8 @@
 //! semantics of [`RowRequest::apply`] (ferrolm-sampling), so a GPU copies back a few bytes per
 //! row instead of a vocabulary-sized one.
 
+use std::collections::VecDeque;
+
 use ferrolm_sampling::{RowRequest, TokenLogprobs};
 use rayon::prelude::*;
 
@@ -25,15 +27,33 @@ pub trait ModelRunner: Send {
     /// Allocates (or replaces) the KV cache: `num_blocks` blocks of `block_size` tokens.
     fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), ModelError>;
 
-    /// Runs one step, writing the new tokens' K/V into the cache. `rows` has one request per
-    /// element of `input.logits_indices`; the result has one entry per row, as
+    /// Starts one step, which writes the new tokens' K/V into the cache; [`Self::collect`] gives
+    /// its answer. `rows` has one request per element of `input.logits_indices`. A step may be
+    /// launched before the one launched just before it is collected (at most one ahead): its
+    /// `input.previous_tokens` then name that step's sampled rows, and a device runs it right
+    /// after that step while the host waits for the first answer. Without previous tokens, it
+    /// is launched only when nothing is in flight.
+    fn launch(&mut self, input: &ModelInput, rows: &[RowRequest<'_>]) -> Result<(), ModelError>;
+
+    /// The answer of the oldest launched step not yet collected: one entry per row, as
     /// [`RowRequest::apply`] gives it for that row's raw logits (`None` only for a `Sample` row
     /// where no token could be picked).
+    fn collect(&mut self) -> Result<Vec<Option<TokenLogprobs>>, ModelError>;
+
+    /// Runs one step with nothing in flight: [`Self::launch`], then [`Self::collect`].
     fn execute(
         &mut self,
         input: &ModelInput,
         rows: &[RowRequest<'_>],
-    ) -> Result<Vec<Option<TokenLogprobs>>, ModelError>;
+    ) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
+        self.launch(input, rows)?;
+        self.collect()
+    }
+}
+
+/// The tokens a step's answers sampled, per logits row (the previous tokens of a step after it).
+pub fn sampled_tokens(answers: &[Option<TokenLogprobs>]) -> Vec<Option<u32>> {
+    answers.iter().map(|a| a.as_ref().map(|a| a.token)).collect()
 }
 
 /// [`RowRequest::apply`] for every row of `logits`: `[rows.len(), vocab]`, rows in parallel.
@@ -48,15 +68,19 @@ pub fn apply_rows(logits: &[f32], vocab: usize, rows: &[RowRequest<'_>]) -> Vec<
     logits.par_chunks_exact(vocab.max(1)).zip(rows).map(|(row, req)| req.apply(row)).collect()
 }
 
-/// The CPU backend: f32 arithmetic, weights in their checkpoint dtype.
+/// The CPU backend: f32 arithmetic, weights in their checkpoint dtype. A launch runs the step
+/// at once; its answer waits in a queue for `collect`.
 pub struct CpuRunner {
     model: Model,
     kv: Option<KvCache>,
+    answers: VecDeque<Vec<Option<TokenLogprobs>>>,
+    /// The tokens the last launched step sampled, per logits row.
+    last_sampled: Vec<Option<u32>>,
 }
 
 impl CpuRunner {
     pub fn new(model: Model) -> CpuRunner {
-        CpuRunner { model, kv: None }
+        CpuRunner { model, kv: None, answers: VecDeque::new(), last_sampled: Vec::new() }
     }
 }
 
@@ -80,15 +104,27 @@ impl ModelRunner for CpuRunner {
         Ok(())
     }
 
-    fn execute(
-        &mut self,
-        input: &ModelInput,
-        rows: &[RowRequest<'_>],
-    ) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
-        assert_eq!(rows.len(), input.logits_indices.len(), "execute: {} requests for the logits rows", rows.len());
-        let kv = self.kv.as_mut().ok_or_else(|| ModelError::Device("execute before allocate_kv_cache".into()))?;
+    fn launch(&mut self, input: &ModelInput, rows: &[RowRequest<'_>]) -> Result<(), ModelError> {
+        assert_eq!(rows.len(), input.logits_indices.len(), "launch: {} requests for the logits rows", rows.len());
+        let kv = self.kv.as_mut().ok_or_else(|| ModelError::Device("launch before allocate_kv_cache".into()))?;
+        let filled;
+        let input = if input.previous_tokens.is_empty() {
+            input
+        } else {
+            let mut copy = input.clone();
+            copy.fill_previous_tokens(&self.last_sampled).map_err(ModelError::Device)?;
+            filled = copy;
+            &filled
+        };
         let logits = self.model.forward(input, kv); // [rows, vocab]
-        Ok(apply_rows(&logits, self.model.config.vocab_size, rows))
+        let answers = apply_rows(&logits, self.model.config.vocab_size, rows);
+        self.last_sampled = sampled_tokens(&answers);
+        self.answers.push_back(answers);
+        Ok(())
+    }
+
+    fn collect(&mut self) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
+        self.answers.pop_front().ok_or_else(|| ModelError::Device("collect with no step launched".into()))
     }
 }
 

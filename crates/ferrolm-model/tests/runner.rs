@@ -229,6 +229,85 @@ fn greedy_batch(
     out
 }
 
+/// Greedy decoding of `prompts`, request `i` to `lens[i]` tokens, each step's batch holding the
+/// requests still going. With `ahead`, each step is launched before the one before it is
+/// collected and takes its tokens from that step's sampled rows on the device
+/// (`ModelInput::previous_tokens`); otherwise each step is collected before the next is built.
+/// Per request: each token with its logprob.
+fn decode(runner: &mut dyn ModelRunner, prompts: &[Vec<u32>], lens: &[usize], ahead: bool) -> Vec<Vec<(u32, f32)>> {
+    let n = prompts.len();
+    let blocks_each =
+        (prompts.iter().map(Vec::len).max().unwrap_or(0) + lens.iter().max().unwrap_or(&0)).div_ceil(BLOCK_SIZE);
+    let tables: Vec<Vec<u32>> = (0..n).map(|i| (0..blocks_each).map(|b| (b * n + i) as u32).collect()).collect();
+    runner.allocate_kv_cache(blocks_each * n, BLOCK_SIZE).expect("kv cache");
+    let plan = greedy_plan(1);
+    let rows = |k: usize| vec![RowRequest::Sample(&plan); k];
+    let mut out: Vec<Vec<(u32, f32)>> = vec![Vec::new(); n];
+    let record = |runner: &mut dyn ModelRunner, in_flight: &[usize], out: &mut Vec<Vec<(u32, f32)>>| {
+        let answers = runner.collect().expect("collect");
+        assert_eq!(answers.len(), in_flight.len());
+        for (&i, a) in in_flight.iter().zip(answers) {
+            let a = a.expect("a token");
+            out[i].push((a.token, a.logprob));
+        }
+    };
+    let mut input = ModelInput::default();
+    for i in 0..n {
+        input.push_request(&prompts[i], 0, &tables[i], BLOCK_SIZE, true, false);
+    }
+    runner.launch(&input, &rows(n)).expect("launch");
+    // Tokens sampled per request, the step in flight's included.
+    let mut count = vec![1usize; n];
+    let mut in_flight: Vec<usize> = (0..n).collect();
+    loop {
+        let next: Vec<usize> = in_flight.iter().copied().filter(|&i| count[i] < lens[i]).collect();
+        let mut input = ModelInput::default();
+        if ahead && !next.is_empty() {
+            for (j, &i) in next.iter().enumerate() {
+                input.push_request(&[u32::MAX], prompts[i].len() + count[i] - 1, &tables[i], BLOCK_SIZE, true, false);
+                let row = in_flight.iter().position(|&r| r == i).expect("in flight") as u32;
+                input.previous_tokens.push((j as u32, row));
+            }
+            runner.launch(&input, &rows(next.len())).expect("launch ahead");
+            record(runner, &in_flight, &mut out);
+        } else {
+            record(runner, &in_flight, &mut out);
+            if next.is_empty() {
+                break;
+            }
+            for &i in &next {
+                let last = out[i].last().expect("a token").0;
+                input.push_request(&[last], prompts[i].len() + count[i] - 1, &tables[i], BLOCK_SIZE, true, false);
+            }
+            runner.launch(&input, &rows(next.len())).expect("launch");
+        }
+        for &i in &next {
+            count[i] += 1;
+        }
+        in_flight = next;
+    }
+    out
+}
+
+/// Steps launched ahead, their tokens taken from the step before on the device, give the very
+/// tokens and logprobs of steps run one at a time on the same backend, while requests leave the
+/// batch at different steps (so a step's rows are not the rows of the step before).
+#[test]
+fn steps_launched_ahead_equal_steps_run_one_at_a_time() {
+    let dir = repo_path("models/ferrolm-demo-py");
+    let prompts: Vec<Vec<u32>> =
+        (0..6u32).map(|i| (0..4 + 3 * i).map(|j| 1 + (i * 131 + j * 17) % 500).collect()).collect();
+    let lens: Vec<usize> = (0..6).map(|i| 3 + (i * 7) % 20).collect();
+    for (backend, mut runner, _) in backends(&dir) {
+        let one_at_a_time = decode(runner.as_mut(), &prompts, &lens, false);
+        let ahead = decode(runner.as_mut(), &prompts, &lens, true);
+        for (i, (a, b)) in ahead.iter().zip(&one_at_a_time).enumerate() {
+            assert_eq!(a.len(), lens[i]);
+            assert_eq!(a, b, "{backend}: request {i}");
+        }
+    }
+}
+
 /// 64 requests of mixed lengths decoded together give the tokens each gives alone (on bf16,
 /// up to the first step whose margin alone is within 0.1, where rounding may flip the choice).
 /// The bundled demo model is trained, so its choices mostly have clear margins.

@@ -114,8 +114,30 @@ impl RequestSampler {
     /// tokens. `eos_token_ids` are the model's EOS ids; with the request's stop token ids they
     /// are masked until `min_tokens` tokens exist (EOS not, with `ignore_eos`).
     pub fn plan(&mut self, eos_token_ids: &[u32]) -> SamplePlan {
+        self.plan_after(0, eos_token_ids)
+    }
+
+    /// Whether [`Self::plan_ahead`] can plan a step before the token of the step in flight is
+    /// known: no penalty looks at the tokens generated so far.
+    pub fn plans_ahead(&self) -> bool {
+        self.penalties.is_off()
+    }
+
+    /// The plan of the step after the one in flight, whose token is not recorded yet: what
+    /// [`Self::plan`] would give once it is (the same uniform, drawn now, in stream order).
+    ///
+    /// # Panics
+    /// When a penalty is on ([`Self::plans_ahead`] is false): the plan would depend on the
+    /// token in flight.
+    pub fn plan_ahead(&mut self, eos_token_ids: &[u32]) -> SamplePlan {
+        assert!(self.plans_ahead(), "plan_ahead: penalties depend on the token in flight");
+        self.plan_after(1, eos_token_ids)
+    }
+
+    /// [`Self::plan`] with `pending` sampled tokens not recorded yet.
+    fn plan_after(&mut self, pending: u32, eos_token_ids: &[u32]) -> SamplePlan {
         let mut adjusts = self.penalties.adjusts().to_vec();
-        if self.num_output_tokens < self.min_tokens {
+        if self.num_output_tokens + pending < self.min_tokens {
             let eos = if self.ignore_eos { &[][..] } else { eos_token_ids };
             let penalized = adjusts.len();
             for &token in eos.iter().chain(&self.stop_token_ids) {

@@ -277,7 +277,13 @@ pub fn start_engine(
     let engine = EngineHandle::start(
         runner,
         tokenizer,
-        EngineConfig { scheduler, max_pending_requests: args.max_pending_requests, eos_token_ids },
+        EngineConfig {
+            scheduler,
+            max_pending_requests: args.max_pending_requests,
+            eos_token_ids,
+            // On unless the environment says otherwise (to measure what the overlap gains).
+            overlap_steps: std::env::var("FERROLM_OVERLAP_STEPS").map_or(true, |v| v != "0"),
+        },
     )?;
     Ok(engine)
 }

@@ -44,6 +44,7 @@ const KERNELS: &[&str] = &[
     "paged_attention_decode_g4",
     "paged_attention_decode_g8",
     "sample_rows",
+    "sampled_tokens",
     "gemv_m1",
     "gemv_m2",
     "gemv_m3",

@@ -4,12 +4,20 @@
 //!
 //! One call is one copy of the rows' parameters (`[rows]` [`RowParams`]) and their penalty/mask
 //! lists concatenated (`[entries]` [`Adjust`], each row pointing at its own) through a
-//! [`StagedBuffer`], one launch of a block per row, and one download of `[rows]` [`RowResult`]s.
-//! Rows that sample (or that penalize or mask) get a row of scratch for their processed scores.
-//! The staging, scratch and result buffers are kept and grown, so a steady batch allocates
-//! nothing.
+//! [`StagedBuffer`], one launch of a block per row, and one download of `[rows]` [`RowResult`]s
+//! into pinned memory. Rows that sample (or that penalize or mask) get a row of scratch for their
+//! processed scores. The staging, scratch and result buffers are kept and grown, so a steady
+//! batch allocates nothing.
+//!
+//! [`GpuSampler::launch`] only queues that work; [`GpuSampler::collect`] waits for the oldest
+//! launch's download and answers it, so that the host can prepare (and launch) the next step
+//! meanwhile. Such a next step takes its tokens from the device with
+//! [`GpuSampler::write_sampled_tokens`].
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use std::collections::VecDeque;
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PinnedHostSlice};
 use ferrolm_sampling::{RowRequest, TokenLogprobs, MAX_LOGPROBS};
 
 use super::gpu::to_u32;
@@ -97,6 +105,25 @@ unsafe impl DeviceRepr for RowParams {}
 unsafe impl DeviceRepr for Adjust {}
 // SAFETY: as above; every bit pattern is a valid value.
 unsafe impl DeviceRepr for RowResult {}
+// SAFETY: u32 and f32 fields only: all zero bits is a valid value.
+unsafe impl cudarc::driver::ValidAsZeroBits for RowResult {}
+
+/// What the host needs of a row to read its answer.
+#[derive(Clone, Copy, Debug)]
+enum RowKind {
+    Sample { num_top: usize },
+    Logprobs { token: u32, num_top: usize },
+}
+
+/// A launched call whose answer is not collected yet.
+struct Pending {
+    rows: Vec<RowKind>,
+    vocab: usize,
+    /// The rows' results, downloaded; `None` for a call of no rows.
+    host: Option<PinnedHostSlice<RowResult>>,
+    /// Recorded after the download.
+    done: Option<CudaEvent>,
+}
 
 /// The device buffers of the sampler, kept from call to call.
 #[derive(Default)]
@@ -109,7 +136,17 @@ pub struct GpuSampler {
     params: Vec<RowParams>,
     adjusts: Vec<Adjust>,
     staged: Option<StagedBuffer>,
+    /// Launched calls, oldest first.
+    pending: VecDeque<Pending>,
+    /// Pinned result buffers of collected calls, for the next launches.
+    spare: Vec<PinnedHostSlice<RowResult>>,
+    /// Rows of the last launch: the results `write_sampled_tokens` may read.
+    last_rows: usize,
 }
+
+// SAFETY: the pinned buffers and events are driver handles used by one owner at a time (the
+// runner holding the sampler is moved between threads, never shared).
+unsafe impl Send for GpuSampler {}
 
 impl GpuSampler {
     pub fn new() -> GpuSampler {
@@ -119,6 +156,7 @@ impl GpuSampler {
     /// For each row of `logits` (`[rows.len(), vocab]`, any activation dtype, read only), what
     /// [`RowRequest::apply`] gives for that row on the host: the sampled token (or `None` when
     /// nothing can be picked) or the given token, with its raw logprob and the top logprobs.
+    /// [`Self::launch`] then [`Self::collect`], with nothing else in flight.
     pub fn sample(
         &mut self,
         gpu: &Gpu,
@@ -126,10 +164,27 @@ impl GpuSampler {
         vocab: usize,
         rows: &[RowRequest<'_>],
     ) -> Result<Vec<Option<TokenLogprobs>>, GpuError> {
+        assert!(self.pending.is_empty(), "sample_rows: a launched call is still to collect");
+        self.launch(gpu, logits, vocab, rows)?;
+        self.collect()
+    }
+
+    /// Queues [`Self::sample`]'s work on the `Gpu`'s stream: nothing waits for the device. Its
+    /// answer comes from [`Self::collect`], calls being answered in launch order.
+    pub fn launch(
+        &mut self,
+        gpu: &Gpu,
+        logits: GpuView<'_>,
+        vocab: usize,
+        rows: &[RowRequest<'_>],
+    ) -> Result<(), GpuError> {
         assert!(vocab > 0, "sample_rows: vocab is 0");
         assert_eq!(logits.len(), rows.len() * vocab, "sample_rows: logits are not {} rows of {vocab}", rows.len());
+        let kinds = rows.iter().map(row_kind).collect();
+        self.last_rows = rows.len();
         if rows.is_empty() {
-            return Ok(Vec::new());
+            self.pending.push_back(Pending { rows: kinds, vocab, host: None, done: None });
+            return Ok(());
         }
         if gpu.max_shared_per_block() < SHARED_BYTES {
             return Err(GpuError::Unsupported {
@@ -188,10 +243,73 @@ impl GpuSampler {
         // adjustment ranges lie in `adjusts` and whose scratch rows lie in `scratch`, and a result
         // buffer of at least `rows` entries.
         unsafe { launch.launch(cfg) }?;
-        let out = gpu.stream().clone_dtoh(&results.slice(..rows.len()))?;
-        gpu.synchronize()?;
+        let mut host = match self.spare.iter().position(|h| h.len() >= rows.len()) {
+            Some(i) => self.spare.swap_remove(i),
+            // Plain pinned memory (not write-combined: the host reads it).
+            // SAFETY: the host reads only the rows a download has written.
+            None => unsafe { gpu.stream().context().alloc_pinned_with_flags(rows.len().next_power_of_two(), 0) }?,
+        };
+        gpu.stream().memcpy_dtoh(&results.slice(..rows.len()), &mut host)?;
+        let done = gpu.stream().record_event(Some(CUevent_flags::CU_EVENT_DISABLE_TIMING))?;
+        self.pending.push_back(Pending { rows: kinds, vocab, host: Some(host), done: Some(done) });
+        Ok(())
+    }
 
-        Ok(rows.iter().zip(&out).map(|(row, r)| token_logprobs(row, r, vocab)).collect())
+    /// Waits for the oldest launched call not yet collected and answers it as [`Self::sample`]
+    /// does.
+    pub fn collect(&mut self) -> Result<Vec<Option<TokenLogprobs>>, GpuError> {
+        let Some(pending) = self.pending.pop_front() else {
+            return Err(GpuError::Unsupported { op: "sample_rows", reason: "collect with nothing launched".into() });
+        };
+        let (Some(host), Some(done)) = (pending.host, pending.done) else {
+            return Ok(Vec::new());
+        };
+        // A spinning wait on this event first; the slice's own (blocking-sync) event is then
+        // complete too.
+        done.synchronize()?;
+        let out = host.as_slice()?;
+        let answers = pending.rows.iter().zip(out).map(|(row, r)| token_logprobs(*row, r, pending.vocab)).collect();
+        self.spare.push(host);
+        Ok(answers)
+    }
+
+    /// Writes into `token_ids` (a step's tokens on the device) the tokens the last launched call
+    /// sampled: `pairs` holds `(t, row)` pairs, each making `token_ids[t]` the token sampled from
+    /// that call's row `row` (0 where none was picked or the row is out of range). Queued on the
+    /// stream, after that call and before whatever is issued next.
+    ///
+    /// # Panics
+    /// When a `t` lies outside `token_ids`.
+    pub fn write_sampled_tokens(
+        &self,
+        gpu: &Gpu,
+        pairs: &[(u32, u32)],
+        device_pairs: &CudaView<'_, u32>,
+        vocab: usize,
+        token_ids: &CudaView<'_, u32>,
+    ) -> Result<(), GpuError> {
+        let num_pairs = pairs.len();
+        if num_pairs == 0 {
+            return Ok(());
+        }
+        assert_eq!(device_pairs.len(), 2 * num_pairs, "sampled_tokens: the device pairs are not the host's");
+        assert!(
+            pairs.iter().all(|&(t, _)| (t as usize) < token_ids.len()),
+            "sampled_tokens: a pair writes past the step's {} tokens",
+            token_ids.len()
+        );
+        let (pairs_ptr, token_ids_ptr) = (gpu.index_ptr(device_pairs), gpu.index_ptr(token_ids));
+        let results_ptr = self.results.as_ref().map_or(0, |r| gpu.index_ptr(r));
+        // With no result buffer yet, no row is in range: every token becomes 0.
+        let num_results = if results_ptr == 0 { 0 } else { to_u32("sampled_tokens", "rows", self.last_rows) };
+        let n = to_u32("sampled_tokens", "pairs", num_pairs);
+        let vocab = to_u32("sampled_tokens", "vocab", vocab);
+        let mut launch = gpu.launch_builder("sampled_tokens", crate::DType::F32);
+        launch.arg(&results_ptr).arg(&num_results).arg(&pairs_ptr).arg(&n).arg(&vocab).arg(&token_ids_ptr);
+        let cfg = LaunchConfig { grid_dim: (n.div_ceil(256), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: `num_pairs` pairs whose `t` lie in `token_ids` (checked above, and the device
+        // pairs are the host's); the kernel checks rows against the results the last launch wrote.
+        unsafe { launch.launch(cfg) }
     }
 }
 
@@ -254,11 +372,18 @@ fn num_top(n: usize) -> u32 {
     n as u32
 }
 
+fn row_kind(row: &RowRequest<'_>) -> RowKind {
+    match *row {
+        RowRequest::Sample(plan) => RowKind::Sample { num_top: plan.num_top_logprobs },
+        RowRequest::Logprobs { token, num_top } => RowKind::Logprobs { token, num_top },
+    }
+}
+
 /// The host's answer for `row` from the kernel's `r`.
-fn token_logprobs(row: &RowRequest<'_>, r: &RowResult, vocab: usize) -> Option<TokenLogprobs> {
-    let (token, num_top) = match *row {
-        RowRequest::Sample(plan) => ((r.token != NO_ID).then_some(r.token)?, plan.num_top_logprobs),
-        RowRequest::Logprobs { token, num_top } => (token, num_top),
+fn token_logprobs(row: RowKind, r: &RowResult, vocab: usize) -> Option<TokenLogprobs> {
+    let (token, num_top) = match row {
+        RowKind::Sample { num_top } => ((r.token != NO_ID).then_some(r.token)?, num_top),
+        RowKind::Logprobs { token, num_top } => (token, num_top),
     };
     let n = num_top.min(vocab);
     let top_logprobs = r.top_ids[..n].iter().copied().zip(r.top_logprobs[..n].iter().copied()).collect();

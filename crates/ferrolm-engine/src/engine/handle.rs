@@ -22,6 +22,10 @@ pub struct EngineConfig {
     pub max_pending_requests: usize,
     /// EOS ids of the model (`generation_config.json`, else `config.json`, else the tokenizer).
     pub eos_token_ids: Vec<u32>,
+    /// Launch the next step while the runner still runs this one, where the scheduler can tell
+    /// it already (every request decoding one more token; see `Scheduler::schedule_ahead`), so
+    /// that a device never waits for the host between steps. The outputs are the same either way.
+    pub overlap_steps: bool,
 }
 
 /// A request as a caller submits it.

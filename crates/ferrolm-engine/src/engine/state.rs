@@ -41,6 +41,8 @@ pub struct EngineStats {
     pub generation_tokens: AtomicU64,
     pub num_preemptions: AtomicU64,
     pub num_steps: AtomicU64,
+    /// Steps launched while the step before was still running (see `EngineConfig::overlap_steps`).
+    pub num_steps_ahead: AtomicU64,
     pub num_blocks: AtomicU64,
 }
 
@@ -55,6 +57,7 @@ pub struct EngineStatsSnapshot {
     pub generation_tokens: u64,
     pub num_preemptions: u64,
     pub num_steps: u64,
+    pub num_steps_ahead: u64,
     pub num_blocks: u64,
 }
 
@@ -75,6 +78,7 @@ impl EngineStats {
             generation_tokens: get(&self.generation_tokens),
             num_preemptions: get(&self.num_preemptions),
             num_steps: get(&self.num_steps),
+            num_steps_ahead: get(&self.num_steps_ahead),
             num_blocks: get(&self.num_blocks),
         }
     }

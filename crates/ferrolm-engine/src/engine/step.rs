@@ -14,7 +14,7 @@ use tokio::sync::mpsc as tokio_mpsc;
 use super::handle::{Command, EngineConfig, EngineError, GenerateRequest};
 use super::state::{EngineStats, PromptLogprob, RequestOutput};
 use crate::request::{FinishReason, Request, RequestId, RequestStatus};
-use crate::scheduler::{ScheduledRequest, Scheduler};
+use crate::scheduler::{ScheduledRequest, Scheduler, SchedulerOutput, UNKNOWN_TOKEN};
 
 /// Sequence ids are the client id shifted left by this, plus the sequence index (`n <= 256`).
 const SEQ_BITS: u32 = 8;
@@ -47,6 +47,10 @@ pub(crate) struct Engine {
     rx: mpsc::Receiver<Command>,
     stats: Arc<EngineStats>,
     pending: Arc<AtomicUsize>,
+    /// Launch each step that can be scheduled ahead while the one before runs.
+    overlap_steps: bool,
+    /// The step launched ahead of the one being applied, collected by the next `step()`.
+    ahead: Option<Launched>,
 }
 
 /// Prompt logprobs being gathered, filled as prompt chunks run (again after a preemption, with
@@ -56,6 +60,14 @@ struct PromptLogprobs {
     prompt: Vec<u32>,
     /// One entry per prompt token; the first stays `None`.
     values: Vec<PromptLogprob>,
+}
+
+/// A step launched on the runner whose answer is not collected yet.
+struct Launched {
+    out: SchedulerOutput,
+    /// Per scheduled request: whether all its rows' logits are in the answer (prompt logprobs).
+    all_rows: Vec<bool>,
+    num_rows: usize,
 }
 
 /// A token sampled this step, waiting to be emitted.
@@ -89,13 +101,16 @@ impl Engine {
             rx,
             stats,
             pending,
+            overlap_steps: config.overlap_steps,
+            ahead: None,
         })
     }
 
     pub(crate) fn run(mut self) {
         loop {
-            // Block when idle; otherwise take whatever arrived since the last step.
-            if !self.scheduler.has_unfinished_requests() {
+            // Block when idle (nothing left to run or to collect); otherwise take whatever
+            // arrived since the last step.
+            if !self.scheduler.has_unfinished_requests() && self.ahead.is_none() {
                 match self.rx.recv() {
                     Ok(cmd) => self.handle(cmd),
                     Err(_) => return,
@@ -216,12 +231,63 @@ impl Engine {
         }
     }
 
+    /// One step: launch it (or take the one launched ahead), launch the next one ahead where
+    /// the scheduler can already tell what it is, then collect this one's answer and apply it.
+    /// With a step ahead in flight, the device runs it while the host applies this one.
     fn step(&mut self) {
-        let out = self.scheduler.schedule();
-        if out.is_empty() {
-            self.publish_stats();
-            return;
+        let launched = match self.ahead.take() {
+            Some(launched) => launched,
+            None => {
+                let out = self.scheduler.schedule();
+                if out.is_empty() {
+                    self.publish_stats();
+                    return;
+                }
+                match self.launch(out, None) {
+                    Some(launched) => launched,
+                    None => return,
+                }
+            }
+        };
+        if self.overlap_steps {
+            self.ahead = self.launch_ahead(&launched);
         }
+        self.finish(launched);
+    }
+
+    /// Launches the step after `current` before its tokens are known, when every request in it
+    /// samples with a plan that needs none of them (no penalties) and the scheduler can schedule
+    /// ahead (see `Scheduler::schedule_ahead`).
+    fn launch_ahead(&mut self, current: &Launched) -> Option<Launched> {
+        if current.all_rows.iter().any(|&all| all) {
+            return None;
+        }
+        let plans_ahead =
+            current.out.scheduled.iter().all(|s| {
+                self.sequences.get(&s.request_id).is_none_or(|q| s.samples_next_token && q.sampler.plans_ahead())
+            });
+        if !plans_ahead {
+            return None;
+        }
+        // Without prompt-logprob rows, each request's sampled row is its one row.
+        let mut rows = HashMap::with_capacity(current.out.scheduled.len());
+        let mut row = 0u32;
+        for s in &current.out.scheduled {
+            if s.samples_next_token {
+                rows.insert(s.request_id, row);
+                row += 1;
+            }
+        }
+        let next = self.scheduler.schedule_ahead()?;
+        let launched = self.launch(next, Some(&rows))?;
+        self.stats.num_steps_ahead.fetch_add(1, Ordering::Relaxed);
+        Some(launched)
+    }
+
+    /// Builds `out`'s batch and row requests and launches it. `previous_rows`: for a step
+    /// scheduled ahead, the logits row of the step before that samples each request's token.
+    /// `None` when the launch failed: the step's requests are aborted.
+    fn launch(&mut self, out: SchedulerOutput, previous_rows: Option<&HashMap<RequestId, u32>>) -> Option<Launched> {
         let block_size = self.block_size;
         let mut input = ModelInput::default();
         // Per scheduled request: whether all its rows' logits are in the output (prompt logprobs).
@@ -247,15 +313,25 @@ impl Engine {
                 s.samples_next_token,
                 wants_prompt,
             );
+            if let Some(&row) = previous_rows.and_then(|rows| rows.get(&s.request_id)) {
+                // The step's one token, scheduled ahead: the one the step before samples.
+                input.previous_tokens.push((input.num_tokens() as u32 - 1, row));
+            }
             all_rows.push(wants_prompt);
         }
+        debug_assert!(
+            input.token_ids.iter().filter(|&&t| t == UNKNOWN_TOKEN).count() <= input.previous_tokens.len(),
+            "a token scheduled ahead without the row that samples it"
+        );
         // What each logits row is for: the next prompt token's logprobs for prompt logprob rows,
         // and one plan per request that samples (its uniform drawn now).
         let eos_token_ids = &self.eos_token_ids;
+        let ahead = previous_rows.is_some();
         let plans: Vec<Option<SamplePlan>> = out
             .scheduled
             .iter()
             .map(|s| match self.sequences.get_mut(&s.request_id) {
+                Some(seq) if s.samples_next_token && ahead => Some(seq.sampler.plan_ahead(eos_token_ids)),
                 Some(seq) if s.samples_next_token => Some(seq.sampler.plan(eos_token_ids)),
                 _ => None,
             })
@@ -273,23 +349,44 @@ impl Engine {
                 rows.push(plan.as_ref().map_or(UNUSED_ROW, RowRequest::Sample));
             }
         }
-        let executed = self.runner.execute(&input, &rows).map_err(|e| e.to_string()).and_then(|results| {
-            if results.len() == rows.len() {
+        match self.runner.launch(&input, &rows) {
+            Ok(()) => Some(Launched { out, all_rows, num_rows: rows.len() }),
+            Err(err) => {
+                self.abort_step(&out, &err.to_string());
+                None
+            }
+        }
+    }
+
+    /// The step's KV writes may be incomplete: every request in it is aborted.
+    fn abort_step(&mut self, out: &SchedulerOutput, err: &str) {
+        tracing_error(&EngineError::Device(err.to_string()));
+        for s in &out.scheduled {
+            self.scheduler.finish_request(s.request_id, FinishReason::Abort);
+            self.send_final(s.request_id, FinishReason::Abort);
+        }
+        self.publish_stats();
+    }
+
+    /// Collects `launched`'s answer and applies it: sampled tokens go to the scheduler and the
+    /// clients, prompt logprobs are recorded, finished requests retire.
+    fn finish(&mut self, launched: Launched) {
+        let Launched { out, all_rows, num_rows } = launched;
+        let collected = self.runner.collect().map_err(|e| e.to_string()).and_then(|results| {
+            if results.len() == num_rows {
                 Ok(results)
             } else {
-                Err(format!("the runner answered {} of {} logits rows", results.len(), rows.len()))
+                Err(format!("the runner answered {} of {num_rows} logits rows", results.len()))
             }
         });
-        let mut results = match executed {
+        let mut results = match collected {
             Ok(results) => results,
             Err(err) => {
-                // The step's KV writes may be incomplete: every request in it is aborted.
-                tracing_error(&EngineError::Device(err));
-                for s in &out.scheduled {
-                    self.scheduler.finish_request(s.request_id, FinishReason::Abort);
-                    self.send_final(s.request_id, FinishReason::Abort);
+                self.abort_step(&out, &err);
+                // Nothing of the step is left in flight; a step launched ahead takes its place.
+                if let Err(err) = self.scheduler.update_from_output(&[]) {
+                    tracing_error(&EngineError::from(err));
                 }
-                self.publish_stats();
                 return;
             }
         };

@@ -2,7 +2,8 @@
 //!
 //! Invariants:
 //! - A request's block table covers exactly the tokens allocated for it:
-//!   `len == ceil((num_computed_tokens + tokens scheduled in the step in flight) / block_size)`.
+//!   `len == ceil((num_computed_tokens + tokens scheduled in the steps in flight) / block_size)`
+//!   (two steps when one was scheduled ahead of the other).
 //! - Each block's ref count equals the number of block tables holding it; a table holds a block
 //!   at most once.
 //! - `block_hashes[i]` is the chained hash of the request's block `i`, for its first
@@ -182,6 +183,24 @@ impl KvCacheManager {
             self.pool.cache_block(entry.block_table[i], hash);
             entry.block_hashes.push(hash);
         }
+    }
+
+    /// Blocks the request's table lacks to cover its first `num_positions` positions.
+    pub fn num_blocks_to_cover(&self, request_id: RequestId, num_positions: usize) -> usize {
+        num_positions.div_ceil(self.block_size()).saturating_sub(self.block_table(request_id).len())
+    }
+
+    /// Makes the table of a request that holds blocks cover its first `num_positions`
+    /// positions, which may run past its known tokens: the slot of a step scheduled ahead of the
+    /// one in flight (`Scheduler::schedule_ahead`). `None` with nothing changed when the request
+    /// holds no blocks or the pool is short.
+    pub fn allocate_ahead(&mut self, request_id: RequestId, num_positions: usize) -> Option<&[BlockId]> {
+        let missing = self.num_blocks_to_cover(request_id, num_positions);
+        let entry = self.requests.get_mut(&request_id)?;
+        if missing > 0 {
+            entry.block_table.extend(self.pool.allocate(missing)?);
+        }
+        Some(&entry.block_table)
     }
 
     /// Releases all of the request's blocks, its last block first, so that when cached blocks

@@ -11,6 +11,10 @@
 use crate::kv::BlockId;
 use crate::request::RequestId;
 
+/// A scheduled token not known yet: the one the step in flight samples for the request (a step
+/// scheduled ahead, see `Scheduler::schedule_ahead`).
+pub const UNKNOWN_TOKEN: u32 = u32::MAX;
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ScheduledRequest {
     pub request_id: RequestId,
@@ -19,7 +23,8 @@ pub struct ScheduledRequest {
     pub num_computed_tokens: usize,
     pub num_scheduled_tokens: usize,
     /// `[num_scheduled_tokens]`: the tokens at positions
-    /// `num_computed_tokens..num_computed_tokens + num_scheduled_tokens`.
+    /// `num_computed_tokens..num_computed_tokens + num_scheduled_tokens`; [`UNKNOWN_TOKEN`] in a
+    /// step scheduled ahead.
     pub token_ids: Vec<u32>,
     /// The request's whole block table after this step's allocation.
     pub block_table: Vec<BlockId>,

@@ -41,6 +41,9 @@ enum Event {
 #[derive(Clone, Debug)]
 struct Scenario {
     config: SchedulerConfig,
+    /// Schedule each step ahead of the one in flight where `schedule_ahead` allows, as the
+    /// engine does when it overlaps steps.
+    ahead: bool,
     /// Events before each step; once they run out, steps continue until all requests finish.
     steps: Vec<Vec<Event>>,
 }
@@ -92,7 +95,7 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
 
 fn scenario(num_steps: usize, events_per_step: usize) -> impl Strategy<Value = Scenario> {
     let steps = prop::collection::vec(prop::collection::vec(event(), 0..=events_per_step), 0..=num_steps);
-    (config(), steps).prop_map(|(config, steps)| Scenario { config, steps })
+    (config(), steps).prop_map(|(config, steps)| Scenario { config, ahead: false, steps })
 }
 
 fn prompt(a: &Arrival) -> Vec<u32> {
@@ -134,11 +137,11 @@ fn fail(msg: String) -> Result<(), TestCaseError> {
     Err(TestCaseError::fail(msg))
 }
 
-/// Block accounting and request state, checked after every `schedule()` (with the step in
-/// flight) and every `update_from_output()`.
+/// Block accounting and request state, checked after every `schedule()` (with the steps in
+/// flight: one, or two when one was scheduled ahead) and every `update_from_output()`.
 fn check_invariants(
     s: &Scheduler,
-    in_flight: Option<&SchedulerOutput>,
+    in_flight: &[&SchedulerOutput],
     live: &HashSet<RequestId>,
 ) -> Result<(), TestCaseError> {
     let kv = s.kv_cache_manager();
@@ -168,9 +171,10 @@ fn check_invariants(
         for b in table {
             refs[b.index()] += 1;
         }
-        let scheduled = in_flight.and_then(|o| o.get(id)).map_or(0, |r| r.num_scheduled_tokens);
+        let scheduled: usize = in_flight.iter().filter_map(|o| o.get(id)).map(|r| r.num_scheduled_tokens).sum();
         let covered = req.num_computed_tokens() + scheduled;
-        prop_assert!(covered <= req.num_tokens());
+        // A step scheduled ahead runs the token the step before it samples.
+        prop_assert!(covered <= req.num_tokens() + in_flight.len().saturating_sub(1));
         prop_assert_eq!(table.len(), covered.div_ceil(bs), "{} table {:?} vs {} tokens", id, table, covered);
         // A cached block's hash must be the chained hash of this request's tokens.
         let mut parent = None;
@@ -227,12 +231,43 @@ fn check_output(s: &Scheduler, out: &SchedulerOutput, running_before: &[RequestI
     Ok(())
 }
 
+/// What `schedule_ahead` gave (`next`) against the step in flight (`out`), before its update:
+/// every request that goes on decodes one token, in the same order; only those that surely end
+/// with the token in flight are left out.
+fn check_ahead(s: &Scheduler, out: &SchedulerOutput, next: &SchedulerOutput) -> Result<(), TestCaseError> {
+    let cfg = s.config();
+    prop_assert_eq!(s.num_waiting(), 0);
+    prop_assert_eq!(next.total_num_scheduled_tokens, next.scheduled.len());
+    prop_assert!(next.total_num_scheduled_tokens <= cfg.max_num_batched_tokens);
+    prop_assert!(next.preempted.is_empty());
+    let mut rest = next.scheduled.iter().peekable();
+    // Requests that ended since `out` was scheduled (ahead itself) are no longer in flight.
+    for r in out.scheduled.iter().filter(|r| s.request(r.request_id).is_some()) {
+        let req = s.request(r.request_id).ok_or_else(|| TestCaseError::fail("unknown request"))?;
+        prop_assert!(r.samples_next_token, "{} schedules ahead of a partial prefill", r.request_id);
+        let ends = req.num_output_tokens() + 1 >= req.max_tokens() || req.num_tokens() + 1 >= cfg.max_model_len;
+        match rest.next_if(|a| a.request_id == r.request_id) {
+            Some(a) => {
+                prop_assert!(!ends, "{} surely ends, yet is scheduled ahead", a.request_id);
+                prop_assert_eq!(a.num_computed_tokens, req.num_tokens());
+                prop_assert_eq!(&a.token_ids[..], &[UNKNOWN_TOKEN][..]);
+                prop_assert!(a.samples_next_token && !a.is_new);
+                prop_assert_eq!(&a.block_table[..], s.kv_cache_manager().block_table(a.request_id));
+            }
+            None => prop_assert!(ends, "{} goes on, yet is not scheduled ahead", r.request_id),
+        }
+    }
+    prop_assert!(rest.next().is_none(), "a request scheduled ahead that was not in flight");
+    Ok(())
+}
+
 /// Writes `(token, position)` where the model would write K and V, after checking that every
-/// earlier position the request attends to holds its own token.
+/// earlier position the request attends to holds its own token. Requests that ended since the
+/// step was scheduled (ahead) are skipped.
 fn fake_forward(s: &Scheduler, out: &SchedulerOutput, kv: &mut [Option<(u32, usize)>]) -> Result<(), TestCaseError> {
     let bs = s.config().block_size;
     for r in &out.scheduled {
-        let req = s.request(r.request_id).ok_or_else(|| TestCaseError::fail("unknown request"))?;
+        let Some(req) = s.request(r.request_id) else { continue };
         let tokens = req.all_token_ids();
         for (pos, &token) in tokens.iter().enumerate().take(r.num_computed_tokens) {
             let slot = r.block_table[pos / bs].index() * bs + pos % bs;
@@ -255,8 +290,10 @@ fn run(scenario: &Scenario) -> Result<(), TestCaseError> {
     let mut next_id = 0u64;
     let total_work: usize = 1000;
     let mut step = 0usize;
+    // A step scheduled ahead, to run once the step in flight is updated.
+    let mut ahead: Option<SchedulerOutput> = None;
     loop {
-        if step >= scenario.steps.len() && !s.has_unfinished_requests() {
+        if step >= scenario.steps.len() && !s.has_unfinished_requests() && ahead.is_none() {
             break;
         }
         if step > scenario.steps.len() + total_work * 20 {
@@ -294,13 +331,26 @@ fn run(scenario: &Scenario) -> Result<(), TestCaseError> {
                 }
             }
         }
-        check_invariants(&s, None, &live)?;
+        check_invariants(&s, ahead.as_slice().iter().collect::<Vec<_>>().as_slice(), &live)?;
 
-        let running_before = s.running().to_vec();
-        let out = s.schedule();
-        check_output(&s, &out, &running_before)?;
-        check_invariants(&s, Some(&out), &live)?;
+        let out = match ahead.take() {
+            Some(out) => out,
+            None => {
+                let running_before = s.running().to_vec();
+                let out = s.schedule();
+                check_output(&s, &out, &running_before)?;
+                out
+            }
+        };
+        check_invariants(&s, &[&out], &live)?;
         fake_forward(&s, &out, &mut kv)?;
+        if scenario.ahead {
+            ahead = s.schedule_ahead();
+            if let Some(next) = &ahead {
+                check_ahead(&s, &out, next)?;
+                check_invariants(&s, &[&out, next], &live)?;
+            }
+        }
 
         let sampled = sample(&s, &out, VOCAB);
         let finished = s.update_from_output(&sampled).map_err(|e| TestCaseError::fail(e.to_string()))?;
@@ -311,7 +361,7 @@ fn run(scenario: &Scenario) -> Result<(), TestCaseError> {
             prop_assert!(live.remove(&id));
             live_order.retain(|&r| r != id);
         }
-        check_invariants(&s, None, &live)?;
+        check_invariants(&s, ahead.as_slice().iter().collect::<Vec<_>>().as_slice(), &live)?;
         step += 1;
     }
     let pool = s.kv_cache_manager().block_pool();
@@ -334,6 +384,18 @@ proptest! {
     #[test]
     fn a_burst_of_requests_all_finish(config in config(), arrivals in prop::collection::vec(arrival(), 1..24)) {
         let steps = vec![arrivals.into_iter().map(Event::Arrive).collect()];
-        run(&Scenario { config, steps })?;
+        run(&Scenario { config, ahead: false, steps })?;
+    }
+
+    /// The same with every step that can be scheduled ahead of the one in flight scheduled so:
+    /// the outputs are those of each request alone, and no block leaks.
+    #[test]
+    fn steps_scheduled_ahead_keep_the_accounting_and_the_outputs(
+        scenario in scenario(40, 3),
+        arrivals in prop::collection::vec(arrival(), 0..12),
+    ) {
+        let mut scenario = Scenario { ahead: true, ..scenario };
+        scenario.steps.push(arrivals.into_iter().map(Event::Arrive).collect());
+        run(&scenario)?;
     }
 }

@@ -439,3 +439,68 @@ fn stats_snapshot() -> TestResult {
     assert_eq!(stats.prefix_cache, PrefixCacheStats { queries: 7, hits: 0 });
     Ok(())
 }
+
+/// Steps scheduled ahead of the one in flight: one more decode for each request that goes on,
+/// its next slot allocated (a new block at a boundary), the request that reaches `max_tokens`
+/// left out; a waiting request or a partial prefill stops it.
+#[test]
+fn a_step_scheduled_ahead_decodes_one_more_token_per_request() -> TestResult {
+    let mut s = Scheduler::new(config(100, 4, 64))?;
+    s.add_request(req(1, seq(0, 6), 10))?;
+    s.add_request(req(2, seq(100, 3), 2))?;
+    s.add_request(req(3, seq(200, 40), 10))?;
+    // Nothing is in flight yet, so nothing can go ahead.
+    assert_eq!(s.schedule_ahead(), None);
+    let first = s.schedule();
+    assert_eq!(summary(&first), vec![(1, 0, 6), (2, 0, 3), (3, 0, 40)]);
+    let ahead = s.schedule_ahead().ok_or("all three catch up: the next step goes ahead")?;
+    assert_eq!(summary(&ahead), vec![(1, 6, 1), (2, 3, 1), (3, 40, 1)]);
+    assert!(ahead.scheduled.iter().all(|r| r.token_ids == [UNKNOWN_TOKEN] && r.samples_next_token && !r.is_new));
+    // Position 40 is the first of request 3's eleventh block; position 6 and 3 lie in blocks held.
+    assert_eq!(ahead.get(RequestId(3)).ok_or("3")?.block_table.len(), 11);
+    assert_eq!(ahead.get(RequestId(1)).ok_or("1")?.block_table.len(), 2);
+    assert_eq!(s.schedule_ahead(), None, "one step ahead at most");
+
+    let sampled = sample(&s, &first, VOCAB);
+    assert!(s.update_from_output(&sampled)?.is_empty());
+    assert_eq!(s.request(RequestId(1)).ok_or("1")?.num_computed_tokens(), 6);
+    // Request 2 reaches max_tokens with the token of the step now in flight: it is left out.
+    let next = s.schedule_ahead().ok_or("the step after goes ahead")?;
+    assert_eq!(summary(&next), vec![(1, 7, 1), (3, 41, 1)]);
+    let sampled = sample(&s, &ahead, VOCAB);
+    let finished = s.update_from_output(&sampled)?;
+    assert_eq!(finished.iter().map(|r| r.request_id().0).collect::<Vec<_>>(), vec![2]);
+    assert!(s.kv_cache_manager().block_table(RequestId(2)).is_empty());
+
+    // A waiting request stops scheduling ahead: the next step admits it.
+    s.add_request(req(4, seq(300, 5), 10))?;
+    assert_eq!(s.schedule_ahead(), None);
+    let sampled = sample(&s, &next, VOCAB);
+    s.update_from_output(&sampled)?;
+    let out = s.schedule();
+    assert_eq!(summary(&out), vec![(1, 8, 1), (3, 42, 1), (4, 0, 5)]);
+    Ok(())
+}
+
+#[test]
+fn nothing_goes_ahead_of_a_partial_prefill_or_past_the_pool() -> TestResult {
+    let mut s = Scheduler::new(config(100, 4, 8))?;
+    s.add_request(req(1, seq(0, 12), 10))?;
+    let out = s.schedule();
+    assert_eq!(summary(&out), vec![(1, 0, 8)]);
+    assert_eq!(s.schedule_ahead(), None, "the prompt's last 4 tokens come next");
+
+    let mut s = Scheduler::new(config(4, 4, 16))?;
+    s.add_request(req(1, seq(0, 7), 1))?;
+    s.schedule();
+    assert_eq!(s.schedule_ahead(), None, "max_tokens 1: it ends with the token in flight");
+
+    // Four blocks, two 8-token prompts in two each: their next decodes need a block each.
+    let mut s = Scheduler::new(config(4, 4, 16))?;
+    s.add_request(req(1, seq(0, 8), 2))?;
+    s.add_request(req(2, seq(100, 8), 2))?;
+    assert_eq!(summary(&s.schedule()), vec![(1, 0, 8), (2, 0, 8)]);
+    assert_eq!(s.schedule_ahead(), None, "no free block: the next schedule() preempts");
+    assert_eq!(s.kv_cache_manager().block_pool().num_free_blocks(), 0);
+    Ok(())
+}

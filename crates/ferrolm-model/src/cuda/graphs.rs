@@ -77,6 +77,8 @@ impl GraphShape {
             max_blocks_per_seq: w,
             slot_mapping,
             logits_indices: (0..b as u32).collect(),
+            // The caller writes them into the padded step's first tokens.
+            previous_tokens: Vec::new(),
         }
     }
 }

@@ -220,3 +220,25 @@ fn each_token_has_at_most_one_adjustment() {
     s.record(1);
     assert!(s.plan(&[9]).adjusts.iter().all(|a| !a.mask));
 }
+
+/// A plan made ahead of the token in flight is the plan made once it is recorded: the same mask
+/// around `min_tokens` and the same uniform, drawn in stream order.
+#[test]
+fn a_plan_made_ahead_equals_the_plan_made_after_the_token() {
+    let params = SamplingParams { temperature: 0.7, min_tokens: 3, seed: Some(11), ..SamplingParams::default() };
+    let mut ahead = RequestSampler::new(&params, &[1, 2], 0).expect("valid");
+    let mut after = ahead.clone();
+    for step in 0..6u32 {
+        // `ahead` plans step `step + 1` before recording step `step`'s token; `after` plans in order.
+        let first = ahead.plan(&[9]);
+        assert_eq!(first, after.plan(&[9]), "step {step}");
+        let next = ahead.plan_ahead(&[9]);
+        ahead.record(step);
+        after.record(step);
+        assert_eq!(next, after.plan(&[9]), "step {} planned ahead", step + 1);
+        ahead.record(step + 100);
+        after.record(step + 100);
+    }
+    let penalized = SamplingParams { presence_penalty: 0.5, ..params };
+    assert!(!RequestSampler::new(&penalized, &[1], 0).expect("valid").plans_ahead());
+}

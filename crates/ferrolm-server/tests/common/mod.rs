@@ -94,7 +94,8 @@ pub fn load(dir: &Path, opts: &Options) -> (EngineHandle, Arc<Tokenizer>, Genera
         long_prefill_token_threshold: None,
         enable_prefix_caching: true,
     };
-    let config = EngineConfig { scheduler, max_pending_requests: opts.max_pending_requests, eos_token_ids };
+    let config =
+        EngineConfig { scheduler, max_pending_requests: opts.max_pending_requests, eos_token_ids, overlap_steps: true };
     let engine = EngineHandle::start(model, Arc::clone(&tokenizer), config).expect("engine");
     let defaults = match std::fs::read_to_string(dir.join("generation_config.json")) {
         Ok(text) => serde_json::from_str(&text).expect("generation defaults"),

@@ -85,6 +85,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
         bar.inc(1);
     }
     bar.finish_and_clear();
+    let stats = engine.stats();
     drop(engine);
     let after = bandwidth::measure(device, args.bandwidth_buffer_mb << 20, args.bandwidth_repetitions)?;
     let bw = before.best_of(after);
@@ -97,7 +98,9 @@ pub fn run(args: LatencyArgs) -> Result<()> {
 
     print_table(&model, &summaries, decode_rate, &bw, &limit);
     if let Some(path) = &args.json {
-        let results = results(&args, &model, &timings, &summaries, decode_rate, &bw, &limit);
+        let mut results = results(&args, &model, &timings, &summaries, decode_rate, &bw, &limit);
+        results.insert("num_steps".into(), stats.num_steps.into());
+        results.insert("num_steps_ahead".into(), stats.num_steps_ahead.into());
         report::write_json(path, &results)?;
     }
     Ok(())

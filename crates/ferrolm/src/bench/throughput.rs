@@ -126,6 +126,7 @@ fn summarize(
     r.insert("tokens_per_second".into(), ((input + output) as f64 / elapsed).into());
     LatencySummaries::from_timings(timings).insert_into(&mut r);
     r.insert("num_steps".into(), stats.num_steps.into());
+    r.insert("num_steps_ahead".into(), stats.num_steps_ahead.into());
     r.insert("num_preemptions".into(), stats.num_preemptions.into());
     r.insert("num_kv_blocks".into(), stats.num_blocks.into());
     r

@@ -588,3 +588,19 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
         sample_rows_impl<T>(logits, vocab, rows, adjusts, scratch, out); \
     }
 FOR_EACH_DTYPE(SAMPLE_ROWS)
+
+// The tokens of a step scheduled ahead, taken from the step before it: for each `(t, row)` pair,
+// `token_ids[t]` becomes the token sampled into `results[row]`. A row past `num_results` or a
+// token past the vocabulary (nothing could be picked) gives token 0; the host drops that row's
+// answer anyway. One thread per pair. Compiled once per dtype like the other kernels; T unused.
+#define SAMPLED_TOKENS(T, S) \
+    extern "C" __global__ void sampled_tokens_##S(const SampleOut* results, u32 num_results, const u32* pairs, \
+                                                  u32 num_pairs, u32 vocab, u32* token_ids) { \
+        pdl_enter(); \
+        const u32 i = blockIdx.x * blockDim.x + threadIdx.x; \
+        if (i >= num_pairs) return; \
+        const u32 t = pairs[2 * i], row = pairs[2 * i + 1]; \
+        const u32 token = row < num_results ? results[row].token : 0; \
+        token_ids[t] = token < vocab ? token : 0; \
+    }
+FOR_EACH_DTYPE(SAMPLED_TOKENS)
