@@ -70,11 +70,15 @@ import json, sys
 r = json.load(open(sys.argv[1])); label = sys.argv[2]
 if "decode_limit_tokens_per_s" in r:
     print(f"{label:<34} {r['output_throughput']:8.1f} tok/s decode; limit {r['decode_limit_tokens_per_s']:.0f} "
-          f"({100 * r['fraction_of_limit']:.1f}%) at {r['memory_bandwidth_gbps']:.0f} GB/s; TTFT p50 {r['median_ttft_ms']:.1f} ms")
+          f"({100 * r['fraction_of_limit']:.1f}%) at {r['memory_bandwidth_gbps']:.0f} GB/s; TTFT p50 {r['median_ttft_ms']:.1f} ms"
+          + (f"; {r['num_steps_ahead']}/{r['num_steps']} steps ahead, host gap {r['host_gap_seconds']:.2f} s"
+             if "num_steps_ahead" in r else ""))
 else:
     tpot = r.get("median_tpot_ms")
     print(f"{label:<34} {r['output_throughput']:8.1f} output tok/s; {r['request_throughput']:.2f} req/s"
-          + (f"; TPOT p50 {tpot:.1f} ms" if tpot is not None else ""))
+          + (f"; TPOT p50 {tpot:.1f} ms" if tpot is not None else "")
+          + (f"; {r['num_steps_ahead']}/{r['num_steps']} steps ahead, host gap {r['host_gap_seconds']:.2f} s"
+             if "num_steps_ahead" in r else ""))
 PY
 )")
     else
@@ -92,6 +96,12 @@ bench "llama-3.1-8b latency 128+256" l8b-latency.json latency --model-config ben
 FERROLM_PDL=0 bench "llama-3.2-1b latency, no PDL" l1b-latency-nopdl.json latency \
     --model-config bench-configs/llama-3.2-1b.json --input-len 128 --output-len 256 --num-iters 3
 FERROLM_PDL=0 bench "llama-3.1-8b latency, no PDL" l8b-latency-nopdl.json latency \
+    --model-config bench-configs/llama-3.1-8b.json --input-len 128 --output-len 256 --num-iters 3
+# The same with each step launched only once the one before is collected: what overlapping the
+# host's work on the next step with the GPU's on this one gains.
+FERROLM_OVERLAP_STEPS=0 bench "llama-3.2-1b latency, no overlap" l1b-latency-serial.json latency \
+    --model-config bench-configs/llama-3.2-1b.json --input-len 128 --output-len 256 --num-iters 3
+FERROLM_OVERLAP_STEPS=0 bench "llama-3.1-8b latency, no overlap" l8b-latency-serial.json latency \
     --model-config bench-configs/llama-3.1-8b.json --input-len 128 --output-len 256 --num-iters 3
 # The same without CUDA graphs: what replaying decode steps from graphs gains.
 FERROLM_CUDA_GRAPHS=0 bench "llama-3.1-8b latency, no graphs" l8b-latency-eager.json latency \

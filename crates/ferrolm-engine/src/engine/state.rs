@@ -43,6 +43,9 @@ pub struct EngineStats {
     pub num_steps: AtomicU64,
     /// Steps launched while the step before was still running (see `EngineConfig::overlap_steps`).
     pub num_steps_ahead: AtomicU64,
+    /// Microseconds from collecting a step (none launched ahead) to launching the next one while
+    /// requests were running: the host's time between steps, when the device has nothing to do.
+    pub host_gap_us: AtomicU64,
     pub num_blocks: AtomicU64,
 }
 
@@ -58,6 +61,7 @@ pub struct EngineStatsSnapshot {
     pub num_preemptions: u64,
     pub num_steps: u64,
     pub num_steps_ahead: u64,
+    pub host_gap_us: u64,
     pub num_blocks: u64,
 }
 
@@ -79,6 +83,7 @@ impl EngineStats {
             num_preemptions: get(&self.num_preemptions),
             num_steps: get(&self.num_steps),
             num_steps_ahead: get(&self.num_steps_ahead),
+            host_gap_us: get(&self.host_gap_us),
             num_blocks: get(&self.num_blocks),
         }
     }

@@ -5,6 +5,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, TryRecvError};
 use std::sync::Arc;
+use std::time::Instant;
 
 use ferrolm_model::{ModelInput, ModelRunner};
 use ferrolm_sampling::{RequestSampler, RowRequest, SamplePlan, StopChecker, TokenLogprobs};
@@ -51,6 +52,9 @@ pub(crate) struct Engine {
     overlap_steps: bool,
     /// The step launched ahead of the one being applied, collected by the next `step()`.
     ahead: Option<Launched>,
+    /// When the last step was collected with none launched ahead: the device idles from then
+    /// until the next launch (`EngineStats::host_gap_us`).
+    idle_since: Option<Instant>,
 }
 
 /// Prompt logprobs being gathered, filled as prompt chunks run (again after a preemption, with
@@ -103,6 +107,7 @@ impl Engine {
             pending,
             overlap_steps: config.overlap_steps,
             ahead: None,
+            idle_since: None,
         })
     }
 
@@ -111,6 +116,8 @@ impl Engine {
             // Block when idle (nothing left to run or to collect); otherwise take whatever
             // arrived since the last step.
             if !self.scheduler.has_unfinished_requests() && self.ahead.is_none() {
+                // Waiting for work is not the host's time between steps.
+                self.idle_since = None;
                 match self.rx.recv() {
                     Ok(cmd) => self.handle(cmd),
                     Err(_) => return,
@@ -349,7 +356,13 @@ impl Engine {
                 rows.push(plan.as_ref().map_or(UNUSED_ROW, RowRequest::Sample));
             }
         }
-        match self.runner.launch(&input, &rows) {
+        let launched = self.runner.launch(&input, &rows);
+        // A step launched with nothing in flight found the device idle since the last collect.
+        if let (None, Some(idle_since)) = (previous_rows, self.idle_since.take()) {
+            let gap = u64::try_from(idle_since.elapsed().as_micros()).unwrap_or(u64::MAX);
+            self.stats.host_gap_us.fetch_add(gap, Ordering::Relaxed);
+        }
+        match launched {
             Ok(()) => Some(Launched { out, all_rows, num_rows: rows.len() }),
             Err(err) => {
                 self.abort_step(&out, &err.to_string());
@@ -372,7 +385,11 @@ impl Engine {
     /// clients, prompt logprobs are recorded, finished requests retire.
     fn finish(&mut self, launched: Launched) {
         let Launched { out, all_rows, num_rows } = launched;
-        let collected = self.runner.collect().map_err(|e| e.to_string()).and_then(|results| {
+        let collected = self.runner.collect();
+        if self.ahead.is_none() {
+            self.idle_since = Some(Instant::now());
+        }
+        let collected = collected.map_err(|e| e.to_string()).and_then(|results| {
             if results.len() == num_rows {
                 Ok(results)
             } else {

@@ -101,6 +101,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
         let mut results = results(&args, &model, &timings, &summaries, decode_rate, &bw, &limit);
         results.insert("num_steps".into(), stats.num_steps.into());
         results.insert("num_steps_ahead".into(), stats.num_steps_ahead.into());
+        results.insert("host_gap_seconds".into(), (stats.host_gap_us as f64 / 1e6).into());
         report::write_json(path, &results)?;
     }
     Ok(())

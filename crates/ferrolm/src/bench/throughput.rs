@@ -127,6 +127,7 @@ fn summarize(
     LatencySummaries::from_timings(timings).insert_into(&mut r);
     r.insert("num_steps".into(), stats.num_steps.into());
     r.insert("num_steps_ahead".into(), stats.num_steps_ahead.into());
+    r.insert("host_gap_seconds".into(), (stats.host_gap_us as f64 / 1e6).into());
     r.insert("num_preemptions".into(), stats.num_preemptions.into());
     r.insert("num_kv_blocks".into(), stats.num_blocks.into());
     r
