@@ -18,7 +18,8 @@
 //! Invariants, between steps and after `schedule()`:
 //! - Every live request is in exactly one of `waiting` (status Waiting or Preempted, no blocks,
 //!   nothing computed) and `running` (status Running, holding blocks);
-//!   `running.len() <= max_num_seqs`.
+//!   `running.len() <= max_num_seqs`, but for requests that end with the step in flight while a
+//!   step is scheduled ahead.
 //! - The oldest running request progresses in every step: everyone newer can be preempted for
 //!   it, and `add_request` accepts only requests that fit the pool on their own. Hence every
 //!   request finishes.
@@ -29,9 +30,8 @@
 //! without an update drops the previous step: its tokens are scheduled anew.
 //!
 //! Scheduling ahead: while a step runs, `schedule_ahead()` may schedule the next one before the
-//! step's tokens are known, when that next step can only be every running request decoding one
-//! more token (see there). Its scheduled tokens are [`UNKNOWN_TOKEN`]: the runner takes them
-//! from the step before. The next `update_from_output()` applies the step in flight and makes
+//! step's tokens are known, taking them as computed (see there). Its decodes' tokens are
+//! [`UNKNOWN_TOKEN`]: the runner takes them from the step before. The next `update_from_output()` applies the step in flight and makes
 //! the one scheduled ahead the step in flight; `schedule()` is not called in between.
 
 mod output;
@@ -151,9 +151,9 @@ pub struct Scheduler {
     /// `(request, num_scheduled_tokens)` of the step in flight, applied by
     /// `update_from_output`.
     in_flight: Vec<(RequestId, usize)>,
-    /// The requests of the step scheduled ahead of the one in flight (one token each), which
+    /// `(request, num_scheduled_tokens)` of the step scheduled ahead of the one in flight, which
     /// becomes the step in flight at the next `update_from_output`.
-    ahead: Vec<RequestId>,
+    ahead: Vec<(RequestId, usize)>,
     next_arrival_index: u64,
     num_preemptions: u64,
 }
@@ -269,7 +269,7 @@ impl Scheduler {
         // NOTE: a step that had to preempt is short of blocks; admitting anyone now would only
         // set up the next preemption.
         if out.preempted.is_empty() {
-            self.admit_waiting(&mut budget, &mut out);
+            self.admit_waiting(&mut budget, &mut out, 0);
         }
 
         out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget;
@@ -277,60 +277,85 @@ impl Scheduler {
         out
     }
 
-    /// Schedules the step after the one in flight before that step's tokens are known, when the
-    /// next `schedule()` could only give every request one more decode: the step in flight
-    /// catches up every request in it (each samples), nobody waits, the budget holds them all,
-    /// and the pool has their next slots without preempting anyone. A request that surely ends
-    /// with the token in flight (it reaches `max_tokens` or `max_model_len`) is left out; one
-    /// that ends on a stop token is dropped when that token arrives, and the runner's answer
-    /// for it is ignored. `None`, with nothing changed, when the next step is not of this kind.
+    /// Schedules the step after the one in flight before that step's tokens are known: what the
+    /// next `schedule()` would give if nobody preempted, taking the tokens in flight as computed.
+    /// Each running request goes on from after its tokens in flight: a request the step in
+    /// flight catches up decodes the token it samples there (unknown yet), one in the middle of
+    /// its prompt runs its next chunk; then waiting requests are admitted as `schedule()` admits
+    /// them, into the seats of requests that surely end with the step in flight. Those (they
+    /// reach `max_tokens` or `max_model_len`) are left out; one that ends on a stop token is
+    /// dropped when that token arrives, and the runner's answer for it is ignored. `None`, with
+    /// nothing changed, when the running requests' next tokens need more blocks than are free
+    /// (the next `schedule()` preempts) or nothing would run.
     ///
-    /// Each scheduled token is [`UNKNOWN_TOKEN`] at position `num_computed_tokens`: the token
-    /// the step in flight samples for that request.
+    /// A decode scheduled ahead is one [`UNKNOWN_TOKEN`] at position `num_computed_tokens`: the
+    /// token the step in flight samples for that request.
     pub fn schedule_ahead(&mut self) -> Option<SchedulerOutput> {
-        if self.in_flight.is_empty() || !self.ahead.is_empty() || !self.waiting.is_empty() {
+        if self.in_flight.is_empty() || !self.ahead.is_empty() {
             return None;
         }
-        let mut next = Vec::with_capacity(self.in_flight.len());
+        let in_flight: HashMap<RequestId, usize> = self.in_flight.iter().copied().collect();
+        let mut budget = self.config.max_num_batched_tokens;
+        // (request, first position, tokens, whether its one token is the unknown one)
+        let mut plan = Vec::with_capacity(self.running.len());
         let mut num_new_blocks = 0;
-        for &(id, n) in &self.in_flight {
-            let req = self.requests.get(&id)?;
-            let position = req.num_computed_tokens() + n;
-            if position != req.num_tokens() {
-                return None; // a prefill chunk that leaves prompt tokens for later
+        let mut leaving = 0;
+        for &id in &self.running {
+            if budget == 0 {
+                break;
             }
-            let ends = req.num_output_tokens() + 1 >= req.max_tokens() || position + 1 >= self.config.max_model_len;
-            if !ends {
-                num_new_blocks += self.kv.num_blocks_to_cover(id, position + 1);
-                next.push((id, position));
-            }
+            let req = &self.requests[&id];
+            let start = req.num_computed_tokens() + in_flight.get(&id).copied().unwrap_or(0);
+            let (n, unknown) = if start == req.num_tokens() {
+                // Caught up by the step in flight: it decodes the token sampled there, if it goes on.
+                if req.num_output_tokens() + 1 >= req.max_tokens() || start + 1 >= self.config.max_model_len {
+                    leaving += 1;
+                    continue;
+                }
+                (1, true)
+            } else {
+                (self.num_new_tokens(req, start, budget), false)
+            };
+            num_new_blocks += self.kv.num_blocks_to_cover(id, start + n);
+            plan.push((id, start, n, unknown));
+            budget -= n;
         }
-        if next.is_empty()
-            || next.len() > self.config.max_num_batched_tokens
-            || num_new_blocks > self.kv.block_pool().num_free_blocks()
-        {
+        if num_new_blocks > self.kv.block_pool().num_free_blocks() {
             return None;
         }
         let mut out = SchedulerOutput::default();
-        for (id, position) in next {
-            let table = self.kv.allocate_ahead(id, position + 1).expect("the free blocks were counted").to_vec();
+        for (id, start, n, unknown) in plan {
+            let table = self.kv.allocate_ahead(id, start + n).expect("the free blocks were counted").to_vec();
+            let token_ids = if unknown {
+                vec![UNKNOWN_TOKEN]
+            } else {
+                self.requests[&id].all_token_ids()[start..start + n].to_vec()
+            };
+            let samples_next_token = unknown || start + n == self.requests[&id].num_tokens();
             out.scheduled.push(ScheduledRequest {
                 request_id: id,
-                num_computed_tokens: position,
-                num_scheduled_tokens: 1,
-                token_ids: vec![UNKNOWN_TOKEN],
+                num_computed_tokens: start,
+                num_scheduled_tokens: n,
+                token_ids,
                 block_table: table,
                 is_new: false,
-                samples_next_token: true,
+                samples_next_token,
             });
-            self.ahead.push(id);
         }
-        out.total_num_scheduled_tokens = out.scheduled.len();
+        self.admit_waiting(&mut budget, &mut out, leaving);
+        if out.scheduled.is_empty() {
+            return None;
+        }
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget;
+        self.ahead = out.scheduled.iter().map(|s| (s.request_id, s.num_scheduled_tokens)).collect();
         Some(out)
     }
 
-    fn admit_waiting(&mut self, budget: &mut usize, out: &mut SchedulerOutput) {
-        while *budget > 0 && self.running.len() < self.config.max_num_seqs {
+    /// Admits waiting requests in order while the budget, the seats and the blocks allow; `leaving`
+    /// running requests end with the step in flight (a step scheduled ahead), so their seats count
+    /// as free.
+    fn admit_waiting(&mut self, budget: &mut usize, out: &mut SchedulerOutput, leaving: usize) {
+        while *budget > 0 && self.running.len() < self.config.max_num_seqs + leaving {
             let Some(&id) = self.waiting.front() else {
                 break;
             };
@@ -394,7 +419,7 @@ impl Scheduler {
         }
 
         let mut finished = Vec::new();
-        let applied = std::mem::replace(&mut self.in_flight, self.ahead.drain(..).map(|id| (id, 1)).collect());
+        let applied = std::mem::replace(&mut self.in_flight, std::mem::take(&mut self.ahead));
         for (id, n) in applied {
             let Some(req) = self.requests.get_mut(&id) else {
                 continue;
@@ -426,7 +451,7 @@ impl Scheduler {
         }
         self.kv.free(request_id);
         self.in_flight.retain(|&(r, _)| r != request_id);
-        self.ahead.retain(|&r| r != request_id);
+        self.ahead.retain(|&(r, _)| r != request_id);
         req.status = RequestStatus::Finished(reason);
         Some(req)
     }

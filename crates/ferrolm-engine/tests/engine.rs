@@ -475,15 +475,25 @@ fn a_device_failure_aborts_the_step_and_the_engine_recovers() {
     assert_eq!(tokens(&out[0]), want[..5]);
 }
 
-/// What a client sees of one request: per sequence, each output's tokens, text, logprobs and
-/// finish reason.
-type Seen = Vec<Vec<(Vec<u32>, String, String, Option<FinishReason>)>>;
+/// What a client sees of one request: per sequence, each output's tokens, text, logprobs (to
+/// 1e-4: batches of other sizes round differently) and finish reason.
+type Seen = Vec<Vec<(Vec<u32>, String, Vec<(u32, i64, Vec<u32>)>, Option<FinishReason>)>>;
 
 fn seen(outputs: Vec<Vec<RequestOutput>>) -> Seen {
+    let round = |l: f32| (f64::from(l) * 1e4).round() as i64;
     outputs
         .into_iter()
         .map(|seq| {
-            seq.into_iter().map(|o| (o.token_ids, o.text, format!("{:?}", o.logprobs), o.finish_reason)).collect()
+            seq.into_iter()
+                .map(|o| {
+                    let logprobs = o
+                        .logprobs
+                        .iter()
+                        .map(|l| (l.token, round(l.logprob), l.top_logprobs.iter().map(|&(t, _)| t).collect()))
+                        .collect();
+                    (o.token_ids, o.text, logprobs, o.finish_reason)
+                })
+                .collect()
         })
         .collect()
 }

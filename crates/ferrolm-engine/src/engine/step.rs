@@ -262,17 +262,16 @@ impl Engine {
         self.finish(launched);
     }
 
-    /// Launches the step after `current` before its tokens are known, when every request in it
-    /// samples with a plan that needs none of them (no penalties) and the scheduler can schedule
-    /// ahead (see `Scheduler::schedule_ahead`).
+    /// Launches the step after `current` before its tokens are known, when every request that
+    /// samples in it plans its next token without them (no penalties), none wants prompt logprobs,
+    /// and the scheduler can schedule ahead (see `Scheduler::schedule_ahead`).
     fn launch_ahead(&mut self, current: &Launched) -> Option<Launched> {
         if current.all_rows.iter().any(|&all| all) {
             return None;
         }
-        let plans_ahead =
-            current.out.scheduled.iter().all(|s| {
-                self.sequences.get(&s.request_id).is_none_or(|q| s.samples_next_token && q.sampler.plans_ahead())
-            });
+        let plans_ahead = current.out.scheduled.iter().all(|s| {
+            self.sequences.get(&s.request_id).is_none_or(|q| !s.samples_next_token || q.sampler.plans_ahead())
+        });
         if !plans_ahead {
             return None;
         }
@@ -333,12 +332,15 @@ impl Engine {
         // What each logits row is for: the next prompt token's logprobs for prompt logprob rows,
         // and one plan per request that samples (its uniform drawn now).
         let eos_token_ids = &self.eos_token_ids;
-        let ahead = previous_rows.is_some();
+        // A request with a token in flight plans the step after it.
+        let in_flight = |id| previous_rows.is_some_and(|rows| rows.contains_key(id));
         let plans: Vec<Option<SamplePlan>> = out
             .scheduled
             .iter()
             .map(|s| match self.sequences.get_mut(&s.request_id) {
-                Some(seq) if s.samples_next_token && ahead => Some(seq.sampler.plan_ahead(eos_token_ids)),
+                Some(seq) if s.samples_next_token && in_flight(&s.request_id) => {
+                    Some(seq.sampler.plan_ahead(eos_token_ids))
+                }
                 Some(seq) if s.samples_next_token => Some(seq.sampler.plan(eos_token_ids)),
                 _ => None,
             })

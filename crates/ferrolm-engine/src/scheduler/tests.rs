@@ -472,28 +472,45 @@ fn a_step_scheduled_ahead_decodes_one_more_token_per_request() -> TestResult {
     assert_eq!(finished.iter().map(|r| r.request_id().0).collect::<Vec<_>>(), vec![2]);
     assert!(s.kv_cache_manager().block_table(RequestId(2)).is_empty());
 
-    // A waiting request stops scheduling ahead: the next step admits it.
+    // A waiting request is admitted ahead too, behind the decodes.
     s.add_request(req(4, seq(300, 5), 10))?;
-    assert_eq!(s.schedule_ahead(), None);
+    let admitting = s.schedule_ahead().ok_or("decodes and an admission go ahead")?;
+    assert_eq!(summary(&admitting), vec![(1, 8, 1), (3, 42, 1), (4, 0, 5)]);
+    let new = admitting.get(RequestId(4)).ok_or("4")?;
+    assert!(new.is_new && new.samples_next_token && new.token_ids == seq(300, 5));
     let sampled = sample(&s, &next, VOCAB);
     s.update_from_output(&sampled)?;
-    let out = s.schedule();
-    assert_eq!(summary(&out), vec![(1, 8, 1), (3, 42, 1), (4, 0, 5)]);
+    let sampled = sample(&s, &admitting, VOCAB);
+    s.update_from_output(&sampled)?;
+    assert_eq!(s.request(RequestId(4)).ok_or("4")?.num_computed_tokens(), 5);
     Ok(())
 }
 
 #[test]
-fn nothing_goes_ahead_of_a_partial_prefill_or_past_the_pool() -> TestResult {
+fn prompt_chunks_go_ahead_but_nothing_past_the_pool() -> TestResult {
     let mut s = Scheduler::new(config(100, 4, 8))?;
     s.add_request(req(1, seq(0, 12), 10))?;
     let out = s.schedule();
     assert_eq!(summary(&out), vec![(1, 0, 8)]);
-    assert_eq!(s.schedule_ahead(), None, "the prompt's last 4 tokens come next");
+    let ahead = s.schedule_ahead().ok_or("the prompt's last chunk goes ahead")?;
+    assert_eq!(summary(&ahead), vec![(1, 8, 4)]);
+    assert_eq!(ahead.scheduled[0].token_ids, seq(8, 4));
+    assert!(ahead.scheduled[0].samples_next_token);
 
     let mut s = Scheduler::new(config(4, 4, 16))?;
     s.add_request(req(1, seq(0, 7), 1))?;
+    s.add_request(req(2, seq(100, 7), 1))?;
     s.schedule();
-    assert_eq!(s.schedule_ahead(), None, "max_tokens 1: it ends with the token in flight");
+    assert_eq!(s.schedule_ahead(), None, "max_tokens 1: both end with the token in flight");
+    // A request ending with the step in flight leaves its seat to a waiting one ahead (its blocks
+    // are freed only by the update).
+    let mut s = Scheduler::new(SchedulerConfig { max_num_seqs: 1, ..config(4, 4, 16) })?;
+    s.add_request(req(1, seq(0, 7), 1))?;
+    s.add_request(req(2, seq(100, 3), 2))?;
+    assert_eq!(summary(&s.schedule()), vec![(1, 0, 7)]);
+    let ahead = s.schedule_ahead().ok_or("request 2 takes request 1's seat")?;
+    assert_eq!(summary(&ahead), vec![(2, 0, 3)]);
+    assert_eq!(s.num_running(), 2, "request 1 leaves with its update");
 
     // Four blocks, two 8-token prompts in two each: their next decodes need a block each.
     let mut s = Scheduler::new(config(4, 4, 16))?;
