@@ -68,36 +68,52 @@ __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n
     for (int h = 0; h < NW; h++) wr[h] = w + ((u64)h * n + j) * k;  // read only when j < n
     const u32 chunks = k / 8, stride = 32 * ksplit;
     u32 c = part * 32 + lane;
-    // The weights depend on no kernel: the lane's first U chunks are loaded before waiting for
-    // the kernel that writes x, so that they stream in while that kernel finishes.
+    // The weights depend on no kernel: the lane's first round of chunks is loaded before waiting
+    // for the kernel that writes x, so that it streams in while that kernel finishes. A round is
+    // U chunks, all loaded before the first is used. For one row the last round holds the
+    // chunks that are left (fewer than U, none past the row's end), so that a short row (k split
+    // over several warps leaves a lane about 4 chunks) still has all its loads in flight at once;
+    // with more rows the registers that takes spill, and the chunks left go one at a time.
+    constexpr bool GROUP_LAST = M == 1;
     Raw8<T> wraw[NW][U];
     bool full = j < n && c + stride * (U - 1) < chunks;
-    auto load_w = [&]() {
+    auto load_w = [&](bool last) {
 #pragma unroll
         for (int h = 0; h < NW; h++) {
 #pragma unroll
-            for (int u = 0; u < U; u++) load_raw(wr[h] + (u64)(c + stride * u) * 8, wraw[h][u]);
+            for (int u = 0; u < U; u++) {
+                if (!last || c + stride * u < chunks) load_raw(wr[h] + (u64)(c + stride * u) * 8, wraw[h][u]);
+            }
         }
     };
-    if (full) load_w();
+    auto use_w = [&](bool last) {
+#pragma unroll
+        for (int h = 0; h < NW; h++) {
+#pragma unroll
+            for (int u = 0; u < U; u++) {
+                if (!last || c + stride * u < chunks) gemv_chunk<T, M>(wraw[h][u], x, k, c + stride * u, acc[h]);
+            }
+        }
+    };
+    if (j < n && (full || GROUP_LAST)) load_w(!full);
     pdl_enter();
     if (j < n) {
         while (full) {
-#pragma unroll
-            for (int h = 0; h < NW; h++) {
-#pragma unroll
-                for (int u = 0; u < U; u++) gemv_chunk<T, M>(wraw[h][u], x, k, c + stride * u, acc[h]);
-            }
+            use_w(false);
             c += stride * U;
             full = c + stride * (U - 1) < chunks;
-            if (full) load_w();
+            if (full || GROUP_LAST) load_w(!full);
         }
-        for (; c < chunks; c += stride) {
+        if constexpr (GROUP_LAST) {
+            use_w(true);
+        } else {
+            for (; c < chunks; c += stride) {
 #pragma unroll
-            for (int h = 0; h < NW; h++) {
-                Raw8<T> tail;
-                load_raw(wr[h] + (u64)c * 8, tail);
-                gemv_chunk<T, M>(tail, x, k, c, acc[h]);
+                for (int h = 0; h < NW; h++) {
+                    Raw8<T> tail;
+                    load_raw(wr[h] + (u64)c * 8, tail);
+                    gemv_chunk<T, M>(tail, x, k, c, acc[h]);
+                }
             }
         }
     }
