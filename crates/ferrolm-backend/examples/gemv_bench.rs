@@ -49,47 +49,88 @@ fn main() {
             }
         }
     }
+    // The GEMV kernel at one row with each split of k over a column's warps (`linear` picks one
+    // by the shape: gemv_ksplit in src/cuda/linear.rs).
+    println!();
+    println!("{:<34} {:>10} {:>10} {:>10} {:>10}", "one row, us per call (n x k)", "ksplit 1", "2", "4", "8");
+    for (name, n, k) in shapes.into_iter().filter(|&(_, n, _)| n != 128256) {
+        match ksplit_times(&gpu, n, k) {
+            Ok(t) => println!(
+                "{:<34} {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
+                format!("{name} ({n} x {k})"),
+                t[0] * 1e6,
+                t[1] * 1e6,
+                t[2] * 1e6,
+                t[3] * 1e6
+            ),
+            Err(e) => eprintln!("{name} ksplit: {e}"),
+        }
+    }
+}
+
+/// Random bf16 weights of `len` elements.
+fn random_tensor(gpu: &Gpu, len: usize, seed: &mut u64) -> Result<GpuTensor, GpuError> {
+    let data: Vec<bf16> = (0..len)
+        .map(|_| {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            bf16::from_f32((*seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+        })
+        .collect();
+    GpuTensor::from_weights(gpu, WeightView::BF16(&data), DType::BF16)
+}
+
+/// The best mean time per call (seconds) of `call(i)` over 5 runs of `CALLS` back-to-back calls,
+/// after one warm-up pass over `copies`.
+fn best_mean(gpu: &Gpu, copies: usize, mut call: impl FnMut(usize) -> Result<(), GpuError>) -> Result<f64, GpuError> {
+    let ctx = gpu.stream().context();
+    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    for i in 0..copies {
+        call(i)?;
+    }
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        start.record(gpu.stream())?;
+        for i in 0..CALLS {
+            call(i)?;
+        }
+        end.record(gpu.stream())?;
+        end.synchronize()?;
+        best = best.min(start.elapsed_ms(&end)? as f64 / 1e3 / CALLS as f64);
+    }
+    Ok(best)
+}
+
+/// One row through the GEMV kernel with k split over 1, 2, 4 and 8 warps per column.
+fn ksplit_times(gpu: &Gpu, n: usize, k: usize) -> Result<[f64; 4], GpuError> {
+    let copies = WORKING_SET.div_ceil(n * k * 2).clamp(1, 16);
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let weights = (0..copies).map(|_| random_tensor(gpu, n * k, &mut seed)).collect::<Result<Vec<_>, _>>()?;
+    let x = random_tensor(gpu, k, &mut seed)?;
+    let mut y = GpuTensor::zeros(gpu, DType::BF16, n)?;
+    let mut times = [0.0; 4];
+    for (slot, ksplit) in [1, 2, 4, 8].into_iter().enumerate() {
+        times[slot] = best_mean(gpu, copies, |i| {
+            cuda::linear_gemv_ksplit(gpu, x.view(), 1, k, weights[i % copies].view(), n, ksplit, y.view_mut())
+        })?;
+    }
+    Ok(times)
 }
 
 fn run(gpu: &Gpu, name: &str, m: usize, n: usize, k: usize) -> Result<(), GpuError> {
     let bytes = n * k * 2;
     let copies = WORKING_SET.div_ceil(bytes).clamp(1, 16);
     let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-    let mut random = |len: usize| {
-        let data: Vec<bf16> = (0..len)
-            .map(|_| {
-                seed ^= seed << 13;
-                seed ^= seed >> 7;
-                seed ^= seed << 17;
-                bf16::from_f32((seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
-            })
-            .collect();
-        GpuTensor::from_weights(gpu, WeightView::BF16(&data), DType::BF16)
-    };
-    let weights = (0..copies).map(|_| random(n * k)).collect::<Result<Vec<_>, _>>()?;
-    let x = random(m * k)?;
+    let weights = (0..copies).map(|_| random_tensor(gpu, n * k, &mut seed)).collect::<Result<Vec<_>, _>>()?;
+    let x = random_tensor(gpu, m * k, &mut seed)?;
     let out_dtype = if n == 128256 { DType::F32 } else { DType::BF16 };
     let mut y = GpuTensor::zeros(gpu, out_dtype, m * n)?;
-    let ctx = gpu.stream().context();
-    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-    let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
     let mut times = [0.0f64; 2];
     for (slot, lin) in [cuda::linear, cuda::linear_cublas].into_iter().enumerate() {
-        let mut call = |i: usize| lin(gpu, x.view(), m, k, weights[i % copies].view(), n, None, y.view_mut());
-        for i in 0..copies {
-            call(i)?;
-        }
-        let mut best = f64::INFINITY;
-        for _ in 0..5 {
-            start.record(gpu.stream())?;
-            for i in 0..CALLS {
-                call(i)?;
-            }
-            end.record(gpu.stream())?;
-            end.synchronize()?;
-            best = best.min(start.elapsed_ms(&end)? as f64 / 1e3 / CALLS as f64);
-        }
-        times[slot] = best;
+        times[slot] =
+            best_mean(gpu, copies, |i| lin(gpu, x.view(), m, k, weights[i % copies].view(), n, None, y.view_mut()))?;
     }
     let gbs = |s: f64| bytes as f64 / s / 1e9;
     println!(

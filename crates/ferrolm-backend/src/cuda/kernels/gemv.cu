@@ -50,9 +50,15 @@ template <int ACT> __device__ __forceinline__ float gated(float g, float u) {
 // the dot products with the M rows of x, its ksplit parts met in shared memory. Returns whether
 // this thread holds a column's totals (`sums[h]` of row `lane`): lane < M of the column's first
 // warp, for j < n. Every thread of the block must call it (it synchronizes).
-template <typename T, int M, int NW>
+//
+// NORMED (one row): x is not read; the row is the input RMSNorm that the projection before
+// wrote the makings of (`gemv_add_norm`): x[i] = T(pre[i] * inv[0]), built in dynamic shared
+// memory (k elements of T) once the wait is over.
+template <typename T, int M, int NW, bool NORMED = false>
 __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n, u32 ksplit, u32 j,
-                                            float (&sums)[NW]) {
+                                            float (&sums)[NW], const float* pre = nullptr,
+                                            const float* inv = nullptr) {
+    static_assert(!NORMED || M == 1, "a normed input is one row");
     constexpr int U = GEMV_UNROLL(M * NW);
     __shared__ float part_s[GEMV_WARPS][M * NW];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -97,6 +103,20 @@ __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n
     };
     if (j < n && (full || GROUP_LAST)) load_w(!full);
     pdl_enter();
+    if constexpr (NORMED) {
+        extern __shared__ __align__(16) unsigned char gemv_x_s[];
+        T* xs = reinterpret_cast<T*>(gemv_x_s);
+        const float scale = inv[0];
+        for (u32 i = threadIdx.x * 4; i < k; i += blockDim.x * 4) {
+            const float4 p = *reinterpret_cast<const float4*>(pre + i);
+            xs[i] = from_float<T>(p.x * scale);
+            xs[i + 1] = from_float<T>(p.y * scale);
+            xs[i + 2] = from_float<T>(p.z * scale);
+            xs[i + 3] = from_float<T>(p.w * scale);
+        }
+        __syncthreads();
+        x = xs;
+    }
     if (j < n) {
         while (full) {
             use_w(false);
@@ -135,18 +155,67 @@ __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n
     return true;
 }
 
-template <typename T, typename O, int M, int ACT>
-__device__ __forceinline__ void gemv_impl(const T* x, const T* w, O* y, u32 k, u32 n, u32 ksplit) {
+template <typename T, typename O, int M, int ACT, bool NORMED = false>
+__device__ __forceinline__ void gemv_impl(const T* x, const T* w, O* y, u32 k, u32 n, u32 ksplit,
+                                          const float* pre = nullptr, const float* inv = nullptr) {
     constexpr int NW = ACT == 0 ? 1 : 2;  // rows of w per column
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 j = blockIdx.x * (GEMV_WARPS / ksplit) + warp / ksplit;
     float s[NW];
-    if (!gemv_column<T, M, NW>(x, w, k, n, ksplit, j, s)) return;
+    if (!gemv_column<T, M, NW, NORMED>(x, w, k, n, ksplit, j, s, pre, inv)) return;
     if constexpr (ACT == 0) {
         y[(u64)lane * n + j] = from_float<O>(s[0]);
     } else {
         const float g = to_float(from_float<T>(s[0])), u = to_float(from_float<T>(s[NW - 1]));
         y[(u64)lane * n + j] = from_float<O>(gated<ACT>(g, u));
+    }
+}
+
+// One row's projection y = x . w^T followed by the residual add and most of the RMSNorm that
+// the next projection takes as its input (its NORMED variant): residual[j] += y[j] (f32, as
+// add_rms_norm adds), pre[j] = residual[j] * norm_w[j], and inv[0] = 1 / sqrt(mean(residual^2) +
+// eps) over the n columns. The sum of squares goes through `partials` (one per block, summed in
+// the block's column order) and the last block to finish (counted in `counter`, left at 0 for the
+// next launch) adds them in block order: a fixed order, so the result does not depend on
+// scheduling. The normalised row is then T(pre[i] * inv) where add_rms_norm writes
+// T(residual[i] * inv * norm_w[i]): the same values up to the order of two f32 products.
+template <typename T>
+__device__ __forceinline__ void gemv_add_norm_impl(const T* x, const T* w, T* y, u32 k, u32 n, u32 ksplit,
+                                                   float* residual, const float* norm_w, float eps, float* pre,
+                                                   float* partials, u32* counter, float* inv) {
+    __shared__ float sq_s[GEMV_WARPS];
+    __shared__ bool last_s;
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 cpb = GEMV_WARPS / ksplit, col = warp / ksplit;
+    const u32 j = blockIdx.x * cpb + col;
+    float s[1];
+    float sq = 0.f;
+    if (gemv_column<T, 1, 1>(x, w, k, n, ksplit, j, s)) {
+        const T yj = from_float<T>(s[0]);
+        y[j] = yj;
+        const float r = residual[j] + to_float(yj);
+        residual[j] = r;
+        pre[j] = r * norm_w[j];
+        sq = r * r;
+    }
+    if (lane == 0 && warp % ksplit == 0) sq_s[col] = sq;  // the column's holder, or 0 past n
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float p = 0.f;
+        for (u32 c = 0; c < cpb; c++) p += sq_s[c];
+        partials[blockIdx.x] = p;
+        __threadfence();
+        last_s = atomicAdd(counter, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last_s || warp != 0) return;
+    __threadfence();
+    float t = 0.f;
+    for (u32 b = lane; b < gridDim.x; b += 32) t += __ldcg(partials + b);
+    t = warp_sum(t);
+    if (lane == 0) {
+        inv[0] = 1.f / sqrtf(t / (float)n + eps);
+        *counter = 0;
     }
 }
 
@@ -159,11 +228,12 @@ __device__ __forceinline__ void gemv_impl(const T* x, const T* w, O* y, u32 k, u
 // slot_mapping[r] (negative or past the cache: not written). The sums are rounded to T before the
 // rotation, as the qkv buffer of the unfused ops holds them, and rotated by rope_pair: the same
 // bits as linear followed by qkv_rope_cache. Grid: n / cpb blocks of GEMV_WARPS warps.
-template <typename T, int M>
+template <typename T, int M, bool NORMED = false>
 __device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, T* q_out, T* k_cache, T* v_cache,
                                                const u32* positions, const i64* slot_mapping, const float* inv_freq,
                                                u32 long_start, u32 k, u32 ksplit, u32 num_heads, u32 num_kv_heads,
-                                               u32 head_dim, float attention_scaling, i64 num_slots) {
+                                               u32 head_dim, float attention_scaling, i64 num_slots,
+                                               const float* pre = nullptr, const float* inv = nullptr) {
     __shared__ float vals_s[GEMV_WARPS][M];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 half = head_dim / 2, pairs = GEMV_WARPS / ksplit / 2;
@@ -172,7 +242,7 @@ __device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, T* q_out,
     const u32 n = (num_heads + 2 * num_kv_heads) * head_dim;
     const u32 j = head * head_dim + hi * half + i;
     float s[1];
-    if (gemv_column<T, M, 1>(x, w, k, n, ksplit, j, s)) vals_s[col][lane] = to_float(from_float<T>(s[0]));
+    if (gemv_column<T, M, 1, NORMED>(x, w, k, n, ksplit, j, s, pre, inv)) vals_s[col][lane] = to_float(from_float<T>(s[0]));
     __syncthreads();
     if (hi != 0 || warp % ksplit != 0 || lane >= M || j >= n) return;
     const u32 r = lane;
@@ -226,6 +296,31 @@ __device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, T* q_out,
         gemv_rope_impl<T, M>(x, w, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq, long_start, k, ksplit, \
                              num_heads, num_kv_heads, head_dim, attention_scaling, num_slots); \
     }
+// The one-row kernels around a fused RMSNorm: gemv_add_norm writes its makings, the _normed
+// kernels take their input from them (dynamic shared memory: k elements of T).
+#define GEMV_NORM(T, S) \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_add_norm_##S( \
+        const T* x, const T* w, T* y, u32 k, u32 n, u32 ksplit, float* residual, const float* norm_w, float eps, \
+        float* pre, float* partials, u32* counter, float* inv) { \
+        gemv_add_norm_impl<T>(x, w, y, k, n, ksplit, residual, norm_w, eps, pre, partials, counter, inv); \
+    } \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_silu_normed_##S( \
+        const float* pre, const float* inv, const T* w, T* y, u32 k, u32 n, u32 ksplit) { \
+        gemv_impl<T, T, 1, 1, true>(nullptr, w, y, k, n, ksplit, pre, inv); \
+    } \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_gelu_tanh_normed_##S( \
+        const float* pre, const float* inv, const T* w, T* y, u32 k, u32 n, u32 ksplit) { \
+        gemv_impl<T, T, 1, 2, true>(nullptr, w, y, k, n, ksplit, pre, inv); \
+    } \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_rope_cache_normed_##S( \
+        const float* pre, const float* inv, const T* w, T* q_out, T* k_cache, T* v_cache, const u32* positions, \
+        const i64* slot_mapping, const float* inv_freq, u32 long_start, u32 k, u32 ksplit, u32 num_heads, \
+        u32 num_kv_heads, u32 head_dim, float attention_scaling, i64 num_slots) { \
+        gemv_rope_impl<T, 1, true>(nullptr, w, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq, \
+                                   long_start, k, ksplit, num_heads, num_kv_heads, head_dim, attention_scaling, \
+                                   num_slots, pre, inv); \
+    }
+FOR_EACH_DTYPE(GEMV_NORM)
 #define GEMV_M1(T, S) GEMV(T, S, 1)
 #define GEMV_M2(T, S) GEMV(T, S, 2)
 #define GEMV_M3(T, S) GEMV(T, S, 3)
