@@ -515,11 +515,11 @@ fn qkv_rope_cache_equals_the_ops_it_fuses() -> Result<(), GpuError> {
 fn linear_qkv_rope_cache_equals_linear_then_qkv_rope_cache() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
     let mut rng = rng(22);
-    // (heads, kv_heads, head_dim, rotary_dim, k): 1, 2 and 4 rotary pairs per GEMV block (k
+    // (heads, kv_heads, head_dim, rotary_dim, k): 4, 2 and 1 rotary pairs per GEMV block (k
     // splits of 1, 2 and 4 warps), a head size that is no power of two, and a partial rotary
     // dimension (which takes the unfused path, as do 5 rows).
     let shapes =
-        [(32, 8, 128, 128, 512), (8, 2, 64, 64, 1024), (4, 1, 64, 64, 2048), (6, 2, 80, 80, 4096), (4, 2, 64, 32, 256)];
+        [(32, 8, 128, 128, 512), (8, 2, 64, 64, 1024), (4, 1, 64, 64, 8192), (6, 2, 80, 80, 4096), (4, 2, 64, 32, 256)];
     for (heads, kv_heads, dim, rotary, k) in shapes {
         let (q_size, kv_size) = (heads * dim, kv_heads * dim);
         let n = q_size + 2 * kv_size;
@@ -596,7 +596,7 @@ fn linear_qkv_rope_cache_equals_linear_then_qkv_rope_cache() -> Result<(), GpuEr
 /// `add_rms_norm`, then `linear_gated` or `linear_qkv_rope_cache`): the projection and the
 /// residual it updates bit for bit, what the next projection computes from the norm within the
 /// dtype's error (the fused norm multiplies by the weight and the inverse RMS in the other order
-/// and sums the squares in another). Producers of 8 to 512 blocks (the last block's sum over
+/// and sums the squares in another). Producers of 8 to 1024 blocks (the last block's sum over
 /// them), k split or not on both sides; two rounds per shape, so that the second must see the
 /// state the first left (the block counter back at 0) and its own inverse RMS.
 #[test]
@@ -604,12 +604,14 @@ fn norms_fused_into_projections_match_the_norm_kernel() -> Result<(), GpuError> 
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
     let mut rng = rng(31);
     let eps = 1e-5;
-    // (k of the producer, hidden, intermediate, heads, kv_heads, head_dim)
+    // (k of the producer, hidden, intermediate, heads, kv_heads, head_dim): producers of 8, 64,
+    // 256, 74 (k split over 2 warps) and 1024 blocks (over 8).
     let shapes = [
         (72, 64, 40, 2, 1, 16),
         (1000, 512, 300, 4, 2, 64),
         (2048, 2048, 1024, 16, 4, 128),
         (4104, 296, 2100, 2, 1, 144),
+        (16384, 1024, 512, 8, 2, 128),
     ];
     for (k, h, inter, heads, kv_heads, dim) in shapes {
         let (q_size, kv_size) = (heads * dim, kv_heads * dim);
@@ -1172,14 +1174,15 @@ fn linear_matches_cpu() -> Result<(), GpuError> {
     Ok(())
 }
 
-/// The GEMV kernel with k split over 2 to 8 warps per column (k of 2048 and more), with k not a
-/// multiple of the warps' stride (a tail), at every row count it takes, against the CPU.
+/// The GEMV kernel with k split over 1 to 8 warps per column (k of 2048, 4104, 8192 and 16384
+/// under 4096 columns), with k not a multiple of the warps' stride (a tail), at every row count
+/// it takes, against the CPU.
 #[test]
 fn linear_of_few_rows_splits_long_rows_across_warps() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
     let mut rng = rng(15);
     for m in 1..=cuda::GEMV_MAX_M {
-        for &k in &[2048, 4104, 14336] {
+        for &k in &[2048, 4104, 8192, 16384] {
             for &n in &[1, 37, 300] {
                 let x = random_vec(&mut rng, m * k, 1.0);
                 let w = random_vec(&mut rng, n * k, 0.5);

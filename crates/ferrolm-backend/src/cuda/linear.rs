@@ -121,20 +121,28 @@ pub(super) fn gemv_fits(x: GpuView<'_>, m: usize, k: usize, w: GpuView<'_>) -> b
         && w.ptr().is_multiple_of(16)
 }
 
-/// Columns from which the GEMV kernel takes one warp per column. On the H200 splitting k helped
-/// every projection of fewer columns (Llama-3.2-1B's qkv, o_proj and down: 7.1 -> 6.6, 6.5 -> 5.8
-/// and 16.6 -> 12.9 us) and slowed every one of 4096 or more (8B o_proj 12.4 -> 12.9, gate_up
-/// 58.2 -> 64.1 us): with that many columns one warp each already keeps enough loads in flight.
+/// Columns from which the GEMV kernel takes one warp per column: with that many columns one
+/// warp each keeps enough loads in flight (on the H200 splitting k made 8B o_proj 12.4 -> 12.9
+/// and gate_up 58.2 -> 64.1 us).
 const GEMV_KSPLIT_BELOW_COLUMNS: usize = 4096;
 
-/// Warps per output column of the GEMV kernel (a power of two up to `GEMV_WARPS`): about 128
-/// 8-element chunks of k per warp (4 loads per lane) for matrices of fewer than
-/// `GEMV_KSPLIT_BELOW_COLUMNS` columns, one otherwise.
+/// Weight chunks (8 elements) a lane of a one-row GEMV loads together: `GEMV_UNROLL` in
+/// kernels/gemv.cu.
+const GEMV_ROUND: usize = 8;
+
+/// Warps per output column of the GEMV kernel (a power of two up to `GEMV_WARPS`): for matrices
+/// of fewer than `GEMV_KSPLIT_BELOW_COLUMNS` columns, as many as leave each lane at least one
+/// full round of chunks, which the kernel loads before its wait on the kernel before it; one
+/// otherwise. On the H200 (examples/gemv_bench.rs, one row) the 1B's qkv went 6.7 -> 4.5 us at
+/// one warp (8 chunks a lane) instead of two (4 chunks, loaded one at a time after the wait),
+/// o_proj 4.3 -> 3.5, and down 12.8 at 8 warps -> 11.2 at 4.
 pub(super) fn gemv_ksplit(n: usize, k: usize) -> usize {
     if n >= GEMV_KSPLIT_BELOW_COLUMNS {
         return 1;
     }
-    (k / 8 / 128).clamp(1, GEMV_WARPS).next_power_of_two().min(GEMV_WARPS)
+    let split = (k / 8 / (32 * GEMV_ROUND)).clamp(1, GEMV_WARPS);
+    // The largest power of two not above it.
+    1 << split.ilog2()
 }
 
 /// [`linear`] through the GEMV kernel with `ksplit` warps per column (a power of two up to 8)

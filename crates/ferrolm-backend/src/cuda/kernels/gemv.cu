@@ -74,34 +74,19 @@ __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n
     for (int h = 0; h < NW; h++) wr[h] = w + ((u64)h * n + j) * k;  // read only when j < n
     const u32 chunks = k / 8, stride = 32 * ksplit;
     u32 c = part * 32 + lane;
-    // The weights depend on no kernel: the lane's first round of chunks is loaded before waiting
-    // for the kernel that writes x, so that it streams in while that kernel finishes. A round is
-    // U chunks, all loaded before the first is used. For one row the last round holds the
-    // chunks that are left (fewer than U, none past the row's end), so that a short row (k split
-    // over several warps leaves a lane about 4 chunks) still has all its loads in flight at once;
-    // with more rows the registers that takes spill, and the chunks left go one at a time.
-    constexpr bool GROUP_LAST = M == 1;
+    // The weights depend on no kernel: the lane's first U chunks are loaded before waiting for
+    // the kernel that writes x, so that they stream in while that kernel finishes (`gemv_ksplit`
+    // gives one-row lanes at least U chunks where it can).
     Raw8<T> wraw[NW][U];
     bool full = j < n && c + stride * (U - 1) < chunks;
-    auto load_w = [&](bool last) {
+    auto load_w = [&]() {
 #pragma unroll
         for (int h = 0; h < NW; h++) {
 #pragma unroll
-            for (int u = 0; u < U; u++) {
-                if (!last || c + stride * u < chunks) load_raw(wr[h] + (u64)(c + stride * u) * 8, wraw[h][u]);
-            }
+            for (int u = 0; u < U; u++) load_raw(wr[h] + (u64)(c + stride * u) * 8, wraw[h][u]);
         }
     };
-    auto use_w = [&](bool last) {
-#pragma unroll
-        for (int h = 0; h < NW; h++) {
-#pragma unroll
-            for (int u = 0; u < U; u++) {
-                if (!last || c + stride * u < chunks) gemv_chunk<T, M>(wraw[h][u], x, k, c + stride * u, acc[h]);
-            }
-        }
-    };
-    if (j < n && (full || GROUP_LAST)) load_w(!full);
+    if (full) load_w();
     pdl_enter();
     if constexpr (NORMED) {
         extern __shared__ __align__(16) unsigned char gemv_x_s[];
@@ -119,21 +104,21 @@ __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n
     }
     if (j < n) {
         while (full) {
-            use_w(false);
+#pragma unroll
+            for (int h = 0; h < NW; h++) {
+#pragma unroll
+                for (int u = 0; u < U; u++) gemv_chunk<T, M>(wraw[h][u], x, k, c + stride * u, acc[h]);
+            }
             c += stride * U;
             full = c + stride * (U - 1) < chunks;
-            if (full || GROUP_LAST) load_w(!full);
+            if (full) load_w();
         }
-        if constexpr (GROUP_LAST) {
-            use_w(true);
-        } else {
-            for (; c < chunks; c += stride) {
+        for (; c < chunks; c += stride) {
 #pragma unroll
-                for (int h = 0; h < NW; h++) {
-                    Raw8<T> tail;
-                    load_raw(wr[h] + (u64)c * 8, tail);
-                    gemv_chunk<T, M>(tail, x, k, c, acc[h]);
-                }
+            for (int h = 0; h < NW; h++) {
+                Raw8<T> tail;
+                load_raw(wr[h] + (u64)c * 8, tail);
+                gemv_chunk<T, M>(tail, x, k, c, acc[h]);
             }
         }
     }
@@ -183,7 +168,7 @@ template <typename T>
 __device__ __forceinline__ void gemv_add_norm_impl(const T* x, const T* w, T* y, u32 k, u32 n, u32 ksplit,
                                                    float* residual, const float* norm_w, float eps, float* pre,
                                                    float* partials, u32* counter, float* inv) {
-    __shared__ float sq_s[GEMV_WARPS];
+    __shared__ float sq_s[32];  // the columns' squares, then block_sum's scratch
     __shared__ bool last_s;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 cpb = GEMV_WARPS / ksplit, col = warp / ksplit;
@@ -208,12 +193,13 @@ __device__ __forceinline__ void gemv_add_norm_impl(const T* x, const T* w, T* y,
         last_s = atomicAdd(counter, 1u) == gridDim.x - 1;
     }
     __syncthreads();
-    if (!last_s || warp != 0) return;
+    if (!last_s) return;
+    // The whole last block sums the partials (a few loads per thread, all in flight at once).
     __threadfence();
     float t = 0.f;
-    for (u32 b = lane; b < gridDim.x; b += 32) t += __ldcg(partials + b);
-    t = warp_sum(t);
-    if (lane == 0) {
+    for (u32 b = threadIdx.x; b < gridDim.x; b += blockDim.x) t += __ldcg(partials + b);
+    t = block_sum(t, sq_s);
+    if (threadIdx.x == 0) {
         inv[0] = 1.f / sqrtf(t / (float)n + eps);
         *counter = 0;
     }
