@@ -103,12 +103,6 @@ FERROLM_OVERLAP_STEPS=0 bench "llama-3.2-1b latency, no overlap" l1b-latency-ser
     --model-config bench-configs/llama-3.2-1b.json --input-len 128 --output-len 256 --num-iters 3
 FERROLM_OVERLAP_STEPS=0 bench "llama-3.1-8b latency, no overlap" l8b-latency-serial.json latency \
     --model-config bench-configs/llama-3.1-8b.json --input-len 128 --output-len 256 --num-iters 3
-# The same with every norm a kernel of its own: what passing the norms through the projections
-# around them at one decode row gains.
-FERROLM_FUSED_NORMS=0 bench "llama-3.2-1b latency, no fused norms" l1b-latency-unfused.json latency \
-    --model-config bench-configs/llama-3.2-1b.json --input-len 128 --output-len 256 --num-iters 3
-FERROLM_FUSED_NORMS=0 bench "llama-3.1-8b latency, no fused norms" l8b-latency-unfused.json latency \
-    --model-config bench-configs/llama-3.1-8b.json --input-len 128 --output-len 256 --num-iters 3
 # The same without CUDA graphs: what replaying decode steps from graphs gains.
 FERROLM_CUDA_GRAPHS=0 bench "llama-3.1-8b latency, no graphs" l8b-latency-eager.json latency \
     --model-config bench-configs/llama-3.1-8b.json --input-len 128 --output-len 256 --num-iters 3

@@ -36,17 +36,11 @@ pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 pub use error::GpuError;
 pub use flash_attention::AttentionWork;
 pub use gpu::{Gpu, GpuGraph};
-pub use linear::{
-    linear, linear_add_rms_norm, linear_cublas, linear_gated, linear_gated_normed, linear_gemv_ksplit, FusedRmsNorm,
-    GatedActivation, GEMV_MAX_M,
-};
+pub use linear::{linear, linear_cublas, linear_gated, linear_gemv_ksplit, GatedActivation, GEMV_MAX_M};
 pub use ops::{
     add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, split_qkv,
 };
-pub use rope::{
-    linear_qkv_rope_cache, linear_qkv_rope_cache_normed, linear_qkv_rope_cache_takes_norm, qkv_rope_cache, rope,
-    GpuRopeTable,
-};
+pub use rope::{linear_qkv_rope_cache, qkv_rope_cache, rope, GpuRopeTable};
 pub use sampling::GpuSampler;
 pub use staging::{StagedBuffer, StagedPart};
 pub use tensor::{GpuTensor, GpuView, GpuViewMut};

@@ -87,27 +87,6 @@ struct GpuModel {
     /// `[vocab, hidden]`; `None` when tied to `embed_tokens`.
     lm_head: Option<GpuTensor>,
     rope: GpuRopeTable,
-    /// Whether single decode rows pass each layer's norms through the projections around them
-    /// ([`gpu_ops::FusedRmsNorm`]): every layer's qkv, gate_up, o_proj and down take the GEMV
-    /// kernels that do so (see [`GpuModel::norms_fuse`]), unless `FERROLM_FUSED_NORMS=0`.
-    fused_norms: bool,
-}
-
-impl GpuModel {
-    /// Whether every layer's norms can pass through its projections at one decode row: no q/k
-    /// norms, no biases, the fused qkv kernel takes the projection, and the rows fit.
-    fn norms_fuse(&self, cfg: &ModelConfig, dtype: DType) -> bool {
-        let (h, heads, kv_heads, hd) =
-            (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-        gpu_ops::FusedRmsNorm::fits(dtype, h)
-            && gpu_ops::linear_qkv_rope_cache_takes_norm(&self.rope, dtype, h, heads, kv_heads, hd)
-            && cfg.q_size().is_multiple_of(8)
-            && cfg.intermediate_size.is_multiple_of(8)
-            && self.layers.iter().all(|l| {
-                l.qk_norm.is_none()
-                    && [&l.qkv_proj, &l.o_proj, &l.gate_up_proj, &l.down_proj].iter().all(|p| p.bias.is_none())
-            })
-    }
 }
 
 /// The model on one GPU, with its KV cache.
@@ -203,14 +182,11 @@ impl CudaRunner {
             .sum();
         let weight_bytes =
             layer_bytes + embed_tokens.size_in_bytes() + lm_head.as_ref().map_or(0, GpuTensor::size_in_bytes);
-        let mut model = GpuModel { embed_tokens, layers, norm, lm_head, rope, fused_norms: false };
-        model.fused_norms =
-            model.norms_fuse(cfg, dtype) && std::env::var("FERROLM_FUSED_NORMS").map_or(true, |v| v != "0");
         Ok(CudaRunner {
             gpu,
             config: cfg.clone(),
             dtype,
-            model,
+            model: GpuModel { embed_tokens, layers, norm, lm_head, rope },
             kv: Vec::new(),
             block_size: 0,
             weight_bytes,
@@ -245,14 +221,6 @@ impl CudaRunner {
     pub fn set_cuda_graphs(&mut self, enabled: bool) {
         self.graphs.clear();
         self.graphs.disabled = !enabled;
-    }
-
-    /// Turns the norms fused into the projections around them at one decode row on or off (on
-    /// where the model allows it, unless the environment sets `FERROLM_FUSED_NORMS=0`); off, every
-    /// norm runs as a kernel of its own.
-    pub fn set_fused_norms(&mut self, enabled: bool) {
-        self.graphs.clear();
-        self.model.fused_norms = enabled && self.model.norms_fuse(&self.config, self.dtype);
     }
 
     /// Runs the decoder over `input`; the f32 logits of its `logits_indices` rows are then the
@@ -382,23 +350,67 @@ fn decoder(
         cfg.embedding_multiplier,
         a.residual.rows_mut(0..t, h),
     )?;
-    // At one decode row the norms pass through the projections around them: o_proj and down
-    // add their output into the residual and leave the next norm's makings in `a.fused_norm`,
-    // from which gate_up and the next layer's qkv build their input (the last layer's down and
-    // the final norm stay as they are).
-    let fuse = model.fused_norms && t == 1;
-    let act = match cfg.activation {
-        Activation::Silu => GatedActivation::Silu,
-        Activation::GeluTanh => GatedActivation::GeluTanh,
-    };
     for (i, (layer, (k_cache, v_cache))) in model.layers.iter().zip(kv.iter_mut()).enumerate() {
-        let qkv = &layer.qkv_proj;
-        if fuse && i > 0 {
-            let norm = a.fused_norm.as_ref().expect("fused norms have their buffers");
-            gpu_ops::linear_qkv_rope_cache_normed(
+        if i == 0 {
+            gpu_ops::rms_norm(
                 g,
-                norm,
+                a.residual.rows(0..t, h),
+                layer.input_layernorm.view(),
+                eps,
+                a.normed.rows_mut(0..t, h),
+            )?;
+        } else {
+            gpu_ops::add_rms_norm(
+                g,
+                a.residual.rows_mut(0..t, h),
+                a.pending.rows(0..t, h),
+                layer.input_layernorm.view(),
+                eps,
+                a.normed.rows_mut(0..t, h),
+            )?;
+        }
+        let qkv = &layer.qkv_proj;
+        if layer.qk_norm.is_none() && qkv.bias.is_none() {
+            // Projection, rotation and cache write in one kernel where the GEMV takes the product.
+            gpu_ops::linear_qkv_rope_cache(
+                g,
+                a.normed.rows(0..t, h),
+                h,
                 qkv.weight.view(),
+                &b.positions(),
+                &b.slot_mapping(),
+                heads,
+                kv_heads,
+                hd,
+                &model.rope,
+                a.qkv.rows_mut(0..t, qkv_width),
+                a.q.rows_mut(0..t, q_size),
+                k_cache.view_mut(),
+                v_cache.view_mut(),
+            )?;
+        } else if let Some((qn, kn)) = &layer.qk_norm {
+            qkv.forward(g, &a.normed, t, &mut a.qkv)?;
+            // q/k norms sit between the split and the rotation: the unfused path.
+            let (q, k, v) = (a.q.rows_mut(0..t, q_size), a.k.rows_mut(0..t, kv_size), a.v.rows_mut(0..t, kv_size));
+            gpu_ops::split_qkv(g, a.qkv.rows(0..t, qkv_width), q_size, kv_size, q, k, v)?;
+            gpu_ops::rms_norm_inplace(g, a.q.rows_mut(0..t, q_size), qn.view(), eps)?;
+            gpu_ops::rms_norm_inplace(g, a.k.rows_mut(0..t, kv_size), kn.view(), eps)?;
+            gpu_ops::rope(g, a.q.rows_mut(0..t, q_size), &b.positions(), heads, hd, &model.rope)?;
+            gpu_ops::rope(g, a.k.rows_mut(0..t, kv_size), &b.positions(), kv_heads, hd, &model.rope)?;
+            gpu_ops::reshape_and_cache(
+                g,
+                a.k.rows(0..t, kv_size),
+                a.v.rows(0..t, kv_size),
+                &b.slot_mapping(),
+                kv_size,
+                k_cache.view_mut(),
+                v_cache.view_mut(),
+            )?;
+        } else {
+            qkv.forward(g, &a.normed, t, &mut a.qkv)?;
+            gpu_ops::qkv_rope_cache(
+                g,
+                a.qkv.rows(0..t, qkv_width),
                 &b.positions(),
                 &b.slot_mapping(),
                 heads,
@@ -409,77 +421,6 @@ fn decoder(
                 k_cache.view_mut(),
                 v_cache.view_mut(),
             )?;
-        } else {
-            if i == 0 {
-                gpu_ops::rms_norm(
-                    g,
-                    a.residual.rows(0..t, h),
-                    layer.input_layernorm.view(),
-                    eps,
-                    a.normed.rows_mut(0..t, h),
-                )?;
-            } else {
-                gpu_ops::add_rms_norm(
-                    g,
-                    a.residual.rows_mut(0..t, h),
-                    a.pending.rows(0..t, h),
-                    layer.input_layernorm.view(),
-                    eps,
-                    a.normed.rows_mut(0..t, h),
-                )?;
-            }
-            if layer.qk_norm.is_none() && qkv.bias.is_none() {
-                // Projection, rotation and cache write in one kernel where the GEMV takes the product.
-                gpu_ops::linear_qkv_rope_cache(
-                    g,
-                    a.normed.rows(0..t, h),
-                    h,
-                    qkv.weight.view(),
-                    &b.positions(),
-                    &b.slot_mapping(),
-                    heads,
-                    kv_heads,
-                    hd,
-                    &model.rope,
-                    a.qkv.rows_mut(0..t, qkv_width),
-                    a.q.rows_mut(0..t, q_size),
-                    k_cache.view_mut(),
-                    v_cache.view_mut(),
-                )?;
-            } else if let Some((qn, kn)) = &layer.qk_norm {
-                qkv.forward(g, &a.normed, t, &mut a.qkv)?;
-                // q/k norms sit between the split and the rotation: the unfused path.
-                let (q, k, v) = (a.q.rows_mut(0..t, q_size), a.k.rows_mut(0..t, kv_size), a.v.rows_mut(0..t, kv_size));
-                gpu_ops::split_qkv(g, a.qkv.rows(0..t, qkv_width), q_size, kv_size, q, k, v)?;
-                gpu_ops::rms_norm_inplace(g, a.q.rows_mut(0..t, q_size), qn.view(), eps)?;
-                gpu_ops::rms_norm_inplace(g, a.k.rows_mut(0..t, kv_size), kn.view(), eps)?;
-                gpu_ops::rope(g, a.q.rows_mut(0..t, q_size), &b.positions(), heads, hd, &model.rope)?;
-                gpu_ops::rope(g, a.k.rows_mut(0..t, kv_size), &b.positions(), kv_heads, hd, &model.rope)?;
-                gpu_ops::reshape_and_cache(
-                    g,
-                    a.k.rows(0..t, kv_size),
-                    a.v.rows(0..t, kv_size),
-                    &b.slot_mapping(),
-                    kv_size,
-                    k_cache.view_mut(),
-                    v_cache.view_mut(),
-                )?;
-            } else {
-                qkv.forward(g, &a.normed, t, &mut a.qkv)?;
-                gpu_ops::qkv_rope_cache(
-                    g,
-                    a.qkv.rows(0..t, qkv_width),
-                    &b.positions(),
-                    &b.slot_mapping(),
-                    heads,
-                    kv_heads,
-                    hd,
-                    &model.rope,
-                    a.q.rows_mut(0..t, q_size),
-                    k_cache.view_mut(),
-                    v_cache.view_mut(),
-                )?;
-            }
         }
         gpu_ops::paged_attention(
             g,
@@ -492,63 +433,34 @@ fn decoder(
             hd,
             a.attn.rows_mut(0..t, q_size),
         )?;
+        layer.o_proj.forward(g, &a.attn, t, &mut a.o)?;
+        gpu_ops::add_rms_norm(
+            g,
+            a.residual.rows_mut(0..t, h),
+            a.o.rows(0..t, h),
+            layer.post_attention_layernorm.view(),
+            eps,
+            a.normed.rows_mut(0..t, h),
+        )?;
+        let act = match cfg.activation {
+            Activation::Silu => GatedActivation::Silu,
+            Activation::GeluTanh => GatedActivation::GeluTanh,
+        };
         let up = &layer.gate_up_proj;
-        if fuse {
-            let norm = a.fused_norm.as_mut().expect("fused norms have their buffers");
-            gpu_ops::linear_add_rms_norm(
-                g,
-                a.attn.rows(0..t, q_size),
-                q_size,
-                layer.o_proj.weight.view(),
-                h,
-                a.o.rows_mut(0..t, h),
-                a.residual.rows_mut(0..t, h),
-                layer.post_attention_layernorm.view(),
-                eps,
-                norm,
-            )?;
-            gpu_ops::linear_gated_normed(g, norm, up.weight.view(), inter, act, a.act.rows_mut(0..t, inter))?;
-        } else {
-            layer.o_proj.forward(g, &a.attn, t, &mut a.o)?;
-            gpu_ops::add_rms_norm(
-                g,
-                a.residual.rows_mut(0..t, h),
-                a.o.rows(0..t, h),
-                layer.post_attention_layernorm.view(),
-                eps,
-                a.normed.rows_mut(0..t, h),
-            )?;
-            gpu_ops::linear_gated(
-                g,
-                a.normed.rows(0..t, h),
-                t,
-                up.in_features,
-                up.weight.view(),
-                inter,
-                up.bias.as_ref().map(GpuTensor::view),
-                act,
-                a.gate_up.rows_mut(0..t, 2 * inter),
-                a.act.rows_mut(0..t, inter),
-            )?;
-        }
-        match model.layers.get(i + 1) {
-            Some(next) if fuse => gpu_ops::linear_add_rms_norm(
-                g,
-                a.act.rows(0..t, inter),
-                inter,
-                layer.down_proj.weight.view(),
-                h,
-                a.pending.rows_mut(0..t, h),
-                a.residual.rows_mut(0..t, h),
-                next.input_layernorm.view(),
-                eps,
-                a.fused_norm.as_mut().expect("fused norms have their buffers"),
-            )?,
-            _ => layer.down_proj.forward(g, &a.act, t, &mut a.pending)?,
-        }
+        gpu_ops::linear_gated(
+            g,
+            a.normed.rows(0..t, h),
+            t,
+            up.in_features,
+            up.weight.view(),
+            inter,
+            up.bias.as_ref().map(GpuTensor::view),
+            act,
+            a.gate_up.rows_mut(0..t, 2 * inter),
+            a.act.rows_mut(0..t, inter),
+        )?;
+        layer.down_proj.forward(g, &a.act, t, &mut a.pending)?;
     }
-    // With fused norms every layer but the last has added its MLP output into the residual; the
-    // last layer's is in `pending`, added below as without them.
 
     // Only the rows whose logits are wanted go through the final norm and the LM head.
     let (last_residual, last_out) = if step.identity_rows {

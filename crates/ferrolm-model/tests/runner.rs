@@ -345,23 +345,6 @@ fn sixty_four_requests_together_equal_each_alone() {
 #[cfg(feature = "cuda")]
 #[test]
 fn cuda_graph_decode_steps_equal_eager_steps() {
-    decode_runs_agree("eager vs graph", |runner, graphs| runner.set_cuda_graphs(graphs));
-}
-
-/// Decode steps of one row with the norms passed through the projections around them compute
-/// what the steps with a norm kernel between them compute, within the dtype's rule (the fused
-/// norm orders two products and the sum of squares differently), graphs on in both runs.
-#[cfg(feature = "cuda")]
-#[test]
-fn decode_steps_with_fused_norms_equal_steps_with_norm_kernels() {
-    decode_runs_agree("norm kernels vs fused norms", |runner, fused| runner.set_fused_norms(fused));
-}
-
-/// Decodes the demo model's batches of 1, 3 and 17 rows twice, with `configure(runner, false)`
-/// then `configure(runner, true)`, the second run fed the first run's greedy tokens, and asserts
-/// that the two agree within the dtype's rule.
-#[cfg(feature = "cuda")]
-fn decode_runs_agree(what: &str, configure: impl Fn(&mut ferrolm_model::cuda::CudaRunner, bool)) {
     use ferrolm_backend::cuda::Gpu;
     use ferrolm_backend::DType;
     use ferrolm_model::cuda::CudaRunner;
@@ -370,14 +353,14 @@ fn decode_runs_agree(what: &str, configure: impl Fn(&mut ferrolm_model::cuda::Cu
         // Per run, per row: the greedy token and the top logprobs.
         let mut runs: Vec<Vec<(u32, Vec<f64>)>> = Vec::new();
         let mut fed: Vec<u32> = Vec::new();
-        for second in [false, true] {
+        for graphs in [false, true] {
             let gpu = match Gpu::new(0) {
                 Ok(gpu) => gpu,
                 Err(err) if err.means_no_gpu() => return eprintln!("skipping: no GPU ({err})"),
                 Err(err) => panic!("the GPU is there but could not be opened: {err}"),
             };
             let mut runner = CudaRunner::new(&load_model(&dir), gpu, dtype).expect("upload");
-            configure(&mut runner, second);
+            runner.set_cuda_graphs(graphs);
             let mut rows = Vec::new();
             let mut next_fed = 0;
             for n in [1usize, 3, 17] {
@@ -399,7 +382,7 @@ fn decode_runs_agree(what: &str, configure: impl Fn(&mut ferrolm_model::cuda::Cu
                     let mut input = ModelInput::default();
                     for (i, p) in prompts.iter().enumerate() {
                         let lp: Vec<f64> = logits[i].top_logprobs.iter().map(|&(_, l)| f64::from(l)).collect();
-                        let token = if second {
+                        let token = if graphs {
                             next_fed += 1;
                             fed[next_fed - 1]
                         } else {
@@ -416,12 +399,12 @@ fn decode_runs_agree(what: &str, configure: impl Fn(&mut ferrolm_model::cuda::Cu
         }
         assert_eq!(runs[0].len(), runs[1].len());
         let (mut max_err, mut sum_err, mut count) = (0.0f64, 0.0f64, 0usize);
-        for (i, ((first_best, first), (second_best, second))) in runs[0].iter().zip(&runs[1]).enumerate() {
-            if matches!(rule, Rule::Close(_)) || first[0] - first[1] > BF16_MARGIN {
-                assert_eq!(second_best, first_best, "{dtype:?}: row {i}: greedy token, {what}");
+        for (i, ((eager_best, eager), (graph_best, graph))) in runs[0].iter().zip(&runs[1]).enumerate() {
+            if matches!(rule, Rule::Close(_)) || eager[0] - eager[1] > BF16_MARGIN {
+                assert_eq!(graph_best, eager_best, "{dtype:?}: row {i}: greedy token eager vs graph");
             }
             // Highest first on both sides, so near ties that swap places still line up.
-            for (g, e) in second.iter().zip(first) {
+            for (g, e) in graph.iter().zip(eager) {
                 let err = (g - e).abs();
                 max_err = max_err.max(err);
                 sum_err += err;
@@ -429,10 +412,13 @@ fn decode_runs_agree(what: &str, configure: impl Fn(&mut ferrolm_model::cuda::Cu
             }
         }
         let mean = sum_err / count as f64;
-        eprintln!("{dtype:?}: {} decode rows, {what} max abs error {max_err:.2e}, mean {mean:.2e}", runs[0].len());
+        eprintln!(
+            "{dtype:?}: {} decode rows, eager vs graph max abs error {max_err:.2e}, mean {mean:.2e}",
+            runs[0].len()
+        );
         match rule {
-            Rule::Close(tol) => assert!(max_err < tol, "{dtype:?}: {what} error {max_err}"),
-            Rule::Bf16 => assert!(mean <= BF16_MEAN_ERR, "{dtype:?}: {what} mean error {mean}"),
+            Rule::Close(tol) => assert!(max_err < tol, "{dtype:?}: eager vs graph error {max_err}"),
+            Rule::Bf16 => assert!(mean <= BF16_MEAN_ERR, "{dtype:?}: eager vs graph mean error {mean}"),
         }
     }
 }

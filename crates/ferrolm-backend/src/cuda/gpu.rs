@@ -65,10 +65,6 @@ const KERNELS: &[&str] = &[
     "gemv_rope_cache_m2",
     "gemv_rope_cache_m3",
     "gemv_rope_cache_m4",
-    "gemv_add_norm",
-    "gemv_silu_normed",
-    "gemv_gelu_tanh_normed",
-    "gemv_rope_cache_normed",
 ];
 
 /// Kernels that may need more than the default 48 KiB of dynamic shared memory.

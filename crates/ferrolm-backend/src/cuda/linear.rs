@@ -9,7 +9,7 @@ use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation
 use cudarc::driver::{result as driver, LaunchConfig};
 
 use super::gpu::{rows_config, to_u32};
-use super::{Gpu, GpuError, GpuTensor, GpuView, GpuViewMut};
+use super::{Gpu, GpuError, GpuView, GpuViewMut};
 use crate::DType;
 
 /// Most rows of `x` the GEMV kernel takes (it is instantiated for 1 to 4); more go to cuBLAS.
@@ -122,25 +122,26 @@ pub(super) fn gemv_fits(x: GpuView<'_>, m: usize, k: usize, w: GpuView<'_>) -> b
 }
 
 /// Columns from which the GEMV kernel takes one warp per column: with that many columns one
-/// warp each keeps enough loads in flight (on the H200 splitting k made 8B o_proj 12.4 -> 12.9
-/// and gate_up 58.2 -> 64.1 us).
+/// warp each keeps enough loads in flight (on the H200 splitting k made 8B o_proj 9.7 -> 10.9
+/// and down 29.3 -> 30.6 us, examples/gemv_bench.rs).
 const GEMV_KSPLIT_BELOW_COLUMNS: usize = 4096;
 
-/// Weight chunks (8 elements) a lane of a one-row GEMV loads together: `GEMV_UNROLL` in
-/// kernels/gemv.cu.
+/// Weight chunks (8 elements) a lane of a one-row GEMV loads together before it uses them:
+/// `GEMV_UNROLL` in kernels/gemv.cu.
 const GEMV_ROUND: usize = 8;
 
 /// Warps per output column of the GEMV kernel (a power of two up to `GEMV_WARPS`): for matrices
-/// of fewer than `GEMV_KSPLIT_BELOW_COLUMNS` columns, as many as leave each lane at least one
-/// full round of chunks, which the kernel loads before its wait on the kernel before it; one
-/// otherwise. On the H200 (examples/gemv_bench.rs, one row) the 1B's qkv went 6.7 -> 4.5 us at
-/// one warp (8 chunks a lane) instead of two (4 chunks, loaded one at a time after the wait),
-/// o_proj 4.3 -> 3.5, and down 12.8 at 8 warps -> 11.2 at 4.
+/// of fewer than `GEMV_KSPLIT_BELOW_COLUMNS` columns, as many as leave each lane two full rounds
+/// of chunks where k is long enough (at least one otherwise), one warp for wider matrices. A
+/// lane whose chunks make no full round loads them one at a time after its wait on the kernel
+/// before it, instead of all together and before the wait. On the H200 (gemv_bench, one row)
+/// the 1B's qkv took 6.7 us at 2 warps (4 chunks a lane) and 4.5 at one (8 chunks), o_proj 4.3
+/// and 3.5, and down (k = 8192) 12.8 at 8 warps, 10.9 at 4 and 9.9 at 2 (16 chunks a lane).
 pub(super) fn gemv_ksplit(n: usize, k: usize) -> usize {
     if n >= GEMV_KSPLIT_BELOW_COLUMNS {
         return 1;
     }
-    let split = (k / 8 / (32 * GEMV_ROUND)).clamp(1, GEMV_WARPS);
+    let split = (k / 8 / (32 * 2 * GEMV_ROUND)).clamp(1, GEMV_WARPS);
     // The largest power of two not above it.
     1 << split.ilog2()
 }
@@ -165,7 +166,7 @@ pub fn linear_gemv_ksplit(
     assert_eq!(y.dtype(), x.dtype(), "linear_gemv_ksplit: y must be {:?}", x.dtype());
     assert_eq!((x.len(), w.len(), y.len()), (m * k, n * k, m * n), "linear_gemv_ksplit: not [m, k] x [n, k]");
     let kernel = ["gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4"][m - 1];
-    launch_gemv(gpu, kernel, GemvInput::Rows(x), k, w, n, ksplit, y.ptr())
+    launch_gemv(gpu, kernel, x, k, w, n, ksplit, y.ptr())
 }
 
 /// `out[m, n] = x[m, k] · w[n, k]^T` through the GEMV kernel (`gemv_fits` holds).
@@ -192,29 +193,7 @@ fn gemv(
         (4, true) => "gemv_m4_to_f32",
         _ => unreachable!("gemv_fits admits 1..={GEMV_MAX_M} rows"),
     };
-    launch_gemv(gpu, kernel, GemvInput::Rows(x), k, w, n, gemv_ksplit(n, k), out_ptr)
-}
-
-/// Where a GEMV kernel finds its input: rows of x, or the one row of a [`FusedRmsNorm`] (the
-/// `_normed` kernels).
-#[derive(Clone, Copy)]
-pub(super) enum GemvInput<'a> {
-    Rows(GpuView<'a>),
-    Normed(&'a FusedRmsNorm),
-}
-
-impl GemvInput<'_> {
-    /// The kernel's first arguments (x, or pre and inv) and its dynamic shared memory.
-    pub(super) fn args(&self) -> (u64, Option<u64>, u32) {
-        match self {
-            GemvInput::Rows(x) => (x.ptr(), None, 0),
-            GemvInput::Normed(norm) => (
-                norm.pre.view().ptr(),
-                Some(norm.inv.view().ptr()),
-                to_u32("linear", "normed row bytes", norm.row_bytes()),
-            ),
-        }
-    }
+    launch_gemv(gpu, kernel, x, k, w, n, gemv_ksplit(n, k), out_ptr)
 }
 
 /// Launches GEMV kernel `kernel` for `n` output columns with `ksplit` warps per column.
@@ -222,168 +201,28 @@ impl GemvInput<'_> {
 fn launch_gemv(
     gpu: &Gpu,
     kernel: &'static str,
-    input: GemvInput<'_>,
+    x: GpuView<'_>,
     k: usize,
     w: GpuView<'_>,
     n: usize,
     ksplit: usize,
     out_ptr: u64,
 ) -> Result<(), GpuError> {
-    let w_ptr = w.ptr();
+    let (x_ptr, w_ptr) = (x.ptr(), w.ptr());
     let (k_u32, n_u32) = (to_u32("linear", "k", k), to_u32("linear", "n", n));
     let ksplit_u32 = ksplit as u32;
-    let (input_ptr, inv_ptr, shared_mem_bytes) = input.args();
-    let mut launch = gpu.launch_builder(kernel, w.dtype());
-    launch.arg(&input_ptr);
-    if let Some(inv_ptr) = &inv_ptr {
-        launch.arg(inv_ptr);
-    }
-    launch.arg(&w_ptr).arg(&out_ptr).arg(&k_u32).arg(&n_u32).arg(&ksplit_u32);
     let cfg = LaunchConfig {
         grid_dim: (to_u32("linear", "GEMV blocks", n.div_ceil(GEMV_WARPS / ksplit)), 1, 1),
         block_dim: (GEMV_WARPS as u32 * 32, 1, 1),
-        shared_mem_bytes,
-    };
-    // SAFETY: the arguments match the kernel's parameters; its input holds the kernel's m rows
-    // of k (or is a FusedRmsNorm of k, with k elements of shared memory), w n rows of k (a
-    // gated kernel's 2 n), out m rows of n in the kernel's output type, and the kernel's
-    // alignment needs hold (`gemv_fits`, `fused_rms_norm_fits`).
-    unsafe { launch.launch(cfg) }?;
-    Ok(())
-}
-
-/// Most bytes of the normalised row a `_normed` GEMV kernel builds in shared memory (under the
-/// 48 KiB a kernel gets without opting in, with room for its static arrays).
-const NORMED_ROW_MAX_BYTES: usize = 40 << 10;
-
-/// One row's input RMSNorm, computed by the projection before it instead of by a kernel of its
-/// own: [`linear_add_rms_norm`] adds that projection's output into the residual stream and leaves
-/// here `residual * norm_weight` and the inverse RMS, from which the next projection
-/// ([`linear_gated_normed`], [`linear_qkv_rope_cache_normed`](super::linear_qkv_rope_cache_normed))
-/// builds the normalised row itself, in each of its blocks. Saves the norm's launch and the wait
-/// on it, at one decode row. The values are those of [`super::add_rms_norm`] but for the order
-/// of two f32 products and of the sum of squares.
-pub struct FusedRmsNorm {
-    hidden: usize,
-    /// The dtype of the projections on either side.
-    dtype: DType,
-    /// f32 `[hidden]`: `residual * norm_weight`.
-    pre: GpuTensor,
-    /// f32 `[hidden]`: the producing kernel's sums of squares, one per block (it has at most
-    /// `hidden` blocks).
-    partials: GpuTensor,
-    /// f32 `[1]`: `1 / sqrt(mean(residual^2) + eps)`.
-    inv: GpuTensor,
-    /// u32 `[1]` (stored as 4 zero bytes): the producing kernel's finished blocks, 0 between
-    /// launches.
-    counter: GpuTensor,
-}
-
-impl FusedRmsNorm {
-    /// Buffers for rows of `hidden` between projections of `dtype`.
-    pub fn new(gpu: &Gpu, hidden: usize, dtype: DType) -> Result<FusedRmsNorm, GpuError> {
-        Ok(FusedRmsNorm {
-            hidden,
-            dtype,
-            pre: GpuTensor::uninit(gpu, DType::F32, hidden)?,
-            partials: GpuTensor::uninit(gpu, DType::F32, hidden)?,
-            inv: GpuTensor::uninit(gpu, DType::F32, 1)?,
-            counter: GpuTensor::zeros(gpu, DType::F32, 1)?,
-        })
-    }
-
-    /// Whether projections of `dtype` with rows of `hidden` can pass their norm through one:
-    /// rows of whole 16-byte chunks that fit the consumer's shared memory.
-    pub fn fits(dtype: DType, hidden: usize) -> bool {
-        hidden > 0 && hidden.is_multiple_of(8) && hidden * dtype.size_in_bytes() <= NORMED_ROW_MAX_BYTES
-    }
-
-    fn row_bytes(&self) -> usize {
-        self.hidden * self.dtype.size_in_bytes()
-    }
-
-    /// The length of its rows.
-    pub fn hidden(&self) -> usize {
-        self.hidden
-    }
-
-    pub(super) fn check_consumer(&self, op: &str, k: usize, w: GpuView<'_>) {
-        assert_eq!(k, self.hidden, "{op}: rows of {k} from a norm of {}", self.hidden);
-        assert_eq!(w.dtype(), self.dtype, "{op}: w is {:?}, the norm's projections {:?}", w.dtype(), self.dtype);
-        assert!(w.ptr().is_multiple_of(16), "{op}: w is not 16-byte aligned");
-    }
-}
-
-/// One row: `y[n] = x[k] · w[n, k]^T` through the GEMV kernel, then `residual += y` (f32, as
-/// [`super::add_rms_norm`] adds) and the makings of `rms_norm(residual, norm_weight, eps)` in
-/// `norm` for the projection after it. `y` is written as [`linear`] writes it.
-#[allow(clippy::too_many_arguments)]
-pub fn linear_add_rms_norm(
-    gpu: &Gpu,
-    x: GpuView<'_>,
-    k: usize,
-    w: GpuView<'_>,
-    n: usize,
-    y: GpuViewMut<'_>,
-    residual: GpuViewMut<'_>,
-    norm_weight: GpuView<'_>,
-    eps: f32,
-    norm: &mut FusedRmsNorm,
-) -> Result<(), GpuError> {
-    let op = "linear_add_rms_norm";
-    assert_eq!(x.len(), k, "{op}: x is not one row of {k}");
-    assert_eq!(w.len(), n * k, "{op}: w is not [{n}, {k}]");
-    assert_eq!(y.len(), n, "{op}: y is not one row of {n}");
-    assert_eq!(residual.len(), n, "{op}: residual is not one row of {n}");
-    assert_eq!(norm_weight.len(), n, "{op}: norm weight is not [{n}]");
-    assert_eq!(n, norm.hidden, "{op}: {n} columns into a norm of {}", norm.hidden);
-    assert_eq!(residual.dtype(), DType::F32, "{op}: the residual must be f32");
-    assert_eq!(norm_weight.dtype(), DType::F32, "{op}: the norm weight must be f32");
-    for dtype in [w.dtype(), y.dtype(), norm.dtype] {
-        assert_eq!(x.dtype(), dtype, "{op}: x is {:?} but w, y and the norm must match it", x.dtype());
-    }
-    assert!(gemv_fits(x, 1, k, w), "{op}: the GEMV kernel does not take k = {k} (or x, w are unaligned)");
-    let ksplit = gemv_ksplit(n, k);
-    let (x_ptr, w_ptr, y_ptr, res_ptr, nw_ptr) = (x.ptr(), w.ptr(), y.ptr(), residual.ptr(), norm_weight.ptr());
-    let (pre_ptr, part_ptr, count_ptr, inv_ptr) =
-        (norm.pre.view().ptr(), norm.partials.view().ptr(), norm.counter.view().ptr(), norm.inv.view().ptr());
-    let (k_u32, n_u32, ksplit_u32) = (to_u32(op, "k", k), to_u32(op, "n", n), ksplit as u32);
-    let cfg = LaunchConfig {
-        grid_dim: (to_u32(op, "GEMV blocks", n.div_ceil(GEMV_WARPS / ksplit)), 1, 1),
-        block_dim: (GEMV_WARPS as u32 * 32, 1, 1),
         shared_mem_bytes: 0,
     };
-    let mut launch = gpu.launch_builder("gemv_add_norm", x.dtype());
-    launch.arg(&x_ptr).arg(&w_ptr).arg(&y_ptr).arg(&k_u32).arg(&n_u32).arg(&ksplit_u32);
-    launch.arg(&res_ptr).arg(&nw_ptr).arg(&eps).arg(&pre_ptr).arg(&part_ptr).arg(&count_ptr).arg(&inv_ptr);
-    // SAFETY: the arguments match the kernel's parameters; x holds k, w n rows of k (aligned
-    // whole chunks: `gemv_fits`), y, residual, norm weight and pre n elements, partials one per
-    // block (at most n), and the counter is 0 (set at allocation, reset by each launch's last
-    // block).
+    let mut launch = gpu.launch_builder(kernel, x.dtype());
+    launch.arg(&x_ptr).arg(&w_ptr).arg(&out_ptr).arg(&k_u32).arg(&n_u32).arg(&ksplit_u32);
+    // SAFETY: the arguments match the kernel's parameters; x holds the kernel's m rows of k, w
+    // n rows of k (a gated kernel's 2 n), out m rows of n in the kernel's output type, and the
+    // kernel's alignment needs hold (`gemv_fits`).
     unsafe { launch.launch(cfg) }?;
     Ok(())
-}
-
-/// [`linear_gated`] of the one row that `norm` holds the makings of (see [`FusedRmsNorm`]):
-/// `out[inter] = act(x · w_gate^T) * (x · w_up^T)` for `x = rms_norm(residual)`, no bias.
-pub fn linear_gated_normed(
-    gpu: &Gpu,
-    norm: &FusedRmsNorm,
-    w: GpuView<'_>,
-    inter: usize,
-    act: GatedActivation,
-    out: GpuViewMut<'_>,
-) -> Result<(), GpuError> {
-    let k = norm.hidden;
-    norm.check_consumer("linear_gated_normed", k, w);
-    assert_eq!(w.len(), 2 * inter * k, "linear_gated_normed: w is not [2 * {inter}, {k}]");
-    assert_eq!(out.len(), inter, "linear_gated_normed: out is not one row of {inter}");
-    assert_eq!(out.dtype(), w.dtype(), "linear_gated_normed: out is {:?} but w is {:?}", out.dtype(), w.dtype());
-    let kernel = match act {
-        GatedActivation::Silu => "gemv_silu_normed",
-        GatedActivation::GeluTanh => "gemv_gelu_tanh_normed",
-    };
-    launch_gemv(gpu, kernel, GemvInput::Normed(norm), k, w, inter, gemv_ksplit(2 * inter, k), out.ptr())
 }
 
 /// The activation of a gated MLP: `act(gate) * up`.
@@ -430,7 +269,7 @@ pub fn linear_gated(
             _ => unreachable!("gemv_fits admits 1..={GEMV_MAX_M} rows"),
         };
         // The split of the unfused product over 2 * inter rows, so that each sum is the same.
-        return launch_gemv(gpu, kernel, GemvInput::Rows(x), k, w, inter, gemv_ksplit(2 * inter, k), out.ptr());
+        return launch_gemv(gpu, kernel, x, k, w, inter, gemv_ksplit(2 * inter, k), out.ptr());
     }
     assert!(inter > 0, "linear_gated: inter is 0");
     let rows = gate_up.len() / (2 * inter);

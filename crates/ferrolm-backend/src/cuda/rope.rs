@@ -3,10 +3,8 @@
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 use super::gpu::{rows_config, to_u32};
-use super::linear::GemvInput;
 use super::ops::same_dtype;
-use super::{FusedRmsNorm, Gpu, GpuError, GpuView, GpuViewMut};
-use crate::DType;
+use super::{Gpu, GpuError, GpuView, GpuViewMut};
 
 /// The inverse frequencies of one model, on the device: `[2, half]`, the table for short
 /// positions then the one for positions from `long_start` on (LongRoPE; without it both rows
@@ -184,11 +182,22 @@ pub fn linear_qkv_rope_cache(
     let m = positions.len();
     let (q_size, kv_size) = (num_heads * head_dim, num_kv_heads * head_dim);
     let n = q_size + 2 * kv_size;
-    // The rest of the shapes and dtypes are checked by the path taken.
     assert_eq!(x.len(), m * k, "{op}: x is not [{m}, {k}]");
     assert_eq!(w.len(), n * k, "{op}: w is not [{n}, {k}]");
-    same_dtype(op, x.dtype(), w.dtype());
-    let fused = m > 0 && super::linear::gemv_fits(x, m, k, w) && gemv_rope_takes(table, n, k, head_dim);
+    assert_eq!(slot_mapping.len(), m, "{op}: {} slots for {m} positions", slot_mapping.len());
+    assert_eq!(q_out.len(), m * q_size, "{op}: q_out is not [{m}, {q_size}]");
+    assert!(kv_size > 0 && k_cache.len().is_multiple_of(kv_size), "{op}: cache is not whole slots of {kv_size}");
+    assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
+    for dtype in [w.dtype(), q_out.dtype(), k_cache.dtype(), v_cache.dtype()] {
+        same_dtype(op, x.dtype(), dtype);
+    }
+    let ksplit = super::linear::gemv_ksplit(n, k);
+    let pairs = super::linear::GEMV_WARPS / ksplit / 2;
+    let fused = m > 0
+        && super::linear::gemv_fits(x, m, k, w)
+        && table.rotary_dim() == head_dim
+        && pairs >= 1
+        && table.half.is_multiple_of(pairs);
     if !fused {
         let rows = qkv.len() / n.max(1);
         assert!(rows >= m, "{op}: qkv holds {rows} rows of {n}, not {m}");
@@ -215,120 +224,7 @@ pub fn linear_qkv_rope_cache(
         4 => "gemv_rope_cache_m4",
         _ => unreachable!("gemv_fits admits 1..={} rows", super::GEMV_MAX_M),
     };
-    let heads = (num_heads, num_kv_heads, head_dim);
-    launch_gemv_rope(
-        gpu,
-        kernel,
-        GemvInput::Rows(x),
-        k,
-        w,
-        positions,
-        slot_mapping,
-        heads,
-        table,
-        q_out,
-        k_cache,
-        v_cache,
-    )
-}
-
-/// Whether the GEMV kernel with RoPE in its epilogue takes a qkv projection of `n` columns and
-/// rows of `k`: every dim of a head rotates, and a block's rotary pairs lie in one head.
-fn gemv_rope_takes(table: &GpuRopeTable, n: usize, k: usize, head_dim: usize) -> bool {
-    let pairs = super::linear::GEMV_WARPS / super::linear::gemv_ksplit(n, k) / 2;
-    table.rotary_dim() == head_dim && pairs >= 1 && table.half.is_multiple_of(pairs)
-}
-
-/// Whether [`linear_qkv_rope_cache_normed`] takes this model's qkv projection (rows of
-/// `hidden`, `dtype`): the fused kernel applies and the norm fits ([`FusedRmsNorm::fits`]).
-pub fn linear_qkv_rope_cache_takes_norm(
-    table: &GpuRopeTable,
-    dtype: DType,
-    hidden: usize,
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-) -> bool {
-    let n = (num_heads + 2 * num_kv_heads) * head_dim;
-    FusedRmsNorm::fits(dtype, hidden) && gemv_rope_takes(table, n, hidden, head_dim)
-}
-
-/// [`linear_qkv_rope_cache`] of the one decode row that `norm` holds the makings of (see
-/// [`FusedRmsNorm`]): `x = rms_norm(residual)` built by the kernel itself. Needs
-/// [`linear_qkv_rope_cache_takes_norm`].
-#[allow(clippy::too_many_arguments)]
-pub fn linear_qkv_rope_cache_normed(
-    gpu: &Gpu,
-    norm: &FusedRmsNorm,
-    w: GpuView<'_>,
-    positions: &impl DevicePtr<u32>,
-    slot_mapping: &impl DevicePtr<i64>,
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-    table: &GpuRopeTable,
-    q_out: GpuViewMut<'_>,
-    k_cache: GpuViewMut<'_>,
-    v_cache: GpuViewMut<'_>,
-) -> Result<(), GpuError> {
-    let op = "linear_qkv_rope_cache_normed";
-    let k = norm.hidden();
-    norm.check_consumer(op, k, w);
-    assert!(
-        linear_qkv_rope_cache_takes_norm(table, w.dtype(), k, num_heads, num_kv_heads, head_dim),
-        "{op}: the fused kernel does not take this projection"
-    );
-    assert_eq!(positions.len(), 1, "{op}: one row, not {}", positions.len());
-    let heads = (num_heads, num_kv_heads, head_dim);
-    let input = GemvInput::Normed(norm);
-    launch_gemv_rope(
-        gpu,
-        "gemv_rope_cache_normed",
-        input,
-        k,
-        w,
-        positions,
-        slot_mapping,
-        heads,
-        table,
-        q_out,
-        k_cache,
-        v_cache,
-    )
-}
-
-/// Launches a `gemv_rope_cache` kernel (`kernel`) for `positions.len()` rows from `input`.
-#[allow(clippy::too_many_arguments)]
-fn launch_gemv_rope(
-    gpu: &Gpu,
-    kernel: &'static str,
-    input: GemvInput<'_>,
-    k: usize,
-    w: GpuView<'_>,
-    positions: &impl DevicePtr<u32>,
-    slot_mapping: &impl DevicePtr<i64>,
-    (num_heads, num_kv_heads, head_dim): (usize, usize, usize),
-    table: &GpuRopeTable,
-    q_out: GpuViewMut<'_>,
-    k_cache: GpuViewMut<'_>,
-    v_cache: GpuViewMut<'_>,
-) -> Result<(), GpuError> {
-    let op = "linear_qkv_rope_cache";
-    let m = positions.len();
-    let (q_size, kv_size) = (num_heads * head_dim, num_kv_heads * head_dim);
-    let n = q_size + 2 * kv_size;
-    assert_eq!(w.len(), n * k, "{op}: w is not [{n}, {k}]");
-    assert_eq!(slot_mapping.len(), m, "{op}: {} slots for {m} positions", slot_mapping.len());
-    assert_eq!(q_out.len(), m * q_size, "{op}: q_out is not [{m}, {q_size}]");
-    assert!(kv_size > 0 && k_cache.len().is_multiple_of(kv_size), "{op}: cache is not whole slots of {kv_size}");
-    assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
-    for dtype in [q_out.dtype(), k_cache.dtype(), v_cache.dtype()] {
-        same_dtype(op, w.dtype(), dtype);
-    }
-    let ksplit = super::linear::gemv_ksplit(n, k);
-    let pairs = super::linear::GEMV_WARPS / ksplit / 2;
-    let (input_ptr, inv_ptr, shared_mem_bytes) = input.args();
-    let (w_ptr, q_ptr, kc_ptr, vc_ptr) = (w.ptr(), q_out.ptr(), k_cache.ptr(), v_cache.ptr());
+    let (x_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr) = (x.ptr(), w.ptr(), q_out.ptr(), k_cache.ptr(), v_cache.ptr());
     let (pos_ptr, slots_ptr, freq_ptr) =
         (gpu.index_ptr(positions), gpu.index_ptr(slot_mapping), gpu.index_ptr(&table.inv_freq));
     let (k_u32, ksplit_u32) = (to_u32(op, "k", k), ksplit as u32);
@@ -341,21 +237,16 @@ fn launch_gemv_rope(
     let cfg = LaunchConfig {
         grid_dim: (to_u32(op, "blocks", n / (2 * pairs)), 1, 1),
         block_dim: (super::linear::GEMV_WARPS as u32 * 32, 1, 1),
-        shared_mem_bytes,
+        shared_mem_bytes: 0,
     };
-    let mut launch = gpu.launch_builder(kernel, w.dtype());
-    launch.arg(&input_ptr);
-    if let Some(inv_ptr) = &inv_ptr {
-        launch.arg(inv_ptr);
-    }
-    launch.arg(&w_ptr).arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&pos_ptr).arg(&slots_ptr);
+    let mut launch = gpu.launch_builder(kernel, x.dtype());
+    launch.arg(&x_ptr).arg(&w_ptr).arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&pos_ptr).arg(&slots_ptr);
     launch.arg(&freq_ptr).arg(&table.long_start).arg(&k_u32).arg(&ksplit_u32).arg(&heads).arg(&kv_heads).arg(&dim);
     launch.arg(&table.attention_scaling).arg(&num_slots);
-    // SAFETY: the arguments match the kernel's parameters; the input holds m rows of k (or is a
-    // FusedRmsNorm of k, with its row's bytes of shared memory), w n rows of k (whole 16-byte
-    // chunks, aligned: `gemv_fits`, `FusedRmsNorm::check_consumer`), q_out m rows of q_size,
-    // the caches whole slots (each checked by the kernel), and every block's pairs lie in one
-    // head (`gemv_rope_takes`).
+    // SAFETY: the arguments match the kernel's parameters; x holds m rows of k, w n rows of k
+    // (whole 16-byte chunks, aligned: `gemv_fits`), q_out m rows of q_size, the caches whole
+    // slots (each checked by the kernel), and every block's pairs lie in one head
+    // (half % pairs == 0, head_dim = 2 * half).
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }

@@ -5,7 +5,7 @@
 //! addresses fixed, which captured decode graphs rely on: the runner drops its graphs whenever
 //! [`Activations::ensure`] reallocates.
 
-use ferrolm_backend::cuda::{CudaView, FusedRmsNorm, Gpu, GpuError, GpuTensor, StagedBuffer, StagedPart};
+use ferrolm_backend::cuda::{CudaView, Gpu, GpuError, GpuTensor, StagedBuffer, StagedPart};
 use ferrolm_backend::DType;
 
 use crate::config::ModelConfig;
@@ -48,9 +48,6 @@ pub(super) struct Activations {
     pub(super) final_normed: GpuTensor,
     /// f32 `[rows, vocab]`
     pub(super) logits: GpuTensor,
-    /// The makings of a norm passed between projections at one decode row; `None` where the
-    /// rows do not fit ([`FusedRmsNorm::fits`]).
-    pub(super) fused_norm: Option<FusedRmsNorm>,
 }
 
 impl Activations {
@@ -84,7 +81,6 @@ impl Activations {
             last_out: buf(dtype, rows * h)?,
             final_normed: buf(dtype, rows * h)?,
             logits: buf(DType::F32, rows * cfg.vocab_size)?,
-            fused_norm: FusedRmsNorm::fits(dtype, h).then(|| FusedRmsNorm::new(gpu, h, dtype)).transpose()?,
         })
     }
 

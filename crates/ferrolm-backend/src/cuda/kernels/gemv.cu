@@ -4,14 +4,14 @@
 // 16-byte loads, several in flight per lane, and used for all M rows.
 //
 // Each output column j (a row of w) is taken by `ksplit` warps of one block (1, 2, 4 or 8, set
-// by the host so that each lane has a few chunks to load): warp part p, lane l takes the
-// 8-element chunks p * 32 + l, then every (32 * ksplit)-th, of w[j, :] and of each x row, and
-// accumulates in f32 (exact products of the inputs, fused multiply-adds). The warp sums its
-// lanes with shuffles and the column's warps meet in shared memory. Splitting k puts more
-// warps, and so more loads, in flight on the narrow projections (under 4096 columns), whose
-// single warp per column would otherwise wait on one load after another. Needs k % 8 == 0 and
-// 16-byte aligned x and w (the host checks). Grid: ceil(n / (GEMV_WARPS / ksplit)) blocks of
-// GEMV_WARPS warps.
+// by the host so that each lane has full rounds of chunks to load: `gemv_ksplit` in linear.rs):
+// warp part p, lane l takes the 8-element chunks p * 32 + l, then every (32 * ksplit)-th, of
+// w[j, :] and of each x row, and accumulates in f32 (exact products of the inputs, fused
+// multiply-adds). The warp sums its lanes with shuffles and the column's warps meet in shared
+// memory. Splitting k puts more warps, and so more loads, in flight on the narrow projections
+// (under 4096 columns), whose single warp per column would otherwise wait on one load after
+// another. Needs k % 8 == 0 and 16-byte aligned x and w (the host checks). Grid:
+// ceil(n / (GEMV_WARPS / ksplit)) blocks of GEMV_WARPS warps.
 
 #define GEMV_WARPS 8
 // Chunks of w each lane loads before it uses them: 8 for one or two rows, 4 for more (their x
@@ -50,15 +50,9 @@ template <int ACT> __device__ __forceinline__ float gated(float g, float u) {
 // the dot products with the M rows of x, its ksplit parts met in shared memory. Returns whether
 // this thread holds a column's totals (`sums[h]` of row `lane`): lane < M of the column's first
 // warp, for j < n. Every thread of the block must call it (it synchronizes).
-//
-// NORMED (one row): x is not read; the row is the input RMSNorm that the projection before
-// wrote the makings of (`gemv_add_norm`): x[i] = T(pre[i] * inv[0]), built in dynamic shared
-// memory (k elements of T) once the wait is over.
-template <typename T, int M, int NW, bool NORMED = false>
+template <typename T, int M, int NW>
 __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n, u32 ksplit, u32 j,
-                                            float (&sums)[NW], const float* pre = nullptr,
-                                            const float* inv = nullptr) {
-    static_assert(!NORMED || M == 1, "a normed input is one row");
+                                            float (&sums)[NW]) {
     constexpr int U = GEMV_UNROLL(M * NW);
     __shared__ float part_s[GEMV_WARPS][M * NW];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -75,8 +69,7 @@ __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n
     const u32 chunks = k / 8, stride = 32 * ksplit;
     u32 c = part * 32 + lane;
     // The weights depend on no kernel: the lane's first U chunks are loaded before waiting for
-    // the kernel that writes x, so that they stream in while that kernel finishes (`gemv_ksplit`
-    // gives one-row lanes at least U chunks where it can).
+    // the kernel that writes x, so that they stream in while that kernel finishes.
     Raw8<T> wraw[NW][U];
     bool full = j < n && c + stride * (U - 1) < chunks;
     auto load_w = [&]() {
@@ -88,20 +81,6 @@ __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n
     };
     if (full) load_w();
     pdl_enter();
-    if constexpr (NORMED) {
-        extern __shared__ __align__(16) unsigned char gemv_x_s[];
-        T* xs = reinterpret_cast<T*>(gemv_x_s);
-        const float scale = inv[0];
-        for (u32 i = threadIdx.x * 4; i < k; i += blockDim.x * 4) {
-            const float4 p = *reinterpret_cast<const float4*>(pre + i);
-            xs[i] = from_float<T>(p.x * scale);
-            xs[i + 1] = from_float<T>(p.y * scale);
-            xs[i + 2] = from_float<T>(p.z * scale);
-            xs[i + 3] = from_float<T>(p.w * scale);
-        }
-        __syncthreads();
-        x = xs;
-    }
     if (j < n) {
         while (full) {
 #pragma unroll
@@ -140,68 +119,18 @@ __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n
     return true;
 }
 
-template <typename T, typename O, int M, int ACT, bool NORMED = false>
-__device__ __forceinline__ void gemv_impl(const T* x, const T* w, O* y, u32 k, u32 n, u32 ksplit,
-                                          const float* pre = nullptr, const float* inv = nullptr) {
+template <typename T, typename O, int M, int ACT>
+__device__ __forceinline__ void gemv_impl(const T* x, const T* w, O* y, u32 k, u32 n, u32 ksplit) {
     constexpr int NW = ACT == 0 ? 1 : 2;  // rows of w per column
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 j = blockIdx.x * (GEMV_WARPS / ksplit) + warp / ksplit;
     float s[NW];
-    if (!gemv_column<T, M, NW, NORMED>(x, w, k, n, ksplit, j, s, pre, inv)) return;
+    if (!gemv_column<T, M, NW>(x, w, k, n, ksplit, j, s)) return;
     if constexpr (ACT == 0) {
         y[(u64)lane * n + j] = from_float<O>(s[0]);
     } else {
         const float g = to_float(from_float<T>(s[0])), u = to_float(from_float<T>(s[NW - 1]));
         y[(u64)lane * n + j] = from_float<O>(gated<ACT>(g, u));
-    }
-}
-
-// One row's projection y = x . w^T followed by the residual add and most of the RMSNorm that
-// the next projection takes as its input (its NORMED variant): residual[j] += y[j] (f32, as
-// add_rms_norm adds), pre[j] = residual[j] * norm_w[j], and inv[0] = 1 / sqrt(mean(residual^2) +
-// eps) over the n columns. The sum of squares goes through `partials` (one per block, summed in
-// the block's column order) and the last block to finish (counted in `counter`, left at 0 for the
-// next launch) adds them in block order: a fixed order, so the result does not depend on
-// scheduling. The normalised row is then T(pre[i] * inv) where add_rms_norm writes
-// T(residual[i] * inv * norm_w[i]): the same values up to the order of two f32 products.
-template <typename T>
-__device__ __forceinline__ void gemv_add_norm_impl(const T* x, const T* w, T* y, u32 k, u32 n, u32 ksplit,
-                                                   float* residual, const float* norm_w, float eps, float* pre,
-                                                   float* partials, u32* counter, float* inv) {
-    __shared__ float sq_s[32];  // the columns' squares, then block_sum's scratch
-    __shared__ bool last_s;
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 cpb = GEMV_WARPS / ksplit, col = warp / ksplit;
-    const u32 j = blockIdx.x * cpb + col;
-    float s[1];
-    float sq = 0.f;
-    if (gemv_column<T, 1, 1>(x, w, k, n, ksplit, j, s)) {
-        const T yj = from_float<T>(s[0]);
-        y[j] = yj;
-        const float r = residual[j] + to_float(yj);
-        residual[j] = r;
-        pre[j] = r * norm_w[j];
-        sq = r * r;
-    }
-    if (lane == 0 && warp % ksplit == 0) sq_s[col] = sq;  // the column's holder, or 0 past n
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float p = 0.f;
-        for (u32 c = 0; c < cpb; c++) p += sq_s[c];
-        partials[blockIdx.x] = p;
-        __threadfence();
-        last_s = atomicAdd(counter, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!last_s) return;
-    // The whole last block sums the partials (a few loads per thread, all in flight at once).
-    __threadfence();
-    float t = 0.f;
-    for (u32 b = threadIdx.x; b < gridDim.x; b += blockDim.x) t += __ldcg(partials + b);
-    t = block_sum(t, sq_s);
-    if (threadIdx.x == 0) {
-        inv[0] = 1.f / sqrtf(t / (float)n + eps);
-        *counter = 0;
     }
 }
 
@@ -214,12 +143,11 @@ __device__ __forceinline__ void gemv_add_norm_impl(const T* x, const T* w, T* y,
 // slot_mapping[r] (negative or past the cache: not written). The sums are rounded to T before the
 // rotation, as the qkv buffer of the unfused ops holds them, and rotated by rope_pair: the same
 // bits as linear followed by qkv_rope_cache. Grid: n / cpb blocks of GEMV_WARPS warps.
-template <typename T, int M, bool NORMED = false>
+template <typename T, int M>
 __device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, T* q_out, T* k_cache, T* v_cache,
                                                const u32* positions, const i64* slot_mapping, const float* inv_freq,
                                                u32 long_start, u32 k, u32 ksplit, u32 num_heads, u32 num_kv_heads,
-                                               u32 head_dim, float attention_scaling, i64 num_slots,
-                                               const float* pre = nullptr, const float* inv = nullptr) {
+                                               u32 head_dim, float attention_scaling, i64 num_slots) {
     __shared__ float vals_s[GEMV_WARPS][M];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 half = head_dim / 2, pairs = GEMV_WARPS / ksplit / 2;
@@ -228,7 +156,7 @@ __device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, T* q_out,
     const u32 n = (num_heads + 2 * num_kv_heads) * head_dim;
     const u32 j = head * head_dim + hi * half + i;
     float s[1];
-    if (gemv_column<T, M, 1, NORMED>(x, w, k, n, ksplit, j, s, pre, inv)) vals_s[col][lane] = to_float(from_float<T>(s[0]));
+    if (gemv_column<T, M, 1>(x, w, k, n, ksplit, j, s)) vals_s[col][lane] = to_float(from_float<T>(s[0]));
     __syncthreads();
     if (hi != 0 || warp % ksplit != 0 || lane >= M || j >= n) return;
     const u32 r = lane;
@@ -282,31 +210,6 @@ __device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, T* q_out,
         gemv_rope_impl<T, M>(x, w, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq, long_start, k, ksplit, \
                              num_heads, num_kv_heads, head_dim, attention_scaling, num_slots); \
     }
-// The one-row kernels around a fused RMSNorm: gemv_add_norm writes its makings, the _normed
-// kernels take their input from them (dynamic shared memory: k elements of T).
-#define GEMV_NORM(T, S) \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_add_norm_##S( \
-        const T* x, const T* w, T* y, u32 k, u32 n, u32 ksplit, float* residual, const float* norm_w, float eps, \
-        float* pre, float* partials, u32* counter, float* inv) { \
-        gemv_add_norm_impl<T>(x, w, y, k, n, ksplit, residual, norm_w, eps, pre, partials, counter, inv); \
-    } \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_silu_normed_##S( \
-        const float* pre, const float* inv, const T* w, T* y, u32 k, u32 n, u32 ksplit) { \
-        gemv_impl<T, T, 1, 1, true>(nullptr, w, y, k, n, ksplit, pre, inv); \
-    } \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_gelu_tanh_normed_##S( \
-        const float* pre, const float* inv, const T* w, T* y, u32 k, u32 n, u32 ksplit) { \
-        gemv_impl<T, T, 1, 2, true>(nullptr, w, y, k, n, ksplit, pre, inv); \
-    } \
-    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_rope_cache_normed_##S( \
-        const float* pre, const float* inv, const T* w, T* q_out, T* k_cache, T* v_cache, const u32* positions, \
-        const i64* slot_mapping, const float* inv_freq, u32 long_start, u32 k, u32 ksplit, u32 num_heads, \
-        u32 num_kv_heads, u32 head_dim, float attention_scaling, i64 num_slots) { \
-        gemv_rope_impl<T, 1, true>(nullptr, w, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq, \
-                                   long_start, k, ksplit, num_heads, num_kv_heads, head_dim, attention_scaling, \
-                                   num_slots, pre, inv); \
-    }
-FOR_EACH_DTYPE(GEMV_NORM)
 #define GEMV_M1(T, S) GEMV(T, S, 1)
 #define GEMV_M2(T, S) GEMV(T, S, 2)
 #define GEMV_M3(T, S) GEMV(T, S, 3)
