@@ -1,5 +1,12 @@
 // RMSNorm as the CPU backend computes it: `x * (1 / sqrt(mean(x^2) + eps)) * w` in f32.
 // One block per row; the weight `w` is f32 `[hidden]`.
+//
+// Thread t takes the elements t, t + blockDim.x, ... in that order. Its first NORM_CACHED
+// elements stay in registers between the sum of squares and the output, and their weights are
+// loaded before the wait on the kernel before (no kernel writes them), so that a row of up to
+// NORM_CACHED * blockDim.x elements (4096 at 1024 threads) costs one round of loads after the
+// wait; elements past that are read again, as are their weights.
+#define NORM_CACHED 4
 
 // x, out: [rows, hidden]. `out` may be `x` (in place): each thread reads an element before
 // it writes the same element.
@@ -7,26 +14,42 @@ template <typename X, typename T>
 __device__ __forceinline__ void rms_norm_impl(const X* x, const float* w, T* out, u32 hidden, float eps) {
     __shared__ float scratch[32];
     const u64 base = (u64)blockIdx.x * hidden;
+    float wv[NORM_CACHED], v[NORM_CACHED];
+#pragma unroll
+    for (int c = 0; c < NORM_CACHED; c++) {
+        const u32 i = threadIdx.x + c * blockDim.x;
+        wv[c] = i < hidden ? w[i] : 0.f;
+    }
+    pdl_enter();
     float sum_sq = 0.f;
-    for (u32 i = threadIdx.x; i < hidden; i += blockDim.x) {
-        const float v = to_float(x[base + i]);
-        sum_sq += v * v;
+#pragma unroll
+    for (int c = 0; c < NORM_CACHED; c++) {
+        const u32 i = threadIdx.x + c * blockDim.x;
+        v[c] = i < hidden ? to_float(x[base + i]) : 0.f;
+        sum_sq += v[c] * v[c];
+    }
+    for (u32 i = threadIdx.x + NORM_CACHED * blockDim.x; i < hidden; i += blockDim.x) {
+        const float xi = to_float(x[base + i]);
+        sum_sq += xi * xi;
     }
     sum_sq = block_sum(sum_sq, scratch);
     const float inv_rms = 1.f / sqrtf(sum_sq / (float)hidden + eps);
-    for (u32 i = threadIdx.x; i < hidden; i += blockDim.x) {
+#pragma unroll
+    for (int c = 0; c < NORM_CACHED; c++) {
+        const u32 i = threadIdx.x + c * blockDim.x;
+        if (i < hidden) out[base + i] = from_float<T>(v[c] * inv_rms * wv[c]);
+    }
+    for (u32 i = threadIdx.x + NORM_CACHED * blockDim.x; i < hidden; i += blockDim.x) {
         out[base + i] = from_float<T>(to_float(x[base + i]) * inv_rms * w[i]);
     }
 }
 
 #define RMS_NORM(T, S) \
     extern "C" __global__ void rms_norm_##S(const T* x, const float* w, T* out, u32 hidden, float eps) { \
-        pdl_enter(); \
         rms_norm_impl<T, T>(x, w, out, hidden, eps); \
     } \
     extern "C" __global__ void rms_norm_from_f32_##S(const float* x, const float* w, T* out, u32 hidden, \
                                                      float eps) { \
-        pdl_enter(); \
         rms_norm_impl<float, T>(x, w, out, hidden, eps); \
     }
 FOR_EACH_DTYPE(RMS_NORM)
@@ -38,16 +61,39 @@ __device__ __forceinline__ void add_rms_norm_impl(R* residual, const T* x, const
                                                   float eps) {
     __shared__ float scratch[32];
     const u64 base = (u64)blockIdx.x * hidden;
+    float wv[NORM_CACHED], v[NORM_CACHED];
+#pragma unroll
+    for (int c = 0; c < NORM_CACHED; c++) {
+        const u32 i = threadIdx.x + c * blockDim.x;
+        wv[c] = i < hidden ? w[i] : 0.f;
+    }
+    pdl_enter();
     float sum_sq = 0.f;
-    for (u32 i = threadIdx.x; i < hidden; i += blockDim.x) {
+#pragma unroll
+    for (int c = 0; c < NORM_CACHED; c++) {
+        const u32 i = threadIdx.x + c * blockDim.x;
+        v[c] = 0.f;
+        if (i < hidden) {
+            const R sum = from_float<R>(to_float(residual[base + i]) + to_float(x[base + i]));
+            residual[base + i] = sum;
+            v[c] = to_float(sum);
+        }
+        sum_sq += v[c] * v[c];
+    }
+    for (u32 i = threadIdx.x + NORM_CACHED * blockDim.x; i < hidden; i += blockDim.x) {
         const R sum = from_float<R>(to_float(residual[base + i]) + to_float(x[base + i]));
         residual[base + i] = sum;
-        const float v = to_float(sum);
-        sum_sq += v * v;
+        const float si = to_float(sum);
+        sum_sq += si * si;
     }
     sum_sq = block_sum(sum_sq, scratch);
     const float inv_rms = 1.f / sqrtf(sum_sq / (float)hidden + eps);
-    for (u32 i = threadIdx.x; i < hidden; i += blockDim.x) {
+#pragma unroll
+    for (int c = 0; c < NORM_CACHED; c++) {
+        const u32 i = threadIdx.x + c * blockDim.x;
+        if (i < hidden) out[base + i] = from_float<T>(v[c] * inv_rms * wv[c]);
+    }
+    for (u32 i = threadIdx.x + NORM_CACHED * blockDim.x; i < hidden; i += blockDim.x) {
         out[base + i] = from_float<T>(to_float(residual[base + i]) * inv_rms * w[i]);
     }
 }
@@ -55,12 +101,10 @@ __device__ __forceinline__ void add_rms_norm_impl(R* residual, const T* x, const
 #define ADD_RMS_NORM(T, S) \
     extern "C" __global__ void add_rms_norm_##S(T* residual, const T* x, const float* w, T* out, u32 hidden, \
                                                 float eps) { \
-        pdl_enter(); \
         add_rms_norm_impl<T, T>(residual, x, w, out, hidden, eps); \
     } \
     extern "C" __global__ void add_rms_norm_f32_residual_##S(float* residual, const T* x, const float* w, T* out, \
                                                              u32 hidden, float eps) { \
-        pdl_enter(); \
         add_rms_norm_impl<float, T>(residual, x, w, out, hidden, eps); \
     }
 FOR_EACH_DTYPE(ADD_RMS_NORM)
