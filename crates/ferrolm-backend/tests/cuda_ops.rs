@@ -170,6 +170,8 @@ fn embedding_matches_cpu() -> Result<(), GpuError> {
 }
 
 /// (rows, hidden): odd sizes, head-sized rows, and rows wider than one block's threads.
+/// Rows of one element per thread and fewer, several per thread, and more than the norm kernels
+/// keep in registers (5120 > 4 x 1024).
 const NORM_SHAPES: [(usize, usize); 6] = [(1, 7), (3, 64), (5, 896), (40, 1000), (7, 4096), (2, 5120)];
 
 #[test]
