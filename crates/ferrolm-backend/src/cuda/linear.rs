@@ -32,7 +32,7 @@ pub fn linear(
     bias: Option<GpuView<'_>>,
     y: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
-    linear_with(gpu, x, m, k, w, n, bias, y, true)
+    linear_with(gpu, x, m, k, w, n, bias, y, Route::Auto)
 }
 
 /// [`linear`] through cuBLAS whatever `m` is: the point of comparison of the GEMV kernel.
@@ -47,7 +47,17 @@ pub fn linear_cublas(
     bias: Option<GpuView<'_>>,
     y: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
-    linear_with(gpu, x, m, k, w, n, bias, y, false)
+    linear_with(gpu, x, m, k, w, n, bias, y, Route::Cublas)
+}
+
+/// Which kernel `linear_with` takes.
+#[derive(Clone, Copy)]
+enum Route {
+    /// The GEMV kernel where it takes the product (with `gemv_ksplit`'s split), else cuBLAS.
+    Auto,
+    Cublas,
+    /// The GEMV kernel with this many warps per column; panics where it does not take the product.
+    GemvSplit(usize),
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -60,7 +70,7 @@ fn linear_with(
     n: usize,
     bias: Option<GpuView<'_>>,
     y: GpuViewMut<'_>,
-    allow_gemv: bool,
+    route: Route,
 ) -> Result<(), GpuError> {
     assert_eq!(x.len(), m * k, "linear: x has {} elements, expected [m={m}, k={k}]", x.len());
     assert_eq!(w.len(), n * k, "linear: w has {} elements, expected [n={n}, k={k}]", w.len());
@@ -88,10 +98,14 @@ fn linear_with(
         None
     };
     let (acc_ptr, acc_dtype) = scratch.as_ref().map_or((y.ptr(), y.dtype()), |buf| (gpu.index_ptr(buf), DType::F32));
-    if allow_gemv && gemv_fits(x, m, k, w) {
-        gemv(gpu, x, m, k, w, n, acc_ptr, acc_dtype)?;
-    } else {
-        gemm(gpu, x, m, k, w, n, acc_ptr, acc_dtype)?;
+    match route {
+        Route::Auto if gemv_fits(x, m, k, w) => gemv(gpu, x, m, k, w, n, gemv_ksplit(n, k), acc_ptr, acc_dtype)?,
+        Route::GemvSplit(ksplit) => {
+            assert!(ksplit.is_power_of_two() && ksplit <= GEMV_WARPS, "ksplit {ksplit}: not a power of two up to 8");
+            assert!(m <= GEMV_MAX_M && gemv_fits(x, m, k, w), "linear: the GEMV kernel does not take this product");
+            gemv(gpu, x, m, k, w, n, ksplit, acc_ptr, acc_dtype)?
+        }
+        Route::Auto | Route::Cublas => gemm(gpu, x, m, k, w, n, acc_ptr, acc_dtype)?,
     }
     if let Some(bias) = bias {
         let (y_ptr, bias_ptr, n_u32) = (y.ptr(), bias.ptr(), to_u32("linear", "n", n));
@@ -161,15 +175,11 @@ pub fn linear_gemv_ksplit(
     ksplit: usize,
     y: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
-    assert!(ksplit.is_power_of_two() && ksplit <= GEMV_WARPS, "ksplit {ksplit}: not a power of two up to 8");
-    assert!((1..=GEMV_MAX_M).contains(&m) && gemv_fits(x, m, k, w), "the GEMV kernel does not take this product");
-    assert_eq!(y.dtype(), x.dtype(), "linear_gemv_ksplit: y must be {:?}", x.dtype());
-    assert_eq!((x.len(), w.len(), y.len()), (m * k, n * k, m * n), "linear_gemv_ksplit: not [m, k] x [n, k]");
-    let kernel = ["gemv_m1", "gemv_m2", "gemv_m3", "gemv_m4"][m - 1];
-    launch_gemv(gpu, kernel, x, k, w, n, ksplit, y.ptr())
+    linear_with(gpu, x, m, k, w, n, None, y, Route::GemvSplit(ksplit))
 }
 
-/// `out[m, n] = x[m, k] · w[n, k]^T` through the GEMV kernel (`gemv_fits` holds).
+/// `out[m, n] = x[m, k] · w[n, k]^T` through the GEMV kernel (`gemv_fits` holds) with `ksplit`
+/// warps per column.
 #[allow(clippy::too_many_arguments)]
 fn gemv(
     gpu: &Gpu,
@@ -178,6 +188,7 @@ fn gemv(
     k: usize,
     w: GpuView<'_>,
     n: usize,
+    ksplit: usize,
     out_ptr: u64,
     out_dtype: DType,
 ) -> Result<(), GpuError> {
@@ -193,7 +204,7 @@ fn gemv(
         (4, true) => "gemv_m4_to_f32",
         _ => unreachable!("gemv_fits admits 1..={GEMV_MAX_M} rows"),
     };
-    launch_gemv(gpu, kernel, x, k, w, n, gemv_ksplit(n, k), out_ptr)
+    launch_gemv(gpu, kernel, x, k, w, n, ksplit, out_ptr)
 }
 
 /// Launches GEMV kernel `kernel` for `n` output columns with `ksplit` warps per column.

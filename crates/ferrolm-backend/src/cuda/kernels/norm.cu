@@ -8,10 +8,12 @@
 // wait; elements past that are read again, as are their weights.
 #define NORM_CACHED 4
 
-// x, out: [rows, hidden]. `out` may be `x` (in place): each thread reads an element before
-// it writes the same element.
-template <typename X, typename T>
-__device__ __forceinline__ void rms_norm_impl(const X* x, const float* w, T* out, u32 hidden, float eps) {
+// Normalises row `blockIdx.x` of `hidden` elements into `out`. `first(i)` gives the element at
+// flat index i once the wait is over (it may also store it, as the residual add does); `again(i)`
+// reads it back for the elements past the cached ones.
+template <typename T, typename First, typename Again>
+__device__ __forceinline__ void rms_norm_row(First first, Again again, const float* w, T* out, u32 hidden,
+                                             float eps) {
     __shared__ float scratch[32];
     const u64 base = (u64)blockIdx.x * hidden;
     float wv[NORM_CACHED], v[NORM_CACHED];
@@ -25,12 +27,12 @@ __device__ __forceinline__ void rms_norm_impl(const X* x, const float* w, T* out
 #pragma unroll
     for (int c = 0; c < NORM_CACHED; c++) {
         const u32 i = threadIdx.x + c * blockDim.x;
-        v[c] = i < hidden ? to_float(x[base + i]) : 0.f;
+        v[c] = i < hidden ? first(base + i) : 0.f;
         sum_sq += v[c] * v[c];
     }
     for (u32 i = threadIdx.x + NORM_CACHED * blockDim.x; i < hidden; i += blockDim.x) {
-        const float xi = to_float(x[base + i]);
-        sum_sq += xi * xi;
+        const float vi = first(base + i);
+        sum_sq += vi * vi;
     }
     sum_sq = block_sum(sum_sq, scratch);
     const float inv_rms = 1.f / sqrtf(sum_sq / (float)hidden + eps);
@@ -40,8 +42,16 @@ __device__ __forceinline__ void rms_norm_impl(const X* x, const float* w, T* out
         if (i < hidden) out[base + i] = from_float<T>(v[c] * inv_rms * wv[c]);
     }
     for (u32 i = threadIdx.x + NORM_CACHED * blockDim.x; i < hidden; i += blockDim.x) {
-        out[base + i] = from_float<T>(to_float(x[base + i]) * inv_rms * w[i]);
+        out[base + i] = from_float<T>(again(base + i) * inv_rms * w[i]);
     }
+}
+
+// x, out: [rows, hidden]. `out` may be `x` (in place): each thread reads an element before
+// it writes the same element.
+template <typename X, typename T>
+__device__ __forceinline__ void rms_norm_impl(const X* x, const float* w, T* out, u32 hidden, float eps) {
+    auto read = [&](u64 i) { return to_float(x[i]); };
+    rms_norm_row<T>(read, read, w, out, hidden, eps);
 }
 
 #define RMS_NORM(T, S) \
@@ -59,43 +69,13 @@ FOR_EACH_DTYPE(RMS_NORM)
 template <typename R, typename T>
 __device__ __forceinline__ void add_rms_norm_impl(R* residual, const T* x, const float* w, T* out, u32 hidden,
                                                   float eps) {
-    __shared__ float scratch[32];
-    const u64 base = (u64)blockIdx.x * hidden;
-    float wv[NORM_CACHED], v[NORM_CACHED];
-#pragma unroll
-    for (int c = 0; c < NORM_CACHED; c++) {
-        const u32 i = threadIdx.x + c * blockDim.x;
-        wv[c] = i < hidden ? w[i] : 0.f;
-    }
-    pdl_enter();
-    float sum_sq = 0.f;
-#pragma unroll
-    for (int c = 0; c < NORM_CACHED; c++) {
-        const u32 i = threadIdx.x + c * blockDim.x;
-        v[c] = 0.f;
-        if (i < hidden) {
-            const R sum = from_float<R>(to_float(residual[base + i]) + to_float(x[base + i]));
-            residual[base + i] = sum;
-            v[c] = to_float(sum);
-        }
-        sum_sq += v[c] * v[c];
-    }
-    for (u32 i = threadIdx.x + NORM_CACHED * blockDim.x; i < hidden; i += blockDim.x) {
-        const R sum = from_float<R>(to_float(residual[base + i]) + to_float(x[base + i]));
-        residual[base + i] = sum;
-        const float si = to_float(sum);
-        sum_sq += si * si;
-    }
-    sum_sq = block_sum(sum_sq, scratch);
-    const float inv_rms = 1.f / sqrtf(sum_sq / (float)hidden + eps);
-#pragma unroll
-    for (int c = 0; c < NORM_CACHED; c++) {
-        const u32 i = threadIdx.x + c * blockDim.x;
-        if (i < hidden) out[base + i] = from_float<T>(v[c] * inv_rms * wv[c]);
-    }
-    for (u32 i = threadIdx.x + NORM_CACHED * blockDim.x; i < hidden; i += blockDim.x) {
-        out[base + i] = from_float<T>(to_float(residual[base + i]) * inv_rms * w[i]);
-    }
+    auto add = [&](u64 i) {
+        const R sum = from_float<R>(to_float(residual[i]) + to_float(x[i]));
+        residual[i] = sum;
+        return to_float(sum);
+    };
+    auto read = [&](u64 i) { return to_float(residual[i]); };
+    rms_norm_row<T>(add, read, w, out, hidden, eps);
 }
 
 #define ADD_RMS_NORM(T, S) \
