@@ -1336,7 +1336,8 @@ fn sampling_matches_the_host_sampler() -> Result<(), GpuError> {
 }
 
 /// Greedy rows with nothing to adjust (the sampler finds their argmax in its first pass) at a
-/// 151,936-token vocabulary: a tie far apart (won by the lower id), masked and NaN entries, a row
+/// 151,936-token vocabulary: a tie far apart (won by the lower id), masked and NaN entries (whole
+/// chunks of the first pass among them), a row
 /// with nothing to pick, and logits near 1e4 (where `max - logsumexp` would lose bits), with and
 /// without top logprobs.
 #[test]
@@ -1353,6 +1354,9 @@ fn greedy_sampling_edges_match_the_host() -> Result<(), GpuError> {
         logits[2 * vocab + i] = f32::NEG_INFINITY;
     }
     logits[2 * vocab + 7] = f32::NAN;
+    // Whole chunks of the statistics pass (4096 ids) with nothing to count: NaN, then -inf.
+    logits[2 * vocab + 4096..2 * vocab + 8192].fill(f32::NAN);
+    logits[2 * vocab + 8192..2 * vocab + 12_288].fill(f32::NEG_INFINITY);
     logits[3 * vocab..4 * vocab].fill(f32::NEG_INFINITY);
     logits[4 * vocab..].iter_mut().for_each(|l| *l += 1.0e4);
     let plans: Vec<SamplePlan> = (0..rows).map(|r| SamplePlan::greedy([0, 5][r % 2])).collect();

@@ -4,8 +4,10 @@
 //!
 //! One call is one copy of the rows' parameters (`[rows]` [`RowParams`]) and their penalty/mask
 //! lists concatenated (`[entries]` [`Adjust`], each row pointing at its own) through a
-//! [`StagedBuffer`], one launch of a block per row, and one download of `[rows]` [`RowResult`]s
-//! into pinned memory. Rows that sample (or that penalize or mask) get a row of scratch for their
+//! [`StagedBuffer`], a launch of a block per 4096 logits for the raw statistics (max, argmax, sum
+//! of exponentials: the one pass every row needs; done by the row's own block it took ~60 us of
+//! a batch-1 decode step over a 128k vocabulary), a launch of a block per row for the rest, and one
+//! download of `[rows]` [`RowResult`]s into pinned memory. Rows that sample (or that penalize or mask) get a row of scratch for their
 //! processed scores. The staging, scratch and result buffers are kept and grown, so a steady
 //! batch allocates nothing.
 //!
@@ -28,6 +30,9 @@ use super::{Gpu, GpuError, GpuView};
 const THREADS: u32 = 1024;
 /// The radix select's per-warp histograms: `[warps, 256]` u32 counts, then `[warps, 256]` f64.
 const SHARED_BYTES: usize = (THREADS as usize / 32) * 256 * (4 + 8);
+/// Threads per block of `logit_stats` (`STATS_THREADS`), and logits per block (`STATS_CHUNK`).
+const STATS_THREADS: u32 = 256;
+const STATS_CHUNK: usize = 4096;
 /// Top logprobs per row the kernel can return (`SAMPLE_MAX_TOP`).
 const MAX_TOP: usize = 20;
 const _: () = assert!(MAX_TOP == MAX_LOGPROBS as usize);
@@ -108,6 +113,25 @@ unsafe impl DeviceRepr for RowResult {}
 // SAFETY: u32 and f32 fields only: all zero bits is a valid value.
 unsafe impl cudarc::driver::ValidAsZeroBits for RowResult {}
 
+/// One chunk's raw statistics, written by `logit_stats` and read by `sample_rows` only:
+/// `ChunkStats` in sampling.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct ChunkStats {
+    max: f32,
+    best: f32,
+    best_id: u32,
+    _pad: u32,
+    sum: f64,
+}
+
+const _: () = assert!(std::mem::size_of::<ChunkStats>() == 24);
+
+// SAFETY: as above.
+unsafe impl DeviceRepr for ChunkStats {}
+// SAFETY: u32, f32 and f64 fields only: all zero bits is a valid value.
+unsafe impl cudarc::driver::ValidAsZeroBits for ChunkStats {}
+
 /// What the host needs of a row to read its answer.
 #[derive(Clone, Copy, Debug)]
 enum RowKind {
@@ -132,6 +156,8 @@ pub struct GpuSampler {
     scratch: Option<CudaSlice<f32>>,
     /// `[capacity]`, poisoned when allocated.
     results: Option<CudaSlice<RowResult>>,
+    /// `[capacity]` chunks' statistics, `[rows, chunks]` per launch.
+    stats: Option<CudaSlice<ChunkStats>>,
     /// The rows' parameters and adjustments, built on the host and sent in one copy.
     params: Vec<RowParams>,
     adjusts: Vec<Adjust>,
@@ -227,21 +253,39 @@ impl GpuSampler {
             self.results = None;
             self.results = Some(gpu.upload(&vec![RowResult::POISON; rows.len().next_power_of_two()])?);
         }
+        let chunks = vocab.div_ceil(STATS_CHUNK);
+        let stats_len = rows.len() * chunks;
+        if self.stats.as_ref().is_none_or(|s| s.len() < stats_len) {
+            self.stats = None;
+            // SAFETY: `logit_stats` writes every chunk of the launch's rows before `sample_rows`
+            // reads them.
+            self.stats = Some(unsafe { gpu.stream().alloc::<ChunkStats>(stats_len.next_power_of_two()) }?);
+        }
         let results = self.results.as_mut().expect("allocated above");
 
         let logits_ptr = logits.ptr();
+        let stats_ptr = gpu.index_ptr(self.stats.as_ref().expect("allocated above"));
+        let chunks_u32 = to_u32("sample_rows", "chunks", chunks);
+        let mut launch = gpu.launch_builder("logit_stats", logits.dtype());
+        launch.arg(&logits_ptr).arg(&vocab_u32).arg(&chunks_u32).arg(&stats_ptr);
+        let cfg =
+            LaunchConfig { grid_dim: (num_rows, chunks_u32, 1), block_dim: (STATS_THREADS, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: `rows` rows of `vocab` logits, and room for `[rows, chunks]` statistics.
+        unsafe { launch.launch(cfg) }?;
+
         let scratch_ptr = self.scratch.as_ref().map_or(0, |s| gpu.index_ptr(s));
         let results_ptr = gpu.index_ptr(&*results);
         let mut launch = gpu.launch_builder("sample_rows", logits.dtype());
-        launch.arg(&logits_ptr).arg(&vocab_u32).arg(&params_ptr).arg(&adjusts_ptr).arg(&scratch_ptr).arg(&results_ptr);
+        launch.arg(&logits_ptr).arg(&vocab_u32).arg(&stats_ptr).arg(&chunks_u32);
+        launch.arg(&params_ptr).arg(&adjusts_ptr).arg(&scratch_ptr).arg(&results_ptr);
         let cfg = LaunchConfig {
             grid_dim: (num_rows, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: SHARED_BYTES as u32,
         };
-        // SAFETY: the arguments match the kernel's parameters: `rows` parameter rows whose
-        // adjustment ranges lie in `adjusts` and whose scratch rows lie in `scratch`, and a result
-        // buffer of at least `rows` entries.
+        // SAFETY: the arguments match the kernel's parameters: the statistics just written,
+        // `rows` parameter rows whose adjustment ranges lie in `adjusts` and whose scratch rows
+        // lie in `scratch`, and a result buffer of at least `rows` entries.
         unsafe { launch.launch(cfg) }?;
         let mut host = match self.spare.iter().position(|h| h.len() >= rows.len()) {
             Some(i) => self.spare.swap_remove(i),

@@ -12,9 +12,10 @@
 //   min_p * (max weight), then the first id (in id order) whose cumulative weight exceeds
 //   u * total, or the last weighted id.
 //
-// One block of SAMPLE_THREADS per row. Thresholds are found by radix select, 8 bits a pass, over
-// per-warp histograms in dynamic shared memory ([warps, 256] u32 counts, then [warps, 256] f64
-// masses). Every sum and scan runs in a fixed order (no floating-point atomics), so a row's result
+// The first pass over a row (max, argmax, sum of exponentials) runs in logit_stats, many blocks
+// per row; then one block of SAMPLE_THREADS per row does the rest. Thresholds are found by radix
+// select, 8 bits a pass, over per-warp histograms in dynamic shared memory ([warps, 256] u32
+// counts, then [warps, 256] f64 masses). Every sum and scan runs in a fixed order (no floating-point atomics), so a row's result
 // depends on nothing but the row and its parameters. Sums are f64 as on the host but in another
 // order: a choice can differ from the host's only where u * total or top_p * total sits on a
 // cumulative boundary to within that rounding.
@@ -112,9 +113,9 @@ __device__ __forceinline__ float temper(float s, float max, float t) {
     return (float)exp((double)__fdiv_rn(__fsub_rn(s, max), t));
 }
 
-// Block-wide reduction with `op` (commutative); every thread gets the result, computed in the same
-// fixed order whatever the timing. `red`: SAMPLE_WARPS slots of shared memory.
-template <typename T, typename Op>
+// Block-wide reduction with `op` (commutative) over a block of WARPS warps; every thread gets the
+// result, computed in the same fixed order whatever the timing. `red`: WARPS slots of shared memory.
+template <typename T, typename Op, int WARPS = SAMPLE_WARPS>
 __device__ __forceinline__ T block_reduce(T v, T* red, Op op) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -123,7 +124,7 @@ __device__ __forceinline__ T block_reduce(T v, T* red, Op op) {
     if (lane == 0) red[warp] = v;
     __syncthreads();
     v = red[0];
-    for (u32 w = 1; w < SAMPLE_WARPS; ++w) v = op(v, red[w]);
+    for (u32 w = 1; w < WARPS; ++w) v = op(v, red[w]);
     return v;
 }
 
@@ -488,12 +489,86 @@ __device__ u32 random_pick(u32 vocab, float* sc, SampleSmem& sm, u32* hist_count
     return hit != NO_ID ? hit : (last == 0 ? NO_ID : last - 1);
 }
 
-// logits: [rows, vocab]; rows: [rows]; adjusts: the rows' lists, concatenated; scratch:
-// [scratch rows, vocab] f32 (processed scores, then weights, of the rows that have one);
-// out: [rows]. Dynamic shared memory: SAMPLE_WARPS * RADIX_BINS * (4 + 8) bytes.
+// The raw statistics of a row, the first pass over it, spread over blocks of STATS_THREADS: for
+// chunk c (ids [c * STATS_CHUNK, (c + 1) * STATS_CHUNK)), the max of the non-NaN logits, the
+// greedy best (largest sanitized score, lowest id on ties; NO_ID if all are -inf) and the sum of
+// expf(x - chunk max) over the non-NaN logits in f64 (0 unless the chunk max is finite).
+// sample_rows merges a row's chunks in chunk order: the chunks are fixed by the vocabulary alone,
+// so a row's result still depends on nothing but the row.
+#define STATS_THREADS 256
+#define STATS_WARPS (STATS_THREADS / 32)
+#define STATS_ITEMS 16
+#define STATS_CHUNK (STATS_THREADS * STATS_ITEMS)
+
+// Mirrors `ChunkStats` in sampling.rs.
+struct ChunkStats {
+    float max, best;
+    u32 best_id, pad;
+    double sum;
+};
+
+// logits: [rows, vocab]; stats: [rows, chunks]. Grid: (rows, chunks).
 template <typename T>
-__device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, const SampleRow* rows,
-                                                 const SampleAdjust* adjusts, float* scratch, SampleOut* out) {
+__device__ __forceinline__ void logit_stats_impl(const T* logits, u32 vocab, u32 chunks, ChunkStats* stats) {
+    __shared__ float red_f[STATS_WARPS];
+    __shared__ u32 red_i[STATS_WARPS];
+    __shared__ double red_d[STATS_WARPS];
+    const T* raw = logits + (u64)blockIdx.x * vocab;
+    const u32 first = blockIdx.y * STATS_CHUNK + threadIdx.x;
+    // Every load in flight at once; ids past the vocabulary read as NaN, which nothing counts.
+    float x[STATS_ITEMS];
+#pragma unroll
+    for (int j = 0; j < STATS_ITEMS; j++) {
+        const u32 i = first + j * STATS_THREADS;
+        x[j] = i < vocab ? to_float(raw[i]) : __int_as_float(0x7fc00000);
+    }
+    float mx = NEG_INF, best = NEG_INF;
+    u32 best_id = NO_ID;
+#pragma unroll
+    for (int j = 0; j < STATS_ITEMS; j++) {
+        if (!isnan(x[j])) mx = fmaxf(mx, x[j]);
+        const float s = sanitize(x[j]);
+        if (s != NEG_INF && s > best) {
+            best = s;
+            best_id = first + j * STATS_THREADS;
+        }
+    }
+    auto max_f = [](float a, float b) { return fmaxf(a, b); };
+    mx = block_reduce<float, decltype(max_f), STATS_WARPS>(mx, red_f, max_f);
+    const float top = block_reduce<float, decltype(max_f), STATS_WARPS>(best, red_f, max_f);
+    auto min_u = [](u32 a, u32 b) { return min(a, b); };
+    best_id = block_reduce<u32, decltype(min_u), STATS_WARPS>(best == top ? best_id : NO_ID, red_i, min_u);
+    double sum = 0.0;
+    if (isfinite(mx)) {
+        // Terms in f32 (x - max <= 0, so each is in [0, 1] to a few ulp), summed in f64.
+#pragma unroll
+        for (int j = 0; j < STATS_ITEMS; j++) {
+            if (!isnan(x[j])) sum += (double)expf(x[j] - mx);
+        }
+        auto add_d = [](double a, double b) { return a + b; };
+        sum = block_reduce<double, decltype(add_d), STATS_WARPS>(sum, red_d, add_d);
+    }
+    if (threadIdx.x == 0) {
+        stats[(u64)blockIdx.x * chunks + blockIdx.y] = {mx, top, best_id, 0u, sum};
+    }
+}
+
+#define LOGIT_STATS(T, S) \
+    extern "C" __global__ void __launch_bounds__(STATS_THREADS) logit_stats_##S(const T* logits, u32 vocab, \
+                                                                                u32 chunks, ChunkStats* stats) { \
+        pdl_enter(); \
+        logit_stats_impl<T>(logits, vocab, chunks, stats); \
+    }
+FOR_EACH_DTYPE(LOGIT_STATS)
+
+// logits: [rows, vocab]; stats: [rows, chunks], logit_stats's; rows: [rows]; adjusts: the rows'
+// lists, concatenated; scratch: [scratch rows, vocab] f32 (processed scores, then weights, of the
+// rows that have one); out: [rows]. Dynamic shared memory: SAMPLE_WARPS * RADIX_BINS * (4 + 8)
+// bytes.
+template <typename T>
+__device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, const ChunkStats* stats, u32 chunks,
+                                                 const SampleRow* rows, const SampleAdjust* adjusts, float* scratch,
+                                                 SampleOut* out) {
     extern __shared__ __align__(16) unsigned char sample_smem[];
     u32* hist_count = reinterpret_cast<u32*>(sample_smem);  // [SAMPLE_WARPS, RADIX_BINS]
     double* hist_sum = reinterpret_cast<double*>(sample_smem + SAMPLE_WARPS * RADIX_BINS * sizeof(u32));
@@ -505,29 +580,30 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
     float* sc = p.scratch_row == NO_ID ? nullptr : scratch + (u64)p.scratch_row * vocab;
     SampleOut* o = out + blockIdx.x;
 
-    // Raw statistics, copying the row to the scratch row on the way; a greedy row with nothing
-    // to adjust also finds its argmax here.
+    // The row's raw statistics from its chunks' (logit_stats); a greedy row with nothing to
+    // adjust also has its argmax from them. Rows with a scratch row copy the logits there.
+    if (sc != nullptr) {
+        for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) sc[i] = to_float(raw[i]);
+    }
+    const ChunkStats* st = stats + (u64)blockIdx.x * chunks;
     float max = NEG_INF, best = NEG_INF;
     u32 best_id = NO_ID;
-    for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-        const float x = to_float(raw[i]);
-        if (sc != nullptr) sc[i] = x;
-        if (!isnan(x)) max = fmaxf(max, x);
-        const float s = sanitize(x);
-        if (s != NEG_INF && s > best) {
-            best = s;
-            best_id = i;
+    for (u32 c = threadIdx.x; c < chunks; c += SAMPLE_THREADS) {
+        max = fmaxf(max, st[c].max);
+        // Chunks in id order, each with its lowest id of its best: the lowest id on ties.
+        if (st[c].best > best) {
+            best = st[c].best;
+            best_id = st[c].best_id;
         }
     }
     max = block_max_f(max, sm);
     double ln_sum = 0.0;
     if (isfinite(max)) {
-        // Terms in f32 (x - max <= 0, so each is in [0, 1] to a few ulp), summed in f64: within
-        // 1e-6 of the host's all-f64 sum after the log, at a small part of f64 exp's cost.
+        // Each chunk's sum rescaled from its own max to the row's (chunks of no finite logit
+        // add nothing): within 1e-6 of the host's all-f64 sum after the log.
         double sum = 0.0;
-        for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-            const float x = to_float(raw[i]);
-            if (!isnan(x)) sum += (double)expf(x - max);
+        for (u32 c = threadIdx.x; c < chunks; c += SAMPLE_THREADS) {
+            if (st[c].max != NEG_INF) sum += st[c].sum * exp((double)st[c].max - (double)max);
         }
         ln_sum = log(block_sum_d(sum, sm));
     }
@@ -582,10 +658,10 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
 
 #define SAMPLE_ROWS(T, S) \
     extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_##S( \
-        const T* logits, u32 vocab, const SampleRow* rows, const SampleAdjust* adjusts, float* scratch, \
-        SampleOut* out) { \
+        const T* logits, u32 vocab, const ChunkStats* stats, u32 chunks, const SampleRow* rows, \
+        const SampleAdjust* adjusts, float* scratch, SampleOut* out) { \
         pdl_enter(); \
-        sample_rows_impl<T>(logits, vocab, rows, adjusts, scratch, out); \
+        sample_rows_impl<T>(logits, vocab, stats, chunks, rows, adjusts, scratch, out); \
     }
 FOR_EACH_DTYPE(SAMPLE_ROWS)
 
