@@ -8,8 +8,10 @@
 //! ```
 //!
 //! Cases: a decode step of 1 sequence at context 384 and 4096 and of 256 sequences at context
-//! 640 and 1500 (the decode kernel), a 512-token and a 2048-token prompt of one sequence, and a mixed step of 16
-//! 512-token prompts with 200 decodes at context 600 (the tensor-core kernel). Each is timed with
+//! 640 and 1500 (the decode kernel), a 512-token and a 2048-token prompt of one sequence, a
+//! mixed step of 16 512-token prompts with 200 decodes at context 600 (the tensor-core kernel),
+//! the same with the decodes first as the scheduler orders them, and 384 decodes at context
+//! 1500 before 8 1000-token prompts (a mixed step of the 1000-request benchmark). Each is timed with
 //! CUDA events around one call, best of 20 after a warm-up, and again as the mean of 32
 //! back-to-back calls (one per layer, as a model step issues them, sharing one metadata and so
 //! one work list; best of 3 such runs). Small cases cycle through 32 layers' worth of K/V so that
@@ -43,7 +45,12 @@ fn main() {
     println!("{:<42} {:>12} {:>12} {:>14} {:>14}", "case", "best us", "mean32 us", "best GB/s", "mean32 GB/s");
     let mut mixed = vec![(512, 512); 16];
     mixed.extend([(600, 1); 200]);
-    let cases: [(&str, Vec<(usize, usize)>); 7] = [
+    // As the scheduler orders a step: running requests' decodes first, then new prompts.
+    let mut decodes_first = vec![(600, 1); 200];
+    decodes_first.extend([(512, 512); 16]);
+    let mut full_step = vec![(1500, 1); 384];
+    full_step.extend([(1000, 1000); 8]);
+    let cases: [(&str, Vec<(usize, usize)>); 9] = [
         ("decode batch 1, context 384", vec![(384, 1)]),
         ("decode batch 1, context 4096", vec![(4096, 1)]),
         ("decode batch 256, context 640", vec![(640, 1); 256]),
@@ -51,6 +58,8 @@ fn main() {
         ("prefill 512 of one sequence", vec![(512, 512)]),
         ("prefill 2048 of one sequence", vec![(2048, 2048)]),
         ("mixed 16 x 512 prefill + 200 decodes @600", mixed),
+        ("mixed 200 decodes @600 + 16 x 512 prefill", decodes_first),
+        ("mixed 384 decodes @1500 + 8 x 1000 prefill", full_step),
     ];
     for (name, requests) in &cases {
         if let Err(e) = run_case(&gpu, name, requests) {

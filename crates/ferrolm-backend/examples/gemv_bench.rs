@@ -9,7 +9,7 @@
 //! Each shape's weights are cycled through in enough copies that one pass is several times the
 //! 50 MB L2 cache, so the reads come from device memory as in a decode step. A line gives the
 //! mean time per call over 64 back-to-back calls (best of 5 such runs) and the weight bytes read
-//! per call over that time.
+//! per call over that time. Last, the 8B projections but the LM head at 192, 384 and 8192 rows as TFLOP/s.
 
 use cudarc::driver::sys::CUevent_flags;
 use ferrolm_backend::cuda::{self, Gpu, GpuError, GpuTensor};
@@ -66,6 +66,31 @@ fn main() {
             Err(e) => eprintln!("{name} ksplit: {e}"),
         }
     }
+    // Many rows (cuBLAS): a batch of decodes and a prefill chunk, as compute rates.
+    println!();
+    println!("{:<34} {:>10} {:>10} {:>10}", "TFLOP/s (n x k), cuBLAS", "m 192", "384", "8192");
+    for (name, n, k) in shapes.into_iter().filter(|&(name, n, _)| name.starts_with("8b") && n != 128256) {
+        let rates: Result<Vec<f64>, GpuError> =
+            [192, 384, 8192].into_iter().map(|m| gemm_rate(&gpu, m, n, k)).collect();
+        match rates {
+            Ok(r) => println!("{:<34} {:>10.0} {:>10.0} {:>10.0}", format!("{name} ({n} x {k})"), r[0], r[1], r[2]),
+            Err(e) => eprintln!("{name} GEMM: {e}"),
+        }
+    }
+}
+
+/// TFLOP/s of `linear` at `m` rows (cuBLAS past a few rows), weights cycled as in `run`.
+fn gemm_rate(gpu: &Gpu, m: usize, n: usize, k: usize) -> Result<f64, GpuError> {
+    let copies = WORKING_SET.div_ceil(n * k * 2).clamp(1, 16);
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    let weights = (0..copies).map(|_| random_tensor(gpu, n * k, &mut seed)).collect::<Result<Vec<_>, _>>()?;
+    let x = random_tensor(gpu, m * k, &mut seed)?;
+    let out_dtype = if n == 128256 { DType::F32 } else { DType::BF16 };
+    let mut y = GpuTensor::zeros(gpu, out_dtype, m * n)?;
+    let t = best_mean(gpu, copies, |i| {
+        cuda::linear(gpu, x.view(), m, k, weights[i % copies].view(), n, None, y.view_mut())
+    })?;
+    Ok(2.0 * (m * n * k) as f64 / t / 1e12)
 }
 
 /// Random bf16 weights of `len` elements.
