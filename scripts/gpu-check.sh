@@ -109,6 +109,8 @@ FERROLM_CUDA_GRAPHS=0 bench "llama-3.1-8b latency, no graphs" l8b-latency-eager.
 # Sampled on the GPU (temperature, seeded) instead of greedy.
 bench "llama-3.1-8b latency, T=0.8" l8b-latency-sampled.json latency --model-config bench-configs/llama-3.1-8b.json \
     --input-len 128 --output-len 256 --num-iters 3 --temperature 0.8
+bench "llama-3.2-1b latency, T=0.8" l1b-latency-sampled.json latency --model-config bench-configs/llama-3.2-1b.json \
+    --input-len 128 --output-len 256 --num-iters 3 --temperature 0.8
 # Time to first token of a 2048-token prompt on an idle engine (one prefill chunk).
 bench "llama-3.1-8b TTFT 2048+1" l8b-ttft-2048.json latency --model-config bench-configs/llama-3.1-8b.json \
     --input-len 2048 --output-len 1 --num-iters 5 --max-num-batched-tokens 4096
