@@ -6,10 +6,9 @@
 //! lists concatenated (`[entries]` [`Adjust`], each row pointing at its own) through a
 //! [`StagedBuffer`], a launch of a block per 4096 logits for the raw statistics (max, argmax, sum
 //! of exponentials: the one pass every row needs; done by the row's own block it took ~60 us of
-//! a batch-1 decode step over a 128k vocabulary), a launch of a block per row for the rest, and
-//! one download of `[rows]` [`RowResult`]s into pinned memory. Rows that sample (or that penalize
-//! or mask) get a row of scratch for their processed scores, which the statistics pass fills
-//! with the logits. The staging, scratch and result buffers are kept and grown, so a steady
+//! a batch-1 decode step over a 128k vocabulary), a launch of a block per row for the rest, and one
+//! download of `[rows]` [`RowResult`]s into pinned memory. Rows that sample (or that penalize or mask) get a row of scratch for their
+//! processed scores. The staging, scratch and result buffers are kept and grown, so a steady
 //! batch allocates nothing.
 //!
 //! [`GpuSampler::launch`] only queues that work; [`GpuSampler::collect`] waits for the oldest
@@ -247,7 +246,7 @@ impl GpuSampler {
         if scratch_len > 0 && self.scratch.as_ref().is_none_or(|s| s.len() < scratch_len) {
             self.scratch = None; // freed before the larger one is taken
             let len = (scratch_rows as usize).next_power_of_two() * vocab;
-            // SAFETY: logit_stats writes each element of a row's scratch before sample_rows reads it.
+            // SAFETY: the kernel writes each element of a row's scratch before it reads it.
             self.scratch = Some(unsafe { gpu.stream().alloc::<f32>(len) }?);
         }
         if self.results.as_ref().is_none_or(|r| r.len() < rows.len()) {
@@ -266,16 +265,15 @@ impl GpuSampler {
 
         let logits_ptr = logits.ptr();
         let stats_ptr = gpu.index_ptr(self.stats.as_ref().expect("allocated above"));
-        let scratch_ptr = self.scratch.as_ref().map_or(0, |s| gpu.index_ptr(s));
         let chunks_u32 = to_u32("sample_rows", "chunks", chunks);
         let mut launch = gpu.launch_builder("logit_stats", logits.dtype());
-        launch.arg(&logits_ptr).arg(&vocab_u32).arg(&chunks_u32).arg(&stats_ptr).arg(&params_ptr).arg(&scratch_ptr);
+        launch.arg(&logits_ptr).arg(&vocab_u32).arg(&chunks_u32).arg(&stats_ptr);
         let cfg =
             LaunchConfig { grid_dim: (num_rows, chunks_u32, 1), block_dim: (STATS_THREADS, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: `rows` rows of `vocab` logits, room for `[rows, chunks]` statistics, and
-        // parameter rows whose scratch rows lie in `scratch` (the kernel copies those rows there).
+        // SAFETY: `rows` rows of `vocab` logits, and room for `[rows, chunks]` statistics.
         unsafe { launch.launch(cfg) }?;
 
+        let scratch_ptr = self.scratch.as_ref().map_or(0, |s| gpu.index_ptr(s));
         let results_ptr = gpu.index_ptr(&*results);
         let mut launch = gpu.launch_builder("sample_rows", logits.dtype());
         launch.arg(&logits_ptr).arg(&vocab_u32).arg(&stats_ptr).arg(&chunks_u32);

@@ -147,30 +147,6 @@ __device__ __forceinline__ u64 block_max_k(u64 v, SampleSmem& sm) {
     return block_reduce(v, sm.red_k, [](u64 a, u64 b) { return a > b ? a : b; });
 }
 
-// Consecutive SAMPLE_THREADS-strided ids per thread in a pass over the row (row_pass).
-#define PASS_ITEMS 6
-
-// `f(i, load(i))` for every id of the row, each thread taking ids threadIdx.x, + SAMPLE_THREADS,
-// ... in that order (so sums in `f` are those of a plain strided loop), PASS_ITEMS ids' loads at
-// a time before any of them is used: one thread's loads of a pass are then 21 round trips to
-// the L2 over a 128k vocabulary instead of 125. (8 at a time spills registers of sample_rows.)
-template <typename Load, typename F>
-__device__ __forceinline__ void row_pass(u32 vocab, Load load, F f) {
-    for (u32 base = threadIdx.x; base < vocab; base += SAMPLE_THREADS * PASS_ITEMS) {
-        float x[PASS_ITEMS];
-#pragma unroll
-        for (int j = 0; j < PASS_ITEMS; j++) {
-            const u32 i = base + j * SAMPLE_THREADS;
-            x[j] = i < vocab ? load(i) : 0.f;
-        }
-#pragma unroll
-        for (int j = 0; j < PASS_ITEMS; j++) {
-            const u32 i = base + j * SAMPLE_THREADS;
-            if (i < vocab) f(i, x[j]);
-        }
-    }
-}
-
 // Exclusive prefix sum over the block in thread order; `*total` gets the sum of all. Fixed order.
 template <typename T>
 __device__ __forceinline__ T block_exclusive_scan(T v, T* red, T* total) {
@@ -401,12 +377,13 @@ template <typename Score>
 __device__ u32 greedy_pick(u32 vocab, Score score, SampleSmem& sm) {
     float best = NEG_INF;
     u32 best_id = NO_ID;
-    row_pass(vocab, score, [&](u32 i, float s) {
+    for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const float s = score(i);
         if (s != NEG_INF && s > best) {
             best = s;
             best_id = i;
         }
-    });
+    }
     return greedy_reduce(best, best_id, sm);
 }
 
@@ -416,13 +393,13 @@ __device__ u32 random_pick(u32 vocab, float* sc, SampleSmem& sm, u32* hist_count
     // Candidates: scores above -inf.
     u32 count = 0;
     float top = NEG_INF;
-    auto score = [&](u32 i) { return sanitize(sc[i]); };
-    row_pass(vocab, score, [&](u32, float s) {
+    for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const float s = sanitize(sc[i]);
         if (s != NEG_INF) {
             ++count;
             top = fmaxf(top, s);
         }
-    });
+    }
     count = block_sum_u(count, sm);
     top = block_max_f(top, sm);
     if (count == 0) return NO_ID;
@@ -448,8 +425,8 @@ __device__ u32 random_pick(u32 vocab, float* sc, SampleSmem& sm, u32* hist_count
     u32 kept = 0;
     double total = 0.0;
     float max_w = 0.f;
-    // Each thread writes only ids it has just read.
-    row_pass(vocab, score, [&](u32 i, float s) {
+    for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const float s = sanitize(sc[i]);
         const u32 key = order_key(s);
         const bool keep = s != NEG_INF && (!k_on || key > k_key || (key == k_key && i <= k_cut));
         float w = -1.f;
@@ -460,7 +437,7 @@ __device__ u32 random_pick(u32 vocab, float* sc, SampleSmem& sm, u32* hist_count
             max_w = fmaxf(max_w, w);
         }
         sc[i] = w;
-    });
+    }
     kept = block_sum_u(kept, sm);
     total = block_sum_d(total, sm);
     max_w = block_max_f(max_w, sm);
@@ -499,21 +476,21 @@ __device__ u32 random_pick(u32 vocab, float* sc, SampleSmem& sm, u32* hist_count
     };
     double drawn = 0.0;
     u32 last = 0;  // 1 + the last weighted id
-    row_pass(vocab, weight, [&](u32 i, float w) {
+    for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const float w = weight(i);
         if (w > 0.f) {
             drawn += (double)w;
             last = i + 1;
         }
-    });
+    }
     drawn = block_sum_d(drawn, sm);
     last = block_max_u(last, sm);
     const u32 hit = draw_in_id_order(vocab, weight, p.u * drawn, sm);
     return hit != NO_ID ? hit : (last == 0 ? NO_ID : last - 1);
 }
 
-// The raw statistics of a row, the first pass over it, spread over blocks of STATS_THREADS
-// (which also copy it to its scratch row, if it has one): for chunk c (ids
-// [c * STATS_CHUNK, (c + 1) * STATS_CHUNK)), the max of the non-NaN logits, the
+// The raw statistics of a row, the first pass over it, spread over blocks of STATS_THREADS: for
+// chunk c (ids [c * STATS_CHUNK, (c + 1) * STATS_CHUNK)), the max of the non-NaN logits, the
 // greedy best (largest sanitized score, lowest id on ties; NO_ID if all are -inf) and the sum of
 // expf(x - chunk max) over the non-NaN logits in f64 (0 unless the chunk max is finite).
 // sample_rows merges a row's chunks in chunk order: the chunks are fixed by the vocabulary alone,
@@ -530,11 +507,9 @@ struct ChunkStats {
     double sum;
 };
 
-// logits: [rows, vocab]; stats: [rows, chunks]; rows, scratch: as sample_rows's (a row with a
-// scratch row gets its logits copied there). Grid: (rows, chunks).
+// logits: [rows, vocab]; stats: [rows, chunks]. Grid: (rows, chunks).
 template <typename T>
-__device__ __forceinline__ void logit_stats_impl(const T* logits, u32 vocab, u32 chunks, ChunkStats* stats,
-                                                 const SampleRow* rows, float* scratch) {
+__device__ __forceinline__ void logit_stats_impl(const T* logits, u32 vocab, u32 chunks, ChunkStats* stats) {
     __shared__ float red_f[STATS_WARPS];
     __shared__ u32 red_i[STATS_WARPS];
     __shared__ double red_d[STATS_WARPS];
@@ -546,15 +521,6 @@ __device__ __forceinline__ void logit_stats_impl(const T* logits, u32 vocab, u32
     for (int j = 0; j < STATS_ITEMS; j++) {
         const u32 i = first + j * STATS_THREADS;
         x[j] = i < vocab ? to_float(raw[i]) : __int_as_float(0x7fc00000);
-    }
-    const u32 scratch_row = rows[blockIdx.x].scratch_row;
-    if (scratch_row != NO_ID) {
-        float* sc = scratch + (u64)scratch_row * vocab;
-#pragma unroll
-        for (int j = 0; j < STATS_ITEMS; j++) {
-            const u32 i = first + j * STATS_THREADS;
-            if (i < vocab) sc[i] = x[j];
-        }
     }
     float mx = NEG_INF, best = NEG_INF;
     u32 best_id = NO_ID;
@@ -588,11 +554,10 @@ __device__ __forceinline__ void logit_stats_impl(const T* logits, u32 vocab, u32
 }
 
 #define LOGIT_STATS(T, S) \
-    extern "C" __global__ void __launch_bounds__(STATS_THREADS) \
-        logit_stats_##S(const T* logits, u32 vocab, u32 chunks, ChunkStats* stats, const SampleRow* rows, \
-                        float* scratch) { \
+    extern "C" __global__ void __launch_bounds__(STATS_THREADS) logit_stats_##S(const T* logits, u32 vocab, \
+                                                                                u32 chunks, ChunkStats* stats) { \
         pdl_enter(); \
-        logit_stats_impl<T>(logits, vocab, chunks, stats, rows, scratch); \
+        logit_stats_impl<T>(logits, vocab, chunks, stats); \
     }
 FOR_EACH_DTYPE(LOGIT_STATS)
 
@@ -615,8 +580,11 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
     float* sc = p.scratch_row == NO_ID ? nullptr : scratch + (u64)p.scratch_row * vocab;
     SampleOut* o = out + blockIdx.x;
 
-    // The row's raw statistics from its chunks' (logit_stats, which also copied the logits of a
-    // row with a scratch row there); a greedy row with nothing to adjust also has its argmax.
+    // The row's raw statistics from its chunks' (logit_stats); a greedy row with nothing to
+    // adjust also has its argmax from them. Rows with a scratch row copy the logits there.
+    if (sc != nullptr) {
+        for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) sc[i] = to_float(raw[i]);
+    }
     const ChunkStats* st = stats + (u64)blockIdx.x * chunks;
     float max = NEG_INF, best = NEG_INF;
     u32 best_id = NO_ID;
@@ -652,10 +620,10 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
             continue;
         }
         u64 best = 0;
-        row_pass(vocab, [&](u32 i) { return to_float(raw[i]); }, [&](u32 i, float x) {
-            const u64 k = rank_key(x, i);
+        for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+            const u64 k = rank_key(to_float(raw[i]), i);
             if (k < prev && k > best) best = k;
-        });
+        }
         best = block_max_k(best, sm);
         prev = best;
         if (threadIdx.x == 0) {
@@ -668,7 +636,7 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
     u32 token = p.token;
     if (p.mode != SAMPLE_LOGPROBS) {
         if (sc != nullptr) {
-            // logit_stats copied the row before this kernel's wait returned.
+            // The block reductions above ordered the copy before these writes.
             for (u32 j = threadIdx.x; j < p.adjust_len; j += SAMPLE_THREADS) {
                 const SampleAdjust a = adjusts[p.adjust_start + j];
                 if (a.token < vocab) sc[a.token] = adjust_logit(to_float(raw[a.token]), a, p);
