@@ -44,6 +44,7 @@ const KERNELS: &[&str] = &[
     "paged_attention_decode_g4",
     "paged_attention_decode_g8",
     "logit_stats",
+    "sample_weights",
     "sample_rows",
     "sampled_tokens",
     "gemv_m1",

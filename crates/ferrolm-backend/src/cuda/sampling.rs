@@ -127,6 +127,25 @@ struct ChunkStats {
 
 const _: () = assert!(std::mem::size_of::<ChunkStats>() == 24);
 
+/// One chunk's weights of a row that samples without adjustments or top-k, written by
+/// `sample_weights` and read by `sample_rows` only: `ChunkWeights` in sampling.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+struct ChunkWeights {
+    kept: u32,
+    last: u32,
+    max_w: f32,
+    _pad: f32,
+    total: f64,
+}
+
+const _: () = assert!(std::mem::size_of::<ChunkWeights>() == 24);
+
+// SAFETY: as above.
+unsafe impl DeviceRepr for ChunkWeights {}
+// SAFETY: u32, f32 and f64 fields only: all zero bits is a valid value.
+unsafe impl cudarc::driver::ValidAsZeroBits for ChunkWeights {}
+
 // SAFETY: as above.
 unsafe impl DeviceRepr for ChunkStats {}
 // SAFETY: u32, f32 and f64 fields only: all zero bits is a valid value.
@@ -158,6 +177,8 @@ pub struct GpuSampler {
     results: Option<CudaSlice<RowResult>>,
     /// `[capacity]` chunks' statistics, `[rows, chunks]` per launch.
     stats: Option<CudaSlice<ChunkStats>>,
+    /// `[capacity]` chunks' weights, `[rows, chunks]` per launch with a sampled row.
+    weights: Option<CudaSlice<ChunkWeights>>,
     /// The rows' parameters and adjustments, built on the host and sent in one copy.
     params: Vec<RowParams>,
     adjusts: Vec<Adjust>,
@@ -261,6 +282,12 @@ impl GpuSampler {
             // reads them.
             self.stats = Some(unsafe { gpu.stream().alloc::<ChunkStats>(stats_len.next_power_of_two()) }?);
         }
+        let sampled = self.params.iter().any(|p| p.mode == MODE_RANDOM);
+        if sampled && self.weights.as_ref().is_none_or(|w| w.len() < stats_len) {
+            self.weights = None;
+            // SAFETY: `sample_weights` writes every chunk of the rows `sample_rows` reads them of.
+            self.weights = Some(unsafe { gpu.stream().alloc::<ChunkWeights>(stats_len.next_power_of_two()) }?);
+        }
         let results = self.results.as_mut().expect("allocated above");
 
         let logits_ptr = logits.ptr();
@@ -274,9 +301,24 @@ impl GpuSampler {
         unsafe { launch.launch(cfg) }?;
 
         let scratch_ptr = self.scratch.as_ref().map_or(0, |s| gpu.index_ptr(s));
+        // The weights of rows that sample without adjustments or top-k, many blocks per row; none
+        // when every row is greedy (sample_rows then takes a null pointer).
+        let weights_ptr = match (sampled, &self.weights) {
+            (true, Some(weights)) => {
+                let weights_ptr = gpu.index_ptr(weights);
+                let mut launch = gpu.launch_builder("sample_weights", logits.dtype());
+                launch.arg(&logits_ptr).arg(&vocab_u32).arg(&chunks_u32).arg(&stats_ptr);
+                launch.arg(&params_ptr).arg(&scratch_ptr).arg(&weights_ptr);
+                // SAFETY: as logit_stats, then its statistics, parameter rows whose scratch rows
+                // lie in `scratch` (every sampled row has one), and room for `[rows, chunks]`.
+                unsafe { launch.launch(cfg) }?;
+                weights_ptr
+            }
+            _ => 0,
+        };
         let results_ptr = gpu.index_ptr(&*results);
         let mut launch = gpu.launch_builder("sample_rows", logits.dtype());
-        launch.arg(&logits_ptr).arg(&vocab_u32).arg(&stats_ptr).arg(&chunks_u32);
+        launch.arg(&logits_ptr).arg(&vocab_u32).arg(&stats_ptr).arg(&weights_ptr).arg(&chunks_u32);
         launch.arg(&params_ptr).arg(&adjusts_ptr).arg(&scratch_ptr).arg(&results_ptr);
         let cfg = LaunchConfig {
             grid_dim: (num_rows, 1, 1),

@@ -13,7 +13,8 @@
 //   u * total, or the last weighted id.
 //
 // The first pass over a row (max, argmax, sum of exponentials) runs in logit_stats, many blocks
-// per row; then one block of SAMPLE_THREADS per row does the rest. Thresholds are found by radix
+// per row, and so do the weights of rows that sample without adjustments or top-k
+// (sample_weights); then one block of SAMPLE_THREADS per row does the rest. Thresholds are found by radix
 // select, 8 bits a pass, over per-warp histograms in dynamic shared memory ([warps, 256] u32
 // counts, then [warps, 256] f64 masses). Every sum and scan runs in a fixed order (no floating-point atomics), so a row's result
 // depends on nothing but the row and its parameters. Sums are f64 as on the host but in another
@@ -146,6 +147,161 @@ __device__ __forceinline__ u32 block_min_u(u32 v, SampleSmem& sm) {
 __device__ __forceinline__ u64 block_max_k(u64 v, SampleSmem& sm) {
     return block_reduce(v, sm.red_k, [](u64 a, u64 b) { return a > b ? a : b; });
 }
+
+// The raw statistics of a row, the first pass over it, spread over blocks of STATS_THREADS: for
+// chunk c (ids [c * STATS_CHUNK, (c + 1) * STATS_CHUNK)), the max of the non-NaN logits, the
+// greedy best (largest sanitized score, lowest id on ties; NO_ID if all are -inf) and the sum of
+// expf(x - chunk max) over the non-NaN logits in f64 (0 unless the chunk max is finite).
+// sample_rows merges a row's chunks in chunk order: the chunks are fixed by the vocabulary alone,
+// so a row's result still depends on nothing but the row.
+#define STATS_THREADS 256
+#define STATS_WARPS (STATS_THREADS / 32)
+#define STATS_ITEMS 16
+#define STATS_CHUNK (STATS_THREADS * STATS_ITEMS)
+
+// Mirrors `ChunkStats` in sampling.rs.
+struct ChunkStats {
+    float max, best;
+    u32 best_id, pad;
+    double sum;
+};
+
+// logits: [rows, vocab]; stats: [rows, chunks]. Grid: (rows, chunks).
+template <typename T>
+__device__ __forceinline__ void logit_stats_impl(const T* logits, u32 vocab, u32 chunks, ChunkStats* stats) {
+    __shared__ float red_f[STATS_WARPS];
+    __shared__ u32 red_i[STATS_WARPS];
+    __shared__ double red_d[STATS_WARPS];
+    const T* raw = logits + (u64)blockIdx.x * vocab;
+    const u32 first = blockIdx.y * STATS_CHUNK + threadIdx.x;
+    // Every load in flight at once; ids past the vocabulary read as NaN, which nothing counts.
+    float x[STATS_ITEMS];
+#pragma unroll
+    for (int j = 0; j < STATS_ITEMS; j++) {
+        const u32 i = first + j * STATS_THREADS;
+        x[j] = i < vocab ? to_float(raw[i]) : __int_as_float(0x7fc00000);
+    }
+    float mx = NEG_INF, best = NEG_INF;
+    u32 best_id = NO_ID;
+#pragma unroll
+    for (int j = 0; j < STATS_ITEMS; j++) {
+        if (!isnan(x[j])) mx = fmaxf(mx, x[j]);
+        const float s = sanitize(x[j]);
+        if (s != NEG_INF && s > best) {
+            best = s;
+            best_id = first + j * STATS_THREADS;
+        }
+    }
+    auto max_f = [](float a, float b) { return fmaxf(a, b); };
+    mx = block_reduce<float, decltype(max_f), STATS_WARPS>(mx, red_f, max_f);
+    const float top = block_reduce<float, decltype(max_f), STATS_WARPS>(best, red_f, max_f);
+    auto min_u = [](u32 a, u32 b) { return min(a, b); };
+    best_id = block_reduce<u32, decltype(min_u), STATS_WARPS>(best == top ? best_id : NO_ID, red_i, min_u);
+    double sum = 0.0;
+    if (isfinite(mx)) {
+        // Terms in f32 (x - max <= 0, so each is in [0, 1] to a few ulp), summed in f64.
+#pragma unroll
+        for (int j = 0; j < STATS_ITEMS; j++) {
+            if (!isnan(x[j])) sum += (double)expf(x[j] - mx);
+        }
+        auto add_d = [](double a, double b) { return a + b; };
+        sum = block_reduce<double, decltype(add_d), STATS_WARPS>(sum, red_d, add_d);
+    }
+    if (threadIdx.x == 0) {
+        stats[(u64)blockIdx.x * chunks + blockIdx.y] = {mx, top, best_id, 0u, sum};
+    }
+}
+
+#define LOGIT_STATS(T, S) \
+    extern "C" __global__ void __launch_bounds__(STATS_THREADS) logit_stats_##S(const T* logits, u32 vocab, \
+                                                                                u32 chunks, ChunkStats* stats) { \
+        pdl_enter(); \
+        logit_stats_impl<T>(logits, vocab, chunks, stats); \
+    }
+FOR_EACH_DTYPE(LOGIT_STATS)
+
+// Mirrors `ChunkWeights` in sampling.rs.
+struct ChunkWeights {
+    u32 kept;  // ids with a weight (scores above -inf)
+    u32 last;  // 1 + the last id of a weight above 0; 0 if none
+    float max_w, pad;
+    double total;  // their weights' sum, in thread order then the block's fixed order
+};
+
+// Chunks a plain_random row may have (sample_rows adds their totals in shared memory).
+#define PLAIN_MAX_CHUNKS (SAMPLE_WARPS * RADIX_BINS)
+
+// A row that samples from its raw scores (nothing to adjust) without top-k (0, or at least the
+// vocabulary: never below the candidate count): its weights are spread over many blocks
+// (sample_weights) instead of one row-long pass of its sample_rows block.
+__device__ __forceinline__ bool plain_random(const SampleRow& p, u32 vocab, u32 chunks) {
+    return p.mode == SAMPLE_RANDOM && p.adjust_len == 0 && (p.top_k == 0 || p.top_k >= vocab) &&
+           chunks <= PLAIN_MAX_CHUNKS;
+}
+
+// For a plain_random row, what random_pick's weights pass computes, chunk by chunk: weight
+// temper(s, top, T) of each score s above -inf (top: the row's largest, from logit_stats's
+// chunks), -1 for the others, written to the row's scratch; and the chunk's ChunkWeights.
+// Other rows return at once. Grid: (rows, chunks), STATS_THREADS; arguments as logit_stats's,
+// then the statistics it wrote, the rows' parameters, the scratch rows and out: [rows, chunks].
+template <typename T>
+__device__ __forceinline__ void sample_weights_impl(const T* logits, u32 vocab, u32 chunks, const ChunkStats* stats,
+                                                    const SampleRow* rows, float* scratch, ChunkWeights* out) {
+    __shared__ float red_f[STATS_WARPS];
+    __shared__ u32 red_i[STATS_WARPS];
+    __shared__ double red_d[STATS_WARPS];
+    const SampleRow& p = rows[blockIdx.x];
+    if (!plain_random(p, vocab, chunks)) return;
+    auto max_f = [](float a, float b) { return fmaxf(a, b); };
+    auto max_u = [](u32 a, u32 b) { return max(a, b); };
+    auto add_u = [](u32 a, u32 b) { return a + b; };
+    auto add_d = [](double a, double b) { return a + b; };
+    const ChunkStats* st = stats + (u64)blockIdx.x * chunks;
+    float top = NEG_INF;
+    for (u32 c = threadIdx.x; c < chunks; c += STATS_THREADS) top = fmaxf(top, st[c].best);
+    top = block_reduce<float, decltype(max_f), STATS_WARPS>(top, red_f, max_f);
+    // A row of nothing but -inf and NaN has no weights: sample_rows returns before reading any.
+    const T* raw = logits + (u64)blockIdx.x * vocab;
+    float* sc = scratch + (u64)p.scratch_row * vocab;
+    const u32 first = blockIdx.y * STATS_CHUNK + threadIdx.x;
+    float x[STATS_ITEMS];
+#pragma unroll
+    for (int j = 0; j < STATS_ITEMS; j++) {
+        const u32 i = first + j * STATS_THREADS;
+        x[j] = i < vocab ? to_float(raw[i]) : NEG_INF;
+    }
+    u32 kept = 0, last = 0;
+    float max_w = 0.f;
+    double total = 0.0;
+#pragma unroll
+    for (int j = 0; j < STATS_ITEMS; j++) {
+        const u32 i = first + j * STATS_THREADS;
+        const float s = sanitize(x[j]);
+        float w = -1.f;
+        if (s != NEG_INF && top != NEG_INF) {
+            w = temper(s, top, p.temperature);
+            ++kept;
+            total += (double)w;
+            max_w = fmaxf(max_w, w);
+            if (w > 0.f) last = i + 1;
+        }
+        if (i < vocab) sc[i] = w;
+    }
+    kept = block_reduce<u32, decltype(add_u), STATS_WARPS>(kept, red_i, add_u);
+    last = block_reduce<u32, decltype(max_u), STATS_WARPS>(last, red_i, max_u);
+    max_w = block_reduce<float, decltype(max_f), STATS_WARPS>(max_w, red_f, max_f);
+    total = block_reduce<double, decltype(add_d), STATS_WARPS>(total, red_d, add_d);
+    if (threadIdx.x == 0) out[(u64)blockIdx.x * chunks + blockIdx.y] = {kept, last, max_w, 0.f, total};
+}
+
+#define SAMPLE_WEIGHTS(T, S) \
+    extern "C" __global__ void __launch_bounds__(STATS_THREADS) \
+        sample_weights_##S(const T* logits, u32 vocab, u32 chunks, const ChunkStats* stats, const SampleRow* rows, \
+                           float* scratch, ChunkWeights* out) { \
+        pdl_enter(); \
+        sample_weights_impl<T>(logits, vocab, chunks, stats, rows, scratch, out); \
+    }
+FOR_EACH_DTYPE(SAMPLE_WEIGHTS)
 
 // Exclusive prefix sum over the block in thread order; `*total` gets the sum of all. Fixed order.
 template <typename T>
@@ -334,13 +490,14 @@ __device__ u32 nth_in_id_order(u32 vocab, Pred pred, u32 m, SampleSmem& sm) {
     return sm.found;
 }
 
-// The first id (in id order) whose cumulative weight exceeds `target`, weights `weight(i)` (0 for
-// ids out of the draw); NO_ID if none. A thread whose share looks like it crosses but whose own
-// running sum does not (rounding) answers with its last weighted id.
+// The first id (in id order, from `from`) whose cumulative weight exceeds `target`, the ids below
+// `from` weighing `before` together, weights `weight(i)` (0 for ids out of the draw); NO_ID if
+// none. A thread whose share looks like it crosses but whose own running sum does not (rounding)
+// answers with its last weighted id.
 template <typename Weight>
-__device__ u32 draw_in_id_order(u32 vocab, Weight weight, double target, SampleSmem& sm) {
-    double before = 0.0;
-    for (u32 base = 0; base < vocab; base += SAMPLE_THREADS * SCAN_ITEMS) {
+__device__ u32 draw_in_id_order(u32 vocab, Weight weight, double target, SampleSmem& sm, u32 from = 0,
+                                double before = 0.0) {
+    for (u32 base = from; base < vocab; base += SAMPLE_THREADS * SCAN_ITEMS) {
         const u32 first = base + threadIdx.x * SCAN_ITEMS;
         double local = 0.0;
         for (u32 j = 0; j < SCAN_ITEMS; ++j) local += first + j < vocab ? (double)weight(first + j) : 0.0;
@@ -387,9 +544,121 @@ __device__ u32 greedy_pick(u32 vocab, Score score, SampleSmem& sm) {
     return greedy_reduce(best, best_id, sm);
 }
 
-// The non-greedy choice for the row whose processed scores are in `sc` (overwritten with weights).
-__device__ u32 random_pick(u32 vocab, float* sc, SampleSmem& sm, u32* hist_count, double* hist_sum) {
+// top-p, min-p and the draw over the weights in `sc` (-1 for ids out of the draw): `kept`
+// weighted ids of `total` weight, the largest `max_w`.
+__device__ u32 filtered_pick(u32 vocab, float* sc, SampleSmem& sm, u32* hist_count, double* hist_sum, u32 kept,
+                             double total, float max_w) {
     const SampleRow& p = sm.p;
+    // top-p: keep weights above p_key, and those equal to it up to id p_cut.
+    const bool p_on = p.top_p < 1.f && kept > 1;
+    u32 p_key = 0, p_cut = NO_ID;
+    if (p_on) {
+        const double target = (double)p.top_p * total;
+        auto survivor = [&](u32 i, u32& key, double& mass) {
+            const float w = sc[i];
+            key = __float_as_uint(w);
+            mass = (double)w;
+            return w >= 0.f;
+        };
+        p_key = radix_select<true>(vocab, survivor, 0, target, sm, hist_count, hist_sum);
+        const float tie_w = __uint_as_float(p_key);
+        const u32 ties = sm.ties;
+        u32 take = ties;
+        if (tie_w > 0.f) {
+            const double q = ceil((target - sm.mass) / (double)tie_w);
+            take = q < 1.0 ? 1u : (q < (double)ties ? (u32)q : ties);
+        }
+        p_cut = nth_in_id_order(vocab, [&](u32 i) { return sc[i] >= 0.f && __float_as_uint(sc[i]) == p_key; }, take, sm);
+    }
+
+    // min-p, then the draw over what is left, in id order.
+    const float min_w = p.min_p > 0.f ? __fmul_rn(p.min_p, max_w) : 0.f;
+    auto weight = [&](u32 i) {
+        const float w = sc[i];
+        if (w < 0.f) return 0.f;
+        const u32 key = __float_as_uint(w);
+        if (p_on && (key < p_key || (key == p_key && i > p_cut))) return 0.f;
+        if (p.min_p > 0.f && w < min_w) return 0.f;
+        return w;
+    };
+    double drawn = 0.0;
+    u32 last = 0;  // 1 + the last weighted id
+    for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+        const float w = weight(i);
+        if (w > 0.f) {
+            drawn += (double)w;
+            last = i + 1;
+        }
+    }
+    drawn = block_sum_d(drawn, sm);
+    last = block_max_u(last, sm);
+    const u32 hit = draw_in_id_order(vocab, weight, p.u * drawn, sm);
+    return hit != NO_ID ? hit : (last == 0 ? NO_ID : last - 1);
+}
+// The choice of a plain_random row, whose weights and chunk sums sample_weights wrote. Without
+// top-p and min-p the draw needs no pass over the row: the chunk sums, added in chunk order,
+// give the total and the chunk where u * total is reached, and the draw scans from there.
+__device__ u32 plain_pick(u32 vocab, float* sc, SampleSmem& sm, u32* hist_count, double* hist_sum,
+                          const ChunkWeights* cw, u32 chunks) {
+    const SampleRow& p = sm.p;
+    u32 kept = 0, last = 0;
+    float max_w = 0.f;
+    double* totals = hist_sum;  // [chunks], free until a radix select
+    for (u32 c = threadIdx.x; c < chunks; c += SAMPLE_THREADS) {
+        const ChunkWeights w = cw[c];
+        kept += w.kept;
+        last = max(last, w.last);
+        max_w = fmaxf(max_w, w.max_w);
+        totals[c] = w.total;
+    }
+    kept = block_sum_u(kept, sm);
+    last = block_max_u(last, sm);
+    max_w = block_max_f(max_w, sm);
+    if (kept == 0) return NO_ID;
+    if (threadIdx.x == 0) {
+        double total = 0.0;
+        for (u32 c = 0; c < chunks; ++c) total += totals[c];
+        sm.mass = total;
+    }
+    __syncthreads();
+    const double total = sm.mass;
+    if ((p.top_p < 1.f && kept > 1) || p.min_p > 0.f) {
+        return filtered_pick(vocab, sc, sm, hist_count, hist_sum, kept, total, max_w);
+    }
+    // Every weight is in the draw (those of 0 add nothing).
+    const double target = p.u * total;
+    __syncthreads();  // every thread has read sm.mass
+    if (threadIdx.x == 0) {
+        double before = 0.0;
+        u32 from = NO_ID;
+        for (u32 c = 0; c < chunks; ++c) {
+            if (before + totals[c] > target) {
+                from = c;
+                break;
+            }
+            before += totals[c];
+        }
+        sm.found = from;
+        sm.mass = before;
+    }
+    __syncthreads();
+    const u32 from = sm.found;
+    const double before = sm.mass;
+    u32 hit = NO_ID;
+    if (from != NO_ID) {
+        auto weight = [&](u32 i) { return fmaxf(sc[i], 0.f); };
+        hit = draw_in_id_order(vocab, weight, target, sm, from * STATS_CHUNK, before);
+    }
+    return hit != NO_ID ? hit : (last == 0 ? NO_ID : last - 1);
+}
+
+// The non-greedy choice for the row whose processed scores are in `sc` (overwritten with weights),
+// or, for a plain_random row (`cw` not null), whose weights sample_weights wrote there with each
+// chunk's sums in `cw` ([chunks]).
+__device__ u32 random_pick(u32 vocab, float* sc, SampleSmem& sm, u32* hist_count, double* hist_sum,
+                           const ChunkWeights* cw, u32 chunks) {
+    const SampleRow& p = sm.p;
+    if (cw != nullptr) return plain_pick(vocab, sc, sm, hist_count, hist_sum, cw, chunks);
     // Candidates: scores above -inf.
     u32 count = 0;
     float top = NEG_INF;
@@ -441,134 +710,18 @@ __device__ u32 random_pick(u32 vocab, float* sc, SampleSmem& sm, u32* hist_count
     kept = block_sum_u(kept, sm);
     total = block_sum_d(total, sm);
     max_w = block_max_f(max_w, sm);
-
-    // top-p: keep weights above p_key, and those equal to it up to id p_cut.
-    const bool p_on = p.top_p < 1.f && kept > 1;
-    u32 p_key = 0, p_cut = NO_ID;
-    if (p_on) {
-        const double target = (double)p.top_p * total;
-        auto survivor = [&](u32 i, u32& key, double& mass) {
-            const float w = sc[i];
-            key = __float_as_uint(w);
-            mass = (double)w;
-            return w >= 0.f;
-        };
-        p_key = radix_select<true>(vocab, survivor, 0, target, sm, hist_count, hist_sum);
-        const float tie_w = __uint_as_float(p_key);
-        const u32 ties = sm.ties;
-        u32 take = ties;
-        if (tie_w > 0.f) {
-            const double q = ceil((target - sm.mass) / (double)tie_w);
-            take = q < 1.0 ? 1u : (q < (double)ties ? (u32)q : ties);
-        }
-        p_cut = nth_in_id_order(vocab, [&](u32 i) { return sc[i] >= 0.f && __float_as_uint(sc[i]) == p_key; }, take, sm);
-    }
-
-    // min-p, then the draw over what is left, in id order.
-    const float min_w = p.min_p > 0.f ? __fmul_rn(p.min_p, max_w) : 0.f;
-    auto weight = [&](u32 i) {
-        const float w = sc[i];
-        if (w < 0.f) return 0.f;
-        const u32 key = __float_as_uint(w);
-        if (p_on && (key < p_key || (key == p_key && i > p_cut))) return 0.f;
-        if (p.min_p > 0.f && w < min_w) return 0.f;
-        return w;
-    };
-    double drawn = 0.0;
-    u32 last = 0;  // 1 + the last weighted id
-    for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
-        const float w = weight(i);
-        if (w > 0.f) {
-            drawn += (double)w;
-            last = i + 1;
-        }
-    }
-    drawn = block_sum_d(drawn, sm);
-    last = block_max_u(last, sm);
-    const u32 hit = draw_in_id_order(vocab, weight, p.u * drawn, sm);
-    return hit != NO_ID ? hit : (last == 0 ? NO_ID : last - 1);
+    return filtered_pick(vocab, sc, sm, hist_count, hist_sum, kept, total, max_w);
 }
 
-// The raw statistics of a row, the first pass over it, spread over blocks of STATS_THREADS: for
-// chunk c (ids [c * STATS_CHUNK, (c + 1) * STATS_CHUNK)), the max of the non-NaN logits, the
-// greedy best (largest sanitized score, lowest id on ties; NO_ID if all are -inf) and the sum of
-// expf(x - chunk max) over the non-NaN logits in f64 (0 unless the chunk max is finite).
-// sample_rows merges a row's chunks in chunk order: the chunks are fixed by the vocabulary alone,
-// so a row's result still depends on nothing but the row.
-#define STATS_THREADS 256
-#define STATS_WARPS (STATS_THREADS / 32)
-#define STATS_ITEMS 16
-#define STATS_CHUNK (STATS_THREADS * STATS_ITEMS)
-
-// Mirrors `ChunkStats` in sampling.rs.
-struct ChunkStats {
-    float max, best;
-    u32 best_id, pad;
-    double sum;
-};
-
-// logits: [rows, vocab]; stats: [rows, chunks]. Grid: (rows, chunks).
+// logits: [rows, vocab]; stats: [rows, chunks], logit_stats's; weights: [rows, chunks],
+// sample_weights's (null when no row samples); rows: [rows]; adjusts: the rows' lists,
+// concatenated; scratch: [scratch rows, vocab] f32 (processed scores, then weights, of the rows
+// that have one; sample_weights has written those of plain_random rows); out: [rows]. Dynamic
+// shared memory: SAMPLE_WARPS * RADIX_BINS * (4 + 8) bytes.
 template <typename T>
-__device__ __forceinline__ void logit_stats_impl(const T* logits, u32 vocab, u32 chunks, ChunkStats* stats) {
-    __shared__ float red_f[STATS_WARPS];
-    __shared__ u32 red_i[STATS_WARPS];
-    __shared__ double red_d[STATS_WARPS];
-    const T* raw = logits + (u64)blockIdx.x * vocab;
-    const u32 first = blockIdx.y * STATS_CHUNK + threadIdx.x;
-    // Every load in flight at once; ids past the vocabulary read as NaN, which nothing counts.
-    float x[STATS_ITEMS];
-#pragma unroll
-    for (int j = 0; j < STATS_ITEMS; j++) {
-        const u32 i = first + j * STATS_THREADS;
-        x[j] = i < vocab ? to_float(raw[i]) : __int_as_float(0x7fc00000);
-    }
-    float mx = NEG_INF, best = NEG_INF;
-    u32 best_id = NO_ID;
-#pragma unroll
-    for (int j = 0; j < STATS_ITEMS; j++) {
-        if (!isnan(x[j])) mx = fmaxf(mx, x[j]);
-        const float s = sanitize(x[j]);
-        if (s != NEG_INF && s > best) {
-            best = s;
-            best_id = first + j * STATS_THREADS;
-        }
-    }
-    auto max_f = [](float a, float b) { return fmaxf(a, b); };
-    mx = block_reduce<float, decltype(max_f), STATS_WARPS>(mx, red_f, max_f);
-    const float top = block_reduce<float, decltype(max_f), STATS_WARPS>(best, red_f, max_f);
-    auto min_u = [](u32 a, u32 b) { return min(a, b); };
-    best_id = block_reduce<u32, decltype(min_u), STATS_WARPS>(best == top ? best_id : NO_ID, red_i, min_u);
-    double sum = 0.0;
-    if (isfinite(mx)) {
-        // Terms in f32 (x - max <= 0, so each is in [0, 1] to a few ulp), summed in f64.
-#pragma unroll
-        for (int j = 0; j < STATS_ITEMS; j++) {
-            if (!isnan(x[j])) sum += (double)expf(x[j] - mx);
-        }
-        auto add_d = [](double a, double b) { return a + b; };
-        sum = block_reduce<double, decltype(add_d), STATS_WARPS>(sum, red_d, add_d);
-    }
-    if (threadIdx.x == 0) {
-        stats[(u64)blockIdx.x * chunks + blockIdx.y] = {mx, top, best_id, 0u, sum};
-    }
-}
-
-#define LOGIT_STATS(T, S) \
-    extern "C" __global__ void __launch_bounds__(STATS_THREADS) logit_stats_##S(const T* logits, u32 vocab, \
-                                                                                u32 chunks, ChunkStats* stats) { \
-        pdl_enter(); \
-        logit_stats_impl<T>(logits, vocab, chunks, stats); \
-    }
-FOR_EACH_DTYPE(LOGIT_STATS)
-
-// logits: [rows, vocab]; stats: [rows, chunks], logit_stats's; rows: [rows]; adjusts: the rows'
-// lists, concatenated; scratch: [scratch rows, vocab] f32 (processed scores, then weights, of the
-// rows that have one); out: [rows]. Dynamic shared memory: SAMPLE_WARPS * RADIX_BINS * (4 + 8)
-// bytes.
-template <typename T>
-__device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, const ChunkStats* stats, u32 chunks,
-                                                 const SampleRow* rows, const SampleAdjust* adjusts, float* scratch,
-                                                 SampleOut* out) {
+__device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, const ChunkStats* stats,
+                                                 const ChunkWeights* weights, u32 chunks, const SampleRow* rows,
+                                                 const SampleAdjust* adjusts, float* scratch, SampleOut* out) {
     extern __shared__ __align__(16) unsigned char sample_smem[];
     u32* hist_count = reinterpret_cast<u32*>(sample_smem);  // [SAMPLE_WARPS, RADIX_BINS]
     double* hist_sum = reinterpret_cast<double*>(sample_smem + SAMPLE_WARPS * RADIX_BINS * sizeof(u32));
@@ -581,8 +734,9 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
     SampleOut* o = out + blockIdx.x;
 
     // The row's raw statistics from its chunks' (logit_stats); a greedy row with nothing to
-    // adjust also has its argmax from them. Rows with a scratch row copy the logits there.
-    if (sc != nullptr) {
+    // adjust also has its argmax from them. Rows with a scratch row copy the logits there but
+    // plain_random ones, whose weights are there already.
+    if (sc != nullptr && !(weights != nullptr && plain_random(p, vocab, chunks))) {
         for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) sc[i] = to_float(raw[i]);
     }
     const ChunkStats* st = stats + (u64)blockIdx.x * chunks;
@@ -647,7 +801,9 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
             token = sc != nullptr ? greedy_pick(vocab, [&](u32 i) { return sanitize(sc[i]); }, sm)
                                   : greedy_reduce(best, best_id, sm);
         } else {
-            token = random_pick(vocab, sc, sm, hist_count, hist_sum);
+            const bool plain = weights != nullptr && plain_random(p, vocab, chunks);
+            const ChunkWeights* cw = plain ? weights + (u64)blockIdx.x * chunks : nullptr;
+            token = random_pick(vocab, sc, sm, hist_count, hist_sum, cw, chunks);
         }
     }
     if (threadIdx.x == 0) {
@@ -658,10 +814,10 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
 
 #define SAMPLE_ROWS(T, S) \
     extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_##S( \
-        const T* logits, u32 vocab, const ChunkStats* stats, u32 chunks, const SampleRow* rows, \
-        const SampleAdjust* adjusts, float* scratch, SampleOut* out) { \
+        const T* logits, u32 vocab, const ChunkStats* stats, const ChunkWeights* weights, u32 chunks, \
+        const SampleRow* rows, const SampleAdjust* adjusts, float* scratch, SampleOut* out) { \
         pdl_enter(); \
-        sample_rows_impl<T>(logits, vocab, stats, chunks, rows, adjusts, scratch, out); \
+        sample_rows_impl<T>(logits, vocab, stats, weights, chunks, rows, adjusts, scratch, out); \
     }
 FOR_EACH_DTYPE(SAMPLE_ROWS)
 
