@@ -14,12 +14,12 @@
 //
 // The first pass over a row (max, argmax, sum of exponentials) runs in logit_stats, many blocks
 // per row, and so do the weights of rows that sample without adjustments or top-k
-// (sample_weights); then one block of SAMPLE_THREADS per row does the rest. Thresholds are found by radix
-// select, 8 bits a pass, over per-warp histograms in dynamic shared memory ([warps, 256] u32
-// counts, then [warps, 256] f64 masses). Every sum and scan runs in a fixed order (no floating-point atomics), so a row's result
-// depends on nothing but the row and its parameters. Sums are f64 as on the host but in another
-// order: a choice can differ from the host's only where u * total or top_p * total sits on a
-// cumulative boundary to within that rounding.
+// (sample_weights); then one block of SAMPLE_THREADS per row does the rest. Thresholds are found
+// by radix select, 8 bits a pass, over per-warp histograms in dynamic shared memory ([warps, 256]
+// u32 counts, then [warps, 256] f64 masses). Every sum and scan runs in a fixed order (no
+// floating-point atomics), so a row's result depends on nothing but the row and its parameters.
+// Sums are f64 as on the host but in another order: a choice can differ from the host's only where
+// u * total or top_p * total sits on a cumulative boundary to within that rounding.
 
 #define SAMPLE_THREADS 1024
 #define SAMPLE_WARPS (SAMPLE_THREADS / 32)
