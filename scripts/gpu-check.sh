@@ -111,6 +111,13 @@ bench "llama-3.1-8b latency, T=0.8" l8b-latency-sampled.json latency --model-con
     --input-len 128 --output-len 256 --num-iters 3 --temperature 0.8
 bench "llama-3.2-1b latency, T=0.8" l1b-latency-sampled.json latency --model-config bench-configs/llama-3.2-1b.json \
     --input-len 128 --output-len 256 --num-iters 3 --temperature 0.8
+# What a Llama 3 checkpoint's generation_config.json asks for: nucleus sampling as well.
+bench "llama-3.2-1b latency, T=0.6 top-p 0.9" l1b-latency-nucleus.json latency \
+    --model-config bench-configs/llama-3.2-1b.json --input-len 128 --output-len 256 --num-iters 3 \
+    --temperature 0.6 --top-p 0.9
+bench "llama-3.1-8b latency, T=0.6 top-p 0.9" l8b-latency-nucleus.json latency \
+    --model-config bench-configs/llama-3.1-8b.json --input-len 128 --output-len 256 --num-iters 3 \
+    --temperature 0.6 --top-p 0.9
 # Time to first token of a 2048-token prompt on an idle engine (one prefill chunk).
 bench "llama-3.1-8b TTFT 2048+1" l8b-ttft-2048.json latency --model-config bench-configs/llama-3.1-8b.json \
     --input-len 2048 --output-len 1 --num-iters 5 --max-num-batched-tokens 4096

@@ -156,12 +156,14 @@ fn latency_with_dummy_weights() {
     let config = tiny_config(dir.path());
     let args = format!(
         "latency --model-config {} --dummy-weights --dtype float32 --input-len 16 --output-len 6 --num-iters 3 \
-         --bandwidth-buffer-mb 32 --bandwidth-repetitions 2",
+         --bandwidth-buffer-mb 32 --bandwidth-repetitions 2 --temperature 0.6 --top-p 0.9",
         config.display()
     );
     let v = bench_json(dir.path(), &args);
     check_latency(&v);
     assert_eq!(v["dtype"], "float32");
+    assert_close(num(&v["flags"], "top_p"), 0.9, "top_p flag");
+    assert_close(num(&v["flags"], "temperature"), 0.6, "temperature flag");
     // 2 layers x ((q 64 + k 32 + v 32 + o 64) x 64 + 3 x 64 x 128) + embedding and LM head
     // 2 x 512 x 64, in f32.
     let weight_bytes = 4.0 * (2.0 * (192.0 * 64.0 + 3.0 * 64.0 * 128.0) + 2.0 * 512.0 * 64.0);
@@ -196,6 +198,21 @@ fn check_latency(v: &Value) {
     // The decode rate is the inverse of the time per output token when every request has the
     // same length (to within the spread of the iterations).
     assert!(rate > 0.5 * 1000.0 / num(v, "p99_tpot_ms") && rate < 2.0 * 1000.0 / num(v, "median_tpot_ms") + 1.0);
+}
+
+#[test]
+fn sampling_flags_out_of_range_are_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = tiny_config(dir.path());
+    let config = config.to_str().expect("path");
+    for (name, flag) in [("top_p", "--top-p=0"), ("top_p", "--top-p=1.5"), ("temperature", "--temperature=-1")] {
+        for mode in ["latency", "throughput"] {
+            let out = ferrolm(&["bench", mode, "--model-config", config, "--dummy-weights", flag]);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert!(!out.status.success(), "{mode} {flag} succeeded");
+            assert!(stderr.contains("invalid sampling flags") && stderr.contains(name), "{mode} {flag}: {stderr}");
+        }
+    }
 }
 
 #[test]

@@ -17,7 +17,7 @@ use serde_json::{Map, Value};
 use super::bandwidth::{self, Bandwidth, DecodeLimit};
 use super::metrics::{LatencySummaries, RequestTiming};
 use super::setup::{self, BenchModel, ModelArgs};
-use super::{bench_params, collect_timing, model_label, report, Device};
+use super::{bench_params, check_sampling_flags, collect_timing, model_label, report, Device};
 
 #[derive(Args, Debug, Serialize)]
 pub struct LatencyArgs {
@@ -41,6 +41,10 @@ pub struct LatencyArgs {
     /// Sampling temperature; 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// Nucleus sampling: the smallest set of most likely tokens whose probability reaches this,
+    /// in (0, 1]; 1 is off. Llama 3's generation_config.json asks for 0.9 (with temperature 0.6).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
     /// Size of the buffer the memory bandwidth is measured on, in MiB (much larger than caches).
     #[arg(long, default_value_t = 1024)]
     pub bandwidth_buffer_mb: usize,
@@ -56,6 +60,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
     if args.input_len == 0 || args.output_len == 0 || args.num_iters == 0 {
         bail!("--input-len, --output-len and --num-iters must be positive");
     }
+    check_sampling_flags(args.temperature, args.top_p)?;
     let device = Device::of(&args.model.engine);
     // Measured before the model is loaded and again once it is freed (so that the buffer and the
     // weights are never both resident); the better pass counts, which keeps a burst of other
@@ -71,7 +76,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
     let mut timings = Vec::with_capacity(args.num_iters);
     for i in 0..total {
         let prompt = model.prompts.sample(args.input_len, &mut rng);
-        let params = bench_params(args.output_len, args.temperature, args.seed.wrapping_add(i as u64));
+        let params = bench_params(args.output_len, args.temperature, args.top_p, args.seed.wrapping_add(i as u64));
         let sent = Instant::now();
         let stream =
             engine.submit(GenerateRequest { prompt_token_ids: prompt, params }).context("the request was refused")?;

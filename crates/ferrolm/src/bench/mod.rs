@@ -55,11 +55,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
 }
 
+/// Refuses --temperature and --top-p values the engine would refuse, before anything is loaded.
+fn check_sampling_flags(temperature: f32, top_p: f32) -> Result<()> {
+    bench_params(1, temperature, top_p, 0).validate().map_err(|e| anyhow::anyhow!("invalid sampling flags: {e}"))
+}
+
 /// Sampling for benchmark requests: exactly `max_tokens` outputs (EOS ignored), greedy at
-/// temperature 0, else seeded.
-fn bench_params(max_tokens: usize, temperature: f32, seed: u64) -> SamplingParams {
+/// temperature 0, else seeded, with nucleus sampling below `top_p` 1.
+fn bench_params(max_tokens: usize, temperature: f32, top_p: f32, seed: u64) -> SamplingParams {
     SamplingParams {
         temperature,
+        top_p,
         seed: Some(seed),
         max_tokens: Some(max_tokens as u32),
         ignore_eos: true,
