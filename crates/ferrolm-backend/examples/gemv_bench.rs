@@ -9,7 +9,8 @@
 //! Each shape's weights are cycled through in enough copies that one pass is several times the
 //! 50 MB L2 cache, so the reads come from device memory as in a decode step. A line gives the
 //! mean time per call over 64 back-to-back calls (best of 5 such runs) and the weight bytes read
-//! per call over that time. Last, the 8B projections but the LM head at 192, 384 and 8192 rows as TFLOP/s.
+//! per call over that time. Last, the 8B projections but the LM head at 192, 384 and 8192 rows,
+//! as TFLOP/s.
 
 use cudarc::driver::sys::CUevent_flags;
 use ferrolm_backend::cuda::{self, Gpu, GpuError, GpuTensor};
@@ -79,18 +80,34 @@ fn main() {
     }
 }
 
-/// TFLOP/s of `linear` at `m` rows (cuBLAS past a few rows), weights cycled as in `run`.
+/// TFLOP/s of `linear` at `m` rows (cuBLAS past a few rows).
 fn gemm_rate(gpu: &Gpu, m: usize, n: usize, k: usize) -> Result<f64, GpuError> {
-    let copies = WORKING_SET.div_ceil(n * k * 2).clamp(1, 16);
-    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-    let weights = (0..copies).map(|_| random_tensor(gpu, n * k, &mut seed)).collect::<Result<Vec<_>, _>>()?;
-    let x = random_tensor(gpu, m * k, &mut seed)?;
-    let out_dtype = if n == 128256 { DType::F32 } else { DType::BF16 };
-    let mut y = GpuTensor::zeros(gpu, out_dtype, m * n)?;
+    let Operands { weights, x, mut y } = Operands::new(gpu, m, n, k)?;
+    let copies = weights.len();
     let t = best_mean(gpu, copies, |i| {
         cuda::linear(gpu, x.view(), m, k, weights[i % copies].view(), n, None, y.view_mut())
     })?;
     Ok(2.0 * (m * n * k) as f64 / t / 1e12)
+}
+
+/// One shape's operands: enough copies of random `[n, k]` weights that a pass over them is
+/// several times the L2 cache, an `[m, k]` input and an `[m, n]` output (f32 for the LM head, as
+/// the model computes it).
+struct Operands {
+    weights: Vec<GpuTensor>,
+    x: GpuTensor,
+    y: GpuTensor,
+}
+
+impl Operands {
+    fn new(gpu: &Gpu, m: usize, n: usize, k: usize) -> Result<Operands, GpuError> {
+        let copies = WORKING_SET.div_ceil(n * k * 2).clamp(1, 16);
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        let weights = (0..copies).map(|_| random_tensor(gpu, n * k, &mut seed)).collect::<Result<Vec<_>, _>>()?;
+        let x = random_tensor(gpu, m * k, &mut seed)?;
+        let out_dtype = if n == 128256 { DType::F32 } else { DType::BF16 };
+        Ok(Operands { weights, x, y: GpuTensor::zeros(gpu, out_dtype, m * n)? })
+    }
 }
 
 /// Random bf16 weights of `len` elements.
@@ -130,11 +147,8 @@ fn best_mean(gpu: &Gpu, copies: usize, mut call: impl FnMut(usize) -> Result<(),
 
 /// One row through the GEMV kernel with k split over 1, 2, 4 and 8 warps per column.
 fn ksplit_times(gpu: &Gpu, n: usize, k: usize) -> Result<[f64; 4], GpuError> {
-    let copies = WORKING_SET.div_ceil(n * k * 2).clamp(1, 16);
-    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-    let weights = (0..copies).map(|_| random_tensor(gpu, n * k, &mut seed)).collect::<Result<Vec<_>, _>>()?;
-    let x = random_tensor(gpu, k, &mut seed)?;
-    let mut y = GpuTensor::zeros(gpu, DType::BF16, n)?;
+    let Operands { weights, x, mut y } = Operands::new(gpu, 1, n, k)?;
+    let copies = weights.len();
     let mut times = [0.0; 4];
     for (slot, ksplit) in [1, 2, 4, 8].into_iter().enumerate() {
         times[slot] = best_mean(gpu, copies, |i| {
@@ -146,12 +160,8 @@ fn ksplit_times(gpu: &Gpu, n: usize, k: usize) -> Result<[f64; 4], GpuError> {
 
 fn run(gpu: &Gpu, name: &str, m: usize, n: usize, k: usize) -> Result<(), GpuError> {
     let bytes = n * k * 2;
-    let copies = WORKING_SET.div_ceil(bytes).clamp(1, 16);
-    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-    let weights = (0..copies).map(|_| random_tensor(gpu, n * k, &mut seed)).collect::<Result<Vec<_>, _>>()?;
-    let x = random_tensor(gpu, m * k, &mut seed)?;
-    let out_dtype = if n == 128256 { DType::F32 } else { DType::BF16 };
-    let mut y = GpuTensor::zeros(gpu, out_dtype, m * n)?;
+    let Operands { weights, x, mut y } = Operands::new(gpu, m, n, k)?;
+    let copies = weights.len();
     let mut times = [0.0f64; 2];
     for (slot, lin) in [cuda::linear, cuda::linear_cublas].into_iter().enumerate() {
         times[slot] =

@@ -6,10 +6,11 @@
 //! lists concatenated (`[entries]` [`Adjust`], each row pointing at its own) through a
 //! [`StagedBuffer`], a launch of a block per 4096 logits for the raw statistics (max, argmax, sum
 //! of exponentials: the one pass every row needs; done by the row's own block it took ~60 us of
-//! a batch-1 decode step over a 128k vocabulary), a launch of a block per row for the rest, and one
-//! download of `[rows]` [`RowResult`]s into pinned memory. Rows that sample (or that penalize or mask) get a row of scratch for their
-//! processed scores. The staging, scratch and result buffers are kept and grown, so a steady
-//! batch allocates nothing.
+//! a batch-1 decode step over a 128k vocabulary), the same for the weights of rows that sample
+//! without adjustments or top-k, a launch of a block per row for the rest, and one download of
+//! `[rows]` [`RowResult`]s into pinned memory. Rows that sample (or that penalize or mask) get a
+//! row of scratch for their processed scores. The staging, scratch and result buffers are kept
+//! and grown, so a steady batch allocates nothing.
 //!
 //! [`GpuSampler::launch`] only queues that work; [`GpuSampler::collect`] waits for the oldest
 //! launch's download and answers it, so that the host can prepare (and launch) the next step
@@ -127,6 +128,11 @@ struct ChunkStats {
 
 const _: () = assert!(std::mem::size_of::<ChunkStats>() == 24);
 
+// SAFETY: as above.
+unsafe impl DeviceRepr for ChunkStats {}
+// SAFETY: u32, f32 and f64 fields only: all zero bits is a valid value.
+unsafe impl cudarc::driver::ValidAsZeroBits for ChunkStats {}
+
 /// One chunk's weights of a row that samples without adjustments or top-k, written by
 /// `sample_weights` and read by `sample_rows` only: `ChunkWeights` in sampling.cu.
 #[repr(C)]
@@ -145,11 +151,6 @@ const _: () = assert!(std::mem::size_of::<ChunkWeights>() == 24);
 unsafe impl DeviceRepr for ChunkWeights {}
 // SAFETY: u32, f32 and f64 fields only: all zero bits is a valid value.
 unsafe impl cudarc::driver::ValidAsZeroBits for ChunkWeights {}
-
-// SAFETY: as above.
-unsafe impl DeviceRepr for ChunkStats {}
-// SAFETY: u32, f32 and f64 fields only: all zero bits is a valid value.
-unsafe impl cudarc::driver::ValidAsZeroBits for ChunkStats {}
 
 /// What the host needs of a row to read its answer.
 #[derive(Clone, Copy, Debug)]

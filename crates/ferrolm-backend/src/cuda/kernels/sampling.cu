@@ -116,7 +116,7 @@ __device__ __forceinline__ float temper(float s, float max, float t) {
 
 // Block-wide reduction with `op` (commutative) over a block of WARPS warps; every thread gets the
 // result, computed in the same fixed order whatever the timing. `red`: WARPS slots of shared memory.
-template <typename T, typename Op, int WARPS = SAMPLE_WARPS>
+template <int WARPS = SAMPLE_WARPS, typename T, typename Op>
 __device__ __forceinline__ T block_reduce(T v, T* red, Op op) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
@@ -159,6 +159,17 @@ __device__ __forceinline__ u64 block_max_k(u64 v, SampleSmem& sm) {
 #define STATS_ITEMS 16
 #define STATS_CHUNK (STATS_THREADS * STATS_ITEMS)
 
+// This thread's logits of chunk blockIdx.y of row `raw` (ids first + j * STATS_THREADS), all
+// loads in flight at once; ids past the vocabulary read as `fill`.
+template <typename T>
+__device__ __forceinline__ void load_chunk(const T* raw, u32 vocab, u32 first, float fill, float (&x)[STATS_ITEMS]) {
+#pragma unroll
+    for (int j = 0; j < STATS_ITEMS; j++) {
+        const u32 i = first + j * STATS_THREADS;
+        x[j] = i < vocab ? to_float(raw[i]) : fill;
+    }
+}
+
 // Mirrors `ChunkStats` in sampling.rs.
 struct ChunkStats {
     float max, best;
@@ -174,13 +185,9 @@ __device__ __forceinline__ void logit_stats_impl(const T* logits, u32 vocab, u32
     __shared__ double red_d[STATS_WARPS];
     const T* raw = logits + (u64)blockIdx.x * vocab;
     const u32 first = blockIdx.y * STATS_CHUNK + threadIdx.x;
-    // Every load in flight at once; ids past the vocabulary read as NaN, which nothing counts.
+    // Ids past the vocabulary read as NaN, which nothing counts.
     float x[STATS_ITEMS];
-#pragma unroll
-    for (int j = 0; j < STATS_ITEMS; j++) {
-        const u32 i = first + j * STATS_THREADS;
-        x[j] = i < vocab ? to_float(raw[i]) : __int_as_float(0x7fc00000);
-    }
+    load_chunk(raw, vocab, first, __int_as_float(0x7fc00000), x);
     float mx = NEG_INF, best = NEG_INF;
     u32 best_id = NO_ID;
 #pragma unroll
@@ -193,10 +200,10 @@ __device__ __forceinline__ void logit_stats_impl(const T* logits, u32 vocab, u32
         }
     }
     auto max_f = [](float a, float b) { return fmaxf(a, b); };
-    mx = block_reduce<float, decltype(max_f), STATS_WARPS>(mx, red_f, max_f);
-    const float top = block_reduce<float, decltype(max_f), STATS_WARPS>(best, red_f, max_f);
+    mx = block_reduce<STATS_WARPS>(mx, red_f, max_f);
+    const float top = block_reduce<STATS_WARPS>(best, red_f, max_f);
     auto min_u = [](u32 a, u32 b) { return min(a, b); };
-    best_id = block_reduce<u32, decltype(min_u), STATS_WARPS>(best == top ? best_id : NO_ID, red_i, min_u);
+    best_id = block_reduce<STATS_WARPS>(best == top ? best_id : NO_ID, red_i, min_u);
     double sum = 0.0;
     if (isfinite(mx)) {
         // Terms in f32 (x - max <= 0, so each is in [0, 1] to a few ulp), summed in f64.
@@ -205,7 +212,7 @@ __device__ __forceinline__ void logit_stats_impl(const T* logits, u32 vocab, u32
             if (!isnan(x[j])) sum += (double)expf(x[j] - mx);
         }
         auto add_d = [](double a, double b) { return a + b; };
-        sum = block_reduce<double, decltype(add_d), STATS_WARPS>(sum, red_d, add_d);
+        sum = block_reduce<STATS_WARPS>(sum, red_d, add_d);
     }
     if (threadIdx.x == 0) {
         stats[(u64)blockIdx.x * chunks + blockIdx.y] = {mx, top, best_id, 0u, sum};
@@ -259,17 +266,13 @@ __device__ __forceinline__ void sample_weights_impl(const T* logits, u32 vocab, 
     const ChunkStats* st = stats + (u64)blockIdx.x * chunks;
     float top = NEG_INF;
     for (u32 c = threadIdx.x; c < chunks; c += STATS_THREADS) top = fmaxf(top, st[c].best);
-    top = block_reduce<float, decltype(max_f), STATS_WARPS>(top, red_f, max_f);
+    top = block_reduce<STATS_WARPS>(top, red_f, max_f);
     // A row of nothing but -inf and NaN has no weights: sample_rows returns before reading any.
     const T* raw = logits + (u64)blockIdx.x * vocab;
     float* sc = scratch + (u64)p.scratch_row * vocab;
     const u32 first = blockIdx.y * STATS_CHUNK + threadIdx.x;
     float x[STATS_ITEMS];
-#pragma unroll
-    for (int j = 0; j < STATS_ITEMS; j++) {
-        const u32 i = first + j * STATS_THREADS;
-        x[j] = i < vocab ? to_float(raw[i]) : NEG_INF;
-    }
+    load_chunk(raw, vocab, first, NEG_INF, x);
     u32 kept = 0, last = 0;
     float max_w = 0.f;
     double total = 0.0;
@@ -287,10 +290,10 @@ __device__ __forceinline__ void sample_weights_impl(const T* logits, u32 vocab, 
         }
         if (i < vocab) sc[i] = w;
     }
-    kept = block_reduce<u32, decltype(add_u), STATS_WARPS>(kept, red_i, add_u);
-    last = block_reduce<u32, decltype(max_u), STATS_WARPS>(last, red_i, max_u);
-    max_w = block_reduce<float, decltype(max_f), STATS_WARPS>(max_w, red_f, max_f);
-    total = block_reduce<double, decltype(add_d), STATS_WARPS>(total, red_d, add_d);
+    kept = block_reduce<STATS_WARPS>(kept, red_i, add_u);
+    last = block_reduce<STATS_WARPS>(last, red_i, max_u);
+    max_w = block_reduce<STATS_WARPS>(max_w, red_f, max_f);
+    total = block_reduce<STATS_WARPS>(total, red_d, add_d);
     if (threadIdx.x == 0) out[(u64)blockIdx.x * chunks + blockIdx.y] = {kept, last, max_w, 0.f, total};
 }
 
