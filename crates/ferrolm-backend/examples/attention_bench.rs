@@ -1,5 +1,5 @@
 //! Times `cuda::paged_attention` in the Llama-3.1-8B shape (32 query heads, 8 KV heads,
-//! head_dim 128, block_size 16, bf16) on random inputs, next to the general kernel
+//! head_dim 128, block_size 16, bf16; one case with one KV head) on random inputs, next to the general kernel
 //! (`cuda::paged_attention_general`) on the same inputs.
 //!
 //! ```text
@@ -8,7 +8,8 @@
 //! ```
 //!
 //! Cases: a decode step of 1 sequence at context 384 and 4096 and of 256 sequences at context
-//! 640 and 1500 (the decode kernel), a 512-token and a 2048-token prompt of one sequence, a
+//! 640 and 1500 (the decode kernel), the same bytes as 384 at 1500 in 192, 384 and 768
+//! sequences and in 3072 sequences of one KV head, a 512-token and a 2048-token prompt of one sequence, a
 //! mixed step of 16 512-token prompts with 200 decodes at context 600 (the tensor-core kernel),
 //! the same with the decodes first as the scheduler orders them, and 384 decodes at context
 //! 1500 before 8 1000-token prompts (a mixed step of the 1000-request benchmark). Each is timed with
@@ -24,11 +25,8 @@ use ferrolm_backend::cuda::{self, Gpu, GpuAttentionMetadata, GpuError, GpuTensor
 use ferrolm_backend::{DType, WeightView};
 use half::bf16;
 
-const NUM_HEADS: usize = 32;
-const NUM_KV_HEADS: usize = 8;
 const HEAD_DIM: usize = 128;
 const BLOCK_SIZE: usize = 16;
-const KV_WIDTH: usize = NUM_KV_HEADS * HEAD_DIM;
 /// Layers cycled through per case when one layer's K/V would fit in the L2 cache.
 const LAYERS: usize = 32;
 const REPS: usize = 20;
@@ -50,27 +48,44 @@ fn main() {
     decodes_first.extend([(512, 512); 16]);
     let mut full_step = vec![(1500, 1); 384];
     full_step.extend([(1000, 1000); 8]);
-    let cases: [(&str, Vec<(usize, usize)>); 9] = [
-        ("decode batch 1, context 384", vec![(384, 1)]),
-        ("decode batch 1, context 4096", vec![(4096, 1)]),
-        ("decode batch 256, context 640", vec![(640, 1); 256]),
-        ("decode batch 256, context 1500", vec![(1500, 1); 256]),
-        ("prefill 512 of one sequence", vec![(512, 512)]),
-        ("prefill 2048 of one sequence", vec![(2048, 2048)]),
-        ("mixed 16 x 512 prefill + 200 decodes @600", mixed),
-        ("mixed 200 decodes @600 + 16 x 512 prefill", decodes_first),
-        ("mixed 384 decodes @1500 + 8 x 1000 prefill", full_step),
+    let cases = [
+        ("decode batch 1, context 384", LLAMA_8B, vec![(384, 1)]),
+        ("decode batch 1, context 4096", LLAMA_8B, vec![(4096, 1)]),
+        ("decode batch 256, context 640", LLAMA_8B, vec![(640, 1); 256]),
+        ("decode batch 256, context 1500", LLAMA_8B, vec![(1500, 1); 256]),
+        // The same bytes at three batch sizes: what each block's fixed cost and the last wave
+        // take; then as 3072 sequences of one KV head, whose 16-key pages are 4 KiB contiguous
+        // where the 8B's are 16 rows of 256 bytes 2 KiB apart.
+        ("decode batch 384, context 1500", LLAMA_8B, vec![(1500, 1); 384]),
+        ("decode batch 192, context 3000", LLAMA_8B, vec![(3000, 1); 192]),
+        ("decode batch 768, context 750", LLAMA_8B, vec![(750, 1); 768]),
+        ("decode batch 3072 x 1 KV head, context 1500", ONE_KV_HEAD, vec![(1500, 1); 3072]),
+        ("prefill 512 of one sequence", LLAMA_8B, vec![(512, 512)]),
+        ("prefill 2048 of one sequence", LLAMA_8B, vec![(2048, 2048)]),
+        ("mixed 16 x 512 prefill + 200 decodes @600", LLAMA_8B, mixed),
+        ("mixed 200 decodes @600 + 16 x 512 prefill", LLAMA_8B, decodes_first),
+        ("mixed 384 decodes @1500 + 8 x 1000 prefill", LLAMA_8B, full_step),
     ];
-    for (name, requests) in &cases {
-        if let Err(e) = run_case(&gpu, name, requests) {
+    for (name, heads, requests) in &cases {
+        if let Err(e) = run_case(&gpu, name, *heads, requests) {
             eprintln!("{name}: {e}");
         }
     }
 }
 
+/// Query heads and KV heads of a case.
+#[derive(Clone, Copy)]
+struct Heads {
+    query: usize,
+    kv: usize,
+}
+
+const LLAMA_8B: Heads = Heads { query: 32, kv: 8 };
+const ONE_KV_HEAD: Heads = Heads { query: 4, kv: 1 };
+
 /// `requests`: (context length, query rows) of each sequence.
-fn run_case(gpu: &Gpu, name: &str, requests: &[(usize, usize)]) -> Result<(), GpuError> {
-    let mut case = Case::new(gpu, requests)?;
+fn run_case(gpu: &Gpu, name: &str, heads: Heads, requests: &[(usize, usize)]) -> Result<(), GpuError> {
+    let mut case = Case::new(gpu, heads, requests)?;
     let decode_only = requests.iter().all(|&(_, q)| q == 1);
     for general in [false, true] {
         let label = if general { "  general kernel".to_string() } else { name.to_string() };
@@ -89,9 +104,10 @@ fn run_case(gpu: &Gpu, name: &str, requests: &[(usize, usize)]) -> Result<(), Gp
 /// One case's buffers: `sets` layers' K/V caches, all addressed by one block table as a model's
 /// layers are.
 struct Case {
+    heads: Heads,
     q: GpuTensor,
     out: GpuTensor,
-    /// `[num_blocks * BLOCK_SIZE, KV_WIDTH]` K and V of each layer.
+    /// `[num_blocks * BLOCK_SIZE, heads.kv * HEAD_DIM]` K and V of each layer.
     caches: Vec<(GpuTensor, GpuTensor)>,
     query_start_loc_host: Vec<u32>,
     query_start_loc: CudaSlice<u32>,
@@ -104,10 +120,11 @@ struct Case {
 }
 
 impl Case {
-    fn new(gpu: &Gpu, requests: &[(usize, usize)]) -> Result<Case, GpuError> {
+    fn new(gpu: &Gpu, heads: Heads, requests: &[(usize, usize)]) -> Result<Case, GpuError> {
+        let kv_width = heads.kv * HEAD_DIM;
         let blocks_per_seq = requests.iter().map(|&(s, _)| s.div_ceil(BLOCK_SIZE)).max().unwrap_or(0);
         let context: usize = requests.iter().map(|&(s, _)| s).sum();
-        let kv_bytes = context * KV_WIDTH * 2 * 2;
+        let kv_bytes = context * kv_width * 2 * 2;
         // Enough layers that one pass over them is several times a 50 MB L2.
         let sets = if kv_bytes >= 256 << 20 { 1 } else { LAYERS };
         let num_blocks = requests.len() * blocks_per_seq;
@@ -116,19 +133,20 @@ impl Case {
         for i in (1..order.len()).rev() {
             order.swap(i, rng.next() as usize % (i + 1));
         }
-        let cache_len = num_blocks * BLOCK_SIZE * KV_WIDTH;
+        let cache_len = num_blocks * BLOCK_SIZE * kv_width;
         let caches = (0..sets)
             .map(|_| Ok((random_tensor(gpu, &mut rng, cache_len)?, random_tensor(gpu, &mut rng, cache_len)?)))
             .collect::<Result<Vec<_>, GpuError>>()?;
         let tokens: usize = requests.iter().map(|&(_, q)| q).sum();
-        let q = random_tensor(gpu, &mut rng, tokens * NUM_HEADS * HEAD_DIM)?;
-        let out = GpuTensor::zeros(gpu, DType::BF16, tokens * NUM_HEADS * HEAD_DIM)?;
+        let q = random_tensor(gpu, &mut rng, tokens * heads.query * HEAD_DIM)?;
+        let out = GpuTensor::zeros(gpu, DType::BF16, tokens * heads.query * HEAD_DIM)?;
         let mut query_start_loc_host = vec![0u32];
         for (r, &(_, q_len)) in requests.iter().enumerate() {
             query_start_loc_host.push(query_start_loc_host[r] + q_len as u32);
         }
         let seq_lens: Vec<u32> = requests.iter().map(|&(s, _)| s as u32).collect();
         Ok(Case {
+            heads,
             q,
             out,
             caches,
@@ -147,7 +165,8 @@ impl Case {
     /// one metadata, whose work list the first call builds.
     fn time(&mut self, gpu: &Gpu, general: bool) -> Result<(f64, f64), GpuError> {
         let attend = if general { cuda::paged_attention_general } else { cuda::paged_attention };
-        let Case { q, out, caches, .. } = self;
+        let Case { heads, q, out, caches, .. } = self;
+        let Heads { query: num_heads, kv: num_kv_heads } = *heads;
         let step = || GpuAttentionMetadata {
             query_start_loc: self.query_start_loc.as_view(),
             query_start_loc_host: &self.query_start_loc_host,
@@ -162,8 +181,17 @@ impl Case {
         };
         let mut call = |meta: &GpuAttentionMetadata<'_>, layer: usize| {
             let (k_cache, v_cache) = &caches[layer % caches.len()];
-            let (heads, kv_heads) = (NUM_HEADS, NUM_KV_HEADS);
-            attend(gpu, q.view(), k_cache.view(), v_cache.view(), meta, heads, kv_heads, HEAD_DIM, out.view_mut())
+            attend(
+                gpu,
+                q.view(),
+                k_cache.view(),
+                v_cache.view(),
+                meta,
+                num_heads,
+                num_kv_heads,
+                HEAD_DIM,
+                out.view_mut(),
+            )
         };
         let ctx = gpu.stream().context();
         let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;

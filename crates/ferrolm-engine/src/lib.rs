@@ -12,7 +12,7 @@ pub mod scheduler;
 
 pub use engine::{
     EngineConfig, EngineError, EngineHandle, EngineStats, EngineStatsSnapshot, GenerateRequest, PromptLogprob,
-    RequestOutput, RequestStream,
+    RequestOutput, RequestStream, StepTimesSnapshot, STEP_BUCKET_SEQS,
 };
 pub use kv::{BlockHash, BlockId, BlockPool, ComputedBlocks, KvCacheManager, PrefixCacheStats};
 pub use request::{FinishReason, Request, RequestId, RequestStatus};

@@ -539,3 +539,22 @@ fn steps_launched_ahead_give_the_outputs_of_steps_run_one_at_a_time() {
     // The workload does exercise both ways of ending.
     assert!(finishes(&one_at_a_time, FinishReason::Stop) > 0 && finishes(&one_at_a_time, FinishReason::Length) > 0);
 }
+
+/// Steps run back to back are timed by kind: a 40-token prompt in chunks of 16 takes three
+/// steps (the first, after idling, is not timed), then each of 5 more tokens one decode step of
+/// one sequence.
+#[test]
+fn back_to_back_steps_are_timed_by_kind_and_batch_size() {
+    let (engine, _) = start("llama3_gqa", Setup { max_num_batched_tokens: 16, ..Setup::default() });
+    let prompt: Vec<u32> = (0..40).map(|i| 3 + i % 50).collect();
+    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(6) }).expect("submit"));
+    assert_eq!(tokens(&out[0]).len(), 6);
+    wait_idle(&engine);
+    let stats = engine.stats();
+    assert_eq!(stats.num_steps, 8);
+    let steps = &stats.step_times;
+    assert_eq!(steps.mixed.0, 2, "{steps:?}");
+    assert_eq!(steps.decode[0].0, 5, "{steps:?}");
+    assert!(steps.decode[1..].iter().all(|&(count, micros)| count == 0 && micros == 0), "{steps:?}");
+    assert!(steps.mixed.1 > 0 && steps.decode[0].1 > 0, "{steps:?}");
+}

@@ -12,4 +12,4 @@ mod state;
 mod step;
 
 pub use handle::{EngineConfig, EngineError, EngineHandle, GenerateRequest, RequestStream};
-pub use state::{EngineStats, EngineStatsSnapshot, PromptLogprob, RequestOutput};
+pub use state::{EngineStats, EngineStatsSnapshot, PromptLogprob, RequestOutput, StepTimesSnapshot, STEP_BUCKET_SEQS};

@@ -47,6 +47,50 @@ pub struct EngineStats {
     /// requests were running: the host's time between steps, when the device has nothing to do.
     pub host_gap_us: AtomicU64,
     pub num_blocks: AtomicU64,
+    pub step_times: StepTimes,
+}
+
+/// Decode steps are timed in buckets of this many sequences ([`StepTimes`]).
+pub const STEP_BUCKET_SEQS: usize = 32;
+const STEP_BUCKETS: usize = 32;
+
+/// Times of steps run back to back, from the collect of one to the collect of the next: the
+/// device time of a step launched ahead, else also the host's time before its launch.
+#[derive(Debug, Default)]
+pub struct StepTimes {
+    /// Steps without prompt tokens, by `sequences / STEP_BUCKET_SEQS` (the last bucket takes
+    /// the rest): (steps, microseconds).
+    decode: [(AtomicU64, AtomicU64); STEP_BUCKETS],
+    /// Steps with prompt tokens: (steps, microseconds).
+    mixed: (AtomicU64, AtomicU64),
+}
+
+impl StepTimes {
+    pub(crate) fn record(&self, num_seqs: usize, has_prompt_tokens: bool, micros: u64) {
+        let (steps, total) = if has_prompt_tokens {
+            &self.mixed
+        } else {
+            &self.decode[(num_seqs / STEP_BUCKET_SEQS).min(STEP_BUCKETS - 1)]
+        };
+        steps.fetch_add(1, Ordering::Relaxed);
+        total.fetch_add(micros, Ordering::Relaxed);
+    }
+
+    fn snapshot(&self) -> StepTimesSnapshot {
+        let get =
+            |(steps, micros): &(AtomicU64, AtomicU64)| (steps.load(Ordering::Relaxed), micros.load(Ordering::Relaxed));
+        StepTimesSnapshot { decode: self.decode.iter().map(get).collect(), mixed: get(&self.mixed) }
+    }
+}
+
+/// [`StepTimes`] read at one moment.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct StepTimesSnapshot {
+    /// (steps, microseconds) of decode steps of `i * STEP_BUCKET_SEQS` up to
+    /// `(i + 1) * STEP_BUCKET_SEQS - 1` sequences (the last entry: that many or more).
+    pub decode: Vec<(u64, u64)>,
+    /// (steps, microseconds) of steps with prompt tokens.
+    pub mixed: (u64, u64),
 }
 
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -63,6 +107,7 @@ pub struct EngineStatsSnapshot {
     pub num_steps_ahead: u64,
     pub host_gap_us: u64,
     pub num_blocks: u64,
+    pub step_times: StepTimesSnapshot,
 }
 
 impl EngineStats {
@@ -85,6 +130,7 @@ impl EngineStats {
             num_steps_ahead: get(&self.num_steps_ahead),
             host_gap_us: get(&self.host_gap_us),
             num_blocks: get(&self.num_blocks),
+            step_times: self.step_times.snapshot(),
         }
     }
 }

@@ -55,6 +55,8 @@ pub(crate) struct Engine {
     /// When the last step was collected with none launched ahead: the device idles from then
     /// until the next launch (`EngineStats::host_gap_us`).
     idle_since: Option<Instant>,
+    /// When the last step was collected, while steps run back to back (`EngineStats::step_times`).
+    last_collect: Option<Instant>,
 }
 
 /// Prompt logprobs being gathered, filled as prompt chunks run (again after a preemption, with
@@ -108,6 +110,7 @@ impl Engine {
             overlap_steps: config.overlap_steps,
             ahead: None,
             idle_since: None,
+            last_collect: None,
         })
     }
 
@@ -116,8 +119,9 @@ impl Engine {
             // Block when idle (nothing left to run or to collect); otherwise take whatever
             // arrived since the last step.
             if !self.scheduler.has_unfinished_requests() && self.ahead.is_none() {
-                // Waiting for work is not the host's time between steps.
+                // Waiting for work is not the host's time between steps, nor part of a step.
                 self.idle_since = None;
+                self.last_collect = None;
                 match self.rx.recv() {
                     Ok(cmd) => self.handle(cmd),
                     Err(_) => return,
@@ -247,6 +251,7 @@ impl Engine {
             None => {
                 let out = self.scheduler.schedule();
                 if out.is_empty() {
+                    self.last_collect = None;
                     self.publish_stats();
                     return;
                 }
@@ -388,8 +393,14 @@ impl Engine {
     fn finish(&mut self, launched: Launched) {
         let Launched { out, all_rows, num_rows } = launched;
         let collected = self.runner.collect();
+        let now = Instant::now();
         if self.ahead.is_none() {
-            self.idle_since = Some(Instant::now());
+            self.idle_since = Some(now);
+        }
+        if let Some(previous) = self.last_collect.replace(now) {
+            let micros = u64::try_from((now - previous).as_micros()).unwrap_or(u64::MAX);
+            let has_prompt_tokens = out.scheduled.iter().any(|s| !s.samples_next_token || s.num_scheduled_tokens > 1);
+            self.stats.step_times.record(out.scheduled.len(), has_prompt_tokens, micros);
         }
         let collected = collected.map_err(|e| e.to_string()).and_then(|results| {
             if results.len() == num_rows {

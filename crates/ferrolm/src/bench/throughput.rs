@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use ferrolm_engine::{EngineHandle, GenerateRequest};
+use ferrolm_engine::{EngineHandle, GenerateRequest, StepTimesSnapshot, STEP_BUCKET_SEQS};
 use serde::Serialize;
 use serde_json::Value;
 
@@ -55,8 +55,17 @@ pub fn run(args: ThroughputArgs) -> Result<()> {
         .num("Request throughput (req/s)", results["request_throughput"].as_f64().unwrap_or(0.0))
         .num("Output token throughput (tok/s)", results["output_throughput"].as_f64().unwrap_or(0.0))
         .num("Total token throughput (tok/s)", results["total_token_throughput"].as_f64().unwrap_or(0.0))
-        .latencies(&LatencySummaries::from_timings(&timings))
-        .print();
+        .latencies(&LatencySummaries::from_timings(&timings));
+    let steps = engine.stats().step_times;
+    let (mixed_steps, mixed_us) = steps.mixed;
+    table.text("Steps with prompt tokens: count, mean (ms)", step_line(mixed_steps, mixed_us));
+    for (i, &(count, micros)) in steps.decode.iter().enumerate().filter(|(_, &(count, _))| count > 0) {
+        table.text(
+            &format!("Decode steps of {} seqs: count, mean (ms)", bucket_label(i, steps.decode.len())),
+            step_line(count, micros),
+        );
+    }
+    table.print();
     if let Some(path) = &args.json {
         report::write_json(path, &results)?;
     }
@@ -136,5 +145,48 @@ fn summarize(
     r.insert("host_gap_seconds".into(), (stats.host_gap_us as f64 / 1e6).into());
     r.insert("num_preemptions".into(), stats.num_preemptions.into());
     r.insert("num_kv_blocks".into(), stats.num_blocks.into());
+    insert_step_times(&mut r, &stats.step_times);
     r
+}
+
+/// The mean times of decode steps by batch size and of steps with prompt tokens.
+fn insert_step_times(r: &mut serde_json::Map<String, Value>, steps: &StepTimesSnapshot) {
+    let (decode_steps, decode_us) =
+        steps.decode.iter().fold((0, 0), |(n, t), &(count, micros)| (n + count, t + micros));
+    r.insert("num_decode_steps".into(), decode_steps.into());
+    r.insert("mean_decode_step_ms".into(), mean_ms(decode_steps, decode_us).into());
+    let by_batch: Vec<Value> = steps
+        .decode
+        .iter()
+        .enumerate()
+        .filter(|(_, &(count, _))| count > 0)
+        .map(|(i, &(count, micros))| {
+            serde_json::json!({"seqs": bucket_label(i, steps.decode.len()), "steps": count, "mean_ms": mean_ms(count, micros)})
+        })
+        .collect();
+    r.insert("decode_steps_by_batch".into(), by_batch.into());
+    r.insert("num_mixed_steps".into(), steps.mixed.0.into());
+    r.insert("mean_mixed_step_ms".into(), mean_ms(steps.mixed.0, steps.mixed.1).into());
+}
+
+/// "64-95" for bucket 2; "992+" for the last.
+fn bucket_label(i: usize, buckets: usize) -> String {
+    let low = i * STEP_BUCKET_SEQS;
+    if i + 1 == buckets {
+        format!("{low}+")
+    } else {
+        format!("{low}-{}", low + STEP_BUCKET_SEQS - 1)
+    }
+}
+
+fn mean_ms(count: u64, micros: u64) -> f64 {
+    if count == 0 {
+        0.0
+    } else {
+        micros as f64 / count as f64 / 1e3
+    }
+}
+
+fn step_line(count: u64, micros: u64) -> String {
+    format!("{count}, {:.2}", mean_ms(count, micros))
 }
