@@ -30,10 +30,12 @@ use super::{Gpu, GpuError, GpuView};
 /// Threads per row (`SAMPLE_THREADS`).
 const THREADS: u32 = 1024;
 /// The radix select's per-warp histograms: `[warps, 256]` u32 counts, then `[warps, 256]` f64.
-const SHARED_BYTES: usize = (THREADS as usize / 32) * 256 * (4 + 8);
+const SHARED_BYTES: usize = (THREADS as usize / 32) * RADIX_BINS * (4 + 8);
 /// Threads per block of `logit_stats` (`STATS_THREADS`), and logits per block (`STATS_CHUNK`).
 const STATS_THREADS: u32 = 256;
 const STATS_CHUNK: usize = 4096;
+/// Bins of a radix-select pass (`RADIX_BINS`).
+const RADIX_BINS: usize = 256;
 /// Top logprobs per row the kernel can return (`SAMPLE_MAX_TOP`).
 const MAX_TOP: usize = 20;
 const _: () = assert!(MAX_TOP == MAX_LOGPROBS as usize);
@@ -180,6 +182,10 @@ pub struct GpuSampler {
     stats: Option<CudaSlice<ChunkStats>>,
     /// `[capacity]` chunks' weights, `[rows, chunks]` per launch with a sampled row.
     weights: Option<CudaSlice<ChunkWeights>>,
+    /// `[capacity, 256]` each: the first pass of the top-p select, by chunk (`sample_weights`),
+    /// `[rows, chunks, 256]` per launch with a sampled row under top-p.
+    top_counts: Option<CudaSlice<u32>>,
+    top_masses: Option<CudaSlice<f64>>,
     /// The rows' parameters and adjustments, built on the host and sent in one copy.
     params: Vec<RowParams>,
     adjusts: Vec<Adjust>,
@@ -289,6 +295,16 @@ impl GpuSampler {
             // SAFETY: `sample_weights` writes every chunk of the rows `sample_rows` reads them of.
             self.weights = Some(unsafe { gpu.stream().alloc::<ChunkWeights>(stats_len.next_power_of_two()) }?);
         }
+        let nucleus = self.params.iter().any(|p| p.mode == MODE_RANDOM && p.top_p < 1.0);
+        if nucleus && self.top_counts.as_ref().is_none_or(|c| c.len() < stats_len * RADIX_BINS) {
+            let len = stats_len.next_power_of_two() * RADIX_BINS;
+            (self.top_counts, self.top_masses) = (None, None);
+            // SAFETY: `sample_weights` writes every bin of the chunks of the rows `sample_rows`
+            // reads them of (sampled rows under top-p).
+            self.top_counts = Some(unsafe { gpu.stream().alloc::<u32>(len) }?);
+            // SAFETY: as above.
+            self.top_masses = Some(unsafe { gpu.stream().alloc::<f64>(len) }?);
+        }
         let results = self.results.as_mut().expect("allocated above");
 
         let logits_ptr = logits.ptr();
@@ -304,14 +320,19 @@ impl GpuSampler {
         let scratch_ptr = self.scratch.as_ref().map_or(0, |s| gpu.index_ptr(s));
         // The weights of rows that sample without adjustments or top-k, many blocks per row; none
         // when every row is greedy (sample_rows then takes a null pointer).
+        let (mut top_counts_ptr, mut top_masses_ptr) = (0u64, 0u64);
+        if let (true, Some(counts), Some(masses)) = (nucleus, &self.top_counts, &self.top_masses) {
+            (top_counts_ptr, top_masses_ptr) = (gpu.index_ptr(counts), gpu.index_ptr(masses));
+        }
         let weights_ptr = match (sampled, &self.weights) {
             (true, Some(weights)) => {
                 let weights_ptr = gpu.index_ptr(weights);
                 let mut launch = gpu.launch_builder("sample_weights", logits.dtype());
                 launch.arg(&logits_ptr).arg(&vocab_u32).arg(&chunks_u32).arg(&stats_ptr);
-                launch.arg(&params_ptr).arg(&scratch_ptr).arg(&weights_ptr);
+                launch.arg(&params_ptr).arg(&scratch_ptr).arg(&weights_ptr).arg(&top_counts_ptr).arg(&top_masses_ptr);
                 // SAFETY: as logit_stats, then its statistics, parameter rows whose scratch rows
-                // lie in `scratch` (every sampled row has one), and room for `[rows, chunks]`.
+                // lie in `scratch` (every sampled row has one), room for `[rows, chunks]` and,
+                // with a row under top-p, for `[rows, chunks, 256]` twice.
                 unsafe { launch.launch(cfg) }?;
                 weights_ptr
             }
@@ -319,7 +340,8 @@ impl GpuSampler {
         };
         let results_ptr = gpu.index_ptr(&*results);
         let mut launch = gpu.launch_builder("sample_rows", logits.dtype());
-        launch.arg(&logits_ptr).arg(&vocab_u32).arg(&stats_ptr).arg(&weights_ptr).arg(&chunks_u32);
+        launch.arg(&logits_ptr).arg(&vocab_u32).arg(&stats_ptr).arg(&weights_ptr);
+        launch.arg(&top_counts_ptr).arg(&top_masses_ptr).arg(&chunks_u32);
         launch.arg(&params_ptr).arg(&adjusts_ptr).arg(&scratch_ptr).arg(&results_ptr);
         let cfg = LaunchConfig {
             grid_dim: (num_rows, 1, 1),

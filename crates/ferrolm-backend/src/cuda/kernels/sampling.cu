@@ -75,6 +75,11 @@ struct SampleSmem {
     u32 pick, need, ties;
     double mass;
     u32 found;
+    // The top-p select's first pass, done by sample_weights chunk by chunk: [chunks, RADIX_BINS]
+    // counts and masses of the weights by their top 8 bits; null when the row has none.
+    const u32* top_counts;
+    const double* top_masses;
+    u32 top_chunks;
 };
 
 __device__ __forceinline__ float sanitize(float x) { return isnan(x) ? NEG_INF : (x == POS_INF ? MAX_FINITE : x); }
@@ -249,14 +254,20 @@ __device__ __forceinline__ bool plain_random(const SampleRow& p, u32 vocab, u32 
 // For a plain_random row, what random_pick's weights pass computes, chunk by chunk: weight
 // temper(s, top, T) of each score s above -inf (top: the row's largest, from logit_stats's
 // chunks), -1 for the others, written to the row's scratch; and the chunk's ChunkWeights.
-// Other rows return at once. Grid: (rows, chunks), STATS_THREADS; arguments as logit_stats's,
-// then the statistics it wrote, the rows' parameters, the scratch rows and out: [rows, chunks].
+// With top-p, also the first pass of its radix select over the chunk (top_counts, top_masses:
+// [rows, chunks, RADIX_BINS], the count and the mass of the weights by their top 8 bits; null
+// when no row has top-p). Other rows return at once. Grid: (rows, chunks), STATS_THREADS;
+// arguments as logit_stats's, then the statistics it wrote, the rows' parameters, the scratch
+// rows and out: [rows, chunks].
 template <typename T>
 __device__ __forceinline__ void sample_weights_impl(const T* logits, u32 vocab, u32 chunks, const ChunkStats* stats,
-                                                    const SampleRow* rows, float* scratch, ChunkWeights* out) {
+                                                    const SampleRow* rows, float* scratch, ChunkWeights* out,
+                                                    u32* top_counts, double* top_masses) {
     __shared__ float red_f[STATS_WARPS];
     __shared__ u32 red_i[STATS_WARPS];
     __shared__ double red_d[STATS_WARPS];
+    __shared__ u32 h_count[STATS_WARPS][RADIX_BINS];
+    __shared__ double h_mass[STATS_WARPS][RADIX_BINS];
     const SampleRow& p = rows[blockIdx.x];
     if (!plain_random(p, vocab, chunks)) return;
     auto max_f = [](float a, float b) { return fmaxf(a, b); };
@@ -276,6 +287,7 @@ __device__ __forceinline__ void sample_weights_impl(const T* logits, u32 vocab, 
     u32 kept = 0, last = 0;
     float max_w = 0.f;
     double total = 0.0;
+    float sc_w[STATS_ITEMS];  // the weights written, kept for the top-p pass
 #pragma unroll
     for (int j = 0; j < STATS_ITEMS; j++) {
         const u32 i = first + j * STATS_THREADS;
@@ -288,21 +300,64 @@ __device__ __forceinline__ void sample_weights_impl(const T* logits, u32 vocab, 
             max_w = fmaxf(max_w, w);
             if (w > 0.f) last = i + 1;
         }
+        sc_w[j] = w;
         if (i < vocab) sc[i] = w;
     }
     kept = block_reduce<STATS_WARPS>(kept, red_i, add_u);
     last = block_reduce<STATS_WARPS>(last, red_i, max_u);
     max_w = block_reduce<STATS_WARPS>(max_w, red_f, max_f);
     total = block_reduce<STATS_WARPS>(total, red_d, add_d);
-    if (threadIdx.x == 0) out[(u64)blockIdx.x * chunks + blockIdx.y] = {kept, last, max_w, 0.f, total};
+    const u64 at = (u64)blockIdx.x * chunks + blockIdx.y;
+    if (threadIdx.x == 0) out[at] = {kept, last, max_w, 0.f, total};
+    if (top_counts == nullptr || !(p.top_p < 1.f)) return;
+
+    // The top-p select's first pass over this chunk, as radix_select makes it: the survivors
+    // (weights >= 0) by the top 8 bits of their weight, each bin's masses in lane order.
+    static_assert(STATS_THREADS == RADIX_BINS, "one thread per bin");
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    for (u32 w = 0; w < STATS_WARPS; ++w) {
+        h_count[w][threadIdx.x] = 0;
+        h_mass[w][threadIdx.x] = 0.0;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < STATS_ITEMS; j++) {
+        const u32 i = first + j * STATS_THREADS;
+        const float w = i < vocab ? sc_w[j] : -1.f;
+        const bool valid = w >= 0.f;
+        const u32 ballot = __ballot_sync(FULL_MASK, valid);
+        if (ballot == 0) continue;
+        const u32 bin = valid ? __float_as_uint(w) >> 24 : RADIX_BINS;
+        const u32 peers = __match_any_sync(FULL_MASK, bin);
+        double sum = 0.0;
+        for (u32 bits = ballot; bits != 0; bits &= bits - 1) {
+            const int src = __ffs(bits) - 1;
+            const u32 b = __shfl_sync(FULL_MASK, bin, src);
+            const double m = __shfl_sync(FULL_MASK, (double)w, src);
+            if (b == bin) sum += m;
+        }
+        if (valid && (u32)(__ffs(peers) - 1) == lane) {
+            h_count[warp][bin] += __popc(peers);
+            h_mass[warp][bin] += sum;
+        }
+    }
+    __syncthreads();
+    u32 c = 0;
+    double m = 0.0;
+    for (u32 w = 0; w < STATS_WARPS; ++w) {
+        c += h_count[w][threadIdx.x];
+        m += h_mass[w][threadIdx.x];
+    }
+    top_counts[at * RADIX_BINS + threadIdx.x] = c;
+    top_masses[at * RADIX_BINS + threadIdx.x] = m;
 }
 
 #define SAMPLE_WEIGHTS(T, S) \
     extern "C" __global__ void __launch_bounds__(STATS_THREADS) \
         sample_weights_##S(const T* logits, u32 vocab, u32 chunks, const ChunkStats* stats, const SampleRow* rows, \
-                           float* scratch, ChunkWeights* out) { \
+                           float* scratch, ChunkWeights* out, u32* top_counts, double* top_masses) { \
         pdl_enter(); \
-        sample_weights_impl<T>(logits, vocab, chunks, stats, rows, scratch, out); \
+        sample_weights_impl<T>(logits, vocab, chunks, stats, rows, scratch, out, top_counts, top_masses); \
     }
 FOR_EACH_DTYPE(SAMPLE_WEIGHTS)
 
@@ -348,38 +403,44 @@ __device__ u32 radix_select(u32 vocab, Elem elem, u32 need, double target, Sampl
         sm.mass = 0.0;
     }
     for (int shift = 24; shift >= 0; shift -= 8) {
-        for (u32 j = threadIdx.x; j < SAMPLE_WARPS * RADIX_BINS; j += SAMPLE_THREADS) {
-            hist_count[j] = 0;
-            if (SUMS) hist_sum[j] = 0.0;
+        // With the row's top-p first pass made by sample_weights, plain_pick has left its
+        // histogram in warp 0's row (the others zero).
+        if (!(SUMS && shift == 24 && sm.top_counts != nullptr)) {
+            for (u32 j = threadIdx.x; j < SAMPLE_WARPS * RADIX_BINS; j += SAMPLE_THREADS) {
+                hist_count[j] = 0;
+                if (SUMS) hist_sum[j] = 0.0;
+            }
         }
         __syncthreads();
         u32* my_count = hist_count + warp * RADIX_BINS;
         double* my_sum = hist_sum + warp * RADIX_BINS;
-        for (u32 base = 0; base < vocab; base += SAMPLE_THREADS) {
-            const u32 i = base + threadIdx.x;
-            u32 key = 0;
-            double mass = 0.0;
-            const bool valid = i < vocab && elem(i, key, mass) && (key & mask) == prefix;
-            const u32 ballot = __ballot_sync(FULL_MASK, valid);
-            if (ballot == 0) continue;
-            const u32 bin = valid ? (key >> shift) & 0xffu : RADIX_BINS;
-            const u32 peers = __match_any_sync(FULL_MASK, bin);
-            const bool leader = valid && (u32)(__ffs(peers) - 1) == lane;
-            if (SUMS) {
-                // Each bin's masses summed in lane order, so that the histogram is reproducible.
-                double total = 0.0;
-                for (u32 bits = ballot; bits != 0; bits &= bits - 1) {
-                    const int src = __ffs(bits) - 1;
-                    const u32 b = __shfl_sync(FULL_MASK, bin, src);
-                    const double m = __shfl_sync(FULL_MASK, mass, src);
-                    if (b == bin) total += m;
-                }
-                if (leader) {
+        if (!(SUMS && shift == 24 && sm.top_counts != nullptr)) {
+            for (u32 base = 0; base < vocab; base += SAMPLE_THREADS) {
+                const u32 i = base + threadIdx.x;
+                u32 key = 0;
+                double mass = 0.0;
+                const bool valid = i < vocab && elem(i, key, mass) && (key & mask) == prefix;
+                const u32 ballot = __ballot_sync(FULL_MASK, valid);
+                if (ballot == 0) continue;
+                const u32 bin = valid ? (key >> shift) & 0xffu : RADIX_BINS;
+                const u32 peers = __match_any_sync(FULL_MASK, bin);
+                const bool leader = valid && (u32)(__ffs(peers) - 1) == lane;
+                if (SUMS) {
+                    // Each bin's masses summed in lane order, so that the histogram is reproducible.
+                    double total = 0.0;
+                    for (u32 bits = ballot; bits != 0; bits &= bits - 1) {
+                        const int src = __ffs(bits) - 1;
+                        const u32 b = __shfl_sync(FULL_MASK, bin, src);
+                        const double m = __shfl_sync(FULL_MASK, mass, src);
+                        if (b == bin) total += m;
+                    }
+                    if (leader) {
+                        my_count[bin] += __popc(peers);
+                        my_sum[bin] += total;
+                    }
+                } else if (leader) {
                     my_count[bin] += __popc(peers);
-                    my_sum[bin] += total;
                 }
-            } else if (leader) {
-                my_count[bin] += __popc(peers);
             }
         }
         __syncthreads();
@@ -625,6 +686,20 @@ __device__ u32 plain_pick(u32 vocab, float* sc, SampleSmem& sm, u32* hist_count,
     }
     __syncthreads();
     const double total = sm.mass;
+    if (p.top_p < 1.f && kept > 1 && sm.top_counts != nullptr) {
+        // The top-p select's first histogram from the chunks' (sample_weights), added in chunk
+        // order into warp 0's row, the others zeroed: radix_select starts from there.
+        for (u32 j = threadIdx.x; j < SAMPLE_WARPS * RADIX_BINS; j += SAMPLE_THREADS) {
+            u32 c = 0;
+            double m = 0.0;
+            for (u32 ch = 0; j < RADIX_BINS && ch < chunks; ++ch) {
+                c += sm.top_counts[ch * RADIX_BINS + j];
+                m += sm.top_masses[ch * RADIX_BINS + j];
+            }
+            hist_count[j] = c;
+            hist_sum[j] = m;
+        }
+    }
     if ((p.top_p < 1.f && kept > 1) || p.min_p > 0.f) {
         return filtered_pick(vocab, sc, sm, hist_count, hist_sum, kept, total, max_w);
     }
@@ -717,19 +792,30 @@ __device__ u32 random_pick(u32 vocab, float* sc, SampleSmem& sm, u32* hist_count
 }
 
 // logits: [rows, vocab]; stats: [rows, chunks], logit_stats's; weights: [rows, chunks],
-// sample_weights's (null when no row samples); rows: [rows]; adjusts: the rows' lists,
+// sample_weights's (null when no row samples), and top_counts, top_masses its first pass of the
+// top-p select (null when no row has top-p); rows: [rows]; adjusts: the rows' lists,
 // concatenated; scratch: [scratch rows, vocab] f32 (processed scores, then weights, of the rows
 // that have one; sample_weights has written those of plain_random rows); out: [rows]. Dynamic
 // shared memory: SAMPLE_WARPS * RADIX_BINS * (4 + 8) bytes.
 template <typename T>
 __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, const ChunkStats* stats,
-                                                 const ChunkWeights* weights, u32 chunks, const SampleRow* rows,
+                                                 const ChunkWeights* weights, const u32* top_counts,
+                                                 const double* top_masses, u32 chunks, const SampleRow* rows,
                                                  const SampleAdjust* adjusts, float* scratch, SampleOut* out) {
     extern __shared__ __align__(16) unsigned char sample_smem[];
     u32* hist_count = reinterpret_cast<u32*>(sample_smem);  // [SAMPLE_WARPS, RADIX_BINS]
     double* hist_sum = reinterpret_cast<double*>(sample_smem + SAMPLE_WARPS * RADIX_BINS * sizeof(u32));
     __shared__ SampleSmem sm;
-    if (threadIdx.x == 0) sm.p = rows[blockIdx.x];
+    if (threadIdx.x == 0) {
+        sm.p = rows[blockIdx.x];
+        // Where sample_weights made the first pass of this row's top-p select.
+        const bool first_pass = weights != nullptr && top_counts != nullptr && plain_random(sm.p, vocab, chunks) &&
+                                sm.p.top_p < 1.f;
+        const u64 at = (u64)blockIdx.x * chunks * RADIX_BINS;
+        sm.top_counts = first_pass ? top_counts + at : nullptr;
+        sm.top_masses = first_pass ? top_masses + at : nullptr;
+        sm.top_chunks = chunks;
+    }
     __syncthreads();
     const SampleRow& p = sm.p;
     const T* raw = logits + (u64)blockIdx.x * vocab;
@@ -817,10 +903,12 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
 
 #define SAMPLE_ROWS(T, S) \
     extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_##S( \
-        const T* logits, u32 vocab, const ChunkStats* stats, const ChunkWeights* weights, u32 chunks, \
-        const SampleRow* rows, const SampleAdjust* adjusts, float* scratch, SampleOut* out) { \
+        const T* logits, u32 vocab, const ChunkStats* stats, const ChunkWeights* weights, const u32* top_counts, \
+        const double* top_masses, u32 chunks, const SampleRow* rows, const SampleAdjust* adjusts, float* scratch, \
+        SampleOut* out) { \
         pdl_enter(); \
-        sample_rows_impl<T>(logits, vocab, stats, weights, chunks, rows, adjusts, scratch, out); \
+        sample_rows_impl<T>(logits, vocab, stats, weights, top_counts, top_masses, chunks, rows, adjusts, scratch, \
+                            out); \
     }
 FOR_EACH_DTYPE(SAMPLE_ROWS)
 
