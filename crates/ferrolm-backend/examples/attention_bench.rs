@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! cargo build --release -p ferrolm-backend --features cuda --example attention_bench
-//! target/release/examples/attention_bench
+//! target/release/examples/attention_bench ["decode batch 384"]   # only the cases named so
 //! ```
 //!
 //! Cases: a decode step of 1 sequence at context 384 and 4096 and of 256 sequences at context
@@ -66,7 +66,9 @@ fn main() {
         ("mixed 200 decodes @600 + 16 x 512 prefill", LLAMA_8B, decodes_first),
         ("mixed 384 decodes @1500 + 8 x 1000 prefill", LLAMA_8B, full_step),
     ];
-    for (name, heads, requests) in &cases {
+    // An argument keeps only the cases whose name holds it (e.g. to profile one).
+    let only = std::env::args().nth(1).unwrap_or_default();
+    for (name, heads, requests) in cases.iter().filter(|(name, ..)| name.contains(&only)) {
         if let Err(e) = run_case(&gpu, name, *heads, requests) {
             eprintln!("{name}: {e}");
         }

@@ -282,48 +282,29 @@ __device__ __forceinline__ DecodeWork decode_work(u32 heads, const u32* query_st
     w.nh = min(heads, w.kv_head * group + group - w.head0);
     w.part = blockIdx.y;
     w.num_parts = gridDim.y;
-    w.r = request_of_row(query_start_loc, num_reqs, w.t);
-    const u32 q_begin = query_start_loc[w.r], q_end = query_start_loc[w.r + 1];
-    const u32 pos = seq_lens[w.r] - (q_end - q_begin) + (w.t - q_begin);
+    // A step's decodes come first (the scheduler orders them so), each one row: where row t is
+    // all of request t, these three independent loads are the whole lookup. The binary search
+    // is a chain of dependent loads (about ten round trips to the L2 at batch 384) that every
+    // block would wait through before its first K/V copy could start.
+    u32 q_begin = 0, q_end = 0, seq_len = 0;
+    if (w.t < num_reqs) {
+        q_begin = query_start_loc[w.t];
+        q_end = query_start_loc[w.t + 1];
+        seq_len = seq_lens[w.t];
+    }
+    if (w.t < num_reqs && q_begin == w.t && q_end == w.t + 1) {
+        w.r = w.t;
+    } else {
+        w.r = request_of_row(query_start_loc, num_reqs, w.t);
+        q_begin = query_start_loc[w.r];
+        q_end = query_start_loc[w.r + 1];
+        seq_len = seq_lens[w.r];
+    }
+    const u32 pos = seq_len - (q_end - q_begin) + (w.t - q_begin);
     const u32 key_begin = (window != 0 && pos + 1 > window) ? pos + 1 - window : 0;
     w.start = key_begin + min(w.part * part_len, pos + 1 - key_begin);
     w.end = w.part + 1 == w.num_parts ? pos + 1 : min(w.start + part_len, pos + 1);
     return w;
-}
-
-// 8 consecutive elements as loaded from the cache, converted to f32 when used.
-template <typename T> struct Raw8 { uint4 u; };
-template <> struct Raw8<float> { float4 a, b; };
-
-__device__ __forceinline__ void load_raw(const float* p, Raw8<float>& r) {
-    r.a = *reinterpret_cast<const float4*>(p);
-    r.b = *reinterpret_cast<const float4*>(p + 4);
-}
-template <typename T> __device__ __forceinline__ void load_raw(const T* p, Raw8<T>& r) {
-    r.u = *reinterpret_cast<const uint4*>(p);
-}
-__device__ __forceinline__ void zero_raw(Raw8<float>& r) { r.a = r.b = make_float4(0.f, 0.f, 0.f, 0.f); }
-template <typename T> __device__ __forceinline__ void zero_raw(Raw8<T>& r) { r.u = make_uint4(0, 0, 0, 0); }
-
-__device__ __forceinline__ void unpack8(const Raw8<float>& r, float (&x)[8]) {
-    x[0] = r.a.x; x[1] = r.a.y; x[2] = r.a.z; x[3] = r.a.w;
-    x[4] = r.b.x; x[5] = r.b.y; x[6] = r.b.z; x[7] = r.b.w;
-}
-// The two-element vector of a half type, and its conversion to f32.
-template <typename T> struct Pair2;
-template <> struct Pair2<__nv_bfloat16> { typedef __nv_bfloat162 type; };
-template <> struct Pair2<__half> { typedef __half2 type; };
-__device__ __forceinline__ float2 pair_to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
-__device__ __forceinline__ float2 pair_to_float2(__half2 v) { return __half22float2(v); }
-
-template <typename T> __device__ __forceinline__ void unpack8(const Raw8<T>& r, float (&x)[8]) {
-    const u32 w[4] = {r.u.x, r.u.y, r.u.z, r.u.w};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float2 f = pair_to_float2(*reinterpret_cast<const typename Pair2<T>::type*>(&w[i]));
-        x[2 * i] = f.x;
-        x[2 * i + 1] = f.y;
-    }
 }
 
 // Scores are kept in base 2 (the query is pre-scaled by log2(e)), so that each exponential is

@@ -95,6 +95,53 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// 8 consecutive elements as loaded with 16-byte accesses (two for f32), converted to f32 when used.
+template <typename T> struct Raw8 { uint4 u; };
+template <> struct Raw8<float> { float4 a, b; };
+
+__device__ __forceinline__ void load_raw(const float* p, Raw8<float>& r) {
+    r.a = *reinterpret_cast<const float4*>(p);
+    r.b = *reinterpret_cast<const float4*>(p + 4);
+}
+template <typename T> __device__ __forceinline__ void load_raw(const T* p, Raw8<T>& r) {
+    r.u = *reinterpret_cast<const uint4*>(p);
+}
+__device__ __forceinline__ void zero_raw(Raw8<float>& r) { r.a = r.b = make_float4(0.f, 0.f, 0.f, 0.f); }
+template <typename T> __device__ __forceinline__ void zero_raw(Raw8<T>& r) { r.u = make_uint4(0, 0, 0, 0); }
+
+__device__ __forceinline__ void unpack8(const Raw8<float>& r, float (&x)[8]) {
+    x[0] = r.a.x; x[1] = r.a.y; x[2] = r.a.z; x[3] = r.a.w;
+    x[4] = r.b.x; x[5] = r.b.y; x[6] = r.b.z; x[7] = r.b.w;
+}
+// The two-element vector of a half type, and its conversion to f32.
+template <typename T> struct Pair2;
+template <> struct Pair2<__nv_bfloat16> { typedef __nv_bfloat162 type; };
+template <> struct Pair2<__half> { typedef __half2 type; };
+__device__ __forceinline__ float2 pair_to_float2(__nv_bfloat162 v) { return __bfloat1622float2(v); }
+__device__ __forceinline__ float2 pair_to_float2(__half2 v) { return __half22float2(v); }
+
+template <typename T> __device__ __forceinline__ void unpack8(const Raw8<T>& r, float (&x)[8]) {
+    const u32 w[4] = {r.u.x, r.u.y, r.u.z, r.u.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 f = pair_to_float2(*reinterpret_cast<const typename Pair2<T>::type*>(&w[i]));
+        x[2 * i] = f.x;
+        x[2 * i + 1] = f.y;
+    }
+}
+
+// Stores 8 consecutive elements, each rounded to T once; `p` 16-byte aligned.
+__device__ __forceinline__ void store8(float* p, const float (&x)[8]) {
+    reinterpret_cast<float4*>(p)[0] = make_float4(x[0], x[1], x[2], x[3]);
+    reinterpret_cast<float4*>(p)[1] = make_float4(x[4], x[5], x[6], x[7]);
+}
+template <typename T> __device__ __forceinline__ void store8(T* p, const float (&x)[8]) {
+    __align__(16) T v[8];
+#pragma unroll
+    for (int i = 0; i < 8; i++) v[i] = from_float<T>(x[i]);
+    *reinterpret_cast<uint4*>(p) = *reinterpret_cast<const uint4*>(v);
+}
+
 // Applies `M(type, suffix)` to each activation dtype; each op defines `M` to declare its
 // `extern "C"` kernel `name_suffix` for that dtype.
 #define FOR_EACH_DTYPE(M) M(float, f32) M(__nv_bfloat16, bf16) M(__half, f16)
