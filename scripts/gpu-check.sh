@@ -10,7 +10,8 @@
 # and GEMV kernels alone).
 # `quick` skips the 8B throughput runs (`full` includes a 1000-request run of about 3 minutes).
 # With PEER=1 the same workloads also run through HF transformers (tools/peer_hf.py; needs torch
-# and transformers).
+# and transformers). TESTS=0 skips the test binaries and KERNEL_BENCHES=0 the kernel benches (to
+# time the end-to-end rows alone).
 # Results (test logs, bench JSON) go to $OUT (default: a new temporary directory).
 set -u
 BIN=${1:-.device-carry}
@@ -37,13 +38,15 @@ run_tests() { # name binary
     summary+=("$(printf '%-34s %s (%s)' "tests: $name" "$status" "$(grep -m1 '^test result' "$OUT/$name.log" | cut -c14-60)")")
 }
 
-run_tests cuda_ops "$BIN/cuda_ops"
-run_tests runner "$BIN/runner"
+if [ "${TESTS:-1}" = 1 ]; then
+    run_tests cuda_ops "$BIN/cuda_ops"
+    run_tests runner "$BIN/runner"
+fi
 
 # Attention kernels alone, 8B shape (decode at batch 1 and 256, prefill, mixed), and the GEMV
 # kernel next to cuBLAS on the 8B and 1B projections.
 for kernel_bench in attention_bench gemv_bench; do
-    if [ -x "$BIN/$kernel_bench" ]; then
+    if [ "${KERNEL_BENCHES:-1}" = 1 ] && [ -x "$BIN/$kernel_bench" ]; then
         timeout "${BENCH_TIMEOUT:-240}" "$BIN/$kernel_bench" 2>&1 | tee "$OUT/$kernel_bench.txt"
     fi
 done
@@ -77,6 +80,8 @@ else:
     tpot = r.get("median_tpot_ms")
     print(f"{label:<34} {r['output_throughput']:8.1f} output tok/s; {r['request_throughput']:.2f} req/s"
           + (f"; TPOT p50 {tpot:.1f} ms" if tpot is not None else "")
+          + (f"; decode step {r['mean_decode_step_ms']:.1f} ms, prompt step {r['mean_mixed_step_ms']:.0f} ms"
+             if "mean_decode_step_ms" in r else "")
           + (f"; {r['num_steps_ahead']}/{r['num_steps']} steps ahead, host gap {r['host_gap_seconds']:.2f} s"
              if "num_steps_ahead" in r else ""))
 PY

@@ -9,7 +9,8 @@
 //!
 //! Cases: a decode step of 1 sequence at context 384 and 4096 and of 256 sequences at context
 //! 640 and 1500 (the decode kernel), the same bytes as 384 at 1500 in 192, 384 and 768
-//! sequences and in 3072 sequences of one KV head, a 512-token and a 2048-token prompt of one sequence, a
+//! sequences, in 3072 sequences of one KV head, and spread over 16 layers of a 75 GB cache as a
+//! server's cache holds them, a 512-token and a 2048-token prompt of one sequence, a
 //! mixed step of 16 512-token prompts with 200 decodes at context 600 (the tensor-core kernel),
 //! the same with the decodes first as the scheduler orders them, and 384 decodes at context
 //! 1500 before 8 1000-token prompts (a mixed step of the 1000-request benchmark). Each is timed with
@@ -49,27 +50,30 @@ fn main() {
     let mut full_step = vec![(1500, 1); 384];
     full_step.extend([(1000, 1000); 8]);
     let cases = [
-        ("decode batch 1, context 384", LLAMA_8B, vec![(384, 1)]),
-        ("decode batch 1, context 4096", LLAMA_8B, vec![(4096, 1)]),
-        ("decode batch 256, context 640", LLAMA_8B, vec![(640, 1); 256]),
-        ("decode batch 256, context 1500", LLAMA_8B, vec![(1500, 1); 256]),
+        ("decode batch 1, context 384", LLAMA_8B, COMPACT, vec![(384, 1)]),
+        ("decode batch 1, context 4096", LLAMA_8B, COMPACT, vec![(4096, 1)]),
+        ("decode batch 256, context 640", LLAMA_8B, COMPACT, vec![(640, 1); 256]),
+        ("decode batch 256, context 1500", LLAMA_8B, COMPACT, vec![(1500, 1); 256]),
         // The same bytes at three batch sizes: what each block's fixed cost and the last wave
         // take; then as 3072 sequences of one KV head, whose 16-key pages are 4 KiB contiguous
         // where the 8B's are 16 rows of 256 bytes 2 KiB apart.
-        ("decode batch 384, context 1500", LLAMA_8B, vec![(1500, 1); 384]),
-        ("decode batch 192, context 3000", LLAMA_8B, vec![(3000, 1); 192]),
-        ("decode batch 768, context 750", LLAMA_8B, vec![(750, 1); 768]),
-        ("decode batch 3072 x 1 KV head, context 1500", ONE_KV_HEAD, vec![(1500, 1); 3072]),
-        ("prefill 512 of one sequence", LLAMA_8B, vec![(512, 512)]),
-        ("prefill 2048 of one sequence", LLAMA_8B, vec![(2048, 2048)]),
-        ("mixed 16 x 512 prefill + 200 decodes @600", LLAMA_8B, mixed),
-        ("mixed 200 decodes @600 + 16 x 512 prefill", LLAMA_8B, decodes_first),
-        ("mixed 384 decodes @1500 + 8 x 1000 prefill", LLAMA_8B, full_step),
+        ("decode batch 384, context 1500", LLAMA_8B, COMPACT, vec![(1500, 1); 384]),
+        ("decode batch 192, context 3000", LLAMA_8B, COMPACT, vec![(3000, 1); 192]),
+        ("decode batch 768, context 750", LLAMA_8B, COMPACT, vec![(750, 1); 768]),
+        ("decode batch 3072 x 1 KV head, context 1500", ONE_KV_HEAD, COMPACT, vec![(1500, 1); 3072]),
+        // As a server's cache holds them: each layer's blocks drawn from a cache twice the
+        // batch's size, and 16 such layers in turn (75 GB).
+        ("decode batch 384, context 1500, 16 layers of a 75 GB cache", LLAMA_8B, SERVER_CACHE, vec![(1500, 1); 384]),
+        ("prefill 512 of one sequence", LLAMA_8B, COMPACT, vec![(512, 512)]),
+        ("prefill 2048 of one sequence", LLAMA_8B, COMPACT, vec![(2048, 2048)]),
+        ("mixed 16 x 512 prefill + 200 decodes @600", LLAMA_8B, COMPACT, mixed),
+        ("mixed 200 decodes @600 + 16 x 512 prefill", LLAMA_8B, COMPACT, decodes_first),
+        ("mixed 384 decodes @1500 + 8 x 1000 prefill", LLAMA_8B, COMPACT, full_step),
     ];
     // An argument keeps only the cases whose name holds it (e.g. to profile one).
     let only = std::env::args().nth(1).unwrap_or_default();
-    for (name, heads, requests) in cases.iter().filter(|(name, ..)| name.contains(&only)) {
-        if let Err(e) = run_case(&gpu, name, *heads, requests) {
+    for (name, heads, cache, requests) in cases.iter().filter(|(name, ..)| name.contains(&only)) {
+        if let Err(e) = run_case(&gpu, name, *heads, *cache, requests) {
             eprintln!("{name}: {e}");
         }
     }
@@ -85,9 +89,27 @@ struct Heads {
 const LLAMA_8B: Heads = Heads { query: 32, kv: 8 };
 const ONE_KV_HEAD: Heads = Heads { query: 4, kv: 1 };
 
+/// Where a case's K/V blocks lie: `spread` times as many blocks as the case reads, of which it
+/// reads a random set, in `layers` caches used in turn (0: as many as keep a pass over them
+/// several times the L2, and random values; else zeros, which take as long to attend over).
+#[derive(Clone, Copy)]
+struct CacheLayout {
+    spread: usize,
+    layers: usize,
+}
+
+const COMPACT: CacheLayout = CacheLayout { spread: 1, layers: 0 };
+const SERVER_CACHE: CacheLayout = CacheLayout { spread: 2, layers: 16 };
+
 /// `requests`: (context length, query rows) of each sequence.
-fn run_case(gpu: &Gpu, name: &str, heads: Heads, requests: &[(usize, usize)]) -> Result<(), GpuError> {
-    let mut case = Case::new(gpu, heads, requests)?;
+fn run_case(
+    gpu: &Gpu,
+    name: &str,
+    heads: Heads,
+    cache: CacheLayout,
+    requests: &[(usize, usize)],
+) -> Result<(), GpuError> {
+    let mut case = Case::new(gpu, heads, cache, requests)?;
     let decode_only = requests.iter().all(|&(_, q)| q == 1);
     for general in [false, true] {
         let label = if general { "  general kernel".to_string() } else { name.to_string() };
@@ -122,23 +144,33 @@ struct Case {
 }
 
 impl Case {
-    fn new(gpu: &Gpu, heads: Heads, requests: &[(usize, usize)]) -> Result<Case, GpuError> {
+    fn new(gpu: &Gpu, heads: Heads, cache: CacheLayout, requests: &[(usize, usize)]) -> Result<Case, GpuError> {
         let kv_width = heads.kv * HEAD_DIM;
         let blocks_per_seq = requests.iter().map(|&(s, _)| s.div_ceil(BLOCK_SIZE)).max().unwrap_or(0);
         let context: usize = requests.iter().map(|&(s, _)| s).sum();
         let kv_bytes = context * kv_width * 2 * 2;
-        // Enough layers that one pass over them is several times a 50 MB L2.
-        let sets = if kv_bytes >= 256 << 20 { 1 } else { LAYERS };
-        let num_blocks = requests.len() * blocks_per_seq;
+        let read_blocks = requests.len() * blocks_per_seq;
+        let num_blocks = read_blocks * cache.spread;
         let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
         let mut order: Vec<u32> = (0..num_blocks as u32).collect();
         for i in (1..order.len()).rev() {
             order.swap(i, rng.next() as usize % (i + 1));
         }
+        order.truncate(read_blocks);
         let cache_len = num_blocks * BLOCK_SIZE * kv_width;
-        let caches = (0..sets)
-            .map(|_| Ok((random_tensor(gpu, &mut rng, cache_len)?, random_tensor(gpu, &mut rng, cache_len)?)))
-            .collect::<Result<Vec<_>, GpuError>>()?;
+        let caches = if cache.layers == 0 {
+            // Enough layers that one pass over them is several times a 50 MB L2.
+            let sets = if kv_bytes >= 256 << 20 { 1 } else { LAYERS };
+            (0..sets)
+                .map(|_| Ok((random_tensor(gpu, &mut rng, cache_len)?, random_tensor(gpu, &mut rng, cache_len)?)))
+                .collect::<Result<Vec<_>, GpuError>>()?
+        } else {
+            (0..cache.layers)
+                .map(|_| {
+                    Ok((GpuTensor::zeros(gpu, DType::BF16, cache_len)?, GpuTensor::zeros(gpu, DType::BF16, cache_len)?))
+                })
+                .collect::<Result<Vec<_>, GpuError>>()?
+        };
         let tokens: usize = requests.iter().map(|&(_, q)| q).sum();
         let q = random_tensor(gpu, &mut rng, tokens * heads.query * HEAD_DIM)?;
         let out = GpuTensor::zeros(gpu, DType::BF16, tokens * heads.query * HEAD_DIM)?;
