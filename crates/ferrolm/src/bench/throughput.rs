@@ -190,3 +190,38 @@ fn mean_ms(count: u64, micros: u64) -> f64 {
 fn step_line(count: u64, micros: u64) -> String {
     format!("{count}, {:.2}", mean_ms(count, micros))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn step_times_report_means_by_kind_and_batch() {
+        let mut decode = vec![(0, 0); 32];
+        decode[0] = (4, 8_000); // 1-31 requests: 2 ms each
+        decode[12] = (10, 300_000); // 384-415: 30 ms each
+        decode[31] = (1, 50_000); // 992 and up
+        let steps = StepTimesSnapshot { decode, mixed: (2, 400_000) };
+        let mut r = serde_json::Map::new();
+        insert_step_times(&mut r, &steps);
+        assert_eq!(r["num_decode_steps"], 15);
+        assert!((r["mean_decode_step_ms"].as_f64().unwrap() - 358.0 / 15.0).abs() < 1e-9);
+        assert_eq!(r["num_mixed_steps"], 2);
+        assert_eq!(r["mean_mixed_step_ms"], 200.0);
+        let by_batch = r["decode_steps_by_batch"].as_array().unwrap();
+        let rows: Vec<(&str, u64, f64)> = by_batch
+            .iter()
+            .map(|b| (b["seqs"].as_str().unwrap(), b["steps"].as_u64().unwrap(), b["mean_ms"].as_f64().unwrap()))
+            .collect();
+        assert_eq!(rows, [("0-31", 4, 2.0), ("384-415", 10, 30.0), ("992+", 1, 50.0)]);
+    }
+
+    #[test]
+    fn no_steps_give_zero_means() {
+        let mut r = serde_json::Map::new();
+        insert_step_times(&mut r, &StepTimesSnapshot { decode: vec![(0, 0); 32], mixed: (0, 0) });
+        assert_eq!(r["mean_decode_step_ms"], 0.0);
+        assert_eq!(r["mean_mixed_step_ms"], 0.0);
+        assert!(r["decode_steps_by_batch"].as_array().unwrap().is_empty());
+    }
+}
