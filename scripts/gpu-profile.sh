@@ -8,10 +8,13 @@
 #    weights, 128-token prompt, 32 output tokens) without CUDA graphs, so that each kernel is
 #    timed on its own; the totals are divided by the 31 decode steps (the one prefill step is
 #    counted in them too).
-# 2. The decode attention kernel at batch 256, context 640 (attention_bench's second case) with
-#    ncu's throughput, memory, occupancy and warp-stall sections.
-# MODELS (default: both) picks the models of part 1; ATTENTION=0 skips part 2. Logs go to $OUT
-# (default: a new temporary directory).
+# 2. The decode attention kernel at batch 384, context 1500 (attention_bench's case) with ncu's
+#    throughput, memory, occupancy and warp-stall sections.
+# 3. One decode step of 384 requests at context ~1500 in the llama-3.1-8b shape cut to 4 layers
+#    (the per-layer kernels are the 8B's), kernel by kernel without graphs; then the same step's
+#    graph replayed as one workload, against its kernels one by one: what the graph adds or hides.
+# MODELS (default: both) picks the models of part 1; ATTENTION=0 skips part 2, BATCH=0 part 3.
+# Logs go to $OUT (default: a new temporary directory).
 set -u
 BIN=${1:-.device-carry}
 OUT=${OUT:-$(mktemp -d)}
@@ -36,11 +39,45 @@ for model in ${MODELS:-llama-3.2-1b llama-3.1-8b}; do
 done
 
 if [ "${ATTENTION:-1}" = 1 ] && [ -x "$BIN/attention_bench" ]; then
-    # The first case (batch 1) makes 148 decode launches (32 warm-up, 20 timed, 3 x 32); the next
-    # one is the batch-256 case's first.
-    echo "== decode attention, batch 256, context 640 =="
-    ncu_run -k regex:paged_attention_decode --launch-skip 148 --launch-count 1 \
+    # The case makes 52 launches (32 warm-up, 20 timed) before its runs of 32.
+    echo "== decode attention, batch 384, context 1500 =="
+    ncu_run -k regex:paged_decode_mma --launch-skip 40 --launch-count 1 \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
         --section WarpStateStats --section SchedulerStats --section LaunchStats \
-        "$BIN/attention_bench" 2>&1 | tee "$OUT/decode-attention.txt" | grep -v "^==PROF==" | head -150
+        "$BIN/attention_bench" "decode batch 384, context 1500" 2>&1 | tee "$OUT/decode-attention.txt" |
+        grep -v "^==PROF==" | head -150
+fi
+
+if [ "${BATCH:-1}" = 1 ]; then
+    python3 -c 'import json, sys
+c = json.load(open("bench-configs/llama-3.1-8b.json")); c["num_hidden_layers"] = 4
+json.dump(c, open(sys.argv[1], "w"))' "$OUT/llama-8b-4-layers.json"
+    # 384 prompts of 1500 in 9 steps of 65536 tokens (~470 launches), then decode steps of all 384
+    # until the first requests finish after 16 tokens.
+    batch_run() { # ncu arguments...
+        ncu_run --metrics gpu__time_duration.sum --csv --page raw "$@" "$BIN/ferrolm" bench throughput \
+            --model-config "$OUT/llama-8b-4-layers.json" --dummy-weights --device cuda --num-prompts 384 \
+            --input-len 1500 --output-len 16 --max-num-seqs 384 --max-num-batched-tokens 65536 \
+            >"$OUT/batch.log" 2>&1 || tail -n 5 "$OUT/batch.log"
+    }
+    FERROLM_CUDA_GRAPHS=0 batch_run --launch-skip 600 --launch-count 160 --log-file "$OUT/batch-eager.csv"
+    echo "== llama-3.1-8b x 4 layers: one decode step of 384 at ~1500, kernel by kernel =="
+    python3 tools/ncu_summary.py "$OUT/batch-eager.csv" --one-step "(3072, 1, 1)" --top 20 | tee "$OUT/batch-eager.txt"
+    batch_run --graph-profiling graph --launch-skip 380 --launch-count 120 --log-file "$OUT/batch-graph.csv"
+    batch_run --graph-profiling node --launch-skip 470 --launch-count 150 --log-file "$OUT/batch-node.csv"
+    echo "== the same step as a graph (each replay one workload), then its kernels one by one =="
+    python3 - "$OUT/batch-graph.csv" "$OUT/batch-node.csv" <<'PY'
+import csv, sys
+def rows(path):
+    lines = [l for l in open(path) if l.startswith('"')]
+    r = list(csv.reader(lines))
+    name, time = r[0].index("Kernel Name"), r[0].index("gpu__time_duration.sum")
+    return [(x[name], float(x[time].replace(",", "")) / 1e3) for x in r[2:]]
+graphs = [t for n, t in rows(sys.argv[1]) if n == "graph" and t > 1000]
+print("graph replays (us):", " ".join(f"{t:.0f}" for t in graphs))
+node = rows(sys.argv[2])
+ends = [i for i, (n, _) in enumerate(node) if "sample_rows" in n]
+for a, b in zip(ends, ends[1:]):
+    print(f"step of {b - a} kernels one by one: {sum(t for _, t in node[a + 1:b + 1]):.0f} us")
+PY
 fi
