@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Two builds of ferrolm on the same GPU in one call, rows interleaved (base, new, base, new) so
+# that the machine's drift falls on both: what a change gains. Builds nothing: NEW and BASE are
+# folders holding a `ferrolm` built with --features cuda (scripts/gpu-build.sh DIR).
+#
+#   scripts/gpu-ab.sh NEW BASE [ROW...]
+#
+# ROWs (default: l1b l8b t1000): l1b, l8b (one request, 128 in / 256 out), l1b-nucleus,
+# l8b-nucleus (the same at T = 0.6, top-p 0.9), ttft (the 8B's 2048-token prompt), d384 (the 8B
+# decoding 384 requests at ~1500), t1000 (the 8B's 1000 x (1000 + 1000), ~2.5 min a run).
+# ROUNDS (default 2) runs per build and row. Logs and JSON go to $OUT (default: a new temporary
+# directory); the table comes last.
+set -u
+NEW=${1:?usage: scripts/gpu-ab.sh NEW BASE [ROW...]}
+BASE=${2:?usage: scripts/gpu-ab.sh NEW BASE [ROW...]}
+shift 2
+ROWS=("$@")
+[ ${#ROWS[@]} -eq 0 ] && ROWS=(l1b l8b t1000)
+OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
+L1B=(--model-config bench-configs/llama-3.2-1b.json)
+L8B=(--model-config bench-configs/llama-3.1-8b.json)
+DECODE=(--input-len 128 --output-len 256 --num-iters 3)
+
+row_args() { # row -> the bench arguments
+    case $1 in
+        l1b) echo latency "${L1B[@]}" "${DECODE[@]}" ;;
+        l8b) echo latency "${L8B[@]}" "${DECODE[@]}" ;;
+        l1b-nucleus) echo latency "${L1B[@]}" "${DECODE[@]}" --temperature 0.6 --top-p 0.9 ;;
+        l8b-nucleus) echo latency "${L8B[@]}" "${DECODE[@]}" --temperature 0.6 --top-p 0.9 ;;
+        ttft) echo latency "${L8B[@]}" --input-len 2048 --output-len 1 --num-iters 5 --max-num-batched-tokens 4096 ;;
+        d384) echo throughput "${L8B[@]}" --num-prompts 384 --input-len 1500 --output-len 256 --max-num-seqs 384 \
+            --max-num-batched-tokens 8192 ;;
+        t1000) echo throughput "${L8B[@]}" --num-prompts 1000 --input-len 1000 --output-len 1000 --max-num-seqs 384 \
+            --max-num-batched-tokens 8192 ;;
+        *) echo "unknown row $1" >&2; return 1 ;;
+    esac
+}
+
+# The row's figure from its JSON: TTFT p50 (ms) for ttft, the mean decode step (ms) for d384
+# (lower is better for both), output tokens/s otherwise.
+figure() { # row json
+    python3 - "$1" "$2" <<'PY'
+import json, sys
+row, path = sys.argv[1], sys.argv[2]
+try:
+    r = json.load(open(path))
+except (OSError, ValueError):
+    print("failed"); sys.exit()
+key = {"ttft": "median_ttft_ms", "d384": "mean_decode_step_ms"}.get(row, "output_throughput")
+print(f"{r[key]:.2f}")
+PY
+}
+
+declare -A results
+for row in "${ROWS[@]}"; do
+    args=$(row_args "$row") || exit 2
+    for round in $(seq "${ROUNDS:-2}"); do
+        for side in base new; do
+            dir=$BASE
+            [ "$side" = new ] && dir=$NEW
+            json="$OUT/$row-$side-$round.json"
+            # shellcheck disable=SC2086 # the row's arguments are words
+            timeout "${BENCH_TIMEOUT:-420}" "$dir/ferrolm" bench $args --device cuda --dummy-weights --json "$json" \
+                >"$json.log" 2>&1 || tail -n 3 "$json.log"
+            results[$row,$side]="${results[$row,$side]:-} $(figure "$row" "$json")"
+            echo "$row $side round $round: $(figure "$row" "$json")"
+        done
+    done
+done
+
+echo
+echo "=== ferrolm A/B: $NEW against $BASE ($(date -u +%FT%TZ)) ==="
+printf '%-12s %-6s %-24s %-24s %s\n' row unit base new "new / base (means)"
+for row in "${ROWS[@]}"; do
+    python3 - "$row" "${results[$row,base]}" "${results[$row,new]}" <<'PY'
+import sys
+row, base, new = sys.argv[1], sys.argv[2].split(), sys.argv[3].split()
+def mean(xs):
+    v = [float(x) for x in xs if x != "failed"]
+    return sum(v) / len(v) if v else None
+b, n = mean(base), mean(new)
+ratio = f"{n / b:.3f}" if b and n else "-"
+unit = "ms" if row in ("ttft", "d384") else "tok/s"
+print(f"{row:<12} {unit:<6} {' '.join(base):<24} {' '.join(new):<24} {ratio}")
+PY
+done
