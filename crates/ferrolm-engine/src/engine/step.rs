@@ -394,13 +394,20 @@ impl Engine {
         let Launched { out, all_rows, num_rows } = launched;
         let collected = self.runner.collect();
         let now = Instant::now();
+        // Tokens of prompt chunks (every scheduled token of a request that does not sample, or
+        // samples after more than one).
+        let prompt_tokens: u64 = out
+            .scheduled
+            .iter()
+            .filter(|s| !s.samples_next_token || s.num_scheduled_tokens > 1)
+            .map(|s| s.num_scheduled_tokens as u64)
+            .sum();
         if self.ahead.is_none() {
             self.idle_since = Some(now);
         }
         if let Some(previous) = self.last_collect.replace(now) {
             let micros = u64::try_from((now - previous).as_micros()).unwrap_or(u64::MAX);
-            let has_prompt_tokens = out.scheduled.iter().any(|s| !s.samples_next_token || s.num_scheduled_tokens > 1);
-            self.stats.step_times.record(out.scheduled.len(), has_prompt_tokens, micros);
+            self.stats.step_times.record(out.scheduled.len(), prompt_tokens > 0, micros);
         }
         let collected = collected.map_err(|e| e.to_string()).and_then(|results| {
             if results.len() == num_rows {
@@ -445,14 +452,7 @@ impl Engine {
             }
             row += count;
         }
-        self.stats.prompt_tokens.fetch_add(
-            out.scheduled
-                .iter()
-                .filter(|s| !s.samples_next_token || s.num_scheduled_tokens > 1)
-                .map(|s| s.num_scheduled_tokens as u64)
-                .sum(),
-            Ordering::Relaxed,
-        );
+        self.stats.prompt_tokens.fetch_add(prompt_tokens, Ordering::Relaxed);
         self.stats.generation_tokens.fetch_add(sampled.len() as u64, Ordering::Relaxed);
         for id in failed {
             self.scheduler.finish_request(id, FinishReason::Abort);
