@@ -271,11 +271,10 @@ impl GpuSampler {
         // Plain greedy batches have no list at all: the kernel then never reads the pointer.
         let adjusts_ptr = if self.adjusts.is_empty() { 0 } else { staged.ptr(gpu, parts[1]) };
         let scratch_len = scratch_rows as usize * vocab;
-        if scratch_len > 0 && self.scratch.as_ref().is_none_or(|s| s.len() < scratch_len) {
-            self.scratch = None; // freed before the larger one is taken
+        if scratch_len > 0 {
             let len = (scratch_rows as usize).next_power_of_two() * vocab;
             // SAFETY: the kernel writes each element of a row's scratch before it reads it.
-            self.scratch = Some(unsafe { gpu.stream().alloc::<f32>(len) }?);
+            unsafe { grow(gpu, &mut self.scratch, scratch_len, len) }?;
         }
         if self.results.as_ref().is_none_or(|r| r.len() < rows.len()) {
             self.results = None;
@@ -283,27 +282,23 @@ impl GpuSampler {
         }
         let chunks = vocab.div_ceil(STATS_CHUNK);
         let stats_len = rows.len() * chunks;
-        if self.stats.as_ref().is_none_or(|s| s.len() < stats_len) {
-            self.stats = None;
-            // SAFETY: `logit_stats` writes every chunk of the launch's rows before `sample_rows`
-            // reads them.
-            self.stats = Some(unsafe { gpu.stream().alloc::<ChunkStats>(stats_len.next_power_of_two()) }?);
-        }
+        let stats_alloc = stats_len.next_power_of_two();
+        // SAFETY: `logit_stats` writes every chunk of the launch's rows before `sample_rows`
+        // reads them.
+        unsafe { grow(gpu, &mut self.stats, stats_len, stats_alloc) }?;
         let sampled = self.params.iter().any(|p| p.mode == MODE_RANDOM);
-        if sampled && self.weights.as_ref().is_none_or(|w| w.len() < stats_len) {
-            self.weights = None;
+        if sampled {
             // SAFETY: `sample_weights` writes every chunk of the rows `sample_rows` reads them of.
-            self.weights = Some(unsafe { gpu.stream().alloc::<ChunkWeights>(stats_len.next_power_of_two()) }?);
+            unsafe { grow(gpu, &mut self.weights, stats_len, stats_alloc) }?;
         }
         let nucleus = self.params.iter().any(|p| p.mode == MODE_RANDOM && p.top_p < 1.0);
-        if nucleus && self.top_counts.as_ref().is_none_or(|c| c.len() < stats_len * RADIX_BINS) {
-            let len = stats_len.next_power_of_two() * RADIX_BINS;
-            (self.top_counts, self.top_masses) = (None, None);
+        if nucleus {
+            let (len, alloc) = (stats_len * RADIX_BINS, stats_alloc * RADIX_BINS);
             // SAFETY: `sample_weights` writes every bin of the chunks of the rows `sample_rows`
             // reads them of (sampled rows under top-p).
-            self.top_counts = Some(unsafe { gpu.stream().alloc::<u32>(len) }?);
+            unsafe { grow(gpu, &mut self.top_counts, len, alloc) }?;
             // SAFETY: as above.
-            self.top_masses = Some(unsafe { gpu.stream().alloc::<f64>(len) }?);
+            unsafe { grow(gpu, &mut self.top_masses, len, alloc) }?;
         }
         let results = self.results.as_mut().expect("allocated above");
 
@@ -318,12 +313,13 @@ impl GpuSampler {
         unsafe { launch.launch(cfg) }?;
 
         let scratch_ptr = self.scratch.as_ref().map_or(0, |s| gpu.index_ptr(s));
-        // The weights of rows that sample without adjustments or top-k, many blocks per row; none
-        // when every row is greedy (sample_rows then takes a null pointer).
+        // The top-p select's first pass by chunk, for launches with a row under top-p (else null).
         let (mut top_counts_ptr, mut top_masses_ptr) = (0u64, 0u64);
         if let (true, Some(counts), Some(masses)) = (nucleus, &self.top_counts, &self.top_masses) {
             (top_counts_ptr, top_masses_ptr) = (gpu.index_ptr(counts), gpu.index_ptr(masses));
         }
+        // The weights of rows that sample without adjustments or top-k, many blocks per row; none
+        // when every row is greedy (sample_rows then takes a null pointer).
         let weights_ptr = match (sampled, &self.weights) {
             (true, Some(weights)) => {
                 let weights_ptr = gpu.index_ptr(weights);
@@ -432,6 +428,25 @@ fn plain_bytes<T: Unpadded>(items: &[T]) -> &[u8] {
     // SAFETY: `#[repr(C)]` structs of 4- and 8-byte fields with no padding, so every byte of the
     // slice is initialized.
     unsafe { std::slice::from_raw_parts(items.as_ptr().cast::<u8>(), std::mem::size_of_val(items)) }
+}
+
+/// Makes `buf` hold at least `len` elements: if it holds fewer, it is freed first (stream
+/// ordered), then `alloc_len` (at least `len`) uninitialized elements are taken.
+///
+/// # Safety
+/// Every element a kernel reads of the buffer must have been written by a kernel before it.
+unsafe fn grow<T: DeviceRepr>(
+    gpu: &Gpu,
+    buf: &mut Option<CudaSlice<T>>,
+    len: usize,
+    alloc_len: usize,
+) -> Result<(), GpuError> {
+    if buf.as_ref().is_none_or(|b| b.len() < len) {
+        *buf = None;
+        // SAFETY: the caller's promise.
+        *buf = Some(unsafe { gpu.stream().alloc::<T>(alloc_len) }?);
+    }
+    Ok(())
 }
 
 /// The kernel's parameters for `row`; its adjustments go to the end of `adjusts`, and it takes the
