@@ -50,6 +50,12 @@ for kernel_bench in attention_bench gemv_bench; do
         timeout "${BENCH_TIMEOUT:-240}" "$BIN/$kernel_bench" 2>&1 | tee "$OUT/$kernel_bench.txt"
     fi
 done
+# Unsplit decodes on the block-per-head-block kernel, against the head-block-per-warp one above.
+if [ "${KERNEL_BENCHES:-1}" = 1 ] && [ -x "$BIN/attention_bench" ]; then
+    echo "decode cases with FERROLM_DECODE_WARP_ITEMS=0:"
+    FERROLM_DECODE_WARP_ITEMS=0 timeout "${BENCH_TIMEOUT:-240}" "$BIN/attention_bench" "decode batch" 2>&1 |
+        grep -v "general kernel" | tee "$OUT/attention_bench_block.txt"
+fi
 
 bench() { # label json args...   (ferrolm)
     local label=$1 json=$2

@@ -63,11 +63,11 @@ const DECODE_MIN_PART: usize = 32;
 
 /// The tensor-core decode kernel of each head size it is compiled for, `(head_dim, name)`;
 /// loaded for bf16 and f16 only.
-pub(crate) const DECODE_MMA_KERNELS: [(usize, &str); 4] = [
-    (64, "paged_decode_mma_d64"),
-    (80, "paged_decode_mma_d80"),
-    (96, "paged_decode_mma_d96"),
-    (128, "paged_decode_mma_d128"),
+pub(crate) const DECODE_MMA_KERNELS: [(usize, &str, &str); 4] = [
+    (64, "paged_decode_mma_d64", "paged_decode_mma_warp_d64"),
+    (80, "paged_decode_mma_d80", "paged_decode_mma_warp_d80"),
+    (96, "paged_decode_mma_d96", "paged_decode_mma_warp_d96"),
+    (128, "paged_decode_mma_d128", "paged_decode_mma_warp_d128"),
 ];
 /// Query heads of a tensor-core decode block (`DM_ROWS`: the rows of one mma tile).
 const DECODE_MMA_HEADS: usize = 16;
@@ -268,8 +268,9 @@ fn attention(
 enum DecodeKernel {
     /// `paged_attention_decode_g{G}` (attention.cu).
     Cuda,
-    /// `paged_decode_mma_d{D}` (decode_attention.cu).
-    TensorCore(&'static str),
+    /// `paged_decode_mma_d{D}` (decode_attention.cu), and its head-block-per-warp form
+    /// `paged_decode_mma_warp_d{D}` for unsplit contexts.
+    TensorCore(&'static str, &'static str),
 }
 
 /// The decode kernel for these operands, if one takes them: the tensor-core kernel for bf16 and
@@ -288,14 +289,14 @@ fn decode_kernel(
         && out.ptr().is_multiple_of(4)
         && k_cache.ptr().is_multiple_of(16)
         && v_cache.ptr().is_multiple_of(16);
-    let tensor_core = DECODE_MMA_KERNELS.iter().find(|&&(d, _)| d == head_dim);
+    let tensor_core = DECODE_MMA_KERNELS.iter().find(|&&(d, ..)| d == head_dim);
     match tensor_core {
-        Some(&(_, name))
+        Some(&(_, name, warp_name))
             if q.dtype() != DType::F32
                 && aligned
                 && decode_mma_shared_bytes(head_dim) <= gpu.max_shared_per_block() =>
         {
-            Some(DecodeKernel::TensorCore(name))
+            Some(DecodeKernel::TensorCore(name, warp_name))
         }
         _ => decode_supported(gpu, head_dim, k_cache, v_cache).then_some(DecodeKernel::Cuda),
     }
@@ -377,7 +378,7 @@ fn paged_decode(
     let group = num_heads / num_kv_heads;
     let policy = match kernel {
         DecodeKernel::Cuda => CUDA_CORE_SPLIT,
-        DecodeKernel::TensorCore(_) => TENSOR_CORE_SPLIT,
+        DecodeKernel::TensorCore(..) => TENSOR_CORE_SPLIT,
     };
     let split = DecodeSplit::new(policy, group, num_tokens * num_kv_heads, max_context);
     let num_parts = split.num_parts;
@@ -407,16 +408,19 @@ fn paged_decode(
     let g = split.heads_per_block;
     let shared = match kernel {
         DecodeKernel::Cuda => decode_shared_bytes(q.dtype().size_in_bytes(), g, head_dim),
-        DecodeKernel::TensorCore(_) => decode_mma_shared_bytes(head_dim),
+        DecodeKernel::TensorCore(..) => decode_mma_shared_bytes(head_dim),
     };
     let head_blocks = num_tokens * num_kv_heads * split.head_chunks;
     assert!(
         num_parts == 1 || head_blocks <= DECODE_TARGET_BLOCKS,
         "paged_attention: {head_blocks} head blocks split into partitions, more than the {DECODE_TARGET_BLOCKS} counters"
     );
+    // Unsplit, the tensor-core kernel may give each warp a head block of its own.
+    let per_warp = matches!(kernel, DecodeKernel::TensorCore(..)) && num_parts == 1 && gpu.decode_warp_items();
+    let blocks = if per_warp { head_blocks.div_ceil(DECODE_THREADS / 32) } else { head_blocks };
     let cfg = LaunchConfig {
         grid_dim: (
-            to_u32(op, "tokens times KV heads times head chunks", head_blocks),
+            to_u32(op, "tokens times KV heads times head chunks", blocks),
             to_u32(op, "partitions", num_parts),
             1,
         ),
@@ -432,7 +436,8 @@ fn paged_decode(
     let args = shape_args(op, meta, num_heads, num_kv_heads, head_dim, num_blocks);
     let part_len = to_u32(op, "partition length", split.part_len);
     let name = match (kernel, g) {
-        (DecodeKernel::TensorCore(name), _) => name,
+        (DecodeKernel::TensorCore(_, warp_name), _) if per_warp => warp_name,
+        (DecodeKernel::TensorCore(name, _), _) => name,
         (DecodeKernel::Cuda, 1) => "paged_attention_decode_g1",
         (DecodeKernel::Cuda, 2) => "paged_attention_decode_g2",
         (DecodeKernel::Cuda, 4) => "paged_attention_decode_g4",
@@ -661,7 +666,7 @@ mod tests {
     #[test]
     fn tensor_core_decode_blocks_fit_two_per_sm() {
         // An H200 SM has 228 KiB of shared memory, 1 KiB of it reserved per block.
-        for (head_dim, _) in DECODE_MMA_KERNELS {
+        for (head_dim, ..) in DECODE_MMA_KERNELS {
             assert!(2 * (decode_mma_shared_bytes(head_dim) + 1024) <= 228 * 1024, "head_dim {head_dim}");
         }
         assert_eq!(decode_mma_shared_bytes(128), 104_448);

@@ -115,6 +115,9 @@ pub struct Gpu {
     /// Kernels are launched with programmatic stream serialization (compute capability 9.0 and
     /// later, unless `FERROLM_PDL=0`); see [`Launch`].
     programmatic_launch: bool,
+    /// Unsplit tensor-core decodes take the kernel with a head block per warp (unless
+    /// `FERROLM_DECODE_WARP_ITEMS=0`, which keeps the block-per-head-block kernel).
+    decode_warp_items: bool,
     /// The decode attention kernels' partial results when they split a context
     /// (`attention::DECODE_WORKSPACE_FLOATS`, the most a split launch needs): allocated once so
     /// that a captured decode step holds no allocation and its kernels follow one another.
@@ -190,7 +193,7 @@ impl Gpu {
             }
         }
         // The tensor-core kernels exist for half types only, each with its own shared memory.
-        let decode_mma = attention::DECODE_MMA_KERNELS.iter().map(|(_, name)| name);
+        let decode_mma = attention::DECODE_MMA_KERNELS.iter().flat_map(|(_, block, warp)| [block, warp]);
         for &name in flash_attention::KERNELS.iter().chain(decode_mma) {
             for dtype in [DType::BF16, DType::F16] {
                 let f = module.load_function(&format!("{name}_{}", dtype_suffix(dtype)))?;
@@ -202,8 +205,10 @@ impl Gpu {
         // SAFETY: a decode kernel writes every element of the workspace that it reads.
         let decode_workspace = unsafe { stream.alloc::<f32>(attention::DECODE_WORKSPACE_FLOATS) }?;
         let programmatic_launch = major >= 9 && std::env::var("FERROLM_PDL").map_or(true, |v| v != "0");
+        let decode_warp_items = std::env::var("FERROLM_DECODE_WARP_ITEMS").map_or(true, |v| v != "0");
         Ok(Gpu {
             programmatic_launch,
+            decode_warp_items,
             decode_workspace,
             name: ctx.name()?,
             compute_capability: (major as u32, minor as u32),
@@ -312,6 +317,11 @@ impl Gpu {
 
     pub(crate) fn max_shared_per_block(&self) -> usize {
         self.max_shared_per_block
+    }
+
+    /// Whether unsplit tensor-core decodes take the head-block-per-warp kernel.
+    pub(crate) fn decode_warp_items(&self) -> bool {
+        self.decode_warp_items
     }
 
     /// A launch of kernel `name` for activations of `dtype`, on this `Gpu`'s stream.

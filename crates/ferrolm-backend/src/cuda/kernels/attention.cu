@@ -266,22 +266,24 @@ struct DecodeWork {
     u32 t, r, kv_head, head0, nh, part, num_parts, start, end;
 };
 
-__device__ __forceinline__ DecodeWork decode_work(u32 heads, const u32* query_start_loc, const u32* seq_lens,
-                                                  u32 num_reqs, u32 num_heads, u32 num_kv_heads, u32 window,
-                                                  u32 part_len) {
+// The work of head block `block` (blocks of one token's heads consecutive), partition `part` of
+// `num_parts`.
+__device__ __forceinline__ DecodeWork decode_work_of(u32 block, u32 part, u32 num_parts, u32 heads,
+                                                     const u32* query_start_loc, const u32* seq_lens, u32 num_reqs,
+                                                     u32 num_heads, u32 num_kv_heads, u32 window, u32 part_len) {
     DecodeWork w;
     const u32 group = num_heads / num_kv_heads;
     const u32 head_chunks = (group + heads - 1) / heads;
     // Blocks of one token's heads are consecutive, so that blocks resident together read whole
     // cache rows (all KV heads of the same keys) rather than one head's slice of many rows.
     const u32 heads_total = num_kv_heads * head_chunks;
-    w.t = blockIdx.x / heads_total;
-    const u32 head_block = blockIdx.x % heads_total;
+    w.t = block / heads_total;
+    const u32 head_block = block % heads_total;
     w.kv_head = head_block / head_chunks;
     w.head0 = w.kv_head * group + (head_block % head_chunks) * heads;
     w.nh = min(heads, w.kv_head * group + group - w.head0);
-    w.part = blockIdx.y;
-    w.num_parts = gridDim.y;
+    w.part = part;
+    w.num_parts = num_parts;
     // A step's decodes come first (the scheduler orders them so), each one row: where row t is
     // all of request t, these three independent loads are the whole lookup. The binary search
     // is a chain of dependent loads (about ten round trips to the L2 at batch 384) that every
@@ -305,6 +307,13 @@ __device__ __forceinline__ DecodeWork decode_work(u32 heads, const u32* query_st
     w.start = key_begin + min(w.part * part_len, pos + 1 - key_begin);
     w.end = w.part + 1 == w.num_parts ? pos + 1 : min(w.start + part_len, pos + 1);
     return w;
+}
+
+__device__ __forceinline__ DecodeWork decode_work(u32 heads, const u32* query_start_loc, const u32* seq_lens,
+                                                  u32 num_reqs, u32 num_heads, u32 num_kv_heads, u32 window,
+                                                  u32 part_len) {
+    return decode_work_of(blockIdx.x, blockIdx.y, gridDim.y, heads, query_start_loc, seq_lens, num_reqs, num_heads,
+                          num_kv_heads, window, part_len);
 }
 
 // Scores are kept in base 2 (the query is pre-scaled by log2(e)), so that each exponential is

@@ -30,6 +30,125 @@ template <int D> struct DecodeMmaStages { static constexpr int value = D <= 64 ?
 
 __device__ __forceinline__ u32 load_pair(const void* p) { return *reinterpret_cast<const u32*>(p); }
 
+// Where a decode kernel's threads read one KV head's rows: the cache, its block table and sizes.
+template <typename T> struct DecodeKv {
+    const T* k_cache;
+    const T* v_cache;
+    const u32* table;
+    u32 kv_width, col0, block_size, num_blocks;
+};
+
+// Prefetches into the L2 the K/V rows of keys [start, end) that `threads` threads, this one
+// `thread`, cover 128 bytes at a time (before pdl_wait: no kernel writes the cache rows read).
+template <typename T, int D>
+__device__ __forceinline__ void decode_prefetch(const DecodeKv<T>& kv, u32 start, u32 end, u32 thread, u32 threads) {
+    constexpr u32 LINE = 128 / sizeof(T), LINES = D / LINE > 0 ? D / LINE : 1;
+    for (u32 e = thread; start + e / LINES < end; e += threads) {
+        const long long at_slot = decode_slot(kv.table, start + e / LINES, kv.block_size, kv.num_blocks);
+        if (at_slot >= 0) {
+            const u64 at = (u64)at_slot * kv.kv_width + kv.col0 + (e % LINES) * LINE;
+            prefetch_l2(kv.k_cache + at);
+            prefetch_l2(kv.v_cache + at);
+        }
+    }
+}
+
+// Copies KEYS keys from k0 into a ring slot (K rows, then V rows at k_s + KEYS * (D + 8)) with
+// THREADS threads, this one `thread`; keys at or past `end` and rows of block ids past the cache
+// are zero-filled.
+template <typename T, int D, int KEYS, int THREADS>
+__device__ __forceinline__ void decode_load_keys(T* k_s, const DecodeKv<T>& kv, u32 k0, u32 end, u32 thread) {
+    constexpr int STRIDE = D + 8, CH = D / 8, LOADS = KEYS * CH / THREADS;
+    static_assert((KEYS * CH) % THREADS == 0, "even loads");
+    T* v_s = k_s + KEYS * STRIDE;
+#pragma unroll
+    for (int i = 0; i < LOADS; i++) {
+        const u32 e = thread + i * THREADS, j = e / CH, c = e % CH, key = k0 + j;
+        const long long at_slot = key < end ? decode_slot(kv.table, key, kv.block_size, kv.num_blocks) : -1;
+        const u64 at = at_slot < 0 ? 0 : (u64)at_slot * kv.kv_width + kv.col0 + c * 8;
+        cp_async16(smem_addr(k_s + j * STRIDE + c * 8), kv.k_cache + at, at_slot >= 0);
+        cp_async16(smem_addr(v_s + j * STRIDE + c * 8), kv.v_cache + at, at_slot >= 0);
+    }
+}
+
+// Q's A fragments per k step for this lane's rows of the 16-row tile: head gid (lo) and gid + 8
+// (hi) of the block's heads at `q_row` (head0's row of the token); zeros for rows past nh.
+template <typename T, int D>
+__device__ __forceinline__ void load_q_fragments(const T* q_row, u32 gid, u32 tig, bool has_lo, bool has_hi,
+                                                 u32 (&qf)[D / 16][4]) {
+    const T* q_lo = q_row + gid * D + tig * 2;
+    const T* q_hi = q_lo + 8 * D;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++) {
+        qf[ks][0] = has_lo ? load_pair(q_lo + ks * 16) : 0u;
+        qf[ks][1] = has_hi ? load_pair(q_hi + ks * 16) : 0u;
+        qf[ks][2] = has_lo ? load_pair(q_lo + ks * 16 + 8) : 0u;
+        qf[ks][3] = has_hi ? load_pair(q_hi + ks * 16 + 8) : 0u;
+    }
+}
+
+// A warp's 16 keys from key0 (those at or past `end` masked): S = Q K^T from the K rows at
+// shared address kb, the online-softmax step on the lane's state, then O += P V from the V rows
+// at vb (kb and vb with the lane's ldmatrix offsets applied; see flash_attention.cu).
+template <typename T, int D>
+__device__ __forceinline__ void decode_mma_keys(u32 kb, u32 vb, u32 key0, u32 end, u32 tig, float scale_log2,
+                                                const u32 (&qf)[D / 16][4], float (&o)[D / 8][4], float& m_lo,
+                                                float& m_hi, float& l_lo, float& l_hi) {
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) s[nt][i] = 0.f;
+    }
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++) {
+        // Keys 0..15, dims 16 ks..16 ks + 15: b0, b1 of key tiles 0 and 1.
+        u32 b[4];
+        ldmatrix_x4(b, kb + ks * 16 * sizeof(T));
+        mma16816(s[0], qf[ks], b[0], b[1], T());
+        mma16816(s[1], qf[ks], b[2], b[3], T());
+    }
+    float mx_lo = NEG_INF, mx_hi = NEG_INF;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const u32 key = key0 + nt * 8 + tig * 2 + (i & 1);
+            s[nt][i] = key < end ? s[nt][i] * scale_log2 : NEG_INF;
+        }
+        mx_lo = fmaxf(mx_lo, fmaxf(s[nt][0], s[nt][1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(s[nt][2], s[nt][3]));
+    }
+    float alpha_lo, alpha_hi;
+    softmax_step(s, mx_lo, mx_hi, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi);
+    // Once the maxima settle most tiles leave them as they are: skip the rescale then.
+    if (__any_sync(0xffffffffu, alpha_lo != 1.f || alpha_hi != 1.f)) {
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt++) {
+            o[dt][0] *= alpha_lo;
+            o[dt][1] *= alpha_lo;
+            o[dt][2] *= alpha_hi;
+            o[dt][3] *= alpha_hi;
+        }
+    }
+    // S's accumulators of key tiles 0 and 1 are the A fragment of the warp's 16 keys.
+    u32 p[4], p_rest[4];
+    p[0] = split2(s[0][0], s[0][1], p_rest[0], T());
+    p[1] = split2(s[0][2], s[0][3], p_rest[1], T());
+    p[2] = split2(s[1][0], s[1][1], p_rest[2], T());
+    p[3] = split2(s[1][2], s[1][3], p_rest[3], T());
+#pragma unroll
+    for (int np = 0; np < D / 16; np++) {
+        // Keys 0..15, dims 16 np..16 np + 15, transposed: b0, b1 of dim tiles 2 np, 2 np + 1.
+        u32 b[4];
+        ldmatrix_x4_trans(b, vb + np * 16 * sizeof(T));
+        mma16816(o[2 * np], p, b[0], b[1], T());
+        mma16816(o[2 * np + 1], p, b[2], b[3], T());
+        mma16816(o[2 * np], p_rest, b[0], b[1], T());
+        mma16816(o[2 * np + 1], p_rest, b[2], b[3], T());
+    }
+}
+
 // Arguments as paged_decode_impl's (attention.cu); head_dim is D. Grid: (T * num_kv_heads *
 // head_chunks, num_parts) with head_chunks = ceil(group / DM_ROWS), head blocks fastest.
 // Shared memory: the ring, DM_STAGES * 2 * DM_TILE_KEYS * (D + 8) elements of T; after the
@@ -45,13 +164,11 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
                                                       u32 block_size, u32 num_blocks, u32 window, float scale,
                                                       u32 part_len) {
     constexpr int STRIDE = D + 8;              // elements per shared-memory row
-    constexpr int CH = D / 8;                  // 16-byte chunks per row
     constexpr int TILE = DM_TILE_KEYS * STRIDE;
     constexpr int STAGES = DecodeMmaStages<D>::value;
     constexpr int KSTEPS = D / 16;             // k steps of Q K^T
     constexpr int DT = D / 8;                  // 8-wide column tiles of O
-    constexpr int LOADS = DM_TILE_KEYS * CH / DM_THREADS;
-    static_assert(D % 16 == 0 && (DM_TILE_KEYS * CH) % DM_THREADS == 0, "mma tiles and even loads");
+    static_assert(D % 16 == 0, "mma tiles");
     extern __shared__ uint4 dm_smem[];
     T* ring = reinterpret_cast<T*>(dm_smem);
     float* red_s = reinterpret_cast<float*>(dm_smem);
@@ -67,36 +184,17 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
 
     // The K/V rows of the first tiles go into the L2 while the kernels before this one finish
     // (see pdl_wait): the block tables and the context lengths were copied in before the step.
-    constexpr u32 LINE = 128 / sizeof(T), LINES = D / LINE > 0 ? D / LINE : 1;
-    const u32 first_end = min(end, start + (STAGES - 1) * DM_TILE_KEYS);
-    for (u32 e = tid; start + e / LINES < first_end; e += DM_THREADS) {
-        const long long at_slot = decode_slot(table, start + e / LINES, block_size, num_blocks);
-        if (at_slot >= 0) {
-            const u64 at = (u64)at_slot * kv_width + kv_head * D + (e % LINES) * LINE;
-            prefetch_l2(k_cache + at);
-            prefetch_l2(v_cache + at);
-        }
-    }
+    const DecodeKv<T> kv{k_cache, v_cache, table, kv_width, kv_head * D, block_size, num_blocks};
+    decode_prefetch<T, D>(kv, start, min(end, start + (STAGES - 1) * DM_TILE_KEYS), tid, DM_THREADS);
     pdl_enter();
     if (start >= end) {
         decode_empty_partition(work, part_out, part_ml, out, counters, red_s, num_heads, D);
         return;
     }
 
-    // Copies keys of tile `tile` into ring slot `slot`; keys at or past `end` and rows of block
-    // ids past the cache are zero-filled.
     auto load_tile = [&](u32 tile, u32 slot) {
-        const u32 k0 = start + tile * DM_TILE_KEYS;
-        T* k_s = ring + slot * 2 * TILE;
-        T* v_s = k_s + TILE;
-#pragma unroll
-        for (int i = 0; i < LOADS; i++) {
-            const u32 e = tid + i * DM_THREADS, j = e / CH, c = e % CH, key = k0 + j;
-            const long long at_slot = key < end ? decode_slot(table, key, block_size, num_blocks) : -1;
-            const u64 at = at_slot < 0 ? 0 : (u64)at_slot * kv_width + kv_head * D + c * 8;
-            cp_async16(smem_addr(k_s + j * STRIDE + c * 8), k_cache + at, at_slot >= 0);
-            cp_async16(smem_addr(v_s + j * STRIDE + c * 8), v_cache + at, at_slot >= 0);
-        }
+        decode_load_keys<T, D, DM_TILE_KEYS, DM_THREADS>(ring + slot * 2 * TILE, kv, start + tile * DM_TILE_KEYS, end,
+                                                         tid);
     };
     const u32 num_tiles = (end - start + DM_TILE_KEYS - 1) / DM_TILE_KEYS;
     // One commit group per tile (empty past the last), so that "all but STAGES - 2 groups done"
@@ -111,16 +209,8 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
     // fragments per k step, zeros for rows past nh.
     const u32 gid = lane >> 2, tig = lane & 3;
     const bool has_lo = gid < nh, has_hi = gid + 8 < nh;
-    const T* q_lo = q + ((u64)t * num_heads + head0 + gid) * D + tig * 2;
-    const T* q_hi = q_lo + 8 * D;
     u32 qf[KSTEPS][4];
-#pragma unroll
-    for (int ks = 0; ks < KSTEPS; ks++) {
-        qf[ks][0] = has_lo ? load_pair(q_lo + ks * 16) : 0u;
-        qf[ks][1] = has_hi ? load_pair(q_hi + ks * 16) : 0u;
-        qf[ks][2] = has_lo ? load_pair(q_lo + ks * 16 + 8) : 0u;
-        qf[ks][3] = has_hi ? load_pair(q_hi + ks * 16 + 8) : 0u;
-    }
+    load_q_fragments<T, D>(q + ((u64)t * num_heads + head0) * D, gid, tig, has_lo, has_hi, qf);
     const float scale_log2 = scale * 1.4426950408889634f;
 
     float o[DT][4];
@@ -149,60 +239,7 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
         if (key0 >= end) continue;  // warp-uniform: none of this warp's keys in the partition
         const u32 kb = smem_addr(ring + (tile % STAGES) * 2 * TILE) + k_lane;
         const u32 vb = smem_addr(ring + (tile % STAGES) * 2 * TILE + TILE) + v_lane;
-
-        float s[2][4];
-#pragma unroll
-        for (int nt = 0; nt < 2; nt++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) s[nt][i] = 0.f;
-        }
-#pragma unroll
-        for (int ks = 0; ks < KSTEPS; ks++) {
-            // Keys 0..15 of the warp, dims 16 ks..16 ks + 15: b0, b1 of key tiles 0 and 1.
-            u32 b[4];
-            ldmatrix_x4(b, kb + ks * 16 * sizeof(T));
-            mma16816(s[0], qf[ks], b[0], b[1], T());
-            mma16816(s[1], qf[ks], b[2], b[3], T());
-        }
-        float mx_lo = NEG_INF, mx_hi = NEG_INF;
-#pragma unroll
-        for (int nt = 0; nt < 2; nt++) {
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const u32 key = key0 + nt * 8 + tig * 2 + (i & 1);
-                s[nt][i] = key < end ? s[nt][i] * scale_log2 : NEG_INF;
-            }
-            mx_lo = fmaxf(mx_lo, fmaxf(s[nt][0], s[nt][1]));
-            mx_hi = fmaxf(mx_hi, fmaxf(s[nt][2], s[nt][3]));
-        }
-        float alpha_lo, alpha_hi;
-        softmax_step(s, mx_lo, mx_hi, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi);
-        // Once the maxima settle most tiles leave them as they are: skip the rescale then.
-        if (__any_sync(0xffffffffu, alpha_lo != 1.f || alpha_hi != 1.f)) {
-#pragma unroll
-            for (int dt = 0; dt < DT; dt++) {
-                o[dt][0] *= alpha_lo;
-                o[dt][1] *= alpha_lo;
-                o[dt][2] *= alpha_hi;
-                o[dt][3] *= alpha_hi;
-            }
-        }
-        // S's accumulators of key tiles 0 and 1 are the A fragment of the warp's 16 keys.
-        u32 p[4], p_rest[4];
-        p[0] = split2(s[0][0], s[0][1], p_rest[0], T());
-        p[1] = split2(s[0][2], s[0][3], p_rest[1], T());
-        p[2] = split2(s[1][0], s[1][1], p_rest[2], T());
-        p[3] = split2(s[1][2], s[1][3], p_rest[3], T());
-#pragma unroll
-        for (int np = 0; np < DT / 2; np++) {
-            // Keys 0..15, dims 16 np..16 np + 15, transposed: b0, b1 of dim tiles 2 np, 2 np + 1.
-            u32 b[4];
-            ldmatrix_x4_trans(b, vb + np * 16 * sizeof(T));
-            mma16816(o[2 * np], p, b[0], b[1], T());
-            mma16816(o[2 * np + 1], p, b[2], b[3], T());
-            mma16816(o[2 * np], p_rest, b[0], b[1], T());
-            mma16816(o[2 * np + 1], p_rest, b[2], b[3], T());
-        }
+        decode_mma_keys<T, D>(kb, vb, key0, end, tig, scale_log2, qf, o, m_lo, m_hi, l_lo, l_hi);
     }
     // Every copy has landed and every warp is done with the ring before red_s reuses it.
     cp_async_wait<0>();
@@ -241,6 +278,113 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
                                        part, num_parts);
 }
 
+// The same attention with each warp on a head block of its own, over the whole context (one
+// partition: batches large enough not to split). A block's four warps take four consecutive head
+// blocks (KV heads of one token) and share nothing: each streams its own 16-key tiles through its
+// own ring (a quarter of the block's shared memory, the same bytes as above), keeps its own
+// softmax state and writes its own rows, so there is no cross-warp merge and no block barrier. A
+// warp starting its work (the lookup, the first copies, waiting for them) idles one warp of the
+// SM's eight, where a block starting idles four; at batch 384 this is what separates the block
+// kernel's 3.8 TB/s from the ~4.0 it reaches with half as many, twice as long, blocks.
+// Grid: ceil(T * num_kv_heads * head_chunks / DM_WARPS) blocks of DM_THREADS; num_parts 1.
+template <typename T, int D>
+__device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__ q, const T* __restrict__ k_cache,
+                                                           const T* __restrict__ v_cache, T* __restrict__ out,
+                                                           const u32* __restrict__ query_start_loc,
+                                                           const u32* __restrict__ seq_lens,
+                                                           const u32* __restrict__ block_tables, u32 num_reqs,
+                                                           u32 num_heads, u32 num_kv_heads, u32 max_blocks_per_seq,
+                                                           u32 block_size, u32 num_blocks, u32 window, float scale) {
+    constexpr int STRIDE = D + 8;              // elements per shared-memory row
+    constexpr int TILE = DM_KEYS * STRIDE;     // one warp's 16 keys
+    constexpr int STAGES = DecodeMmaStages<D>::value;
+    constexpr int KSTEPS = D / 16;
+    constexpr int DT = D / 8;
+    static_assert(D % 16 == 0, "mma tiles");
+    extern __shared__ uint4 dm_smem[];
+
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    T* ring = reinterpret_cast<T*>(dm_smem) + warp * STAGES * 2 * TILE;
+    const u32 group = num_heads / num_kv_heads;
+    const u32 heads_total = num_kv_heads * ((group + DM_ROWS - 1) / DM_ROWS);
+    const u32 item = blockIdx.x * DM_WARPS + warp;
+    // Warp-uniform: the last block's warps past the step's head blocks have nothing to do.
+    if (item >= query_start_loc[num_reqs] * heads_total) return;
+    const DecodeWork work = decode_work_of(item, 0, 1, DM_ROWS, query_start_loc, seq_lens, num_reqs, num_heads,
+                                           num_kv_heads, window, 0);
+    const u32 t = work.t, kv_head = work.kv_head, head0 = work.head0, nh = work.nh;
+    const u32 start = work.start, end = work.end;
+    const u32 kv_width = num_kv_heads * D;
+    const u32* table = block_tables + (u64)work.r * max_blocks_per_seq;
+
+    // The first tiles' K/V rows go into the L2 while the kernels before this one finish.
+    const DecodeKv<T> kv{k_cache, v_cache, table, kv_width, kv_head * D, block_size, num_blocks};
+    decode_prefetch<T, D>(kv, start, min(end, start + (STAGES - 1) * DM_KEYS), lane, 32);
+    pdl_enter();
+
+    auto load_tile = [&](u32 tile, u32 slot) {
+        decode_load_keys<T, D, DM_KEYS, 32>(ring + slot * 2 * TILE, kv, start + tile * DM_KEYS, end, lane);
+    };
+    // One visible key at least (the token's own): start < end.
+    const u32 num_tiles = (end - start + DM_KEYS - 1) / DM_KEYS;
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; st++) {
+        if ((u32)st < num_tiles) load_tile(st, st);
+        cp_async_commit();
+    }
+
+    const u32 gid = lane >> 2, tig = lane & 3;
+    const bool has_lo = gid < nh, has_hi = gid + 8 < nh;
+    u32 qf[KSTEPS][4];
+    load_q_fragments<T, D>(q + ((u64)t * num_heads + head0) * D, gid, tig, has_lo, has_hi, qf);
+    const float scale_log2 = scale * 1.4426950408889634f;
+
+    float o[DT][4];
+#pragma unroll
+    for (int dt = 0; dt < DT; dt++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) o[dt][i] = 0.f;
+    }
+    float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
+    const u32 k_lane = (((lane & 7) + ((lane >> 4) << 3)) * STRIDE + ((lane >> 3) & 1) * 8) * sizeof(T);
+    const u32 v_lane = (((lane & 7) + (((lane >> 3) & 1) << 3)) * STRIDE + (lane >> 4) * 8) * sizeof(T);
+
+    for (u32 tile = 0; tile < num_tiles; tile++) {
+        cp_async_wait<STAGES - 2>();
+        // Tile `tile` is in for every lane's copies, and every lane is done with the slot the
+        // next copy overwrites (the one used in the previous iteration).
+        __syncwarp();
+        const u32 next = tile + STAGES - 1;
+        if (next < num_tiles) load_tile(next, next % STAGES);
+        cp_async_commit();
+
+        const u32 key0 = start + tile * DM_KEYS;
+        const u32 kb = smem_addr(ring + (tile % STAGES) * 2 * TILE) + k_lane;
+        const u32 vb = smem_addr(ring + (tile % STAGES) * 2 * TILE + TILE) + v_lane;
+        decode_mma_keys<T, D>(kb, vb, key0, end, tig, scale_log2, qf, o, m_lo, m_hi, l_lo, l_hi);
+    }
+    // No copy is left in flight when the warp exits (the last groups are empty).
+    cp_async_wait<0>();
+
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
+    l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
+    l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
+    T* out_lo = out + ((u64)t * num_heads + head0 + gid) * D + tig * 2;
+    T* out_hi = out_lo + 8 * D;
+#pragma unroll
+    for (int dt = 0; dt < DT; dt++) {
+        if (has_lo) {
+            out_lo[dt * 8] = from_float<T>(o[dt][0] / l_lo);
+            out_lo[dt * 8 + 1] = from_float<T>(o[dt][1] / l_lo);
+        }
+        if (has_hi) {
+            out_hi[dt * 8] = from_float<T>(o[dt][2] / l_hi);
+            out_hi[dt * 8 + 1] = from_float<T>(o[dt][3] / l_hi);
+        }
+    }
+}
+
 // One kernel per (head_dim, dtype): paged_decode_mma_d{D}_{bf16,f16}, with the decode kernel's
 // parameters (head_dim unused: it is D).
 #define PAGED_DECODE_MMA(T, S, D) \
@@ -253,10 +397,26 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
                                     seq_lens, block_tables, num_reqs, num_heads, num_kv_heads, max_blocks_per_seq, \
                                     block_size, num_blocks, window, scale, part_len); \
     }
+// paged_decode_mma_warp_d{D}_{bf16,f16}: the decode kernel's parameters but the partition
+// workspace (part_out, part_ml, counters, part_len: unused, one partition).
+#define PAGED_DECODE_MMA_WARP(T, S, D) \
+    extern "C" __global__ void __launch_bounds__(DM_THREADS, 2) paged_decode_mma_warp_d##D##_##S( \
+        const T* q, const T* k_cache, const T* v_cache, T* out, float* part_out, float* part_ml, u32* counters, \
+        const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, u32 num_reqs, u32 num_heads, \
+        u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, \
+        float scale, u32 part_len) { \
+        paged_decode_mma_warp_impl<T, D>(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, \
+                                         num_reqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, \
+                                         num_blocks, window, scale); \
+    }
 #define PAGED_DECODE_MMA_HEAD_DIMS(T, S) \
     PAGED_DECODE_MMA(T, S, 64) \
     PAGED_DECODE_MMA(T, S, 80) \
     PAGED_DECODE_MMA(T, S, 96) \
-    PAGED_DECODE_MMA(T, S, 128)
+    PAGED_DECODE_MMA(T, S, 128) \
+    PAGED_DECODE_MMA_WARP(T, S, 64) \
+    PAGED_DECODE_MMA_WARP(T, S, 80) \
+    PAGED_DECODE_MMA_WARP(T, S, 96) \
+    PAGED_DECODE_MMA_WARP(T, S, 128)
 PAGED_DECODE_MMA_HEAD_DIMS(__nv_bfloat16, bf16)
 PAGED_DECODE_MMA_HEAD_DIMS(__half, f16)
