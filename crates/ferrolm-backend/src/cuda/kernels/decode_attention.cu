@@ -284,8 +284,9 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
 // own ring (a quarter of the block's shared memory, the same bytes as above), keeps its own
 // softmax state and writes its own rows, so there is no cross-warp merge and no block barrier. A
 // warp starting its work (the lookup, the first copies, waiting for them) idles one warp of the
-// SM's eight, where a block starting idles four; at batch 384 this is what separates the block
-// kernel's 3.8 TB/s from the ~4.0 it reaches with half as many, twice as long, blocks.
+// SM's eight, where a block starting idles four. The block kernel pays that start per block:
+// `attention_bench` gives it 3.8 TB/s at batch 384, context 1500, and 4.0 for the same bytes in
+// half as many blocks twice as long.
 // Grid: ceil(T * num_kv_heads * head_chunks / DM_WARPS) blocks of DM_THREADS; num_parts 1.
 template <typename T, int D>
 __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__ q, const T* __restrict__ k_cache,
