@@ -118,6 +118,9 @@ pub struct Gpu {
     /// Unsplit tensor-core decodes take the kernel with a head block per warp (unless
     /// `FERROLM_DECODE_WARP_ITEMS=0`, which keeps the block-per-head-block kernel).
     decode_warp_items: bool,
+    /// Streaming multiprocessors, and the shared memory each has for blocks.
+    multiprocessors: usize,
+    max_shared_per_multiprocessor: usize,
     /// The decode attention kernels' partial results when they split a context
     /// (`attention::DECODE_WORKSPACE_FLOATS`, the most a split launch needs): allocated once so
     /// that a captured decode step holds no allocation and its kernels follow one another.
@@ -206,9 +209,14 @@ impl Gpu {
         let decode_workspace = unsafe { stream.alloc::<f32>(attention::DECODE_WORKSPACE_FLOATS) }?;
         let programmatic_launch = major >= 9 && std::env::var("FERROLM_PDL").map_or(true, |v| v != "0");
         let decode_warp_items = std::env::var("FERROLM_DECODE_WARP_ITEMS").map_or(true, |v| v != "0");
+        let multiprocessors = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let max_shared_per_multiprocessor =
+            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
         Ok(Gpu {
             programmatic_launch,
             decode_warp_items,
+            multiprocessors: multiprocessors.max(1) as usize,
+            max_shared_per_multiprocessor: max_shared_per_multiprocessor.max(0) as usize,
             decode_workspace,
             name: ctx.name()?,
             compute_capability: (major as u32, minor as u32),
@@ -319,9 +327,20 @@ impl Gpu {
         self.max_shared_per_block
     }
 
-    /// Whether unsplit tensor-core decodes take the head-block-per-warp kernel.
+    /// Whether unsplit tensor-core decodes may take the head-block-per-warp kernel.
     pub(crate) fn decode_warp_items(&self) -> bool {
         self.decode_warp_items
+    }
+
+    /// Blocks of `shared_bytes` dynamic shared memory that fit on one SM at once, by shared
+    /// memory alone (the runtime reserves 1 KiB per block).
+    pub(crate) fn blocks_per_multiprocessor(&self, shared_bytes: usize) -> usize {
+        (self.max_shared_per_multiprocessor / (shared_bytes + 1024)).max(1)
+    }
+
+    /// Streaming multiprocessors (132 on an H200).
+    pub(crate) fn multiprocessors(&self) -> usize {
+        self.multiprocessors
     }
 
     /// A launch of kernel `name` for activations of `dtype`, on this `Gpu`'s stream.
