@@ -172,7 +172,10 @@ fn embedding_matches_cpu() -> Result<(), GpuError> {
 /// (rows, hidden): odd sizes, head-sized rows, and rows wider than one block's threads.
 /// Rows of one element per thread and fewer, several per thread, and more than the norm kernels
 /// keep in registers (5120 > 4 x 1024).
-const NORM_SHAPES: [(usize, usize); 6] = [(1, 7), (3, 64), (5, 896), (40, 1000), (7, 4096), (2, 5120)];
+/// Widths of a multiple of 8 take the 16-byte-access kernels, others the element-wise ones; 16392
+/// is more 8-element chunks than a block's threads keep in registers (2 x 1024).
+const NORM_SHAPES: [(usize, usize); 8] =
+    [(1, 7), (3, 64), (5, 896), (40, 1000), (3, 1001), (7, 4096), (2, 5120), (2, 16392)];
 
 #[test]
 fn rms_norm_matches_cpu() -> Result<(), GpuError> {

@@ -126,11 +126,17 @@ pub fn qkv_rope_cache(
     let (heads, kv_heads) = (to_u32(op, "num_heads", num_heads), to_u32(op, "num_kv_heads", num_kv_heads));
     let (dim, half) = (to_u32(op, "head_dim", head_dim), table.half as u32);
     let num_slots = (k_cache.len() / kv_size) as i64;
-    let mut launch = gpu.launch_builder(op, qkv.dtype());
+    // By 8 elements where the dims and buffers allow 16-byte accesses (freq_ptr: the table's
+    // rows are `half` floats, so a multiple of 8 keeps the long row aligned too).
+    let vec8 = head_dim.is_multiple_of(8)
+        && table.half.is_multiple_of(8)
+        && [qkv_ptr, freq_ptr, q_ptr, kc_ptr, vc_ptr].iter().all(|p| p.is_multiple_of(16));
+    let (kernel, unit) = if vec8 { ("qkv_rope_cache_vec8", 8) } else { (op, 1) };
+    let mut launch = gpu.launch_builder(kernel, qkv.dtype());
     launch.arg(&qkv_ptr).arg(&pos_ptr).arg(&slots_ptr).arg(&freq_ptr).arg(&table.long_start);
     launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&heads).arg(&kv_heads).arg(&dim).arg(&half);
     launch.arg(&table.attention_scaling).arg(&num_slots);
-    let work = (num_heads + num_kv_heads) * (head_dim - table.half) + kv_size;
+    let work = ((num_heads + num_kv_heads) * (head_dim - table.half) + kv_size) / unit;
     // SAFETY: the arguments match the kernel's parameters; qkv and q_out hold `tokens` rows, and
     // the kernel checks every slot against the cache.
     unsafe { launch.launch(qkv_rope_cache_config(tokens, work)) }?;
