@@ -61,9 +61,11 @@ for row in "${ROWS[@]}"; do
             dir=$BASE
             [ "$side" = new ] && dir=$NEW
             json="$OUT/$row-$side-$round.json"
+            # The JSON names the build's revision (gpu-build.sh writes it), not this checkout's.
+            revision=$(cat "$dir/REVISION" 2>/dev/null || true)
             # shellcheck disable=SC2086 # the row's arguments are words
-            timeout "${BENCH_TIMEOUT:-420}" "$dir/ferrolm" bench $args --device cuda --dummy-weights --json "$json" \
-                >"$json.log" 2>&1 || tail -n 3 "$json.log"
+            FERROLM_GIT_REVISION=$revision timeout "${BENCH_TIMEOUT:-420}" "$dir/ferrolm" bench $args --device cuda \
+                --dummy-weights --json "$json" >"$json.log" 2>&1 || tail -n 3 "$json.log"
             results[$row,$side]="${results[$row,$side]:-} $(figure "$row" "$json")"
             echo "$row $side round $round: $(figure "$row" "$json")"
         done

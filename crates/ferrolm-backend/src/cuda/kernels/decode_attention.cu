@@ -285,8 +285,10 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
 // softmax state and writes its own rows, so there is no cross-warp merge and no block barrier. A
 // warp starting its work (the lookup, the first copies, waiting for them) idles one warp of the
 // SM's eight, where a block starting idles four. The block kernel pays that start per block:
-// `attention_bench` gives it 3.8 TB/s at batch 384, context 1500, and 4.0 for the same bytes in
-// half as many blocks twice as long.
+// `attention_bench` (H200) gives it 3.8 TB/s at batch 384, context 1500, where this kernel
+// streams 4.0. But this kernel's blocks are 4 whole contexts: with too few of them for full waves
+// (batch 192 at 3000: 1.45 waves) the block kernel wins, and the host picks it
+// (`warp_items_fill_as_well` in attention.rs).
 // Grid: ceil(T * num_kv_heads * head_chunks / DM_WARPS) blocks of DM_THREADS; num_parts 1.
 template <typename T, int D>
 __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__ q, const T* __restrict__ k_cache,
