@@ -35,6 +35,14 @@ pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     let value = serde_path_to_error::deserialize(&mut de).map_err(|err| {
         let path = err.path().to_string();
         let inner = err.into_inner();
+        // serde's message for a field the request type does not have (`deny_unknown_fields`):
+        // "unknown field `name`, expected one of ...".
+        if let Some(name) = inner.to_string().strip_prefix("unknown field `").and_then(|rest| rest.split('`').next()) {
+            return ApiError::InvalidJson {
+                message: format!("unrecognized request argument `{name}`: this route takes no such parameter"),
+                param: Some(name.to_string()),
+            };
+        }
         match inner.classify() {
             Category::Data if path != "." => {
                 ApiError::InvalidJson { message: format!("invalid value for `{path}`: {inner}"), param: Some(path) }
@@ -57,6 +65,7 @@ mod tests {
     use super::*;
 
     #[derive(Debug, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
     struct Req {
         #[allow(dead_code)]
         max_tokens: Option<u32>,
@@ -76,6 +85,13 @@ mod tests {
         let (msg, param) = message(br#"{"prompt": "a", "max_tokens": "x"}"#);
         assert_eq!(param.as_deref(), Some("max_tokens"));
         assert!(msg.contains("invalid type: string"), "{msg}");
+    }
+
+    #[test]
+    fn unknown_fields_are_named() {
+        let (msg, param) = message(br#"{"prompt": "a", "max_token": 3}"#);
+        assert_eq!(param.as_deref(), Some("max_token"));
+        assert_eq!(msg, "unrecognized request argument `max_token`: this route takes no such parameter");
     }
 
     #[test]

@@ -84,12 +84,58 @@ async fn values_out_of_range_are_400s_naming_the_field() {
         (json!({"messages": [{"content": "hi"}]}), "messages[0].role"),
         (json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), "messages[0].content[0]"),
         (json!({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}), "temperature"),
+        (
+            json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+        (json!({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}), "tool_choice"),
     ];
     for (body, param) in chat {
         let (status, resp) = server.post("/v1/chat/completions", &body).await;
         assert_eq!(status, 400, "{body}: {resp}");
         assert_eq!(error_of(&resp)["param"], param, "{resp}");
     }
+    assert_still_serves(&server).await;
+}
+
+/// A parameter a route does not take is refused by name (a misspelt `max_tokens` must not pass
+/// as the default), on every route that takes a body; OpenAI's `user` is taken and ignored, and
+/// a chat may ask for a text reply and automatic tools explicitly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_parameters_are_400s_naming_them() {
+    let server = start(Options::default()).await;
+    let cases = [
+        ("/v1/completions", json!({"prompt": "a", "max_token": 3}), "max_token"),
+        ("/v1/completions", json!({"prompt": "a", "max_tokens": 2, "guided_json": {}}), "guided_json"),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "temprature": 0}),
+            "temprature",
+        ),
+        ("/tokenize", json!({"prompt": "a", "add_special_token": true}), "add_special_token"),
+        ("/detokenize", json!({"tokens": [1], "skip_special_tokens": true}), "skip_special_tokens"),
+    ];
+    for (path, body, param) in cases {
+        let (status, resp) = server.post(path, &body).await;
+        assert_eq!(status, 400, "{path} {body}: {resp}");
+        let e = error_of(&resp);
+        assert_eq!(e["type"], "invalid_request_error");
+        assert_eq!(e["param"], param, "{resp}");
+        let message = e["message"].as_str().unwrap_or_default();
+        assert!(message.contains("unrecognized request argument") && message.contains(param), "{resp}");
+    }
+    let (status, resp) = server.post("/v1/completions", &json!({"prompt": "a", "max_tokens": 2, "user": "u-1"})).await;
+    assert_eq!(status, 200, "{resp}");
+    let chat = json!({
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "user": "u-1",
+        "response_format": {"type": "text"},
+        "tool_choice": "auto",
+        "parallel_tool_calls": false,
+    });
+    let (status, resp) = server.post("/v1/chat/completions", &chat).await;
+    assert_eq!(status, 200, "{resp}");
     assert_still_serves(&server).await;
 }
 

@@ -7,6 +7,7 @@ use super::completions::UsageField;
 use super::{Stop, StreamOptions, Usage};
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ChatCompletionRequest {
     pub model: Option<String>,
     /// Kept as JSON: the chat template sees every field the client sent (`name`, `tool_calls`).
@@ -39,7 +40,15 @@ pub struct ChatCompletionRequest {
     pub continue_final_message: Option<bool>,
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     pub tools: Option<Value>,
+    /// Only `"none"` and `"auto"`: tools reach the chat template, and the model's reply is text.
+    pub tool_choice: Option<Value>,
+    /// Accepted, without effect (tool calls are not parsed out of the reply).
+    pub parallel_tool_calls: Option<bool>,
+    /// Only `{"type": "text"}`: no constrained decoding (JSON mode, schemas).
+    pub response_format: Option<Value>,
     pub logit_bias: Option<serde_json::Map<String, Value>>,
+    /// OpenAI's identifier of the end user: accepted, not used.
+    pub user: Option<String>,
 }
 
 #[derive(Debug, Serialize)]

@@ -6,6 +6,7 @@ use serde::{Deserialize, Serialize};
 use super::{Prompts, Stop, StreamOptions, Usage};
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct CompletionRequest {
     pub model: Option<String>,
     pub prompt: Prompts,
@@ -36,6 +37,8 @@ pub struct CompletionRequest {
     pub best_of: Option<u32>,
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
     pub suffix: Option<String>,
+    /// OpenAI's identifier of the end user: accepted, not used.
+    pub user: Option<String>,
 }
 
 #[derive(Debug, Serialize)]

@@ -2,7 +2,9 @@
 //!
 //! Requests keep every optional knob an `Option`, so that "the client said nothing" stays
 //! distinguishable from "the client asked for the default" (the model's generation_config fills
-//! in only the former). Unknown fields are ignored, as OpenAI's and vLLM's servers do.
+//! in only the former). A field a route does not know is refused with a 400 that names it, as
+//! OpenAI's API does ("unrecognized request argument"): a misspelt `max_tokens` or a feature
+//! this server lacks must not pass silently as the defaults.
 
 pub mod chat;
 pub mod completions;

@@ -5,6 +5,7 @@ use serde_json::Value;
 
 /// Either `prompt` (text) or `messages` (a conversation rendered with the chat template).
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct TokenizeRequest {
     pub model: Option<String>,
     pub prompt: Option<String>,
@@ -28,6 +29,7 @@ pub struct TokenizeResponse {
 }
 
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct DetokenizeRequest {
     pub model: Option<String>,
     pub tokens: Vec<u32>,

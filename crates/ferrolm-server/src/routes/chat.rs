@@ -45,6 +45,7 @@ pub async fn create(
     if req.top_logprobs.is_some() && !logprobs {
         return Err(ApiError::invalid("top_logprobs needs logprobs set to true", Some("top_logprobs")));
     }
+    check_text_reply(&req)?;
     let stream = req.stream.unwrap_or(false);
     let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
     let options = ChatPromptOptions {
@@ -194,5 +195,28 @@ impl ChunkFormat for ChatStream {
 
     fn usage_chunk(&self, usage: Usage) -> Option<Result<String, ApiError>> {
         self.include_usage.then(|| to_json(&self.shape.chunk(Vec::new(), UsageField::Usage(usage))))
+    }
+}
+
+/// The reply is free text: `response_format` may only ask for text and `tool_choice` only for
+/// `"none"` or `"auto"` (tools reach the chat template, tool calls are not parsed out).
+fn check_text_reply(req: &ChatCompletionRequest) -> Result<(), ApiError> {
+    use serde_json::Value;
+    match &req.response_format {
+        None | Some(Value::Null) => {}
+        Some(format) if format.get("type").and_then(Value::as_str) == Some("text") => {}
+        Some(format) => {
+            let kind = format.get("type").map_or_else(|| format.to_string(), Value::to_string);
+            let message = format!("response_format {kind} is not supported: only {{\"type\": \"text\"}}");
+            return Err(ApiError::invalid(message, Some("response_format")));
+        }
+    }
+    match &req.tool_choice {
+        None | Some(Value::Null) => Ok(()),
+        Some(Value::String(s)) if s == "none" || s == "auto" => Ok(()),
+        Some(choice) => {
+            let message = format!("tool_choice {choice} is not supported: only \"none\" and \"auto\"");
+            Err(ApiError::invalid(message, Some("tool_choice")))
+        }
     }
 }
