@@ -38,9 +38,11 @@ pub fn parse<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
         // serde's message for a field the request type does not have (`deny_unknown_fields`):
         // "unknown field `name`, expected one of ...".
         if let Some(name) = inner.to_string().strip_prefix("unknown field `").and_then(|rest| rest.split('`').next()) {
+            // The path names a nested field in full (`stream_options.bogus`).
+            let param = if path.ends_with(name) { path } else { name.to_string() };
             return ApiError::InvalidJson {
-                message: format!("unrecognized request argument `{name}`: this route takes no such parameter"),
-                param: Some(name.to_string()),
+                message: format!("unrecognized request argument `{param}`: this route takes no such parameter"),
+                param: Some(param),
             };
         }
         match inner.classify() {
@@ -70,7 +72,16 @@ mod tests {
         #[allow(dead_code)]
         max_tokens: Option<u32>,
         #[allow(dead_code)]
+        options: Option<Options>,
+        #[allow(dead_code)]
         prompt: String,
+    }
+
+    #[derive(Debug, serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Options {
+        #[allow(dead_code)]
+        include_usage: Option<bool>,
     }
 
     fn message(bytes: &[u8]) -> (String, Option<String>) {
@@ -92,6 +103,8 @@ mod tests {
         let (msg, param) = message(br#"{"prompt": "a", "max_token": 3}"#);
         assert_eq!(param.as_deref(), Some("max_token"));
         assert_eq!(msg, "unrecognized request argument `max_token`: this route takes no such parameter");
+        let (msg, param) = message(br#"{"prompt": "a", "options": {"include_usage": true, "bogus": 1}}"#);
+        assert_eq!(param.as_deref(), Some("options.bogus"), "{msg}");
     }
 
     #[test]

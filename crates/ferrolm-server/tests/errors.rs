@@ -112,6 +112,11 @@ async fn unknown_parameters_are_400s_naming_them() {
             json!({"messages": [{"role": "user", "content": "hi"}], "temprature": 0}),
             "temprature",
         ),
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "stream": true, "stream_options": {"usage": true}}),
+            "stream_options.usage",
+        ),
         ("/tokenize", json!({"prompt": "a", "add_special_token": true}), "add_special_token"),
         ("/detokenize", json!({"tokens": [1], "skip_special_tokens": true}), "skip_special_tokens"),
     ];

@@ -32,6 +32,7 @@ pub struct PromptTokensDetails {
 }
 
 #[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     /// Send a last chunk with `usage` and no choices before `[DONE]`.
     #[serde(default)]
