@@ -42,6 +42,42 @@ __device__ __forceinline__ void rope_impl(T* x, const u32* positions, const floa
     }
 FOR_EACH_DTYPE(ROPE)
 
+// What both forms of `qkv_rope_cache` work out once per token (token `blockIdx.x`): its row of
+// the projection, its table row, its cache slot, and where each of its heads goes.
+template <typename T>
+struct QkvRopeToken {
+    u64 t;
+    u32 pos, num_heads, head_dim, q_size, kv_size;
+    i64 slot;
+    bool write_kv;  // a negative slot is padding, a slot past the cache is not written either
+    const float* freq;
+    const T* row;  // [q heads | k heads | v]
+
+    __device__ __forceinline__ QkvRopeToken(const T* qkv, const u32* positions, const i64* slot_mapping,
+                                            const float* inv_freq, u32 long_start, u32 num_heads_,
+                                            u32 num_kv_heads, u32 head_dim_, u32 half, i64 num_slots)
+        : t(blockIdx.x), num_heads(num_heads_), head_dim(head_dim_) {
+        pos = positions[t];
+        slot = slot_mapping[t];
+        write_kv = slot >= 0 && slot < num_slots;
+        freq = inv_freq + (pos >= long_start ? half : 0);
+        q_size = num_heads * head_dim;
+        kv_size = num_kv_heads * head_dim;
+        row = qkv + t * (q_size + 2 * kv_size);
+    }
+
+    // Head h of the row (k heads follow the q heads), and where it goes: q_out's row for a q
+    // head, the cache slot for a k head.
+    __device__ __forceinline__ const T* head_in(u32 h) const { return row + (u64)h * head_dim; }
+    __device__ __forceinline__ T* head_out(u32 h, T* q_out, T* k_cache) const {
+        return h < num_heads ? q_out + t * q_size + (u64)h * head_dim
+                             : k_cache + (u64)slot * kv_size + (u64)(h - num_heads) * head_dim;
+    }
+    // Element d of the token's v, and its place in the cache.
+    __device__ __forceinline__ const T* v_in(u32 d) const { return row + q_size + kv_size + d; }
+    __device__ __forceinline__ T* v_out(T* v_cache, u32 d) const { return v_cache + (u64)slot * kv_size + d; }
+};
+
 // The attention block's input step fused into one pass: splits the fused projection, rotates q
 // and k, writes q to `q_out` and k, v to the paged cache at `slot_mapping[t]` (a negative slot is
 // padding: its k and v are not written; a slot past the cache neither). The same arithmetic as
@@ -56,34 +92,27 @@ __device__ __forceinline__ void qkv_rope_cache_impl(const T* qkv, const u32* pos
                                                     const float* inv_freq, u32 long_start, T* q_out, T* k_cache,
                                                     T* v_cache, u32 num_heads, u32 num_kv_heads, u32 head_dim,
                                                     u32 half, float attention_scaling, i64 num_slots) {
-    const u64 t = blockIdx.x;
-    const u32 pos = positions[t];
-    const i64 slot = slot_mapping[t];
-    const bool write_kv = slot >= 0 && slot < num_slots;
-    const float* freq = inv_freq + (pos >= long_start ? half : 0);
-    const u32 q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    const T* row = qkv + t * (q_size + 2 * kv_size);
+    const QkvRopeToken<T> tok(qkv, positions, slot_mapping, inv_freq, long_start, num_heads, num_kv_heads, head_dim,
+                              half, num_slots);
     // Per head: `half` rotated pairs, then the dims past `2 * half` that pass through.
     const u32 per_head = head_dim - half;
     const u32 rotated = (num_heads + num_kv_heads) * per_head;
-    for (u32 e = blockIdx.y * blockDim.x + threadIdx.x; e < rotated + kv_size; e += gridDim.y * blockDim.x) {
+    for (u32 e = blockIdx.y * blockDim.x + threadIdx.x; e < rotated + tok.kv_size; e += gridDim.y * blockDim.x) {
         if (e >= rotated) {
-            if (write_kv) v_cache[(u64)slot * kv_size + (e - rotated)] = row[q_size + kv_size + (e - rotated)];
+            if (tok.write_kv) *tok.v_out(v_cache, e - rotated) = *tok.v_in(e - rotated);
             continue;
         }
         const u32 h = e / per_head, i = e % per_head;
-        const bool is_q = h < num_heads;
-        if (!is_q && !write_kv) continue;
-        const T* src = row + (u64)h * head_dim;  // k heads follow the q heads in the row
-        T* dst = is_q ? q_out + t * q_size + (u64)h * head_dim
-                      : k_cache + (u64)slot * kv_size + (u64)(h - num_heads) * head_dim;
+        if (h >= num_heads && !tok.write_kv) continue;
+        const T* src = tok.head_in(h);
+        T* dst = tok.head_out(h, q_out, k_cache);
         if (i >= half) {
             const u32 d = i + half;
             dst[d] = src[d];
             continue;
         }
         float y0, y1;
-        rope_pair(to_float(src[i]), to_float(src[i + half]), pos, freq[i], attention_scaling, y0, y1);
+        rope_pair(to_float(src[i]), to_float(src[i + half]), tok.pos, tok.freq[i], attention_scaling, y0, y1);
         dst[i] = from_float<T>(y0);
         dst[i + half] = from_float<T>(y1);
     }
@@ -99,33 +128,26 @@ __device__ __forceinline__ void qkv_rope_cache_vec8_impl(const T* qkv, const u32
                                                          u32 long_start, T* q_out, T* k_cache, T* v_cache,
                                                          u32 num_heads, u32 num_kv_heads, u32 head_dim, u32 half,
                                                          float attention_scaling, i64 num_slots) {
-    const u64 t = blockIdx.x;
-    const u32 pos = positions[t];
-    const i64 slot = slot_mapping[t];
-    const bool write_kv = slot >= 0 && slot < num_slots;
-    const float* freq = inv_freq + (pos >= long_start ? half : 0);
-    const u32 q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    const T* row = qkv + t * (q_size + 2 * kv_size);
+    const QkvRopeToken<T> tok(qkv, positions, slot_mapping, inv_freq, long_start, num_heads, num_kv_heads, head_dim,
+                              half, num_slots);
     const u32 pair_units = half / 8;
     const u32 per_head = (head_dim - half) / 8;  // pair units, then pass-through units
     const u32 rotated = (num_heads + num_kv_heads) * per_head;
-    for (u32 e = blockIdx.y * blockDim.x + threadIdx.x; e < rotated + kv_size / 8; e += gridDim.y * blockDim.x) {
+    for (u32 e = blockIdx.y * blockDim.x + threadIdx.x; e < rotated + tok.kv_size / 8; e += gridDim.y * blockDim.x) {
         float x0[8], x1[8], y0[8], y1[8];
         Raw8<T> a, b;
         if (e >= rotated) {
-            if (!write_kv) continue;
+            if (!tok.write_kv) continue;
             const u32 d = 8 * (e - rotated);
-            load_raw(row + q_size + kv_size + d, a);
+            load_raw(tok.v_in(d), a);
             unpack8(a, x0);
-            store8(v_cache + (u64)slot * kv_size + d, x0);
+            store8(tok.v_out(v_cache, d), x0);
             continue;
         }
         const u32 h = e / per_head, u = e % per_head;
-        const bool is_q = h < num_heads;
-        if (!is_q && !write_kv) continue;
-        const T* src = row + (u64)h * head_dim;  // k heads follow the q heads in the row
-        T* dst = is_q ? q_out + t * q_size + (u64)h * head_dim
-                      : k_cache + (u64)slot * kv_size + (u64)(h - num_heads) * head_dim;
+        if (h >= num_heads && !tok.write_kv) continue;
+        const T* src = tok.head_in(h);
+        T* dst = tok.head_out(h, q_out, k_cache);
         if (u >= pair_units) {
             const u32 d = half + 8 * u;  // dims from 2 * half on
             load_raw(src + d, a);
@@ -139,11 +161,11 @@ __device__ __forceinline__ void qkv_rope_cache_vec8_impl(const T* qkv, const u32
         unpack8(a, x0);
         unpack8(b, x1);
         Raw8<float> f_raw;
-        load_raw(freq + i, f_raw);
+        load_raw(tok.freq + i, f_raw);
         float f[8];
         unpack8(f_raw, f);
 #pragma unroll
-        for (int k = 0; k < 8; k++) rope_pair(x0[k], x1[k], pos, f[k], attention_scaling, y0[k], y1[k]);
+        for (int k = 0; k < 8; k++) rope_pair(x0[k], x1[k], tok.pos, f[k], attention_scaling, y0[k], y1[k]);
         store8(dst + i, y0);
         store8(dst + i + half, y1);
     }
