@@ -7,13 +7,14 @@
 //! target/release/examples/attention_bench ["decode batch 384"]   # only the cases named so
 //! ```
 //!
-//! Cases: a decode step of 1 sequence at context 384 and 4096 and of 256 sequences at context
-//! 640 and 1500 (the decode kernel), the same bytes as 384 at 1500 in 192, 384 and 768
+//! Cases: a decode step of 1 sequence at context 384 and 4096, of 256 sequences at context 640
+//! and 1500 and of 232 at 1500 (the decode kernel), the same bytes as 384 at 1500 in 192, 384 and 768
 //! sequences, in 3072 sequences of one KV head, and spread over 16 layers of a 75 GB cache as a
 //! server's cache holds them, a 512-token and a 2048-token prompt of one sequence, a
 //! mixed step of 16 512-token prompts with 200 decodes at context 600 (the tensor-core kernel),
 //! the same with the decodes first as the scheduler orders them, and 384 decodes at context
-//! 1500 before 8 1000-token prompts (a mixed step of the 1000-request benchmark). Each is timed with
+//! 1500 before 8 1000-token prompts (a mixed step of the 1000-request benchmark), and those
+//! prompts alone. Each is timed with
 //! CUDA events around one call, best of 20 after a warm-up, and again as the mean of 32
 //! back-to-back calls (one per layer, as a model step issues them, sharing one metadata and so
 //! one work list; best of 3 such runs). Small cases cycle through 32 layers' worth of K/V so that
@@ -54,6 +55,8 @@ fn main() {
         ("decode batch 1, context 4096", LLAMA_8B, COMPACT, vec![(4096, 1)]),
         ("decode batch 256, context 640", LLAMA_8B, COMPACT, vec![(640, 1); 256]),
         ("decode batch 256, context 1500", LLAMA_8B, COMPACT, vec![(1500, 1); 256]),
+        // The last requests of the 1000-request benchmark (1000 = 384 + 384 + 232).
+        ("decode batch 232, context 1500", LLAMA_8B, COMPACT, vec![(1500, 1); 232]),
         // The same bytes at three batch sizes: what each block's fixed cost and the last wave
         // take; then as 3072 sequences of one KV head, whose 16-key pages are 4 KiB contiguous
         // where the 8B's are 16 rows of 256 bytes 2 KiB apart.
@@ -69,6 +72,9 @@ fn main() {
         ("mixed 16 x 512 prefill + 200 decodes @600", LLAMA_8B, COMPACT, mixed),
         ("mixed 200 decodes @600 + 16 x 512 prefill", LLAMA_8B, COMPACT, decodes_first),
         ("mixed 384 decodes @1500 + 8 x 1000 prefill", LLAMA_8B, COMPACT, full_step),
+        // That step's prompts alone: with "decode batch 384, context 1500", what the mixed
+        // step's one launch costs against a launch for each kind.
+        ("prefill 8 x 1000", LLAMA_8B, COMPACT, vec![(1000, 1000); 8]),
     ];
     // An argument keeps only the cases whose name holds it (e.g. to profile one).
     let only = std::env::args().nth(1).unwrap_or_default();

@@ -12,14 +12,14 @@
 //! per call over that time. Last, the 8B projections but the LM head at 192, 384 and 8192 rows,
 //! as TFLOP/s.
 
-use cudarc::driver::sys::CUevent_flags;
+mod bench_support;
+
+use bench_support::{best_mean, random_tensor};
 use ferrolm_backend::cuda::{self, Gpu, GpuError, GpuTensor};
-use ferrolm_backend::{DType, WeightView};
-use half::bf16;
+use ferrolm_backend::DType;
 
 /// Bytes of weights cycled through per shape.
 const WORKING_SET: usize = 512 << 20;
-const CALLS: usize = 64;
 
 fn main() {
     let gpu = match Gpu::new(0) {
@@ -103,46 +103,12 @@ impl Operands {
     fn new(gpu: &Gpu, m: usize, n: usize, k: usize) -> Result<Operands, GpuError> {
         let copies = WORKING_SET.div_ceil(n * k * 2).clamp(1, 16);
         let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-        let weights = (0..copies).map(|_| random_tensor(gpu, n * k, &mut seed)).collect::<Result<Vec<_>, _>>()?;
-        let x = random_tensor(gpu, m * k, &mut seed)?;
+        let weights =
+            (0..copies).map(|_| random_tensor(gpu, DType::BF16, n * k, &mut seed)).collect::<Result<Vec<_>, _>>()?;
+        let x = random_tensor(gpu, DType::BF16, m * k, &mut seed)?;
         let out_dtype = if n == 128256 { DType::F32 } else { DType::BF16 };
         Ok(Operands { weights, x, y: GpuTensor::zeros(gpu, out_dtype, m * n)? })
     }
-}
-
-/// Random bf16 weights of `len` elements.
-fn random_tensor(gpu: &Gpu, len: usize, seed: &mut u64) -> Result<GpuTensor, GpuError> {
-    let data: Vec<bf16> = (0..len)
-        .map(|_| {
-            *seed ^= *seed << 13;
-            *seed ^= *seed >> 7;
-            *seed ^= *seed << 17;
-            bf16::from_f32((*seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
-        })
-        .collect();
-    GpuTensor::from_weights(gpu, WeightView::BF16(&data), DType::BF16)
-}
-
-/// The best mean time per call (seconds) of `call(i)` over 5 runs of `CALLS` back-to-back calls,
-/// after one warm-up pass over `copies`.
-fn best_mean(gpu: &Gpu, copies: usize, mut call: impl FnMut(usize) -> Result<(), GpuError>) -> Result<f64, GpuError> {
-    let ctx = gpu.stream().context();
-    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-    let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-    for i in 0..copies {
-        call(i)?;
-    }
-    let mut best = f64::INFINITY;
-    for _ in 0..5 {
-        start.record(gpu.stream())?;
-        for i in 0..CALLS {
-            call(i)?;
-        }
-        end.record(gpu.stream())?;
-        end.synchronize()?;
-        best = best.min(start.elapsed_ms(&end)? as f64 / 1e3 / CALLS as f64);
-    }
-    Ok(best)
 }
 
 /// One row through the GEMV kernel with k split over 1, 2, 4 and 8 warps per column.
