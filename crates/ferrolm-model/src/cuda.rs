@@ -16,7 +16,7 @@ use ferrolm_sampling::{RowRequest, TokenLogprobs};
 mod graphs;
 mod workspace;
 
-use graphs::{DecodeGraph, DecodeGraphs, GraphShape};
+use graphs::{DecodeGraph, DecodeGraphs, GraphShape, GRAPH_BATCHES};
 use workspace::{Activations, StepBuffers};
 
 use crate::config::{Activation, ModelConfig};
@@ -182,11 +182,15 @@ impl CudaRunner {
             .sum();
         let weight_bytes =
             layer_bytes + embed_tokens.size_in_bytes() + lm_head.as_ref().map_or(0, GpuTensor::size_in_bytes);
+        let model = GpuModel { embed_tokens, layers, norm, lm_head, rope };
+        if std::env::var("FERROLM_GEMM_TUNE").map_or(true, |v| v != "0") {
+            tune_decode_gemms(&gpu, &model)?;
+        }
         Ok(CudaRunner {
             gpu,
             config: cfg.clone(),
             dtype,
-            model: GpuModel { embed_tokens, layers, norm, lm_head, rope },
+            model,
             kv: Vec::new(),
             block_size: 0,
             weight_bytes,
@@ -553,4 +557,57 @@ impl ModelRunner for CudaRunner {
     fn collect(&mut self) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
         Ok(self.sampler.collect()?)
     }
+}
+
+/// Times cuBLAS against cuBLASLt's algorithms on the GEMMs of a decode step at each graph batch
+/// size (the first layer's projections stand for all: every layer has the same shapes) and the LM
+/// head, so that each of those GEMMs takes the faster (`Gpu::tune_gemms`). One row is left to the
+/// GEMV kernel. Half-precision models only; `FERROLM_GEMM_TUNE=0` skips it.
+fn tune_decode_gemms(gpu: &Gpu, model: &GpuModel) -> Result<(), GpuError> {
+    let Some(layer) = model.layers.first() else { return Ok(()) };
+    fn projection(l: &GpuLinear) -> (GpuView<'_>, usize, DType) {
+        // A bias is added to an f32 product (see `linear`).
+        let output = if l.bias.is_some() { DType::F32 } else { l.weight.dtype() };
+        (l.weight.view(), l.out_features, output)
+    }
+    let head = model.lm_head.as_ref().unwrap_or(&model.embed_tokens);
+    let vocab = head.len() / layer.qkv_proj.in_features.max(1);
+    let weights = [
+        projection(&layer.qkv_proj),
+        projection(&layer.o_proj),
+        projection(&layer.gate_up_proj),
+        projection(&layer.down_proj),
+        (head.view(), vocab, DType::F32),
+    ];
+    let started = std::time::Instant::now();
+    let ms: Vec<usize> = GRAPH_BATCHES.iter().copied().filter(|&m| m > 1).collect();
+    let report = gpu.tune_gemms(&ms, &weights)?;
+    for t in &report {
+        tracing::debug!(
+            m = t.shape.m,
+            n = t.shape.n,
+            k = t.shape.k,
+            cublas_us = t.default_us,
+            cublaslt_us = t.best_us,
+            candidates = t.candidates,
+            taken = t.taken,
+            "GEMM tuned"
+        );
+    }
+    let taken = report.iter().filter(|t| t.taken).count();
+    // One layer's GEMMs and the head at 384 rows, before and after: what a decode step of 384
+    // gains per layer.
+    let at_384 = report.iter().filter(|t| t.shape.m == 384);
+    let (before, after) = at_384.fold((0.0, 0.0), |(b, a), t| {
+        (b + t.default_us, a + if t.taken { t.best_us.unwrap_or(t.default_us) } else { t.default_us })
+    });
+    tracing::info!(
+        shapes = report.len(),
+        taken,
+        seconds = started.elapsed().as_secs_f64(),
+        us_at_384_before = before,
+        us_at_384_after = after,
+        "decode GEMMs tuned: cuBLASLt algorithms kept where faster than cuBLAS's default"
+    );
+    Ok(())
 }
