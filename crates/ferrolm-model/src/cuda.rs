@@ -561,8 +561,8 @@ impl ModelRunner for CudaRunner {
 
 /// Times cuBLAS against cuBLASLt's algorithms on the GEMMs of a decode step at each graph batch
 /// size (the first layer's projections stand for all: every layer has the same shapes) and the LM
-/// head, so that each of those GEMMs takes the faster (`Gpu::tune_gemms`). One row is left to the
-/// GEMV kernel. Half-precision models only; `FERROLM_GEMM_TUNE=0` skips it.
+/// head, so that each of those GEMMs takes the faster (`Gpu::tune_gemms`). Half-precision models
+/// only; `FERROLM_GEMM_TUNE=0` skips it.
 fn tune_decode_gemms(gpu: &Gpu, model: &GpuModel) -> Result<(), GpuError> {
     let Some(layer) = model.layers.first() else { return Ok(()) };
     fn projection(l: &GpuLinear) -> (GpuView<'_>, usize, DType) {
@@ -580,7 +580,9 @@ fn tune_decode_gemms(gpu: &Gpu, model: &GpuModel) -> Result<(), GpuError> {
         (head.view(), vocab, DType::F32),
     ];
     let started = std::time::Instant::now();
-    let ms: Vec<usize> = GRAPH_BATCHES.iter().copied().filter(|&m| m > 1).collect();
+    // From 128 rows on, where the GEMMs approach their compute bound: tuning times each on one
+    // copy of the weights, which the L2 may hold, and below that the weights' reads dominate.
+    let ms: Vec<usize> = GRAPH_BATCHES.iter().copied().filter(|&m| m >= 128).collect();
     let report = gpu.tune_gemms(&ms, &weights)?;
     for t in &report {
         tracing::debug!(
