@@ -182,15 +182,11 @@ impl CudaRunner {
             .sum();
         let weight_bytes =
             layer_bytes + embed_tokens.size_in_bytes() + lm_head.as_ref().map_or(0, GpuTensor::size_in_bytes);
-        let model = GpuModel { embed_tokens, layers, norm, lm_head, rope };
-        if std::env::var("FERROLM_GEMM_TUNE").map_or(true, |v| v != "0") {
-            tune_decode_gemms(&gpu, &model)?;
-        }
         Ok(CudaRunner {
             gpu,
             config: cfg.clone(),
             dtype,
-            model,
+            model: GpuModel { embed_tokens, layers, norm, lm_head, rope },
             kv: Vec::new(),
             block_size: 0,
             weight_bytes,
@@ -204,6 +200,19 @@ impl CudaRunner {
 
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// Times cuBLAS against cuBLASLt's algorithms on the GEMMs this runner's steps will run, so
+    /// that each takes the faster (`Gpu::tune_gemms`): the projections and the LM head at each
+    /// decode graph batch from 128 rows up to the one holding `max_decode_batch`, and the
+    /// projections at `step_tokens` rows (a full prompt chunk). The first layer stands for all:
+    /// every layer has the same shapes. `FERROLM_GEMM_TUNE=0` skips it; other shapes keep
+    /// `cublasGemmEx`.
+    pub fn tune_gemms(&self, max_decode_batch: usize, step_tokens: usize) -> Result<(), ModelError> {
+        if std::env::var("FERROLM_GEMM_TUNE").is_ok_and(|v| v == "0") {
+            return Ok(());
+        }
+        Ok(tune_gemms(&self.gpu, &self.model, max_decode_batch, step_tokens)?)
     }
 
     pub fn dtype(&self) -> DType {
@@ -559,11 +568,8 @@ impl ModelRunner for CudaRunner {
     }
 }
 
-/// Times cuBLAS against cuBLASLt's algorithms on the GEMMs of a decode step at each graph batch
-/// size (the first layer's projections stand for all: every layer has the same shapes) and the LM
-/// head, so that each of those GEMMs takes the faster (`Gpu::tune_gemms`). Half-precision models
-/// only; `FERROLM_GEMM_TUNE=0` skips it.
-fn tune_decode_gemms(gpu: &Gpu, model: &GpuModel) -> Result<(), GpuError> {
+/// [`CudaRunner::tune_gemms`].
+fn tune_gemms(gpu: &Gpu, model: &GpuModel, max_decode_batch: usize, step_tokens: usize) -> Result<(), GpuError> {
     let Some(layer) = model.layers.first() else { return Ok(()) };
     fn projection(l: &GpuLinear) -> (GpuView<'_>, usize, DType) {
         // A bias is added to an f32 product (see `linear`).
@@ -572,18 +578,28 @@ fn tune_decode_gemms(gpu: &Gpu, model: &GpuModel) -> Result<(), GpuError> {
     }
     let head = model.lm_head.as_ref().unwrap_or(&model.embed_tokens);
     let vocab = head.len() / layer.qkv_proj.in_features.max(1);
-    let weights = [
+    let projections = [
         projection(&layer.qkv_proj),
         projection(&layer.o_proj),
         projection(&layer.gate_up_proj),
         projection(&layer.down_proj),
-        (head.view(), vocab, DType::F32),
     ];
+    let mut with_head = projections.to_vec();
+    with_head.push((head.view(), vocab, DType::F32));
     let started = std::time::Instant::now();
-    // From 128 rows on, where the GEMMs approach their compute bound: tuning times each on one
-    // copy of the weights, which the L2 may hold, and below that the weights' reads dominate.
-    let ms: Vec<usize> = GRAPH_BATCHES.iter().copied().filter(|&m| m >= 128).collect();
-    let report = gpu.tune_gemms(&ms, &weights)?;
+    // Decode batches from 128 rows on, where the GEMMs approach their compute bound: tuning
+    // times each on one copy of the weights, which the L2 may hold, and below that the
+    // weights' reads dominate. Only the LM head's rows of a prompt chunk are its last tokens'.
+    let largest = GRAPH_BATCHES
+        .iter()
+        .copied()
+        .find(|&b| b >= max_decode_batch)
+        .unwrap_or(GRAPH_BATCHES[GRAPH_BATCHES.len() - 1]);
+    let ms: Vec<usize> = GRAPH_BATCHES.iter().copied().filter(|&m| (128..=largest).contains(&m)).collect();
+    let mut report = gpu.tune_gemms(&ms, &with_head)?;
+    if step_tokens > largest {
+        report.extend(gpu.tune_gemms(&[step_tokens], &projections)?);
+    }
     for t in &report {
         tracing::debug!(
             m = t.shape.m,
@@ -597,19 +613,27 @@ fn tune_decode_gemms(gpu: &Gpu, model: &GpuModel) -> Result<(), GpuError> {
         );
     }
     let taken = report.iter().filter(|t| t.taken).count();
-    // One layer's GEMMs and the head at 384 rows, before and after: what a decode step of 384
-    // gains per layer.
-    let at_384 = report.iter().filter(|t| t.shape.m == 384);
-    let (before, after) = at_384.fold((0.0, 0.0), |(b, a), t| {
-        (b + t.default_us, a + if t.taken { t.best_us.unwrap_or(t.default_us) } else { t.default_us })
-    });
+    // One layer's GEMMs (and the head) at the largest decode batch and at a prompt chunk,
+    // before and after: what a step of each gains per layer.
+    let per_layer = |m: usize| {
+        report.iter().filter(|t| t.shape.m == m).fold((0.0, 0.0), |(before, after), t| {
+            let tuned = if t.taken { t.best_us.unwrap_or(t.default_us) } else { t.default_us };
+            (before + t.default_us, after + tuned)
+        })
+    };
+    let (decode_before, decode_after) = per_layer(largest);
+    let (chunk_before, chunk_after) = per_layer(step_tokens);
     tracing::info!(
         shapes = report.len(),
         taken,
         seconds = started.elapsed().as_secs_f64(),
-        us_at_384_before = before,
-        us_at_384_after = after,
-        "decode GEMMs tuned: cuBLASLt algorithms kept where faster than cuBLAS's default"
+        decode_rows = largest,
+        decode_us_before = decode_before,
+        decode_us_after = decode_after,
+        chunk_rows = step_tokens,
+        chunk_us_before = chunk_before,
+        chunk_us_after = chunk_after,
+        "GEMMs tuned: cuBLASLt algorithms kept where faster than cuBLAS's default"
     );
     Ok(())
 }

@@ -75,8 +75,9 @@ impl Plan {
         // From here on `Drop` frees whatever was created: the layouts start null.
         let mut plan =
             Plan { desc, a: std::ptr::null_mut(), b: std::ptr::null_mut(), d: std::ptr::null_mut(), algo: None };
-        let (transpose, keep): (i32, i32) = (1, 0); // CUBLAS_OP_T, CUBLAS_OP_N
-                                                    // SAFETY: the descriptor is live; each attribute is an i32 as cuBLASLt documents.
+        // CUBLAS_OP_T, CUBLAS_OP_N.
+        let (transpose, keep): (i32, i32) = (1, 0);
+        // SAFETY: the descriptor is live; each attribute is an i32 as cuBLASLt documents.
         unsafe {
             use sys::cublasLtMatmulDescAttributes_t as Desc;
             let ((t, t_len), (n, n_len)) = (attribute(&transpose), attribute(&keep));
