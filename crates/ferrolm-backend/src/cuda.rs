@@ -23,6 +23,7 @@ mod attention;
 mod compile;
 mod error;
 mod flash_attention;
+mod gemm_tune;
 mod gpu;
 mod linear;
 mod ops;
@@ -35,6 +36,7 @@ pub use attention::{paged_attention, paged_attention_general, reshape_and_cache,
 pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 pub use error::GpuError;
 pub use flash_attention::AttentionWork;
+pub use gemm_tune::{GemmShape, GemmTuning};
 pub use gpu::{Gpu, GpuGraph};
 pub use linear::{linear, linear_cublas, linear_gated, linear_gemv_ksplit, GatedActivation, GEMV_MAX_M};
 pub use ops::{

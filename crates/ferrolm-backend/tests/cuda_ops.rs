@@ -1046,6 +1046,55 @@ fn linear_matches_cpu() -> Result<(), GpuError> {
     Ok(())
 }
 
+/// GEMMs through the cuBLASLt plans that tuning keeps give cuBLAS's products (within the sum
+/// order), with and without bias, into the activation dtype and into f32, as do cuBLAS's own
+/// GEMMs once the plans are forgotten. Every plan is kept here (`tune_gemms_always`), so that the
+/// cuBLASLt path runs whatever the timings say.
+#[test]
+fn tuned_gemms_match_cublas() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(31);
+    let (k, n) = (1024, 1536);
+    let ms = [8, 48, 130, 384];
+    let w = random_vec(&mut rng, n * k, 0.5);
+    let bias = random_vec(&mut rng, n, 1.0);
+    let bias_dev = GpuTensor::from_f32(&gpu, &bias, DType::F32)?;
+    for (dtype, tol) in DTYPES.into_iter().filter(|(d, _)| *d != DType::F32) {
+        let (w_dev, w_r) = upload(&gpu, &w, dtype)?;
+        for (y_dtype, with_bias) in [(dtype, false), (DType::F32, false), (dtype, true)] {
+            // `linear` with a bias into a half type computes an f32 product first.
+            let gemm_out = if with_bias { DType::F32 } else { y_dtype };
+            let report = gpu.tune_gemms_always(&ms, &[(w_dev.view(), n, gemm_out)])?;
+            assert_eq!(report.len(), ms.len(), "{dtype:?}: one tuning per row count");
+            for t in &report {
+                assert!(t.candidates >= 1 && t.taken, "{dtype:?}: cuBLASLt offered nothing that ran: {t:?}");
+                assert!(t.default_us > 0.0 && t.best_us.is_some_and(|us| us > 0.0), "{t:?}");
+            }
+            for &m in &ms {
+                let x = random_vec(&mut rng, m * k, 1.0);
+                let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
+                let b = with_bias.then_some(bias.as_slice());
+                let mut want = vec![0.0; m * n];
+                cpu::linear(&x_r, m, k, WeightView::F32(&w_r), n, b, &mut want);
+                let run = |gpu: &Gpu| -> Result<Vec<f32>, GpuError> {
+                    let mut y = nan_tensor(gpu, y_dtype, m * n)?;
+                    let b_dev = with_bias.then(|| bias_dev.view());
+                    cuda::linear(gpu, x_dev.view(), m, k, w_dev.view(), n, b_dev, y.view_mut())?;
+                    y.to_f32_vec(gpu)
+                };
+                let what = format!("tuned linear {dtype:?}->{y_dtype:?} m={m} bias={with_bias}");
+                let tol = if y_dtype == DType::F32 { 1e-3 } else { tol };
+                check(&what, &run(&gpu)?, &want, tol);
+                gpu.clear_tuned_gemms();
+                check(&format!("{what}, plans forgotten"), &run(&gpu)?, &want, tol);
+                gpu.tune_gemms_always(&[m], &[(w_dev.view(), n, gemm_out)])?;
+            }
+            gpu.clear_tuned_gemms();
+        }
+    }
+    Ok(())
+}
+
 /// The GEMV kernel with k split over 1 to 8 warps per column (k of 2048, 8200, 16384 and 32768
 /// under 4096 columns), with k not a multiple of the warps' stride (a tail), at every row count
 /// it takes (or cuBLAS, past its weights for several rows), against the CPU.

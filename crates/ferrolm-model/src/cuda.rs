@@ -16,7 +16,7 @@ use ferrolm_sampling::{RowRequest, TokenLogprobs};
 mod graphs;
 mod workspace;
 
-use graphs::{DecodeGraph, DecodeGraphs, GraphShape};
+use graphs::{DecodeGraph, DecodeGraphs, GraphShape, GRAPH_BATCHES};
 use workspace::{Activations, StepBuffers};
 
 use crate::config::{Activation, ModelConfig};
@@ -200,6 +200,19 @@ impl CudaRunner {
 
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// Times cuBLAS against cuBLASLt's algorithms on the GEMMs this runner's steps will run, so
+    /// that each takes the faster (`Gpu::tune_gemms`): the projections and the LM head at each
+    /// decode graph batch from 128 rows up to the one holding `max_decode_batch`, and the
+    /// projections at `step_tokens` rows (a full prompt chunk). The first layer stands for all:
+    /// every layer has the same shapes. `FERROLM_GEMM_TUNE=0` skips it; other shapes keep
+    /// `cublasGemmEx`.
+    pub fn tune_gemms(&self, max_decode_batch: usize, step_tokens: usize) -> Result<(), ModelError> {
+        if std::env::var("FERROLM_GEMM_TUNE").is_ok_and(|v| v == "0") {
+            return Ok(());
+        }
+        Ok(tune_gemms(&self.gpu, &self.model, max_decode_batch, step_tokens)?)
     }
 
     pub fn dtype(&self) -> DType {
@@ -553,4 +566,74 @@ impl ModelRunner for CudaRunner {
     fn collect(&mut self) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
         Ok(self.sampler.collect()?)
     }
+}
+
+/// [`CudaRunner::tune_gemms`].
+fn tune_gemms(gpu: &Gpu, model: &GpuModel, max_decode_batch: usize, step_tokens: usize) -> Result<(), GpuError> {
+    let Some(layer) = model.layers.first() else { return Ok(()) };
+    fn projection(l: &GpuLinear) -> (GpuView<'_>, usize, DType) {
+        // A bias is added to an f32 product (see `linear`).
+        let output = if l.bias.is_some() { DType::F32 } else { l.weight.dtype() };
+        (l.weight.view(), l.out_features, output)
+    }
+    let head = model.lm_head.as_ref().unwrap_or(&model.embed_tokens);
+    let vocab = head.len() / layer.qkv_proj.in_features.max(1);
+    let projections = [
+        projection(&layer.qkv_proj),
+        projection(&layer.o_proj),
+        projection(&layer.gate_up_proj),
+        projection(&layer.down_proj),
+    ];
+    let mut with_head = projections.to_vec();
+    with_head.push((head.view(), vocab, DType::F32));
+    let started = std::time::Instant::now();
+    // Decode batches from 128 rows on, where the GEMMs approach their compute bound: tuning
+    // times each on one copy of the weights, which the L2 may hold, and below that the
+    // weights' reads dominate. Only the LM head's rows of a prompt chunk are its last tokens'.
+    let largest = GRAPH_BATCHES
+        .iter()
+        .copied()
+        .find(|&b| b >= max_decode_batch)
+        .unwrap_or(GRAPH_BATCHES[GRAPH_BATCHES.len() - 1]);
+    let ms: Vec<usize> = GRAPH_BATCHES.iter().copied().filter(|&m| (128..=largest).contains(&m)).collect();
+    let mut report = gpu.tune_gemms(&ms, &with_head)?;
+    if step_tokens > largest {
+        report.extend(gpu.tune_gemms(&[step_tokens], &projections)?);
+    }
+    for t in &report {
+        tracing::debug!(
+            m = t.shape.m,
+            n = t.shape.n,
+            k = t.shape.k,
+            cublas_us = t.default_us,
+            cublaslt_us = t.best_us,
+            candidates = t.candidates,
+            taken = t.taken,
+            "GEMM tuned"
+        );
+    }
+    let taken = report.iter().filter(|t| t.taken).count();
+    // One layer's GEMMs (and the head) at the largest decode batch and at a prompt chunk,
+    // before and after: what a step of each gains per layer.
+    let per_layer = |m: usize| {
+        report.iter().filter(|t| t.shape.m == m).fold((0.0, 0.0), |(before, after), t| {
+            let tuned = if t.taken { t.best_us.unwrap_or(t.default_us) } else { t.default_us };
+            (before + t.default_us, after + tuned)
+        })
+    };
+    let (decode_before, decode_after) = per_layer(largest);
+    let (chunk_before, chunk_after) = per_layer(step_tokens);
+    tracing::info!(
+        shapes = report.len(),
+        taken,
+        seconds = started.elapsed().as_secs_f64(),
+        decode_rows = largest,
+        decode_us_before = decode_before,
+        decode_us_after = decode_after,
+        chunk_rows = step_tokens,
+        chunk_us_before = chunk_before,
+        chunk_us_after = chunk_after,
+        "GEMMs tuned: cuBLASLt algorithms kept where faster than cuBLAS's default"
+    );
+    Ok(())
 }

@@ -21,6 +21,8 @@ pub enum GpuError {
     Driver(#[from] DriverError),
     #[error("cuBLAS call failed: {0}")]
     Blas(#[from] CublasError),
+    #[error("cuBLASLt call failed: {0}")]
+    BlasLt(#[from] cudarc::cublaslt::result::CublasError),
     #[error("{op}: {reason}")]
     Unsupported { op: &'static str, reason: String },
 }

@@ -19,6 +19,7 @@ use cudarc::nvrtc::Ptx;
 use super::attention;
 use super::compile;
 use super::flash_attention;
+use super::gemm_tune::TunedGemms;
 use super::GpuError;
 use crate::DType;
 
@@ -120,6 +121,10 @@ pub struct Gpu {
     /// Kernels are launched with programmatic stream serialization (compute capability 9.0 and
     /// later, unless `FERROLM_PDL=0`); see [`Launch`].
     programmatic_launch: bool,
+    /// The cuBLASLt plans of [`Gpu::tune_gemms`], by GEMM shape.
+    tuned_gemms: TunedGemms,
+    /// The cuBLAS workspace's address (see [`BLAS_WORKSPACE_BYTES`]), which cuBLASLt shares.
+    blas_workspace_ptr: u64,
     /// Unsplit tensor-core decodes take the kernel with a head block per warp (unless
     /// `FERROLM_DECODE_WARP_ITEMS=0`, which keeps the block-per-head-block kernel).
     decode_warp_items: bool,
@@ -217,9 +222,12 @@ impl Gpu {
         let multiprocessors = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let max_shared_per_multiprocessor =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
+        let tuned_gemms = TunedGemms::new()?;
         Ok(Gpu {
             programmatic_launch,
             decode_warp_items,
+            tuned_gemms,
+            blas_workspace_ptr: workspace_ptr,
             multiprocessors: multiprocessors.max(1) as usize,
             max_shared_per_multiprocessor: max_shared_per_multiprocessor.max(0) as usize,
             decode_workspace,
@@ -330,6 +338,26 @@ impl Gpu {
 
     pub(crate) fn max_shared_per_block(&self) -> usize {
         self.max_shared_per_block
+    }
+
+    /// The cuBLASLt plans GEMMs take where tuning kept one.
+    pub(crate) fn tuned_gemms(&self) -> &TunedGemms {
+        &self.tuned_gemms
+    }
+
+    /// Forgets every tuned GEMM plan: GEMMs go back to `cublasGemmEx` (to compare the two).
+    pub fn clear_tuned_gemms(&self) {
+        self.tuned_gemms.clear();
+    }
+
+    /// The cuBLAS workspace, `(address, bytes)`, which cuBLASLt GEMMs share in stream order.
+    pub(crate) fn blas_workspace(&self) -> (u64, usize) {
+        (self.blas_workspace_ptr, BLAS_WORKSPACE_BYTES)
+    }
+
+    /// The device's context.
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
     }
 
     /// Whether unsplit tensor-core decodes may take the head-block-per-warp kernel.
@@ -459,6 +487,9 @@ fn check_libraries() -> Result<(), GpuError> {
         }
         if !cudarc::cublas::sys::is_culib_present() {
             return Err(GpuError::MissingLibrary("cublas"));
+        }
+        if !cudarc::cublaslt::sys::is_culib_present() {
+            return Err(GpuError::MissingLibrary("cublasLt"));
         }
     }
     Ok(())

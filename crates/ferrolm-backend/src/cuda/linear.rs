@@ -8,6 +8,7 @@ use cudarc::cublas::result::gemm_ex;
 use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
 use cudarc::driver::{result as driver, LaunchConfig};
 
+use super::gemm_tune::GemmShape;
 use super::gpu::{rows_config, to_u32};
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
 use crate::DType;
@@ -293,7 +294,8 @@ pub fn linear_gated(
     }
 }
 
-/// `out[m, n] = x[m, k] · w[n, k]^T` through `cublasGemmEx`, `out` of `out_dtype` at `out_ptr`.
+/// `out[m, n] = x[m, k] · w[n, k]^T`, `out` of `out_dtype` at `out_ptr`: through the cuBLASLt
+/// plan [`Gpu::tune_gemms`] kept for this shape, else `cublasGemmEx`.
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     gpu: &Gpu,
@@ -305,18 +307,39 @@ fn gemm(
     out_ptr: u64,
     out_dtype: DType,
 ) -> Result<(), GpuError> {
-    let (m_i, n_i, k_i) = (gemm_dim("m", m), gemm_dim("n", n), gemm_dim("k", k));
     if k == 0 {
         // An empty product is 0 (cuBLAS is not asked to handle k = 0).
         // SAFETY: `out` covers exactly this many bytes of live device memory.
         unsafe { driver::memset_d8_async(out_ptr, 0, m * n * out_dtype.size_in_bytes(), gpu.raw_stream()?) }?;
         return Ok(());
     }
+    let shape = GemmShape { m, n, k, input: w.dtype(), output: out_dtype };
+    // SAFETY: the caller checked that x, w and out hold the shape in these dtypes.
+    if unsafe { gpu.tuned_gemms().run(gpu, shape, w.ptr(), x.ptr(), out_ptr) }? {
+        return Ok(());
+    }
+    // SAFETY: as above.
+    unsafe { gemm_raw(gpu, shape, w.ptr(), x.ptr(), out_ptr) }
+}
+
+/// `shape`'s GEMM through `cublasGemmEx` (k > 0).
+///
+/// # Safety
+/// `w_ptr`, `x_ptr` and `out_ptr` must hold `shape`'s operands in its dtypes.
+pub(super) unsafe fn gemm_raw(
+    gpu: &Gpu,
+    shape: GemmShape,
+    w_ptr: u64,
+    x_ptr: u64,
+    out_ptr: u64,
+) -> Result<(), GpuError> {
+    let GemmShape { m, n, k, input, output } = shape;
+    let (m_i, n_i, k_i) = (gemm_dim("m", m), gemm_dim("n", n), gemm_dim("k", k));
     let (alpha, beta) = (1.0f32, 0.0f32);
     let handle = gpu.blas_handle()?;
     // Column-major view of the row-major buffers: out^T [n, m] = w [k, n]^T · x^T [k, m].
-    // SAFETY: the pointers cover the sizes the caller checked; alpha and beta are host f32 as the
-    // f32 compute type expects.
+    // SAFETY: the caller vouches for the pointers; alpha and beta are host f32 as the f32
+    // compute type expects.
     unsafe {
         gemm_ex(
             handle,
@@ -326,15 +349,15 @@ fn gemm(
             m_i,
             k_i,
             &alpha as *const f32 as *const c_void,
-            w.ptr() as *const c_void,
-            data_type(w.dtype()),
+            w_ptr as *const c_void,
+            data_type(input),
             k_i,
-            x.ptr() as *const c_void,
-            data_type(x.dtype()),
+            x_ptr as *const c_void,
+            data_type(input),
             k_i,
             &beta as *const f32 as *const c_void,
             out_ptr as *mut c_void,
-            data_type(out_dtype),
+            data_type(output),
             n_i,
             cublasComputeType_t::CUBLAS_COMPUTE_32F,
             cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,

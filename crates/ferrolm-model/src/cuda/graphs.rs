@@ -18,7 +18,7 @@ use super::workspace::StepBuffers;
 use crate::input::ModelInput;
 
 /// Batch sizes that get a graph; a decode batch takes the smallest bucket that holds it.
-const GRAPH_BATCHES: [usize; 28] = [
+pub(super) const GRAPH_BATCHES: [usize; 28] = [
     1, 2, 4, 8, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240, 256, 288, 320, 352, 384, 416, 448,
     480, 512,
 ];

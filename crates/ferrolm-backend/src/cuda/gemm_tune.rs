@@ -1,0 +1,368 @@
+//! cuBLASLt algorithms chosen by timing, for the GEMM shapes a model's decode steps run.
+//!
+//! `cublasGemmEx` picks its kernel by heuristic alone. At a decode batch of a few hundred rows
+//! the grid of a GEMM is a few waves of the SMs, and which tile shape (or split of k) fills them
+//! best is a question of measurement: [`Gpu::tune_gemms`] times cuBLAS's own choice and up to
+//! [`CANDIDATES`] cuBLASLt algorithms on each shape it is given, with the model's real weights,
+//! and keeps a cuBLASLt plan where one is faster. [`super::linear`]'s GEMMs then take the plan
+//! of their exact shape when there is one, and `cublasGemmEx` otherwise, so an untuned shape
+//! runs as before.
+//!
+//! Plans keep every reduction in f32, as the GEMMs through `cublasGemmEx` do (split-k partial
+//! products are never summed in the bf16/f16 output type), and use the `Gpu`'s fixed cuBLAS
+//! workspace, so that a captured graph's GEMMs allocate nothing.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+use cudarc::driver::sys::CUevent_flags;
+
+use super::gpu::Gpu;
+use super::tensor::GpuView;
+use super::GpuError;
+use crate::DType;
+
+/// cuBLASLt algorithms timed per shape, in cuBLASLt's order of preference.
+pub(crate) const CANDIDATES: usize = 8;
+/// Timed runs of each candidate (after one untimed run).
+const REPS: usize = 5;
+/// A plan is kept only when it beats `cublasGemmEx` by this factor: closer than that is noise.
+const MIN_GAIN: f32 = 0.97;
+
+/// One GEMM as [`super::linear`] issues it: `out[m, n] = x[m, k] · w[n, k]^T`, `x` and `w` in
+/// `input`, `out` in `output`.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub struct GemmShape {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub input: DType,
+    pub output: DType,
+}
+
+/// What tuning measured for one shape.
+#[derive(Clone, Debug)]
+pub struct GemmTuning {
+    pub shape: GemmShape,
+    /// `cublasGemmEx`'s time, microseconds per GEMM.
+    pub default_us: f32,
+    /// The fastest cuBLASLt candidate's, if any ran.
+    pub best_us: Option<f32>,
+    /// Candidates cuBLASLt offered (and that ran).
+    pub candidates: usize,
+    /// Whether the shape now runs through cuBLASLt.
+    pub taken: bool,
+}
+
+/// The descriptors of one shape's cuBLASLt GEMM and the algorithm chosen for it.
+struct Plan {
+    desc: sys::cublasLtMatmulDesc_t,
+    a: sys::cublasLtMatrixLayout_t,
+    b: sys::cublasLtMatrixLayout_t,
+    d: sys::cublasLtMatrixLayout_t,
+    algo: Option<sys::cublasLtMatmulAlgo_t>,
+}
+
+impl Plan {
+    /// The descriptors of `shape` (no algorithm yet). Column-major, as `cublasGemmEx` is
+    /// called: `out^T [n, m] = (w [k, n])^T · x^T [k, m]`.
+    fn new(shape: GemmShape) -> Result<Plan, GpuError> {
+        let GemmShape { m, n, k, input, output } = shape;
+        let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)?;
+        // From here on `Drop` frees whatever was created: the layouts start null.
+        let mut plan =
+            Plan { desc, a: std::ptr::null_mut(), b: std::ptr::null_mut(), d: std::ptr::null_mut(), algo: None };
+        // CUBLAS_OP_T, CUBLAS_OP_N.
+        let (transpose, keep): (i32, i32) = (1, 0);
+        // SAFETY: the descriptor is live; each attribute is an i32 as cuBLASLt documents.
+        unsafe {
+            use sys::cublasLtMatmulDescAttributes_t as Desc;
+            let ((t, t_len), (n, n_len)) = (attribute(&transpose), attribute(&keep));
+            lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_TRANSA, t, t_len)?;
+            lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_TRANSB, n, n_len)?;
+        }
+        let dim = |v: usize| v as u64;
+        plan.a = lt::create_matrix_layout(data_type(input), dim(k), dim(n), k as i64)?;
+        plan.b = lt::create_matrix_layout(data_type(input), dim(k), dim(m), k as i64)?;
+        plan.d = lt::create_matrix_layout(data_type(output), dim(n), dim(m), n as i64)?;
+        Ok(plan)
+    }
+
+    /// Up to `count` algorithms for this plan, cuBLASLt's preferred first, that keep reductions
+    /// in f32 and fit in `workspace_bytes`.
+    fn candidates(
+        &self,
+        handle: sys::cublasLtHandle_t,
+        count: usize,
+        workspace_bytes: usize,
+    ) -> Result<Vec<sys::cublasLtMatmulAlgo_t>, GpuError> {
+        let pref = lt::create_matmul_pref()?;
+        let found = (|| {
+            let workspace = workspace_bytes as u64;
+            // Split-k partial products only summed in the f32 compute type (not in place in the
+            // output type, nor in the output type through the workspace).
+            let reductions = sys::cublasLtReductionScheme_t::CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE as u32;
+            // SAFETY: `pref` is live; the attributes are a u64 and a u32 as documented.
+            unsafe {
+                use sys::cublasLtMatmulPreferenceAttributes_t as Pref;
+                let ((w, w_len), (r, r_len)) = (attribute(&workspace), attribute(&reductions));
+                lt::set_matmul_pref_attribute(pref, Pref::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, w, w_len)?;
+                lt::set_matmul_pref_attribute(pref, Pref::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, r, r_len)?;
+            }
+            // SAFETY: an all-zero heuristic result is a valid value of this plain C struct; the
+            // call writes at most `count` of them and says how many.
+            let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> = vec![unsafe { std::mem::zeroed() }; count];
+            let mut returned = 0i32;
+            // SAFETY: every descriptor is live; `results` holds `count` entries.
+            unsafe {
+                sys::cublasLtMatmulAlgoGetHeuristic(
+                    handle,
+                    self.desc,
+                    self.a,
+                    self.b,
+                    self.d,
+                    self.d,
+                    pref,
+                    count as i32,
+                    results.as_mut_ptr(),
+                    &mut returned,
+                )
+            }
+            .result()?;
+            let algos = results
+                .iter()
+                .take(returned.max(0) as usize)
+                .filter(|r| r.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS && r.workspaceSize <= workspace_bytes)
+                .map(|r| r.algo)
+                .collect();
+            Ok::<_, GpuError>(algos)
+        })();
+        // SAFETY: created above, used no more.
+        unsafe { lt::destroy_matmul_pref(pref) }?;
+        found
+    }
+
+    /// Issues the GEMM with `algo` on the `Gpu`'s stream.
+    ///
+    /// # Safety
+    /// `w_ptr`, `x_ptr` and `out_ptr` must hold the plan's shape in its dtypes.
+    unsafe fn run(
+        &self,
+        gpu: &Gpu,
+        handle: sys::cublasLtHandle_t,
+        algo: &sys::cublasLtMatmulAlgo_t,
+        w_ptr: u64,
+        x_ptr: u64,
+        out_ptr: u64,
+    ) -> Result<(), GpuError> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (workspace, workspace_bytes) = gpu.blas_workspace();
+        let stream = gpu.raw_stream()? as sys::cudaStream_t;
+        // SAFETY: the caller vouches for the buffers; the descriptors are live; the workspace is
+        // the `Gpu`'s, used in stream order.
+        unsafe {
+            lt::matmul(
+                handle,
+                self.desc,
+                (&alpha as *const f32).cast(),
+                (&beta as *const f32).cast(),
+                w_ptr as *const c_void,
+                self.a,
+                x_ptr as *const c_void,
+                self.b,
+                out_ptr as *const c_void,
+                self.d,
+                out_ptr as *mut c_void,
+                self.d,
+                algo,
+                workspace as *mut c_void,
+                workspace_bytes,
+                stream,
+            )
+        }?;
+        Ok(())
+    }
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        // SAFETY: each descriptor was created by `Plan::new` (or is null) and is freed once.
+        unsafe {
+            for layout in [self.a, self.b, self.d] {
+                if !layout.is_null() {
+                    let _ = lt::destroy_matrix_layout(layout);
+                }
+            }
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+/// A value as cuBLASLt's attribute setters take it: its address and size.
+fn attribute<T>(value: &T) -> (*const c_void, usize) {
+    ((value as *const T).cast(), std::mem::size_of::<T>())
+}
+
+fn data_type(dtype: DType) -> sys::cudaDataType {
+    match dtype {
+        DType::F32 => sys::cudaDataType::CUDA_R_32F,
+        DType::BF16 => sys::cudaDataType::CUDA_R_16BF,
+        DType::F16 => sys::cudaDataType::CUDA_R_16F,
+    }
+}
+
+/// The cuBLASLt handle and the plans tuning kept, by shape.
+pub(crate) struct TunedGemms {
+    handle: sys::cublasLtHandle_t,
+    plans: Mutex<HashMap<GemmShape, Plan>>,
+}
+
+// SAFETY: the handle and the plans' descriptors are only read after creation (cuBLASLt allows
+// a handle and descriptors to be used from any thread); the map is behind a mutex.
+unsafe impl Send for TunedGemms {}
+// SAFETY: as above.
+unsafe impl Sync for TunedGemms {}
+
+impl TunedGemms {
+    pub(crate) fn new() -> Result<TunedGemms, GpuError> {
+        Ok(TunedGemms { handle: lt::create_handle()?, plans: Mutex::new(HashMap::new()) })
+    }
+
+    /// Runs `shape` through its tuned plan if it has one; `Ok(false)` if not (nothing issued).
+    ///
+    /// # Safety
+    /// As [`Plan::run`].
+    pub(crate) unsafe fn run(
+        &self,
+        gpu: &Gpu,
+        shape: GemmShape,
+        w_ptr: u64,
+        x_ptr: u64,
+        out_ptr: u64,
+    ) -> Result<bool, GpuError> {
+        let plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(plan) = plans.get(&shape) else { return Ok(false) };
+        let Some(algo) = plan.algo.as_ref() else { return Ok(false) };
+        // SAFETY: as the caller vouches.
+        unsafe { plan.run(gpu, self.handle, algo, w_ptr, x_ptr, out_ptr) }?;
+        Ok(true)
+    }
+
+    /// Drops every plan: GEMMs go back to `cublasGemmEx`.
+    pub(crate) fn clear(&self) {
+        self.plans.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+
+    fn keep(&self, shape: GemmShape, plan: Plan) {
+        self.plans.lock().unwrap_or_else(|e| e.into_inner()).insert(shape, plan);
+    }
+}
+
+impl Drop for TunedGemms {
+    fn drop(&mut self) {
+        self.clear();
+        // SAFETY: created in `new`, freed once, after its plans.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
+    }
+}
+
+impl Gpu {
+    /// Times `cublasGemmEx` and up to [`CANDIDATES`] cuBLASLt algorithms on each weight of
+    /// `weights` (`(w [n, k], n, output dtype)`) at each row count of `ms`, and keeps, per
+    /// shape, a cuBLASLt algorithm that is at least 3 % faster. Half-precision weights only (an
+    /// f32 GEMM stays on `cublasGemmEx`, which keeps TF32 off). Synchronizes the stream: call it
+    /// outside graph capture. Returns what it measured, shape by shape.
+    pub fn tune_gemms(
+        &self,
+        ms: &[usize],
+        weights: &[(GpuView<'_>, usize, DType)],
+    ) -> Result<Vec<GemmTuning>, GpuError> {
+        self.tune_gemms_keeping(ms, weights, MIN_GAIN)
+    }
+
+    /// [`Gpu::tune_gemms`] keeping the fastest cuBLASLt candidate of every shape whatever its
+    /// time against `cublasGemmEx`: to test the cuBLASLt path.
+    pub fn tune_gemms_always(
+        &self,
+        ms: &[usize],
+        weights: &[(GpuView<'_>, usize, DType)],
+    ) -> Result<Vec<GemmTuning>, GpuError> {
+        self.tune_gemms_keeping(ms, weights, f32::INFINITY)
+    }
+
+    fn tune_gemms_keeping(
+        &self,
+        ms: &[usize],
+        weights: &[(GpuView<'_>, usize, DType)],
+        min_gain: f32,
+    ) -> Result<Vec<GemmTuning>, GpuError> {
+        let mut report = Vec::new();
+        for &(w, n, output) in weights {
+            assert!(n > 0 && w.len().is_multiple_of(n), "tune_gemms: {} weights are not rows of {n}", w.len());
+            if w.dtype() == DType::F32 {
+                continue;
+            }
+            for &m in ms.iter().filter(|&&m| m > 0) {
+                report.push(self.tune_one(w, m, n, output, min_gain)?);
+            }
+        }
+        self.synchronize()?;
+        Ok(report)
+    }
+
+    fn tune_one(
+        &self,
+        w: GpuView<'_>,
+        m: usize,
+        n: usize,
+        output: DType,
+        min_gain: f32,
+    ) -> Result<GemmTuning, GpuError> {
+        let k = w.len() / n;
+        let shape = GemmShape { m, n, k, input: w.dtype(), output };
+        // Inputs of small values spread over [-1, 1] (zeros would time faster than real data).
+        let x_host: Vec<f32> =
+            (0..m * k).map(|i| ((i.wrapping_mul(2_654_435_761) % 2001) as f32 - 1000.0) * 1e-3).collect();
+        let x = super::GpuTensor::from_f32(self, &x_host, w.dtype())?;
+        let out = super::GpuTensor::zeros(self, output, m * n)?;
+        let (w_ptr, x_ptr, out_ptr) = (w.ptr(), x.view().ptr(), out.view().ptr());
+        // SAFETY (both timings): `w`, `x` and `out` hold the shape in its dtypes.
+        let default_us = self.time_us(|| unsafe { super::linear::gemm_raw(self, shape, w_ptr, x_ptr, out_ptr) })?;
+        let mut plan = Plan::new(shape)?;
+        let (_, workspace_bytes) = self.blas_workspace();
+        let handle = self.tuned_gemms().handle;
+        let mut best: Option<(f32, sys::cublasLtMatmulAlgo_t)> = None;
+        let mut ran = 0;
+        for algo in plan.candidates(handle, CANDIDATES, workspace_bytes)? {
+            let timed = self.time_us(|| unsafe { plan.run(self, handle, &algo, w_ptr, x_ptr, out_ptr) });
+            // A candidate that fails to launch is passed over, not fatal.
+            let Ok(us) = timed else { continue };
+            ran += 1;
+            if best.is_none_or(|(b, _)| us < b) {
+                best = Some((us, algo));
+            }
+        }
+        let taken = best.is_some_and(|(us, _)| us < min_gain * default_us);
+        if let (true, Some((_, algo))) = (taken, best) {
+            plan.algo = Some(algo);
+            self.tuned_gemms().keep(shape, plan);
+        }
+        Ok(GemmTuning { shape, default_us, best_us: best.map(|(us, _)| us), candidates: ran, taken })
+    }
+
+    /// Mean microseconds of `issue` over [`REPS`] runs after one untimed run, by device events.
+    fn time_us(&self, mut issue: impl FnMut() -> Result<(), GpuError>) -> Result<f32, GpuError> {
+        issue()?;
+        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let (start, end) = (self.context().new_event(flags)?, self.context().new_event(flags)?);
+        start.record(self.stream())?;
+        for _ in 0..REPS {
+            issue()?;
+        }
+        end.record(self.stream())?;
+        Ok(start.elapsed_ms(&end)? * 1000.0 / REPS as f32)
+    }
+}
