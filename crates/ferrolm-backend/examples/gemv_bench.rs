@@ -84,7 +84,7 @@ fn main() {
     println!("{:<34} {:>10} {:>10} {:>10}  kept", "TFLOP/s (n x k), tuned", "m 192", "384", "8192");
     for (name, n, k) in shapes.into_iter().filter(|&(name, n, _)| name.starts_with("8b") && n != 128256) {
         let ms = [192, 384, 8192];
-        let tuned = random_tensor(&gpu, n * k, &mut 0x9e37_79b9_7f4a_7c15_u64)
+        let tuned = random_tensor(&gpu, DType::BF16, n * k, &mut 0x9e37_79b9_7f4a_7c15_u64)
             .and_then(|w| gpu.tune_gemms(&ms, &[(w.view(), n, DType::BF16)]));
         let rates: Result<Vec<f64>, GpuError> = ms.into_iter().map(|m| gemm_rate(&gpu, m, n, k)).collect();
         match (tuned, rates) {
