@@ -203,7 +203,7 @@ fn cuda_place(model: Model, gpu: ferrolm_backend::cuda::Gpu, args: &EngineArgs) 
     let runner = CudaRunner::new(&model, gpu, dtype).context("cannot load the model onto the GPU")?;
     drop(model);
     // Before the free memory is read: tuning's operands are freed again.
-    runner.tune_gemms(args.max_num_seqs, args.max_num_batched_tokens).context("cannot tune the GEMMs")?;
+    runner.tune_gemms(args.max_num_seqs).context("cannot tune the GEMMs")?;
     let (free, total) = runner.gpu().memory_info()?;
     // Activations and cuBLAS workspaces of the largest step stay outside the cache.
     let reserve = activation_reserve(runner.config(), args, dtype);
