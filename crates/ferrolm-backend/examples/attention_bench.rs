@@ -21,6 +21,9 @@
 //! the reads come from device memory, not the L2 cache. Decode lines give the K/V bytes read per
 //! call over the time.
 
+mod bench_support;
+
+use bench_support::open_gpu;
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
 use ferrolm_backend::cuda::{self, Gpu, GpuAttentionMetadata, GpuError, GpuTensor};
@@ -34,14 +37,7 @@ const LAYERS: usize = 32;
 const REPS: usize = 20;
 
 fn main() {
-    let gpu = match Gpu::new(0) {
-        Ok(gpu) => gpu,
-        Err(e) => {
-            eprintln!("no GPU: {e}");
-            return;
-        }
-    };
-    println!("{} (compute capability {:?})", gpu.name(), gpu.compute_capability());
+    let Some(gpu) = open_gpu() else { return };
     println!("{:<42} {:>12} {:>12} {:>14} {:>14}", "case", "best us", "mean32 us", "best GB/s", "mean32 GB/s");
     let mut mixed = vec![(512, 512); 16];
     mixed.extend([(600, 1); 200]);

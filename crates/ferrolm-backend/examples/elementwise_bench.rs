@@ -13,7 +13,7 @@
 
 mod bench_support;
 
-use bench_support::{best_mean, random_tensor};
+use bench_support::{best_mean, open_gpu, random_tensor};
 use ferrolm_backend::cuda::{self, Gpu, GpuError, GpuTensor};
 use ferrolm_backend::DType;
 
@@ -23,14 +23,7 @@ const INTER: usize = 14336;
 const WORKING_SET: usize = 256 << 20;
 
 fn main() {
-    let gpu = match Gpu::new(0) {
-        Ok(gpu) => gpu,
-        Err(e) => {
-            eprintln!("no GPU: {e}");
-            return;
-        }
-    };
-    println!("{} (compute capability {:?})", gpu.name(), gpu.compute_capability());
+    let Some(gpu) = open_gpu() else { return };
     println!("{:<44} {:>6} {:>10} {:>10}", "op (8B shape)", "rows", "us", "GB/s");
     for rows in [1, 384, 8192] {
         for (name, result) in

@@ -14,7 +14,7 @@
 
 mod bench_support;
 
-use bench_support::{best_mean, random_tensor};
+use bench_support::{best_mean, open_gpu, random_tensor};
 use ferrolm_backend::cuda::{self, Gpu, GpuError, GpuTensor};
 use ferrolm_backend::DType;
 
@@ -22,14 +22,7 @@ use ferrolm_backend::DType;
 const WORKING_SET: usize = 512 << 20;
 
 fn main() {
-    let gpu = match Gpu::new(0) {
-        Ok(gpu) => gpu,
-        Err(e) => {
-            eprintln!("no GPU: {e}");
-            return;
-        }
-    };
-    println!("{} (compute capability {:?})", gpu.name(), gpu.compute_capability());
+    let Some(gpu) = open_gpu() else { return };
     println!("{:<34} {:>3} {:>10} {:>10} {:>10} {:>10}", "shape (n x k)", "m", "gemv us", "GB/s", "cublas us", "GB/s");
     let shapes = [
         ("8b qkv", 6144, 4096),

@@ -1,9 +1,25 @@
-//! What the kernel benches share: random inputs and the timing of back-to-back calls.
+//! What the kernel benches share: the device, random inputs and the timing of back-to-back
+//! calls. A bench takes what it needs of them.
+#![allow(dead_code)]
 
 use cudarc::driver::sys::CUevent_flags;
 use ferrolm_backend::cuda::{Gpu, GpuError, GpuTensor};
 use ferrolm_backend::{DType, WeightView};
 use half::bf16;
+
+/// Device 0, its name and compute capability printed; `None` (said on stderr) without a GPU.
+pub fn open_gpu() -> Option<Gpu> {
+    match Gpu::new(0) {
+        Ok(gpu) => {
+            println!("{} (compute capability {:?})", gpu.name(), gpu.compute_capability());
+            Some(gpu)
+        }
+        Err(e) => {
+            eprintln!("no GPU: {e}");
+            None
+        }
+    }
+}
 
 /// Calls per timed run.
 pub const CALLS: usize = 64;
