@@ -16,7 +16,7 @@ use ferrolm_sampling::{RowRequest, TokenLogprobs};
 mod graphs;
 mod workspace;
 
-use graphs::{DecodeGraph, DecodeGraphs, GraphShape, GRAPH_BATCHES};
+use graphs::{graph_batch, DecodeGraph, DecodeGraphs, GraphShape, GRAPH_BATCHES};
 use workspace::{Activations, StepBuffers};
 
 use crate::config::{Activation, ModelConfig};
@@ -588,11 +588,7 @@ fn tune_gemms(gpu: &Gpu, model: &GpuModel, max_decode_batch: usize) -> Result<()
     // Decode batches from 128 rows on, where the GEMMs approach their compute bound: tuning
     // times each on one copy of the weights, which the L2 may hold, and below that the
     // weights' reads dominate.
-    let largest = GRAPH_BATCHES
-        .iter()
-        .copied()
-        .find(|&b| b >= max_decode_batch)
-        .unwrap_or(GRAPH_BATCHES[GRAPH_BATCHES.len() - 1]);
+    let largest = graph_batch(max_decode_batch).unwrap_or(GRAPH_BATCHES[GRAPH_BATCHES.len() - 1]);
     let ms: Vec<usize> = GRAPH_BATCHES.iter().copied().filter(|&m| (128..=largest).contains(&m)).collect();
     if ms.is_empty() {
         return Ok(());

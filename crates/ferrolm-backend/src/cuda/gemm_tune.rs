@@ -357,7 +357,8 @@ impl Gpu {
     fn time_us(&self, mut issue: impl FnMut() -> Result<(), GpuError>) -> Result<f32, GpuError> {
         issue()?;
         let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-        let (start, end) = (self.context().new_event(flags)?, self.context().new_event(flags)?);
+        let ctx = self.stream().context();
+        let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);
         start.record(self.stream())?;
         for _ in 0..REPS {
             issue()?;

@@ -355,11 +355,6 @@ impl Gpu {
         (self.blas_workspace_ptr, BLAS_WORKSPACE_BYTES)
     }
 
-    /// The device's context.
-    pub(crate) fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
-    }
-
     /// Whether unsplit tensor-core decodes may take the head-block-per-warp kernel.
     pub(crate) fn decode_warp_items(&self) -> bool {
         self.decode_warp_items

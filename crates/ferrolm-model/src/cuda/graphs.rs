@@ -23,6 +23,11 @@ pub(super) const GRAPH_BATCHES: [usize; 28] = [
     480, 512,
 ];
 
+/// The graph batch a decode batch of `n` requests is padded to, if one holds it.
+pub(super) fn graph_batch(n: usize) -> Option<usize> {
+    GRAPH_BATCHES.iter().copied().find(|&b| b >= n)
+}
+
 /// Narrowest block table a graph is captured for, in blocks.
 const MIN_TABLE_WIDTH: usize = 8;
 
@@ -47,7 +52,7 @@ impl GraphShape {
         if !all_decodes {
             return None;
         }
-        let batch = *GRAPH_BATCHES.iter().find(|&&b| b >= n)?;
+        let batch = graph_batch(n)?;
         let table_width = input.max_blocks_per_seq.max(MIN_TABLE_WIDTH).next_power_of_two();
         Some(GraphShape { batch, table_width })
     }
