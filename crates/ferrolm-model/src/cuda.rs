@@ -211,7 +211,60 @@ impl CudaRunner {
         if std::env::var("FERROLM_GEMM_TUNE").is_ok_and(|v| v == "0") {
             return Ok(());
         }
-        Ok(tune_gemms(&self.gpu, &self.model, max_decode_batch)?)
+        let Some(layer) = self.model.layers.first() else { return Ok(()) };
+        fn projection(l: &GpuLinear) -> (GpuView<'_>, usize, DType) {
+            // A bias is added to an f32 product (see `linear`).
+            let output = if l.bias.is_some() { DType::F32 } else { l.weight.dtype() };
+            (l.weight.view(), l.out_features, output)
+        }
+        let head = self.model.lm_head.as_ref().unwrap_or(&self.model.embed_tokens);
+        let vocab = head.len() / layer.qkv_proj.in_features.max(1);
+        let weights = [
+            projection(&layer.qkv_proj),
+            projection(&layer.o_proj),
+            projection(&layer.gate_up_proj),
+            projection(&layer.down_proj),
+            (head.view(), vocab, DType::F32),
+        ];
+        let started = std::time::Instant::now();
+        // Decode batches from 128 rows on, where the GEMMs approach their compute bound: tuning
+        // times each on one copy of the weights, which the L2 may hold, and below that the
+        // weights' reads dominate.
+        let largest = graph_batch(max_decode_batch).unwrap_or(GRAPH_BATCHES[GRAPH_BATCHES.len() - 1]);
+        let ms: Vec<usize> = GRAPH_BATCHES.iter().copied().filter(|&m| (128..=largest).contains(&m)).collect();
+        if ms.is_empty() {
+            return Ok(());
+        }
+        let report = self.gpu.tune_gemms(&ms, &weights)?;
+        for t in &report {
+            tracing::debug!(
+                m = t.shape.m,
+                n = t.shape.n,
+                k = t.shape.k,
+                cublas_us = t.default_us,
+                cublaslt_us = t.best_us,
+                candidates = t.candidates,
+                taken = t.taken,
+                "GEMM tuned"
+            );
+        }
+        let taken = report.iter().filter(|t| t.taken).count();
+        // One layer's GEMMs and the head at the largest decode batch, before and after: what a
+        // decode step of that batch gains per layer.
+        let (before, after) = report.iter().filter(|t| t.shape.m == largest).fold((0.0, 0.0), |(before, after), t| {
+            let tuned = if t.taken { t.best_us.unwrap_or(t.default_us) } else { t.default_us };
+            (before + t.default_us, after + tuned)
+        });
+        tracing::info!(
+            shapes = report.len(),
+            taken,
+            seconds = started.elapsed().as_secs_f64(),
+            rows = largest,
+            us_before = before,
+            us_after = after,
+            "decode GEMMs tuned: cuBLASLt algorithms kept where faster than cuBLAS's default"
+        );
+        Ok(())
     }
 
     pub fn dtype(&self) -> DType {
@@ -565,62 +618,4 @@ impl ModelRunner for CudaRunner {
     fn collect(&mut self) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
         Ok(self.sampler.collect()?)
     }
-}
-
-/// [`CudaRunner::tune_gemms`].
-fn tune_gemms(gpu: &Gpu, model: &GpuModel, max_decode_batch: usize) -> Result<(), GpuError> {
-    let Some(layer) = model.layers.first() else { return Ok(()) };
-    fn projection(l: &GpuLinear) -> (GpuView<'_>, usize, DType) {
-        // A bias is added to an f32 product (see `linear`).
-        let output = if l.bias.is_some() { DType::F32 } else { l.weight.dtype() };
-        (l.weight.view(), l.out_features, output)
-    }
-    let head = model.lm_head.as_ref().unwrap_or(&model.embed_tokens);
-    let vocab = head.len() / layer.qkv_proj.in_features.max(1);
-    let weights = [
-        projection(&layer.qkv_proj),
-        projection(&layer.o_proj),
-        projection(&layer.gate_up_proj),
-        projection(&layer.down_proj),
-        (head.view(), vocab, DType::F32),
-    ];
-    let started = std::time::Instant::now();
-    // Decode batches from 128 rows on, where the GEMMs approach their compute bound: tuning
-    // times each on one copy of the weights, which the L2 may hold, and below that the
-    // weights' reads dominate.
-    let largest = graph_batch(max_decode_batch).unwrap_or(GRAPH_BATCHES[GRAPH_BATCHES.len() - 1]);
-    let ms: Vec<usize> = GRAPH_BATCHES.iter().copied().filter(|&m| (128..=largest).contains(&m)).collect();
-    if ms.is_empty() {
-        return Ok(());
-    }
-    let report = gpu.tune_gemms(&ms, &weights)?;
-    for t in &report {
-        tracing::debug!(
-            m = t.shape.m,
-            n = t.shape.n,
-            k = t.shape.k,
-            cublas_us = t.default_us,
-            cublaslt_us = t.best_us,
-            candidates = t.candidates,
-            taken = t.taken,
-            "GEMM tuned"
-        );
-    }
-    let taken = report.iter().filter(|t| t.taken).count();
-    // One layer's GEMMs and the head at the largest decode batch, before and after: what a
-    // decode step of that batch gains per layer.
-    let (before, after) = report.iter().filter(|t| t.shape.m == largest).fold((0.0, 0.0), |(before, after), t| {
-        let tuned = if t.taken { t.best_us.unwrap_or(t.default_us) } else { t.default_us };
-        (before + t.default_us, after + tuned)
-    });
-    tracing::info!(
-        shapes = report.len(),
-        taken,
-        seconds = started.elapsed().as_secs_f64(),
-        rows = largest,
-        us_before = before,
-        us_after = after,
-        "decode GEMMs tuned: cuBLASLt algorithms kept where faster than cuBLAS's default"
-    );
-    Ok(())
 }
