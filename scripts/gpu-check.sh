@@ -73,7 +73,7 @@ measure() { # label json command...
     local label=$1 json=$2
     shift 2
     if timeout "${BENCH_TIMEOUT:-240}" "$@" --json "$OUT/$json" >"$OUT/$json.log" 2>&1; then
-        tail -n 40 "$OUT/$json.log" | grep -E "throughput|Decode|Fraction|Median|bandwidth|TTFT|Device" | head -14
+        tail -n 40 "$OUT/$json.log" | grep -E "throughput|Decode|Fraction|Limit|GEMM rate|Median|bandwidth|TTFT|Device" | head -20
         summary+=("$(python3 - "$OUT/$json" "$label" <<'PY'
 import json, sys
 r = json.load(open(sys.argv[1])); label = sys.argv[2]
@@ -89,7 +89,11 @@ else:
           + (f"; decode step {r['mean_decode_step_ms']:.1f} ms, prompt step {r['mean_mixed_step_ms']:.0f} ms"
              if "mean_decode_step_ms" in r else "")
           + (f"; {r['num_steps_ahead']}/{r['num_steps']} steps ahead, host gap {r['host_gap_seconds']:.2f} s"
-             if "num_steps_ahead" in r else ""))
+             if "num_steps_ahead" in r else "")
+          + (f"; limit {r['limit_in_sequence_output_throughput']:.0f} in sequence "
+             f"({100 * r['fraction_of_limit_in_sequence']:.1f}%), {r['limit_overlapped_output_throughput']:.0f} "
+             f"overlapped ({100 * r['fraction_of_limit_overlapped']:.1f}%) at {r['gemm_tflops']:.0f} TFLOP/s, "
+             f"{r['memory_bandwidth_gbps']:.0f} GB/s" if "limit_in_sequence_output_throughput" in r else ""))
 PY
 )")
     else

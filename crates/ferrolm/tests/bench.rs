@@ -98,13 +98,53 @@ fn check_throughput(v: &Value) {
     assert_close(num(v, "output_throughput") * elapsed, output, "output_throughput x elapsed");
     assert_close(num(v, "total_token_throughput") * elapsed, input + output, "total_token_throughput x elapsed");
     assert_eq!(num(v, "failed"), 0.0);
+    // The limits: the run's work at the ceilings measured after it.
+    let rate = num(v, "output_throughput");
+    let (in_sequence, overlapped) =
+        (num(v, "limit_in_sequence_output_throughput"), num(v, "limit_overlapped_output_throughput"));
+    assert!(num(v, "gemm_tflops") > 0.0 && num(v, "memory_bandwidth_gbps") > 0.0);
+    assert!(in_sequence > 0.0 && in_sequence <= overlapped, "in sequence {in_sequence}, overlapped {overlapped}");
+    assert_close(num(v, "fraction_of_limit_in_sequence") * in_sequence, rate, "fraction x limit in sequence");
+    assert_close(num(v, "fraction_of_limit_overlapped") * overlapped, rate, "fraction x limit overlapped");
+    // Overlapped, the run takes the longer of its arithmetic and its reads at the ceilings.
+    let compute = (num(v, "gemm_flops") + num(v, "attention_flops")) / (num(v, "gemm_tflops") * 1e12);
+    let memory = (num(v, "kv_read_bytes") + num(v, "weight_read_bytes")) / (num(v, "memory_bandwidth_gbps") * 1e9);
+    assert_close(overlapped, output / compute.max(memory), "overlapped limit");
+}
+
+#[test]
+fn throughput_limit_counts_the_work_of_the_run() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = tiny_config(dir.path());
+    let args = format!(
+        "throughput --model-config {} --dummy-weights --num-prompts 4 --input-len 16 --output-len 8 \
+         --max-num-seqs 2 --max-num-batched-tokens 32 --bandwidth-buffer-mb 32 --bandwidth-repetitions 2",
+        config.display()
+    );
+    let v = bench_json(dir.path(), &args);
+    check_throughput(&v);
+    // A layer's projections: (q 64 + k 32 + v 32) x 64 + 64 x 64 + 2 x 128 x 64 + 64 x 128 =
+    // 36864 elements. Each request feeds 16 + 8 - 1 = 23 tokens through 2 layers and samples 8
+    // rows of the 512 x 64 LM head.
+    assert_eq!(num(&v, "gemm_flops"), 4.0 * (23.0 * 2.0 * 2.0 * 36864.0 + 8.0 * 2.0 * 512.0 * 64.0));
+    // 1 + ... + 23 causal pairs per request, 4 FLOP per pair and query element, 2 layers.
+    assert_eq!(num(&v, "attention_flops"), 4.0 * 276.0 * 4.0 * 64.0 * 2.0);
+    // Decode tokens 17..=23 read 17 + ... + 23 = 140 tokens of K and V: 2 layers x 2 x 32 f32.
+    assert_eq!(num(&v, "kv_read_bytes"), 4.0 * 140.0 * 512.0);
+    // Two requests a step, each a prompt step and 7 decodes: 16 steps, each reading the bf16
+    // weights but the embedding table (one row gathered).
+    assert_eq!(num(&v, "min_steps"), 16.0);
+    let per_step = 2.0 * (2.0 * 36864.0 + 512.0 * 64.0 + 64.0);
+    assert_eq!(num(&v, "weight_read_bytes"), 16.0 * per_step);
+    assert_eq!(num(&v, "gemm_probe_rows"), 32.0);
 }
 
 #[test]
 fn throughput_on_fixture_model() {
     let dir = tempfile::tempdir().expect("tempdir");
     let args = format!(
-        "throughput --model {} --num-prompts 6 --input-len 20 --output-len 7 --seed 3",
+        "throughput --model {} --num-prompts 6 --input-len 20 --output-len 7 --seed 3 \
+         --bandwidth-buffer-mb 32 --bandwidth-repetitions 2",
         fixture("llama").display()
     );
     let v = bench_json(dir.path(), &args);
@@ -124,7 +164,7 @@ fn throughput_with_dummy_weights_and_length_ranges() {
     let config = tiny_config(dir.path());
     let args = format!(
         "throughput --model-config {} --dummy-weights --num-prompts 10 --input-len 16 --output-len 8 \
-         --random-range-ratio 0.5 --temperature 1.0",
+         --random-range-ratio 0.5 --temperature 1.0 --bandwidth-buffer-mb 32 --bandwidth-repetitions 2",
         config.display()
     );
     let v = bench_json(dir.path(), &args);

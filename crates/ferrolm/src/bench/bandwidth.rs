@@ -11,7 +11,28 @@
 use std::hint::black_box;
 use std::time::Instant;
 
+use clap::Args;
 use rayon::prelude::*;
+use serde::Serialize;
+
+/// How the memory bandwidth is measured (`bench latency` and `bench throughput`).
+#[derive(Args, Clone, Debug, Serialize)]
+pub struct BandwidthArgs {
+    /// Size of the buffer the memory bandwidth is measured on, in MiB (much larger than caches).
+    #[arg(long, default_value_t = 1024)]
+    pub bandwidth_buffer_mb: usize,
+    /// Passes over that buffer (each time it is measured); the fastest counts.
+    #[arg(long, default_value_t = 5)]
+    pub bandwidth_repetitions: usize,
+}
+
+impl BandwidthArgs {
+    /// Measures `device`'s bandwidth as these flags say.
+    pub fn measure(&self, device: Device) -> anyhow::Result<Bandwidth> {
+        eprintln!("measuring {device:?} memory bandwidth ({} MiB buffer)...", self.bandwidth_buffer_mb);
+        measure(device, self.bandwidth_buffer_mb << 20, self.bandwidth_repetitions)
+    }
+}
 
 /// Elements (u64) per parallel task: 512 KiB, large enough to stream, small enough to balance.
 const CHUNK: usize = 1 << 16;
@@ -50,6 +71,14 @@ pub struct Bandwidth {
 impl Bandwidth {
     pub fn gbps(&self) -> f64 {
         self.bytes_per_s / 1e9
+    }
+
+    /// The measurement's figures, for a JSON report.
+    pub fn insert_into(&self, r: &mut serde_json::Map<String, serde_json::Value>) {
+        r.insert("memory_bandwidth_gbps".into(), self.gbps().into());
+        r.insert("bandwidth_buffer_bytes".into(), self.buffer_bytes.into());
+        r.insert("bandwidth_repetitions".into(), self.repetitions.into());
+        r.insert("bandwidth_threads".into(), self.threads.into());
     }
 
     /// The faster of two measurements, counting the repetitions of both.

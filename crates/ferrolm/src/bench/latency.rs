@@ -14,7 +14,7 @@ use rand_chacha::ChaCha8Rng;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-use super::bandwidth::{self, Bandwidth, DecodeLimit};
+use super::bandwidth::{self, Bandwidth, BandwidthArgs, DecodeLimit};
 use super::metrics::{LatencySummaries, RequestTiming};
 use super::setup::{self, BenchModel, ModelArgs};
 use super::{bench_params, check_sampling_flags, collect_timing, model_label, report, Device};
@@ -45,12 +45,9 @@ pub struct LatencyArgs {
     /// in (0, 1]; 1 is off. Llama 3's generation_config.json asks for 0.9 (with temperature 0.6).
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
-    /// Size of the buffer the memory bandwidth is measured on, in MiB (much larger than caches).
-    #[arg(long, default_value_t = 1024)]
-    pub bandwidth_buffer_mb: usize,
-    /// Passes over that buffer, before the model is loaded and again after; the fastest counts.
-    #[arg(long, default_value_t = 5)]
-    pub bandwidth_repetitions: usize,
+    /// The bandwidth is measured before the model is loaded and again after.
+    #[command(flatten)]
+    pub bandwidth: BandwidthArgs,
     /// Write every figure, the machine, the model and the flags to this JSON file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -65,8 +62,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
     // Measured before the model is loaded and again once it is freed (so that the buffer and the
     // weights are never both resident); the better pass counts, which keeps a burst of other
     // work on the machine from lowering the ceiling.
-    eprintln!("measuring {device:?} memory bandwidth ({} MiB buffer)...", args.bandwidth_buffer_mb);
-    let before = bandwidth::measure(device, args.bandwidth_buffer_mb << 20, args.bandwidth_repetitions)?;
+    let before = args.bandwidth.measure(device)?;
 
     let (engine, model) = setup::load(&args.model, 1, args.input_len + args.output_len)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
@@ -92,7 +88,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
     bar.finish_and_clear();
     let stats = engine.stats();
     drop(engine);
-    let after = bandwidth::measure(device, args.bandwidth_buffer_mb << 20, args.bandwidth_repetitions)?;
+    let after = args.bandwidth.measure(device)?;
     let bw = before.best_of(after);
 
     let summaries = LatencySummaries::from_timings(&timings);
@@ -166,10 +162,7 @@ fn results(
     let latencies: Vec<f64> = timings.iter().map(|t| t.latency).collect();
     r.insert("avg_latency".into(), (summaries.e2el.mean / 1000.0).into());
     r.insert("latencies".into(), latencies.into());
-    r.insert("memory_bandwidth_gbps".into(), bw.gbps().into());
-    r.insert("bandwidth_buffer_bytes".into(), bw.buffer_bytes.into());
-    r.insert("bandwidth_repetitions".into(), bw.repetitions.into());
-    r.insert("bandwidth_threads".into(), bw.threads.into());
+    bw.insert_into(&mut r);
     r.insert("weight_bytes_per_token".into(), model.weight_bytes_per_token().into());
     r.insert("kv_bytes_per_context_token".into(), model.kv_bytes_per_context_token().into());
     r.insert("mean_decode_context".into(), mean_decode_context(args).into());

@@ -1,7 +1,8 @@
 //! `ferrolm bench`: offline throughput, single-request latency and serving load, with vLLM's
 //! flag names and result keys so that figures compare directly with vLLM's benchmark scripts.
 //!
-//! - `throughput`: every request submitted at once to an in-process engine.
+//! - `throughput`: every request submitted at once to an in-process engine, with the run's work
+//!   priced at the machine's GEMM rate and memory bandwidth (the throughput limit).
 //! - `latency`: one request at a time, with the machine's memory bandwidth and the batch-1 decode
 //!   limit it implies.
 //! - `serve`: Poisson arrivals against any OpenAI-compatible server over HTTP.
@@ -11,6 +12,7 @@
 
 mod bandwidth;
 mod latency;
+mod limit;
 mod metrics;
 mod openai;
 mod plot;

@@ -42,8 +42,8 @@ pub struct BenchModel {
     pub weight_bytes: usize,
     /// Where the model runs: `cpu`, `cuda:0 (NVIDIA H200)`.
     pub device: String,
-    /// Bytes per element of the KV cache: f32 on the CPU, the model dtype on the GPU.
-    pub kv_elem_bytes: usize,
+    /// Dtype of the activations and the KV cache: f32 on the CPU, the engine's dtype on the GPU.
+    pub activation_dtype: DType,
     /// Where the model came from: a directory, or `config.json (random weights)`.
     pub source: String,
     pub load_seconds: f64,
@@ -66,7 +66,7 @@ impl BenchModel {
 
     /// Bytes of K and V that one decode step reads per token of context (the CPU cache is f32).
     pub fn kv_bytes_per_context_token(&self) -> usize {
-        self.config.num_hidden_layers * 2 * self.config.kv_size() * self.kv_elem_bytes
+        self.config.num_hidden_layers * 2 * self.config.kv_size() * self.activation_dtype.size_in_bytes()
     }
 
     /// The model's shape, for the JSON report.
@@ -94,10 +94,9 @@ impl BenchModel {
 /// disagree with the files).
 fn stored_dtype(config: &ModelConfig, weight_bytes: usize) -> DType {
     let c = config;
-    let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
-    let per_layer = h * (c.q_size() + 2 * c.kv_size()) + c.q_size() * h + 3 * h * i;
-    let embeddings = if c.tie_word_embeddings { v * h } else { 2 * v * h };
-    let elements = c.num_hidden_layers * per_layer + embeddings;
+    let table = c.vocab_size * c.hidden_size;
+    let embeddings = if c.tie_word_embeddings { table } else { 2 * table };
+    let elements = c.num_hidden_layers * super::limit::layer_matrix_elements(c) + embeddings;
     match weight_bytes / elements.max(1) {
         4 => DType::F32,
         _ if c.dtype != DType::F32 => c.dtype,
@@ -179,17 +178,14 @@ pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(Eng
     let eos = loader::eos_token_ids(&config, &generation, tokenizer.as_deref());
     let placed = loader::make_runner(model, &engine_args)?;
     let device = placed.runner.device();
-    let kv_elem_bytes = if placed.device_kv_blocks.is_some() {
-        engine_args.dtype().unwrap_or(DType::BF16).size_in_bytes()
-    } else {
-        DType::F32.size_in_bytes()
-    };
+    let activation_dtype =
+        if placed.device_kv_blocks.is_some() { engine_args.dtype().unwrap_or(DType::BF16) } else { DType::F32 };
     let engine = loader::start_engine(placed, tokenizer, eos, &engine_args)?;
     let model = BenchModel {
         config,
         dtype,
         device,
-        kv_elem_bytes,
+        activation_dtype,
         weight_bytes,
         source,
         load_seconds: started.elapsed().as_secs_f64(),

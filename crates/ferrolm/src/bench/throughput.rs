@@ -11,6 +11,8 @@ use ferrolm_engine::{EngineHandle, GenerateRequest, StepTimesSnapshot, STEP_BUCK
 use serde::Serialize;
 use serde_json::Value;
 
+use super::bandwidth::{Bandwidth, BandwidthArgs, Device};
+use super::limit::{self, GemmRate, RunWork, Served, StepCaps, ThroughputLimit};
 use super::metrics::{LatencySummaries, RequestTiming};
 use super::setup::{self, BenchModel, ModelArgs};
 use super::workload::{BenchRequest, WorkloadArgs};
@@ -30,6 +32,9 @@ pub struct ThroughputArgs {
     /// in (0, 1]; 1 is off. Llama 3's generation_config.json asks for 0.9 (with temperature 0.6).
     #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
+    /// The bandwidth of the throughput limit, measured once the run is over and the engine freed.
+    #[command(flatten)]
+    pub bandwidth: BandwidthArgs,
     /// Write every figure, the machine, the model and the flags to this JSON file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -38,11 +43,23 @@ pub struct ThroughputArgs {
 pub fn run(args: ThroughputArgs) -> Result<()> {
     args.workload.validate()?;
     check_sampling_flags(args.temperature, args.top_p)?;
+    let device = Device::of(&args.model.engine);
     let (engine, model) = setup::load(&args.model, args.workload.num_prompts, args.workload.longest_request())?;
     let requests = args.workload.requests(&model.prompts)?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
     let (timings, elapsed) = runtime.block_on(run_batch(&engine, &requests, &args))?;
-    let results = summarize(&args, &engine, &model, &timings, elapsed);
+    let mut results = summarize(&args, &engine, &model, &timings, elapsed);
+    let steps = engine.stats().step_times;
+    // The ceilings are measured with the engine's memory free again.
+    drop(engine);
+    let output_throughput = results["output_throughput"].as_f64().unwrap_or(0.0);
+    let limit = match measure_limit(&args, device, &model, &timings, output_throughput) {
+        Ok(limit) => Some(limit),
+        Err(e) => {
+            eprintln!("warning: no throughput limit: {e:#}");
+            None
+        }
+    };
 
     let mut table = report::Table::new("Offline Throughput Benchmark Result");
     table
@@ -53,10 +70,9 @@ pub fn run(args: ThroughputArgs) -> Result<()> {
         .text("Total input tokens", results["total_input_tokens"].clone())
         .text("Total generated tokens", results["total_output_tokens"].clone())
         .num("Request throughput (req/s)", results["request_throughput"].as_f64().unwrap_or(0.0))
-        .num("Output token throughput (tok/s)", results["output_throughput"].as_f64().unwrap_or(0.0))
+        .num("Output token throughput (tok/s)", output_throughput)
         .num("Total token throughput (tok/s)", results["total_token_throughput"].as_f64().unwrap_or(0.0))
         .latencies(&LatencySummaries::from_timings(&timings));
-    let steps = engine.stats().step_times;
     let (mixed_steps, mixed_us) = steps.mixed;
     table.text("Steps with prompt tokens: count, mean (ms)", step_line(mixed_steps, mixed_us));
     for (i, &(count, micros)) in steps.decode.iter().enumerate().filter(|(_, &(count, _))| count > 0) {
@@ -65,11 +81,80 @@ pub fn run(args: ThroughputArgs) -> Result<()> {
             step_line(count, micros),
         );
     }
+    if let Some(limit) = &limit {
+        limit.add_to(&mut table);
+        limit.insert_into(&mut results);
+    }
     table.print();
     if let Some(path) = &args.json {
         report::write_json(path, &results)?;
     }
     Ok(())
+}
+
+/// The run's work at this machine's GEMM rate and memory bandwidth.
+fn measure_limit(
+    args: &ThroughputArgs,
+    device: Device,
+    model: &BenchModel,
+    timings: &[RequestTiming],
+    output_throughput: f64,
+) -> Result<MeasuredLimit> {
+    let engine = &args.model.engine;
+    let caps = StepCaps { max_num_seqs: engine.max_num_seqs, max_num_batched_tokens: engine.max_num_batched_tokens };
+    let served: Vec<Served> =
+        timings.iter().map(|t| Served { prompt_len: t.prompt_len, output_len: t.output_len }).collect();
+    let work =
+        RunWork::of(&model.config, &served, caps, model.weight_bytes_per_token(), model.kv_bytes_per_context_token());
+    let bandwidth = args.bandwidth.measure(device)?;
+    // The GPU multiplies in the engine's dtype; the CPU in f32 from the stored weights.
+    let weights = if device == Device::Cpu { model.dtype } else { model.activation_dtype };
+    eprintln!("measuring {device:?} GEMM rate ({} rows)...", caps.max_num_batched_tokens);
+    let rate = limit::measure_gemm_rate(device, &model.config, weights, caps.max_num_batched_tokens)?;
+    let output_tokens = timings.iter().map(|t| t.output_len).sum();
+    let limit = ThroughputLimit::of(&work, &rate, &bandwidth, output_tokens, output_throughput);
+    Ok(MeasuredLimit { work, rate, bandwidth, limit })
+}
+
+/// The limit with the ceilings it was computed from.
+struct MeasuredLimit {
+    work: RunWork,
+    rate: GemmRate,
+    bandwidth: Bandwidth,
+    limit: ThroughputLimit,
+}
+
+impl MeasuredLimit {
+    fn add_to(&self, table: &mut report::Table) {
+        let (w, l) = (&self.work, &self.limit);
+        table
+            .section("Throughput Limit (work at measured ceilings)")
+            .num(&format!("GEMM rate at {} rows (TFLOP/s)", self.rate.rows), self.rate.tflops())
+            .num("Memory bandwidth (GB/s)", self.bandwidth.gbps())
+            .num("GEMM and attention arithmetic (TFLOP)", (w.gemm_flops + w.attention_flops) / 1e12)
+            .num("K/V read by decode tokens (GB)", w.kv_read_bytes / 1e9)
+            .num(&format!("Weights read in {} steps at fewest (GB)", w.min_steps), w.weight_read_bytes / 1e9)
+            .num("Limit, GEMMs then attention (tok/s)", l.in_sequence)
+            .text("Fraction of that limit", format!("{:.1}%", l.fraction_in_sequence * 100.0))
+            .num("Limit, all overlapped (tok/s)", l.overlapped)
+            .text("Fraction of that limit", format!("{:.1}%", l.fraction_overlapped * 100.0));
+    }
+
+    fn insert_into(&self, r: &mut serde_json::Map<String, Value>) {
+        let (w, l) = (&self.work, &self.limit);
+        self.bandwidth.insert_into(r);
+        r.insert("gemm_tflops".into(), self.rate.tflops().into());
+        r.insert("gemm_probe_rows".into(), self.rate.rows.into());
+        r.insert("gemm_flops".into(), w.gemm_flops.into());
+        r.insert("attention_flops".into(), w.attention_flops.into());
+        r.insert("kv_read_bytes".into(), w.kv_read_bytes.into());
+        r.insert("weight_read_bytes".into(), w.weight_read_bytes.into());
+        r.insert("min_steps".into(), w.min_steps.into());
+        r.insert("limit_in_sequence_output_throughput".into(), l.in_sequence.into());
+        r.insert("fraction_of_limit_in_sequence".into(), l.fraction_in_sequence.into());
+        r.insert("limit_overlapped_output_throughput".into(), l.overlapped.into());
+        r.insert("fraction_of_limit_overlapped".into(), l.fraction_overlapped.into());
+    }
 }
 
 /// Submits every request, then waits for all of them; returns their timings and the seconds

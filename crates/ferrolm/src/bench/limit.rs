@@ -1,0 +1,367 @@
+//! The throughput limit of an offline run: the work its requests need whatever the schedule,
+//! and the time that work takes at this machine's ceilings, measured in the same run.
+//!
+//! A run's work has two kinds. The projections and the LM head are matrix products, bound by
+//! the GEMM rate (at a step of many rows, reading the weights once per step takes less time
+//! than the arithmetic). Decode attention reads each request's K and V once per output token
+//! and does little arithmetic per byte: it is bound by memory bandwidth. Two limits follow:
+//! - *in sequence*: each step's GEMMs, then its attention, as an engine that runs them one
+//!   after another can at best do;
+//! - *overlapped*: all arithmetic and all reads at once, each at its ceiling, the physical limit
+//!   of the machine for these requests.
+//!
+//! The GEMM rate is measured on the model's own projections at the engine's largest step
+//! (`--max-num-batched-tokens` rows): on a GPU through the backend's GEMMs with the fastest
+//! cuBLASLt algorithm for each shape, on the CPU through the CPU backend's `linear`.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use ferrolm_backend::{DType, WeightView};
+use ferrolm_model::config::ModelConfig;
+use half::{bf16, f16};
+
+use super::bandwidth::{Bandwidth, Device};
+
+/// Rows of the CPU's GEMM probe at most (the rate is flat beyond a few hundred rows, and a CPU
+/// takes seconds per projection of a 7B model there).
+const CPU_PROBE_ROWS: usize = 256;
+/// Timed passes over the projections on the CPU; the fastest counts.
+const CPU_PROBE_PASSES: usize = 3;
+
+/// One request as the run served it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Served {
+    pub prompt_len: usize,
+    pub output_len: usize,
+}
+
+/// What the engine allows per step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepCaps {
+    pub max_num_seqs: usize,
+    pub max_num_batched_tokens: usize,
+}
+
+/// The work a run needs, whatever its schedule.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RunWork {
+    /// Every projection of every token through the model, and the LM head of every row whose
+    /// logits are sampled (2 FLOP per multiply-add).
+    pub gemm_flops: f64,
+    /// Attention's two products (Q K^T and P V) over each token's causal context.
+    pub attention_flops: f64,
+    /// K and V read by decode tokens (one pass over the request's context each).
+    pub kv_read_bytes: f64,
+    /// The weights, read once per step, over the fewest steps the caps allow.
+    pub weight_read_bytes: f64,
+    /// The fewest steps the caps allow.
+    pub min_steps: usize,
+}
+
+impl RunWork {
+    /// The work of `served` on a model of shape `config` whose steps read `weight_bytes_per_step`
+    /// and whose cache holds `kv_bytes_per_token` per token of context.
+    pub fn of(
+        config: &ModelConfig,
+        served: &[Served],
+        caps: StepCaps,
+        weight_bytes_per_step: usize,
+        kv_bytes_per_token: usize,
+    ) -> RunWork {
+        let layers = config.num_hidden_layers as f64;
+        let flops_per_token = 2.0 * (layer_matrix_elements(config) as f64) * layers;
+        let head_flops_per_row = 2.0 * (config.vocab_size * config.hidden_size) as f64;
+        // Per token of context attended to: Q K^T and P V over every query head.
+        let attention_flops_per_pair = 4.0 * config.q_size() as f64 * layers;
+        let window = config.sliding_window.unwrap_or(usize::MAX);
+
+        let (mut gemm_flops, mut pairs, mut decode_context) = (0.0, 0.0, 0.0);
+        let (mut tokens, mut request_steps, mut longest) = (0usize, 0usize, 0usize);
+        let budget = caps.max_num_batched_tokens.max(1);
+        for s in served.iter().filter(|s| s.output_len > 0) {
+            // The last output token is sampled, never fed back.
+            let fed = s.prompt_len + s.output_len - 1;
+            gemm_flops += fed as f64 * flops_per_token + s.output_len as f64 * head_flops_per_row;
+            // Token i (1-based) of the sequence attends over min(i, window) tokens; the decode
+            // tokens are those past the prompt.
+            pairs += attended(fed, window);
+            decode_context += attended(fed, window) - attended(s.prompt_len, window);
+            tokens += fed;
+            let steps = s.prompt_len.div_ceil(budget).max(1) + s.output_len - 1;
+            request_steps += steps;
+            longest = longest.max(steps);
+        }
+        let min_steps = tokens.div_ceil(budget).max(request_steps.div_ceil(caps.max_num_seqs.max(1))).max(longest);
+        RunWork {
+            gemm_flops,
+            attention_flops: pairs * attention_flops_per_pair,
+            kv_read_bytes: decode_context * kv_bytes_per_token as f64,
+            weight_read_bytes: min_steps as f64 * weight_bytes_per_step as f64,
+            min_steps,
+        }
+    }
+}
+
+/// Σ_{i=1..=n} min(i, window): the (query, key) pairs of n tokens of causal attention.
+fn attended(n: usize, window: usize) -> f64 {
+    let full = n.min(window) as f64;
+    full * (full + 1.0) / 2.0 + n.saturating_sub(window) as f64 * window as f64
+}
+
+/// Elements of one layer's projection matrices (biases and norms are negligible).
+pub fn layer_matrix_elements(c: &ModelConfig) -> usize {
+    layer_projections(c).iter().map(|&(n, k)| n * k).sum()
+}
+
+/// One layer's projections as `(out, in)`: qkv, o, gate and up, down.
+fn layer_projections(c: &ModelConfig) -> [(usize, usize); 4] {
+    let h = c.hidden_size;
+    [(c.q_size() + 2 * c.kv_size(), h), (h, c.q_size()), (2 * c.intermediate_size, h), (h, c.intermediate_size)]
+}
+
+/// The machine's GEMM rate on a model's projections.
+#[derive(Clone, Copy, Debug)]
+pub struct GemmRate {
+    pub flops_per_s: f64,
+    /// Rows of the products timed.
+    pub rows: usize,
+}
+
+impl GemmRate {
+    pub fn tflops(&self) -> f64 {
+        self.flops_per_s / 1e12
+    }
+}
+
+/// Times one layer's projections of `config` at `rows` rows on `device` (`weights` the dtype
+/// of the weights: on the GPU also of the activations; on the CPU activations are f32).
+pub fn measure_gemm_rate(device: Device, config: &ModelConfig, weights: DType, rows: usize) -> Result<GemmRate> {
+    let rows = rows.max(1);
+    let (seconds, rows) = match device {
+        Device::Cpu => {
+            let rows = rows.min(CPU_PROBE_ROWS);
+            (cpu_projection_seconds(config, weights, rows), rows)
+        }
+        Device::Cuda => (gpu_projection_seconds(config, weights, rows)?, rows),
+    };
+    let flops = 2.0 * rows as f64 * layer_matrix_elements(config) as f64;
+    Ok(GemmRate { flops_per_s: flops / seconds, rows })
+}
+
+/// Values in [-1, 1), spread (zeros multiply faster than data, on some hardware).
+fn probe_values(len: usize, seed: usize) -> impl Iterator<Item = f32> {
+    (0..len).map(move |i| ((i.wrapping_add(seed).wrapping_mul(2_654_435_761) % 2001) as f32 - 1000.0) * 1e-3)
+}
+
+fn cpu_projection_seconds(config: &ModelConfig, weights: DType, rows: usize) -> f64 {
+    let projections = layer_projections(config);
+    let stored: Vec<Stored> = projections
+        .iter()
+        .enumerate()
+        .map(|(i, &(n, k))| Stored::new(weights, probe_values(n * k, i).collect()))
+        .collect();
+    let widest_in = projections.iter().map(|&(_, k)| k).max().unwrap_or(0);
+    let widest_out = projections.iter().map(|&(n, _)| n).max().unwrap_or(0);
+    let x: Vec<f32> = probe_values(rows * widest_in, 7).collect();
+    let mut y = vec![0.0f32; rows * widest_out];
+    let mut best = f64::INFINITY;
+    // One untimed pass (page faults, thread start-up), then the timed ones.
+    for pass in 0..=CPU_PROBE_PASSES {
+        let start = Instant::now();
+        for (w, &(n, k)) in stored.iter().zip(&projections) {
+            ferrolm_backend::cpu::linear_gemm(&x[..rows * k], rows, k, w.view(), n, None, &mut y[..rows * n]);
+        }
+        if pass > 0 {
+            best = best.min(start.elapsed().as_secs_f64());
+        }
+    }
+    std::hint::black_box(&y);
+    best
+}
+
+/// Host weights in a storage dtype.
+enum Stored {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+}
+
+impl Stored {
+    fn new(dtype: DType, values: Vec<f32>) -> Stored {
+        match dtype {
+            DType::F32 => Stored::F32(values),
+            DType::F16 => Stored::F16(values.into_iter().map(f16::from_f32).collect()),
+            DType::BF16 => Stored::BF16(values.into_iter().map(bf16::from_f32).collect()),
+        }
+    }
+
+    fn view(&self) -> WeightView<'_> {
+        match self {
+            Stored::F32(w) => WeightView::F32(w),
+            Stored::F16(w) => WeightView::F16(w),
+            Stored::BF16(w) => WeightView::BF16(w),
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_projection_seconds(_config: &ModelConfig, _dtype: DType, _rows: usize) -> Result<f64> {
+    anyhow::bail!("this build of ferrolm has no CUDA backend (build with `--features cuda`)")
+}
+
+/// The sum over one layer's projections of the fastest of `cublasGemmEx` and the cuBLASLt
+/// candidates (`Gpu::tune_gemms`, mean of its timed runs), in seconds.
+#[cfg(feature = "cuda")]
+fn gpu_projection_seconds(config: &ModelConfig, dtype: DType, rows: usize) -> Result<f64> {
+    use anyhow::Context;
+    use ferrolm_backend::cuda::{Gpu, GpuTensor};
+
+    let gpu = Gpu::new(0).context("cannot measure the GPU's GEMM rate")?;
+    let dtype = if dtype == DType::F32 { DType::BF16 } else { dtype };
+    let projections = layer_projections(config);
+    let weights = projections
+        .iter()
+        .enumerate()
+        .map(|(i, &(n, k))| GpuTensor::from_f32(&gpu, &probe_values(n * k, i).collect::<Vec<_>>(), dtype))
+        .collect::<Result<Vec<_>, _>>()?;
+    let shapes: Vec<_> = weights.iter().zip(&projections).map(|(w, &(n, _))| (w.view(), n, dtype)).collect();
+    let report = gpu.tune_gemms(&[rows], &shapes)?;
+    let micros: f32 = report.iter().map(|t| t.best_us.map_or(t.default_us, |best| best.min(t.default_us))).sum();
+    Ok(micros as f64 / 1e6)
+}
+
+/// A run's limits at the measured ceilings, and how close the run came.
+#[derive(Clone, Copy, Debug)]
+pub struct ThroughputLimit {
+    /// Output tokens per second with each step's GEMMs, then its attention.
+    pub in_sequence: f64,
+    /// Output tokens per second with all arithmetic and all reads overlapped.
+    pub overlapped: f64,
+    /// Measured output throughput / each limit.
+    pub fraction_in_sequence: f64,
+    pub fraction_overlapped: f64,
+}
+
+impl ThroughputLimit {
+    pub fn of(work: &RunWork, rate: &GemmRate, bandwidth: &Bandwidth, output_tokens: usize, measured: f64) -> Self {
+        let (flops, bytes) = (rate.flops_per_s, bandwidth.bytes_per_s);
+        let gemms = (work.gemm_flops / flops).max(work.weight_read_bytes / bytes);
+        let attention = work.attention_flops / flops + work.kv_read_bytes / bytes;
+        let compute = (work.gemm_flops + work.attention_flops) / flops;
+        let memory = (work.kv_read_bytes + work.weight_read_bytes) / bytes;
+        let in_sequence = output_tokens as f64 / (gemms + attention);
+        let overlapped = output_tokens as f64 / compute.max(memory);
+        ThroughputLimit {
+            in_sequence,
+            overlapped,
+            fraction_in_sequence: measured / in_sequence,
+            fraction_overlapped: measured / overlapped,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    /// Hidden 8, 2 query heads of 4 over 1 KV head, MLP 16, 2 layers, vocabulary 100: one
+    /// layer's projections hold 16x8 + 8x8 + 32x8 + 8x16 = 576 elements.
+    fn config(sliding_window: Option<usize>) -> ModelConfig {
+        let arch = if sliding_window.is_some() { "MistralForCausalLM" } else { "LlamaForCausalLM" };
+        ModelConfig::from_value(json!({
+            "architectures": [arch], "vocab_size": 100, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "sliding_window": sliding_window,
+        }))
+        .expect("valid config")
+    }
+
+    const SERVED: [Served; 3] = [
+        Served { prompt_len: 5, output_len: 3 },
+        Served { prompt_len: 2, output_len: 1 },
+        // Refused or cancelled before its first token: no work counted.
+        Served { prompt_len: 4, output_len: 0 },
+    ];
+
+    #[test]
+    fn work_counts_every_fed_token_sampled_row_and_attended_pair() {
+        let c = config(None);
+        assert_eq!(layer_matrix_elements(&c), 576);
+        let caps = StepCaps { max_num_seqs: 1, max_num_batched_tokens: 4 };
+        let work = RunWork::of(&c, &SERVED, caps, 1000, 10);
+        // Fed tokens 7 + 2 at 2 x 576 x 2 layers = 2304 FLOP each; 3 + 1 LM head rows at
+        // 2 x 100 x 8 = 1600.
+        assert_eq!(work.gemm_flops, 9.0 * 2304.0 + 4.0 * 1600.0);
+        // Causal pairs 1 + ... + 7 = 28 and 1 + 2 = 3, at 4 x 8 (query width) x 2 layers each.
+        assert_eq!(work.attention_flops, 31.0 * 64.0);
+        // Decode tokens 6 and 7 of the first request read 6 and 7 tokens of K/V; the second
+        // request's only token came from its prompt step.
+        assert_eq!(work.kv_read_bytes, 13.0 * 10.0);
+        // One request a step: 2 prompt steps + 2 decodes, and 1 prompt step: 5 steps.
+        assert_eq!((work.min_steps, work.weight_read_bytes), (5, 5000.0));
+    }
+
+    #[test]
+    fn fewest_steps_follow_the_tightest_cap() {
+        let c = config(None);
+        let steps = |max_num_seqs, max_num_batched_tokens| {
+            RunWork::of(&c, &SERVED, StepCaps { max_num_seqs, max_num_batched_tokens }, 1, 1).min_steps
+        };
+        // 9 fed tokens at 1 a step.
+        assert_eq!(steps(8, 1), 9);
+        // The first request alone: 1 prompt step and 2 decodes.
+        assert_eq!(steps(8, 64), 3);
+        // 3 + 1 request-steps at 1 request a step.
+        assert_eq!(steps(1, 64), 4);
+    }
+
+    #[test]
+    fn a_sliding_window_caps_the_attended_context() {
+        assert_eq!(attended(7, usize::MAX), 28.0);
+        // Tokens 1..=7 over a window of 3: 1 + 2 + 3 + 3 + 3 + 3 + 3.
+        assert_eq!(attended(7, 3), 18.0);
+        let caps = StepCaps { max_num_seqs: 8, max_num_batched_tokens: 64 };
+        let work = RunWork::of(&config(Some(3)), &SERVED, caps, 1, 1);
+        // 18 + 3 pairs; decodes: 18 - attended(5) = 18 - 12 = 6 tokens of K/V read.
+        assert_eq!(work.attention_flops, 21.0 * 64.0);
+        assert_eq!(work.kv_read_bytes, 6.0);
+    }
+
+    #[test]
+    fn limits_put_the_work_at_the_ceilings() {
+        let work = RunWork {
+            gemm_flops: 1000.0,
+            attention_flops: 100.0,
+            kv_read_bytes: 200.0,
+            weight_read_bytes: 50.0,
+            min_steps: 5,
+        };
+        let rate = GemmRate { flops_per_s: 100.0, rows: 4 };
+        let bandwidth = Bandwidth { bytes_per_s: 10.0, buffer_bytes: 1, repetitions: 1, threads: 1 };
+        let limit = ThroughputLimit::of(&work, &rate, &bandwidth, 62, 1.0);
+        // In sequence: GEMMs max(10 s of arithmetic, 5 s of weights) + attention 1 s + 20 s.
+        assert_eq!(limit.in_sequence, 2.0);
+        assert_eq!(limit.fraction_in_sequence, 0.5);
+        // Overlapped: max(11 s of arithmetic, 25 s of reads).
+        assert_eq!(limit.overlapped, 62.0 / 25.0);
+        assert!((limit.fraction_overlapped - 25.0 / 62.0).abs() < 1e-15);
+        // Weights read more slowly than they are multiplied: the GEMMs take the read time.
+        let slow = ThroughputLimit::of(&work, &rate, &Bandwidth { bytes_per_s: 2.0, ..bandwidth }, 62, 1.0);
+        assert_eq!(slow.in_sequence, 62.0 / (25.0 + 1.0 + 100.0));
+    }
+
+    #[test]
+    fn cpu_gemm_rate_is_measured_on_the_projections_in_each_dtype() -> Result<()> {
+        let c = config(None);
+        for dtype in [DType::F32, DType::F16, DType::BF16] {
+            let rate = measure_gemm_rate(Device::Cpu, &c, dtype, 8192)?;
+            assert_eq!(rate.rows, CPU_PROBE_ROWS, "{dtype:?}");
+            assert!(rate.flops_per_s.is_finite() && rate.flops_per_s > 0.0, "{dtype:?}: {rate:?}");
+        }
+        assert_eq!(measure_gemm_rate(Device::Cpu, &c, DType::BF16, 3)?.rows, 3);
+        Ok(())
+    }
+}
