@@ -2,6 +2,7 @@
 //! prefix caching, aborts and sampling give the reference tokens and leak nothing.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -382,6 +383,14 @@ struct DeviceLikeRunner {
     inner: ferrolm_model::CpuRunner,
     calls: usize,
     fail_at_call: Option<usize>,
+    /// Set when the runner (the "device memory") is freed.
+    freed: Arc<AtomicBool>,
+}
+
+impl Drop for DeviceLikeRunner {
+    fn drop(&mut self) {
+        self.freed.store(true, Ordering::SeqCst);
+    }
 }
 
 impl ferrolm_model::ModelRunner for DeviceLikeRunner {
@@ -415,8 +424,15 @@ impl ferrolm_model::ModelRunner for DeviceLikeRunner {
 }
 
 fn start_device_like(name: &str, fail_at_call: Option<usize>) -> EngineHandle {
+    start_watched(name, fail_at_call).0
+}
+
+/// [`start_device_like`], with the flag its runner sets when it is freed.
+fn start_watched(name: &str, fail_at_call: Option<usize>) -> (EngineHandle, Arc<AtomicBool>) {
     let model = Model::from_dir(&fixture(name)).expect("model");
-    let runner = DeviceLikeRunner { inner: ferrolm_model::CpuRunner::new(model), calls: 0, fail_at_call };
+    let freed = Arc::new(AtomicBool::new(false));
+    let inner = ferrolm_model::CpuRunner::new(model);
+    let runner = DeviceLikeRunner { inner, calls: 0, fail_at_call, freed: Arc::clone(&freed) };
     let scheduler = SchedulerConfig {
         max_num_seqs: 64,
         max_num_batched_tokens: 2048,
@@ -428,7 +444,40 @@ fn start_device_like(name: &str, fail_at_call: Option<usize>) -> EngineHandle {
     };
     let config = EngineConfig { scheduler, max_pending_requests: 1024, eos_token_ids: vec![1], overlap_steps: true };
     let runner: Box<dyn ferrolm_model::ModelRunner> = Box::new(runner);
-    EngineHandle::start(runner, None::<Arc<Tokenizer>>, config).expect("engine")
+    (EngineHandle::start(runner, None::<Arc<Tokenizer>>, config).expect("engine"), freed)
+}
+
+/// `shutdown` returns once the engine thread has freed the runner; not while another handle or
+/// a stream keeps the engine alive.
+#[test]
+fn shutdown_waits_until_the_runner_is_freed() {
+    let (engine, freed) = start_watched("llama", None);
+    let prompt = cases("llama")[0].0.clone();
+    let out =
+        collect(engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(4) }).expect("s"));
+    assert_eq!(tokens(&out[0]).len(), 4);
+    let other = engine.clone();
+    assert!(!engine.shutdown(Duration::from_secs(5)), "another handle keeps the engine");
+    let stream = other.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(4) }).expect("s");
+    assert!(!other.shutdown(Duration::from_millis(50)), "a live stream keeps the engine");
+    assert!(!freed.load(Ordering::SeqCst));
+    // The stream still gets its tokens; once it is gone, the engine ends and frees the runner.
+    assert_eq!(tokens(&collect(stream)[0]).len(), 4);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !freed.load(Ordering::SeqCst) {
+        assert!(Instant::now() < deadline, "the engine did not end after its last stream");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[test]
+fn shutdown_of_the_last_handle_frees_the_runner_before_returning() {
+    let (engine, freed) = start_watched("llama", None);
+    let prompt = cases("llama")[0].0.clone();
+    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(4) }).expect("s"));
+    assert_eq!(tokens(&out[0]).len(), 4);
+    assert!(engine.shutdown(Duration::from_secs(10)));
+    assert!(freed.load(Ordering::SeqCst), "shutdown returned before the runner was freed");
 }
 
 /// Rows the runner answers (token and logprobs only, as a device does) give the reference tokens,

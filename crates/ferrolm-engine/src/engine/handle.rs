@@ -4,6 +4,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use ferrolm_model::ModelRunner;
 use ferrolm_sampling::{SamplingError, SamplingParams};
@@ -82,7 +83,7 @@ struct HandleInner {
     config: EngineConfig,
     vocab_size: usize,
     /// The engine thread ends by itself once every sender (handles and streams) is gone.
-    _thread: JoinHandle<()>,
+    thread: JoinHandle<()>,
 }
 
 impl EngineHandle {
@@ -112,16 +113,27 @@ impl EngineHandle {
             })
             .map_err(|_| EngineError::Stopped)?;
         Ok(EngineHandle {
-            inner: Arc::new(HandleInner {
-                tx,
-                stats,
-                pending,
-                next_id: AtomicU64::new(1),
-                config,
-                vocab_size,
-                _thread: thread,
-            }),
+            inner: Arc::new(HandleInner { tx, stats, pending, next_id: AtomicU64::new(1), config, vocab_size, thread }),
         })
+    }
+
+    /// Lets the engine thread end and waits up to `timeout` for it: when this returns true, the
+    /// model and the KV cache (device memory included) are freed. The thread ends once no handle
+    /// or stream is left and no request is unfinished, so this returns false at once while
+    /// another handle is alive (the engine keeps running for it), and after `timeout` while a
+    /// stream is.
+    pub fn shutdown(self, timeout: Duration) -> bool {
+        let Ok(inner) = Arc::try_unwrap(self.inner) else { return false };
+        let HandleInner { tx, thread, .. } = inner;
+        drop(tx);
+        let deadline = Instant::now() + timeout;
+        while !thread.is_finished() {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        thread.join().is_ok()
     }
 
     pub fn config(&self) -> &EngineConfig {

@@ -17,7 +17,7 @@ use serde_json::{Map, Value};
 use super::bandwidth::{self, Bandwidth, BandwidthArgs, DecodeLimit};
 use super::metrics::{LatencySummaries, RequestTiming};
 use super::setup::{self, BenchModel, ModelArgs};
-use super::{bench_params, check_sampling_flags, collect_timing, model_label, report, Device};
+use super::{bench_params, check_sampling_flags, collect_timing, free_engine, model_label, report, Device};
 
 #[derive(Args, Debug, Serialize)]
 pub struct LatencyArgs {
@@ -87,7 +87,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
     }
     bar.finish_and_clear();
     let stats = engine.stats();
-    drop(engine);
+    free_engine(engine);
     let after = args.bandwidth.measure(device)?;
     let bw = before.best_of(after);
 

@@ -22,11 +22,11 @@ mod setup;
 mod throughput;
 mod workload;
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use clap::{Args, Subcommand};
-use ferrolm_engine::{FinishReason, RequestStream};
+use ferrolm_engine::{EngineHandle, FinishReason, RequestStream};
 use ferrolm_sampling::SamplingParams;
 
 use bandwidth::Device;
@@ -98,6 +98,14 @@ async fn collect_timing(mut stream: RequestStream, sent: Instant, prompt_len: us
         timing.error = Some(format!("the engine ended the request ({finish:?})"));
     }
     timing
+}
+
+/// Stops `engine` and waits for it to free the model and the KV cache, so that the machine's
+/// ceilings are measured on free memory (said on stderr if it does not end in time).
+fn free_engine(engine: EngineHandle) {
+    if !engine.shutdown(Duration::from_secs(60)) {
+        eprintln!("warning: the engine did not stop within 60 s; measuring beside it");
+    }
 }
 
 /// "Qwen2ForCausalLM 494M", for the table.

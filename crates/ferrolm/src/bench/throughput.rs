@@ -16,7 +16,7 @@ use super::limit::{self, GemmRate, RunWork, Served, StepCaps, ThroughputLimit};
 use super::metrics::{LatencySummaries, RequestTiming};
 use super::setup::{self, BenchModel, ModelArgs};
 use super::workload::{BenchRequest, WorkloadArgs};
-use super::{bench_params, check_sampling_flags, collect_timing, model_label, report};
+use super::{bench_params, check_sampling_flags, collect_timing, free_engine, model_label, report};
 
 #[derive(Args, Debug, Serialize)]
 pub struct ThroughputArgs {
@@ -50,8 +50,7 @@ pub fn run(args: ThroughputArgs) -> Result<()> {
     let (timings, elapsed) = runtime.block_on(run_batch(&engine, &requests, &args))?;
     let mut results = summarize(&args, &engine, &model, &timings, elapsed);
     let steps = engine.stats().step_times;
-    // The ceilings are measured with the engine's memory free again.
-    drop(engine);
+    free_engine(engine);
     let output_throughput = results["output_throughput"].as_f64().unwrap_or(0.0);
     let limit = match measure_limit(&args, device, &model, &timings, output_throughput) {
         Ok(limit) => Some(limit),
