@@ -8,9 +8,9 @@
 # ROWs (default: l1b l8b t1000): l1b, l8b (one request, 128 in / 256 out), l1b-nucleus,
 # l8b-nucleus (the same at T = 0.6, top-p 0.9), ttft (the 8B's 2048-token prompt), d384 (the 8B
 # decoding 384 requests at ~1500), t1000 (the 8B's 1000 x (1000 + 1000), ~2.5 min a run),
-# t1000-500 (the same, 500 requests at a time in the whole free memory: two waves instead of
+# t1000-512 (the same, 512 requests at a time in the whole free memory: two waves instead of
 # three). BASE_ROW runs that row on the base side instead of each ROW, to compare flags on one
-# build: `BASE_ROW=t1000 scripts/gpu-ab.sh DIR DIR t1000-500`.
+# build: `BASE_ROW=t1000 scripts/gpu-ab.sh DIR DIR t1000-512`.
 # ROUNDS (default 2) runs per build and row. Logs and JSON go to $OUT (default: a new temporary
 # directory); the table comes last.
 set -u
@@ -37,8 +37,8 @@ row_args() { # row -> the bench arguments
             --max-num-batched-tokens 8192 ;;
         t1000) echo throughput "${L8B[@]}" --num-prompts 1000 --input-len 1000 --output-len 1000 --max-num-seqs 384 \
             --max-num-batched-tokens 8192 ;;
-        t1000-500) echo throughput "${L8B[@]}" --num-prompts 1000 --input-len 1000 --output-len 1000 \
-            --max-num-seqs 500 --max-num-batched-tokens 8192 --kv-cache-fraction 1.0 ;;
+        t1000-512) echo throughput "${L8B[@]}" --num-prompts 1000 --input-len 1000 --output-len 1000 \
+            --max-num-seqs 512 --max-num-batched-tokens 8192 --kv-cache-fraction 1.0 ;;
         *) echo "unknown row $1" >&2; return 1 ;;
     esac
 }
