@@ -217,8 +217,11 @@ fn gpu_projection_seconds(config: &ModelConfig, dtype: DType, rows: usize) -> Re
     use anyhow::Context;
     use ferrolm_backend::cuda::{Gpu, GpuTensor};
 
+    // `tune_gemms` times half-precision GEMMs only.
+    if dtype == DType::F32 {
+        anyhow::bail!("the GPU's GEMM rate is measured in half precision only, and this run computes in float32");
+    }
     let gpu = Gpu::new(0).context("cannot measure the GPU's GEMM rate")?;
-    let dtype = if dtype == DType::F32 { DType::BF16 } else { dtype };
     let projections = layer_projections(config);
     let weights = projections
         .iter()
