@@ -17,7 +17,7 @@ use serde_json::{Map, Value};
 use super::bandwidth::{self, Bandwidth, BandwidthArgs, DecodeLimit};
 use super::metrics::{LatencySummaries, RequestTiming};
 use super::setup::{self, BenchModel, ModelArgs};
-use super::{bench_params, check_sampling_flags, collect_timing, free_engine, model_label, report, Device};
+use super::{collect_timing, free_engine, model_label, report, Device, SamplingFlags};
 
 #[derive(Args, Debug, Serialize)]
 pub struct LatencyArgs {
@@ -38,15 +38,12 @@ pub struct LatencyArgs {
     /// Seed of the prompts and of sampling.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
-    /// Nucleus sampling: the smallest set of most likely tokens whose probability reaches this,
-    /// in (0, 1]; 1 is off. Llama 3's generation_config.json asks for 0.9 (with temperature 0.6).
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub sampling: SamplingFlags,
     /// The bandwidth is measured before the model is loaded and again after.
     #[command(flatten)]
+    #[serde(flatten)]
     pub bandwidth: BandwidthArgs,
     /// Write every figure, the machine, the model and the flags to this JSON file.
     #[arg(long)]
@@ -57,7 +54,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
     if args.input_len == 0 || args.output_len == 0 || args.num_iters == 0 {
         bail!("--input-len, --output-len and --num-iters must be positive");
     }
-    check_sampling_flags(args.temperature, args.top_p)?;
+    args.sampling.check()?;
     let device = Device::of(&args.model.engine);
     // Measured before the model is loaded and again once it is freed (so that the buffer and the
     // weights are never both resident); the better pass counts, which keeps a burst of other
@@ -72,7 +69,7 @@ pub fn run(args: LatencyArgs) -> Result<()> {
     let mut timings = Vec::with_capacity(args.num_iters);
     for i in 0..total {
         let prompt = model.prompts.sample(args.input_len, &mut rng);
-        let params = bench_params(args.output_len, args.temperature, args.top_p, args.seed.wrapping_add(i as u64));
+        let params = args.sampling.params(args.output_len, args.seed.wrapping_add(i as u64));
         let sent = Instant::now();
         let stream =
             engine.submit(GenerateRequest { prompt_token_ids: prompt, params }).context("the request was refused")?;

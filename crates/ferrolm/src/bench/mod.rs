@@ -24,10 +24,12 @@ mod workload;
 
 use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Args, Subcommand};
 use ferrolm_engine::{EngineHandle, FinishReason, RequestStream};
 use ferrolm_sampling::SamplingParams;
+use serde::Serialize;
+use tokio::task::JoinSet;
 
 use bandwidth::Device;
 use metrics::RequestTiming;
@@ -57,22 +59,48 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
 }
 
-/// Refuses --temperature and --top-p values the engine would refuse, before anything is loaded.
-fn check_sampling_flags(temperature: f32, top_p: f32) -> Result<()> {
-    bench_params(1, temperature, top_p, 0).validate().map_err(|e| anyhow::anyhow!("invalid sampling flags: {e}"))
+/// How benchmark requests sample (`bench latency` and `bench throughput`).
+#[derive(Args, Clone, Debug, Serialize)]
+pub struct SamplingFlags {
+    /// Sampling temperature; 0 is greedy. Above 0 each request samples with its own seed
+    /// derived from --seed.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Nucleus sampling: the smallest set of most likely tokens whose probability reaches this,
+    /// in (0, 1]; 1 is off. Llama 3's generation_config.json asks for 0.9 (with temperature 0.6).
+    #[arg(long, default_value_t = 1.0)]
+    pub top_p: f32,
 }
 
-/// Sampling for benchmark requests: exactly `max_tokens` outputs (EOS ignored), greedy at
-/// temperature 0, else seeded, with nucleus sampling below `top_p` 1.
-fn bench_params(max_tokens: usize, temperature: f32, top_p: f32, seed: u64) -> SamplingParams {
-    SamplingParams {
-        temperature,
-        top_p,
-        seed: Some(seed),
-        max_tokens: Some(max_tokens as u32),
-        ignore_eos: true,
-        ..SamplingParams::default()
+impl SamplingFlags {
+    /// Refuses values the engine would refuse, before anything is loaded.
+    fn check(&self) -> Result<()> {
+        self.params(1, 0).validate().map_err(|e| anyhow::anyhow!("invalid sampling flags: {e}"))
     }
+
+    /// Sampling for one benchmark request: exactly `max_tokens` outputs (EOS ignored), greedy at
+    /// temperature 0, else seeded by `seed`, with nucleus sampling below `top_p` 1.
+    fn params(&self, max_tokens: usize, seed: u64) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            seed: Some(seed),
+            max_tokens: Some(max_tokens as u32),
+            ignore_eos: true,
+            ..SamplingParams::default()
+        }
+    }
+}
+
+/// Waits for every task of `tasks`, each answering its request's index and timing; returns the
+/// `n` timings in request order.
+async fn join_timings(mut tasks: JoinSet<(usize, RequestTiming)>, n: usize) -> Result<Vec<RequestTiming>> {
+    let mut timings = vec![RequestTiming::default(); n];
+    while let Some(joined) = tasks.join_next().await {
+        let (i, timing) = joined.context("a request task failed")?;
+        timings[i] = timing;
+    }
+    Ok(timings)
 }
 
 /// Drains one request's outputs, timing each against `sent`.

@@ -18,8 +18,8 @@ use tokio::sync::Semaphore;
 use super::metrics::{LatencySummaries, RequestTiming};
 use super::openai::Client;
 use super::plot::{self, Series};
-use super::report;
 use super::workload::{poisson_arrivals, BenchRequest, PromptSampler, WorkloadArgs};
+use super::{join_timings, report};
 
 #[derive(Args, Debug, Serialize)]
 pub struct ServeArgs {
@@ -155,11 +155,7 @@ async fn run_load(
             (i, timing)
         });
     }
-    let mut timings = vec![RequestTiming::default(); requests.len()];
-    while let Some(joined) = tasks.join_next().await {
-        let (i, timing) = joined.context("a request task failed")?;
-        timings[i] = timing;
-    }
+    let timings = join_timings(tasks, requests.len()).await?;
     let duration = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
     Ok((timings, duration))

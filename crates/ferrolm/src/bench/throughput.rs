@@ -16,7 +16,7 @@ use super::limit::{self, GemmRate, RunWork, Served, StepCaps, ThroughputLimit};
 use super::metrics::{LatencySummaries, RequestTiming};
 use super::setup::{self, BenchModel, ModelArgs};
 use super::workload::{BenchRequest, WorkloadArgs};
-use super::{bench_params, check_sampling_flags, collect_timing, free_engine, model_label, report};
+use super::{collect_timing, free_engine, join_timings, model_label, report, SamplingFlags};
 
 #[derive(Args, Debug, Serialize)]
 pub struct ThroughputArgs {
@@ -24,16 +24,12 @@ pub struct ThroughputArgs {
     pub model: ModelArgs,
     #[command(flatten)]
     pub workload: WorkloadArgs,
-    /// Sampling temperature; 0 is greedy. Above 0 each request samples with its own seed
-    /// derived from --seed.
-    #[arg(long, default_value_t = 0.0)]
-    pub temperature: f32,
-    /// Nucleus sampling: the smallest set of most likely tokens whose probability reaches this,
-    /// in (0, 1]; 1 is off. Llama 3's generation_config.json asks for 0.9 (with temperature 0.6).
-    #[arg(long, default_value_t = 1.0)]
-    pub top_p: f32,
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub sampling: SamplingFlags,
     /// The bandwidth of the throughput limit, measured once the run is over and the engine freed.
     #[command(flatten)]
+    #[serde(flatten)]
     pub bandwidth: BandwidthArgs,
     /// Write every figure, the machine, the model and the flags to this JSON file.
     #[arg(long)]
@@ -42,7 +38,7 @@ pub struct ThroughputArgs {
 
 pub fn run(args: ThroughputArgs) -> Result<()> {
     args.workload.validate()?;
-    check_sampling_flags(args.temperature, args.top_p)?;
+    args.sampling.check()?;
     let device = Device::of(&args.model.engine);
     let (engine, model) = setup::load(&args.model, args.workload.num_prompts, args.workload.longest_request())?;
     let requests = args.workload.requests(&model.prompts)?;
@@ -167,8 +163,7 @@ async fn run_batch(
     let start = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for (i, req) in requests.iter().enumerate() {
-        let params =
-            bench_params(req.output_len, args.temperature, args.top_p, args.workload.seed.wrapping_add(i as u64));
+        let params = args.sampling.params(req.output_len, args.workload.seed.wrapping_add(i as u64));
         let stream = engine
             .submit(GenerateRequest { prompt_token_ids: req.prompt_token_ids.clone(), params })
             .with_context(|| format!("request {i} was refused"))?;
@@ -179,11 +174,7 @@ async fn run_batch(
             (i, timing)
         });
     }
-    let mut timings = vec![RequestTiming::default(); requests.len()];
-    while let Some(joined) = tasks.join_next().await {
-        let (i, timing) = joined.context("a request task failed")?;
-        timings[i] = timing;
-    }
+    let timings = join_timings(tasks, requests.len()).await?;
     let elapsed = start.elapsed().as_secs_f64();
     bar.finish_and_clear();
     Ok((timings, elapsed))
