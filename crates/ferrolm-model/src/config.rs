@@ -281,12 +281,16 @@ impl ModelConfig {
         self.num_key_value_heads * self.head_dim
     }
 
+    /// Elements of one layer's projection matrices: q, k, v, o, gate, up and down.
+    pub fn layer_matrix_elements(&self) -> usize {
+        let h = self.hidden_size;
+        h * (self.q_size() + 2 * self.kv_size()) + self.q_size() * h + 3 * h * self.intermediate_size
+    }
+
     /// Parameters in the checkpoint (tied embeddings counted once).
     pub fn num_parameters(&self) -> usize {
-        let (h, i, v) = (self.hidden_size, self.intermediate_size, self.vocab_size);
-        let attn = h * (self.q_size() + 2 * self.kv_size()) + self.q_size() * h;
-        let mlp = 3 * h * i;
-        let per_layer = attn + mlp + 2 * h;
+        let (h, v) = (self.hidden_size, self.vocab_size);
+        let per_layer = self.layer_matrix_elements() + 2 * h;
         let embeddings = if self.tie_word_embeddings { v * h } else { 2 * v * h };
         self.num_hidden_layers * per_layer + embeddings + h
     }

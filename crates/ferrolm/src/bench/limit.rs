@@ -70,7 +70,7 @@ impl RunWork {
         kv_bytes_per_token: usize,
     ) -> RunWork {
         let layers = config.num_hidden_layers as f64;
-        let flops_per_token = 2.0 * (layer_matrix_elements(config) as f64) * layers;
+        let flops_per_token = 2.0 * (config.layer_matrix_elements() as f64) * layers;
         let head_flops_per_row = 2.0 * (config.vocab_size * config.hidden_size) as f64;
         // Per token of context attended to: Q K^T and P V over every query head.
         let attention_flops_per_pair = 4.0 * config.q_size() as f64 * layers;
@@ -109,12 +109,8 @@ fn attended(n: usize, window: usize) -> f64 {
     full * (full + 1.0) / 2.0 + n.saturating_sub(window) as f64 * window as f64
 }
 
-/// Elements of one layer's projection matrices (biases and norms are negligible).
-pub fn layer_matrix_elements(c: &ModelConfig) -> usize {
-    layer_projections(c).iter().map(|&(n, k)| n * k).sum()
-}
-
-/// One layer's projections as `(out, in)`: qkv, o, gate and up, down.
+/// One layer's projections as `(out, in)`: qkv, o, gate and up, down (together
+/// `ModelConfig::layer_matrix_elements`).
 fn layer_projections(c: &ModelConfig) -> [(usize, usize); 4] {
     let h = c.hidden_size;
     [(c.q_size() + 2 * c.kv_size(), h), (h, c.q_size()), (2 * c.intermediate_size, h), (h, c.intermediate_size)]
@@ -145,7 +141,7 @@ pub fn measure_gemm_rate(device: Device, config: &ModelConfig, weights: DType, r
         }
         Device::Cuda => (gpu_projection_seconds(config, weights, rows)?, rows),
     };
-    let flops = 2.0 * rows as f64 * layer_matrix_elements(config) as f64;
+    let flops = 2.0 * rows as f64 * config.layer_matrix_elements() as f64;
     Ok(GemmRate { flops_per_s: flops / seconds, rows })
 }
 
@@ -292,7 +288,7 @@ mod tests {
     #[test]
     fn work_counts_every_fed_token_sampled_row_and_attended_pair() {
         let c = config(None);
-        assert_eq!(layer_matrix_elements(&c), 576);
+        assert_eq!(c.layer_matrix_elements(), 576);
         let caps = StepCaps { max_num_seqs: 1, max_num_batched_tokens: 4 };
         let work = RunWork::of(&c, &SERVED, caps, 1000, 10);
         // Fed tokens 7 + 2 at 2 x 576 x 2 layers = 2304 FLOP each; 3 + 1 LM head rows at

@@ -96,7 +96,7 @@ fn stored_dtype(config: &ModelConfig, weight_bytes: usize) -> DType {
     let c = config;
     let table = c.vocab_size * c.hidden_size;
     let embeddings = if c.tie_word_embeddings { table } else { 2 * table };
-    let elements = c.num_hidden_layers * super::limit::layer_matrix_elements(c) + embeddings;
+    let elements = c.num_hidden_layers * c.layer_matrix_elements() + embeddings;
     match weight_bytes / elements.max(1) {
         4 => DType::F32,
         _ if c.dtype != DType::F32 => c.dtype,
