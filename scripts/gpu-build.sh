@@ -20,12 +20,12 @@ for line in sys.stdin:
         print(m["executable"])' "$2" | tail -n 1)
     cp "$path" "$DEST/$2"
 done
-# The attention, GEMV and element-wise kernels on their own (see crates/ferrolm-backend/examples/).
-for example in attention_bench gemv_bench elementwise_bench; do
+# The attention, GEMV and element-wise kernels on their own, and a step split over two streams (see crates/ferrolm-backend/examples/).
+for example in attention_bench gemv_bench elementwise_bench overlap_bench; do
     cargo build --release --locked -p ferrolm-backend --features cuda --example "$example"
     cp "$CARGO_TARGET_DIR/release/examples/$example" "$DEST/$example"
 done
-strip "$DEST"/ferrolm "$DEST"/cuda_ops "$DEST"/runner "$DEST"/attention_bench "$DEST"/gemv_bench "$DEST"/elementwise_bench
+strip "$DEST"/ferrolm "$DEST"/cuda_ops "$DEST"/runner "$DEST"/attention_bench "$DEST"/gemv_bench "$DEST"/elementwise_bench "$DEST"/overlap_bench
 # The revision the binaries were built from (the bench JSON records it; see gpu-check.sh).
 git describe --always --dirty >"$DEST/REVISION"
 ls -la "$DEST"

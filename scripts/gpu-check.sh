@@ -6,8 +6,9 @@
 #   scripts/gpu-check.sh [BIN_DIR] [quick|full]
 #
 # BIN_DIR (default .device-carry) holds `ferrolm` (built with --features cuda), `cuda_ops` and
-# `runner` (the test binaries), and optionally `attention_bench`, `gemv_bench` and
-# `elementwise_bench` (the attention, GEMV and element-wise kernels alone).
+# `runner` (the test binaries), and optionally `attention_bench`, `gemv_bench`,
+# `elementwise_bench` (the attention, GEMV and element-wise kernels alone) and `overlap_bench`
+# (a step's GEMMs and attention split over two streams).
 # `quick` skips the 8B throughput runs (`full` includes a 1000-request run of about 3 minutes).
 # With PEER=1 the same workloads also run through HF transformers (tools/peer_hf.py; needs torch
 # and transformers). TESTS=0 skips the test binaries and KERNEL_BENCHES=0 the kernel benches (to
@@ -44,8 +45,9 @@ if [ "${TESTS:-1}" = 1 ]; then
 fi
 
 # Attention kernels alone, 8B shape (decode at batch 1 and 256, prefill, mixed), the GEMV
-# kernel next to cuBLAS on the 8B and 1B projections, and the 8B layer's element-wise kernels.
-for kernel_bench in attention_bench gemv_bench elementwise_bench; do
+# kernel next to cuBLAS on the 8B and 1B projections, the 8B layer's element-wise kernels, and
+# the 8B's mixed and decode steps split over two streams against one.
+for kernel_bench in attention_bench gemv_bench elementwise_bench overlap_bench; do
     if [ "${KERNEL_BENCHES:-1}" = 1 ] && [ -x "$BIN/$kernel_bench" ]; then
         timeout "${BENCH_TIMEOUT:-240}" "$BIN/$kernel_bench" 2>&1 | tee "$OUT/$kernel_bench.txt"
     fi

@@ -23,18 +23,15 @@
 
 mod bench_support;
 
-use bench_support::open_gpu;
+use bench_support::{open_gpu, AttentionCase, CacheLayout, Heads, COMPACT, LAYERS, LLAMA_8B};
 use cudarc::driver::sys::CUevent_flags;
-use cudarc::driver::CudaSlice;
-use ferrolm_backend::cuda::{self, Gpu, GpuAttentionMetadata, GpuError, GpuTensor};
-use ferrolm_backend::{DType, WeightView};
-use half::bf16;
+use ferrolm_backend::cuda::{Gpu, GpuError};
 
-const HEAD_DIM: usize = 128;
-const BLOCK_SIZE: usize = 16;
-/// Layers cycled through per case when one layer's K/V would fit in the L2 cache.
-const LAYERS: usize = 32;
 const REPS: usize = 20;
+const ONE_KV_HEAD: Heads = Heads { query: 4, kv: 1 };
+/// As a server's cache holds them: each layer's blocks drawn from a cache twice the batch's
+/// size, and 16 such layers in turn.
+const SERVER_CACHE: CacheLayout = CacheLayout { spread: 2, layers: 16, random: false };
 
 fn main() {
     let Some(gpu) = open_gpu() else { return };
@@ -81,28 +78,6 @@ fn main() {
     }
 }
 
-/// Query heads and KV heads of a case.
-#[derive(Clone, Copy)]
-struct Heads {
-    query: usize,
-    kv: usize,
-}
-
-const LLAMA_8B: Heads = Heads { query: 32, kv: 8 };
-const ONE_KV_HEAD: Heads = Heads { query: 4, kv: 1 };
-
-/// Where a case's K/V blocks lie: `spread` times as many blocks as the case reads, of which it
-/// reads a random set, in `layers` caches used in turn (0: as many as keep a pass over them
-/// several times the L2, and random values; else zeros, which take as long to attend over).
-#[derive(Clone, Copy)]
-struct CacheLayout {
-    spread: usize,
-    layers: usize,
-}
-
-const COMPACT: CacheLayout = CacheLayout { spread: 1, layers: 0 };
-const SERVER_CACHE: CacheLayout = CacheLayout { spread: 2, layers: 16 };
-
 /// `requests`: (context length, query rows) of each sequence.
 fn run_case(
     gpu: &Gpu,
@@ -111,11 +86,11 @@ fn run_case(
     cache: CacheLayout,
     requests: &[(usize, usize)],
 ) -> Result<(), GpuError> {
-    let mut case = Case::new(gpu, heads, cache, requests)?;
+    let mut case = AttentionCase::new(gpu, heads, cache, requests)?;
     let decode_only = requests.iter().all(|&(_, q)| q == 1);
     for general in [false, true] {
         let label = if general { "  general kernel".to_string() } else { name.to_string() };
-        let (best, mean) = case.time(gpu, general)?;
+        let (best, mean) = time(gpu, &mut case, general)?;
         let gbs = |s: f64| case.kv_bytes as f64 / s / 1e9;
         let (best_bw, mean_bw) = if decode_only {
             (format!("{:.0}", gbs(best)), format!("{:.0}", gbs(mean)))
@@ -127,158 +102,38 @@ fn run_case(
     Ok(())
 }
 
-/// One case's buffers: `sets` layers' K/V caches, all addressed by one block table as a model's
-/// layers are.
-struct Case {
-    heads: Heads,
-    q: GpuTensor,
-    out: GpuTensor,
-    /// `[num_blocks * BLOCK_SIZE, heads.kv * HEAD_DIM]` K and V of each layer.
-    caches: Vec<(GpuTensor, GpuTensor)>,
-    query_start_loc_host: Vec<u32>,
-    query_start_loc: CudaSlice<u32>,
-    seq_lens: CudaSlice<u32>,
-    /// `[num_reqs, blocks_per_seq]`, over shuffled blocks.
-    block_tables: CudaSlice<u32>,
-    blocks_per_seq: usize,
-    max_query_len: usize,
-    kv_bytes: usize,
-}
-
-impl Case {
-    fn new(gpu: &Gpu, heads: Heads, cache: CacheLayout, requests: &[(usize, usize)]) -> Result<Case, GpuError> {
-        let kv_width = heads.kv * HEAD_DIM;
-        let blocks_per_seq = requests.iter().map(|&(s, _)| s.div_ceil(BLOCK_SIZE)).max().unwrap_or(0);
-        let context: usize = requests.iter().map(|&(s, _)| s).sum();
-        let kv_bytes = context * kv_width * 2 * 2;
-        let read_blocks = requests.len() * blocks_per_seq;
-        let num_blocks = read_blocks * cache.spread;
-        let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
-        let mut order: Vec<u32> = (0..num_blocks as u32).collect();
-        for i in (1..order.len()).rev() {
-            order.swap(i, rng.next() as usize % (i + 1));
-        }
-        order.truncate(read_blocks);
-        let cache_len = num_blocks * BLOCK_SIZE * kv_width;
-        let caches = if cache.layers == 0 {
-            // Enough layers that one pass over them is several times a 50 MB L2.
-            let sets = if kv_bytes >= 256 << 20 { 1 } else { LAYERS };
-            (0..sets)
-                .map(|_| Ok((random_tensor(gpu, &mut rng, cache_len)?, random_tensor(gpu, &mut rng, cache_len)?)))
-                .collect::<Result<Vec<_>, GpuError>>()?
-        } else {
-            (0..cache.layers)
-                .map(|_| {
-                    Ok((GpuTensor::zeros(gpu, DType::BF16, cache_len)?, GpuTensor::zeros(gpu, DType::BF16, cache_len)?))
-                })
-                .collect::<Result<Vec<_>, GpuError>>()?
-        };
-        let tokens: usize = requests.iter().map(|&(_, q)| q).sum();
-        let q = random_tensor(gpu, &mut rng, tokens * heads.query * HEAD_DIM)?;
-        let out = GpuTensor::zeros(gpu, DType::BF16, tokens * heads.query * HEAD_DIM)?;
-        let mut query_start_loc_host = vec![0u32];
-        for (r, &(_, q_len)) in requests.iter().enumerate() {
-            query_start_loc_host.push(query_start_loc_host[r] + q_len as u32);
-        }
-        let seq_lens: Vec<u32> = requests.iter().map(|&(s, _)| s as u32).collect();
-        Ok(Case {
-            heads,
-            q,
-            out,
-            caches,
-            query_start_loc: gpu.upload(&query_start_loc_host)?,
-            query_start_loc_host,
-            seq_lens: gpu.upload(&seq_lens)?,
-            block_tables: gpu.upload(&order)?,
-            blocks_per_seq,
-            max_query_len: requests.iter().map(|&(_, q)| q).max().unwrap_or(0),
-            kv_bytes,
-        })
+/// (best single call, mean of `LAYERS` back-to-back calls), in seconds, on the kernel
+/// `paged_attention` picks or on the general kernel. Each run of `LAYERS` calls is one step: one
+/// metadata, whose work list the first call builds.
+fn time(gpu: &Gpu, case: &mut AttentionCase, general: bool) -> Result<(f64, f64), GpuError> {
+    let AttentionCase { buffers, step, .. } = case;
+    let ctx = gpu.stream().context();
+    let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
+    let meta = step.metadata();
+    for layer in 0..LAYERS {
+        buffers.attend(gpu, &meta, layer, general)?;
     }
-
-    /// (best single call, mean of `LAYERS` back-to-back calls), in seconds, on the kernel
-    /// `paged_attention` picks or on the general kernel. Each run of `LAYERS` calls is one step:
-    /// one metadata, whose work list the first call builds.
-    fn time(&mut self, gpu: &Gpu, general: bool) -> Result<(f64, f64), GpuError> {
-        let attend = if general { cuda::paged_attention_general } else { cuda::paged_attention };
-        let Case { heads, q, out, caches, .. } = self;
-        let Heads { query: num_heads, kv: num_kv_heads } = *heads;
-        let step = || GpuAttentionMetadata {
-            query_start_loc: self.query_start_loc.as_view(),
-            query_start_loc_host: &self.query_start_loc_host,
-            seq_lens: self.seq_lens.as_view(),
-            block_tables: self.block_tables.as_view(),
-            max_blocks_per_seq: self.blocks_per_seq,
-            max_query_len: self.max_query_len,
-            block_size: BLOCK_SIZE,
-            sliding_window: None,
-            scale: 1.0 / (HEAD_DIM as f32).sqrt(),
-            work: Default::default(),
-        };
-        let mut call = |meta: &GpuAttentionMetadata<'_>, layer: usize| {
-            let (k_cache, v_cache) = &caches[layer % caches.len()];
-            attend(
-                gpu,
-                q.view(),
-                k_cache.view(),
-                v_cache.view(),
-                meta,
-                num_heads,
-                num_kv_heads,
-                HEAD_DIM,
-                out.view_mut(),
-            )
-        };
-        let ctx = gpu.stream().context();
-        let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
-        let meta = step();
+    gpu.synchronize()?;
+    let mut best = f64::INFINITY;
+    for rep in 0..REPS {
+        start.record(gpu.stream())?;
+        buffers.attend(gpu, &meta, rep, general)?;
+        end.record(gpu.stream())?;
+        end.synchronize()?;
+        best = best.min(start.elapsed_ms(&end)? as f64 / 1e3);
+    }
+    let mut mean = f64::INFINITY;
+    for _ in 0..3 {
+        let meta = step.metadata();
+        start.record(gpu.stream())?;
         for layer in 0..LAYERS {
-            call(&meta, layer)?;
+            buffers.attend(gpu, &meta, layer, general)?;
         }
-        gpu.synchronize()?;
-        let mut best = f64::INFINITY;
-        for rep in 0..REPS {
-            start.record(gpu.stream())?;
-            call(&meta, rep)?;
-            end.record(gpu.stream())?;
-            end.synchronize()?;
-            best = best.min(start.elapsed_ms(&end)? as f64 / 1e3);
-        }
-        let mut mean = f64::INFINITY;
-        for _ in 0..3 {
-            let meta = step();
-            start.record(gpu.stream())?;
-            for layer in 0..LAYERS {
-                call(&meta, layer)?;
-            }
-            end.record(gpu.stream())?;
-            end.synchronize()?;
-            mean = mean.min(start.elapsed_ms(&end)? as f64 / 1e3 / LAYERS as f64);
-        }
-        gpu.synchronize()?;
-        Ok((best, mean))
+        end.record(gpu.stream())?;
+        end.synchronize()?;
+        mean = mean.min(start.elapsed_ms(&end)? as f64 / 1e3 / LAYERS as f64);
     }
-}
-
-/// `len` bf16 values uniform in [-1, 1) on the device.
-fn random_tensor(gpu: &Gpu, rng: &mut XorShift, len: usize) -> Result<GpuTensor, GpuError> {
-    let data: Vec<bf16> = (0..len).map(|_| bf16::from_f32(rng.uniform())).collect();
-    GpuTensor::from_weights(gpu, WeightView::BF16(&data), DType::BF16)
-}
-
-/// A small fast generator: the inputs need to be varied, not statistically strong.
-struct XorShift(u64);
-
-impl XorShift {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn uniform(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
+    gpu.synchronize()?;
+    Ok((best, mean))
 }

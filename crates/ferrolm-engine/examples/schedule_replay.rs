@@ -59,6 +59,9 @@ struct Replay {
     steps: usize,
     /// Steps with prompt tokens: count and seconds.
     mixed: (usize, f64),
+    /// The decodes those steps carry, and their share of the steps' seconds (their GEMMs and
+    /// attention): what running a step's decodes beside its prompt tokens could hide.
+    mixed_decodes: (usize, f64),
     /// Decode-only steps by bucket of batch size: count and seconds.
     decode: BTreeMap<usize, (usize, f64)>,
     output_tokens: usize,
@@ -116,16 +119,17 @@ fn main() -> ExitCode {
                 prompt_tokens += r.num_scheduled_tokens;
             }
         }
-        let ms = flags["step-ms"]
-            + decodes as f64 * flags["decode-us"] / 1e3
-            + context as f64 / flags["attention-context"].max(1.0) * flags["attention-us"] / 1e3
-            + prompt_tokens as f64 * flags["prompt-us"] / 1e3;
+        let decode_ms = decodes as f64 * flags["decode-us"] / 1e3
+            + context as f64 / flags["attention-context"].max(1.0) * flags["attention-us"] / 1e3;
+        let ms = flags["step-ms"] + decode_ms + prompt_tokens as f64 * flags["prompt-us"] / 1e3;
         let seconds = ms / 1e3;
         replay.seconds += seconds;
         replay.steps += 1;
         if prompt_tokens > 0 {
             replay.mixed.0 += 1;
             replay.mixed.1 += seconds;
+            replay.mixed_decodes.0 += decodes;
+            replay.mixed_decodes.1 += decode_ms / 1e3;
         } else {
             let bucket = replay.decode.entry(decodes / BUCKET * BUCKET).or_default();
             bucket.0 += 1;
@@ -143,6 +147,11 @@ fn main() -> ExitCode {
     }
 
     println!("steps with prompt tokens: {} ({:.1} s)", replay.mixed.0, replay.mixed.1);
+    println!(
+        "  their decodes: {:.0} a step on average ({:.1} s of the steps)",
+        replay.mixed_decodes.0 as f64 / replay.mixed.0.max(1) as f64,
+        replay.mixed_decodes.1
+    );
     for (low, (count, seconds)) in &replay.decode {
         println!("decode steps of {low}-{}: {count} ({seconds:.1} s)", low + BUCKET - 1);
     }

@@ -3,7 +3,8 @@
 #![allow(dead_code)]
 
 use cudarc::driver::sys::CUevent_flags;
-use ferrolm_backend::cuda::{Gpu, GpuError, GpuTensor};
+use cudarc::driver::CudaSlice;
+use ferrolm_backend::cuda::{self, Gpu, GpuAttentionMetadata, GpuError, GpuTensor};
 use ferrolm_backend::{DType, WeightView};
 use half::bf16;
 
@@ -24,17 +25,20 @@ pub fn open_gpu() -> Option<Gpu> {
 /// Calls per timed run.
 pub const CALLS: usize = 64;
 
+/// The next value of the xorshift state `seed`: the inputs need to be varied, not statistically
+/// strong.
+pub fn next_random(seed: &mut u64) -> u64 {
+    *seed ^= *seed << 13;
+    *seed ^= *seed >> 7;
+    *seed ^= *seed << 17;
+    *seed
+}
+
 /// `len` random values in [-1, 1) (bf16-representable) stored as `dtype`; `seed` is a xorshift
 /// state, advanced.
 pub fn random_tensor(gpu: &Gpu, dtype: DType, len: usize, seed: &mut u64) -> Result<GpuTensor, GpuError> {
-    let data: Vec<bf16> = (0..len)
-        .map(|_| {
-            *seed ^= *seed << 13;
-            *seed ^= *seed >> 7;
-            *seed ^= *seed << 17;
-            bf16::from_f32((*seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
-        })
-        .collect();
+    let data: Vec<bf16> =
+        (0..len).map(|_| bf16::from_f32((next_random(seed) >> 40) as f32 / (1u64 << 23) as f32 - 1.0)).collect();
     GpuTensor::from_weights(gpu, WeightView::BF16(&data), dtype)
 }
 
@@ -62,4 +66,156 @@ pub fn best_mean(
         best = best.min(start.elapsed_ms(&end)? as f64 / 1e3 / CALLS as f64);
     }
     Ok(best)
+}
+
+/// Head size and KV block size of the attention cases (the Llama families').
+pub const HEAD_DIM: usize = 128;
+pub const BLOCK_SIZE: usize = 16;
+/// Layers cycled through per case when one layer's K/V would fit in the L2 cache.
+pub const LAYERS: usize = 32;
+
+/// Query heads and KV heads of an attention case.
+#[derive(Clone, Copy)]
+pub struct Heads {
+    pub query: usize,
+    pub kv: usize,
+}
+
+pub const LLAMA_8B: Heads = Heads { query: 32, kv: 8 };
+
+/// Where a case's K/V blocks lie: `spread` times as many blocks as the case reads, of which it
+/// reads a random set, in `layers` caches used in turn (0: as many as keep a pass over them
+/// several times the L2), holding random values or zeros (which take as long to attend over
+/// and much less time to set up).
+#[derive(Clone, Copy)]
+pub struct CacheLayout {
+    pub spread: usize,
+    pub layers: usize,
+    pub random: bool,
+}
+
+pub const COMPACT: CacheLayout = CacheLayout { spread: 1, layers: 0, random: true };
+pub const COMPACT_ZEROS: CacheLayout = CacheLayout { spread: 1, layers: 0, random: false };
+
+/// One attention case: `(context length, query rows)` of each sequence, its buffers and its
+/// step's metadata buffers, apart so that a step's metadata can borrow the one while calls
+/// write into the other.
+pub struct AttentionCase {
+    pub buffers: AttentionBuffers,
+    pub step: StepBuffers,
+    /// K and V bytes one call reads.
+    pub kv_bytes: usize,
+}
+
+/// A case's query of bf16 random values, its output, and `caches.len()` layers' K/V caches, all
+/// addressed by one block table as a model's layers are.
+pub struct AttentionBuffers {
+    pub heads: Heads,
+    pub q: GpuTensor,
+    pub out: GpuTensor,
+    /// `[num_blocks * BLOCK_SIZE, heads.kv * HEAD_DIM]` K and V of each layer.
+    pub caches: Vec<(GpuTensor, GpuTensor)>,
+}
+
+/// A case's attention metadata on the device and the host.
+pub struct StepBuffers {
+    query_start_loc_host: Vec<u32>,
+    query_start_loc: CudaSlice<u32>,
+    seq_lens: CudaSlice<u32>,
+    /// `[num_reqs, blocks_per_seq]`, over shuffled blocks.
+    block_tables: CudaSlice<u32>,
+    blocks_per_seq: usize,
+    max_query_len: usize,
+}
+
+impl AttentionCase {
+    pub fn new(
+        gpu: &Gpu,
+        heads: Heads,
+        cache: CacheLayout,
+        requests: &[(usize, usize)],
+    ) -> Result<AttentionCase, GpuError> {
+        let kv_width = heads.kv * HEAD_DIM;
+        let blocks_per_seq = requests.iter().map(|&(s, _)| s.div_ceil(BLOCK_SIZE)).max().unwrap_or(0);
+        let context: usize = requests.iter().map(|&(s, _)| s).sum();
+        let kv_bytes = context * kv_width * 2 * 2;
+        let read_blocks = requests.len() * blocks_per_seq;
+        let num_blocks = read_blocks * cache.spread;
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut order: Vec<u32> = (0..num_blocks as u32).collect();
+        for i in (1..order.len()).rev() {
+            order.swap(i, next_random(&mut seed) as usize % (i + 1));
+        }
+        order.truncate(read_blocks);
+        let cache_len = num_blocks * BLOCK_SIZE * kv_width;
+        // Enough layers that one pass over them is several times a 50 MB L2.
+        let layers = match cache.layers {
+            0 if kv_bytes >= 256 << 20 => 1,
+            0 => LAYERS,
+            n => n,
+        };
+        let mut layer_cache = || {
+            if cache.random {
+                random_tensor(gpu, DType::BF16, cache_len, &mut seed)
+            } else {
+                GpuTensor::zeros(gpu, DType::BF16, cache_len)
+            }
+        };
+        let caches = (0..layers).map(|_| Ok((layer_cache()?, layer_cache()?))).collect::<Result<Vec<_>, GpuError>>()?;
+        let tokens: usize = requests.iter().map(|&(_, q)| q).sum();
+        let q = random_tensor(gpu, DType::BF16, tokens * heads.query * HEAD_DIM, &mut seed)?;
+        let out = GpuTensor::zeros(gpu, DType::BF16, tokens * heads.query * HEAD_DIM)?;
+        let mut query_start_loc_host = vec![0u32];
+        for (r, &(_, q_len)) in requests.iter().enumerate() {
+            query_start_loc_host.push(query_start_loc_host[r] + q_len as u32);
+        }
+        let seq_lens: Vec<u32> = requests.iter().map(|&(s, _)| s as u32).collect();
+        Ok(AttentionCase {
+            buffers: AttentionBuffers { heads, q, out, caches },
+            step: StepBuffers {
+                query_start_loc: gpu.upload(&query_start_loc_host)?,
+                query_start_loc_host,
+                seq_lens: gpu.upload(&seq_lens)?,
+                block_tables: gpu.upload(&order)?,
+                blocks_per_seq,
+                max_query_len: requests.iter().map(|&(_, q)| q).max().unwrap_or(0),
+            },
+            kv_bytes,
+        })
+    }
+}
+
+impl StepBuffers {
+    /// The step's metadata (one per step: the first call builds its work list).
+    pub fn metadata(&self) -> GpuAttentionMetadata<'_> {
+        GpuAttentionMetadata {
+            query_start_loc: self.query_start_loc.as_view(),
+            query_start_loc_host: &self.query_start_loc_host,
+            seq_lens: self.seq_lens.as_view(),
+            block_tables: self.block_tables.as_view(),
+            max_blocks_per_seq: self.blocks_per_seq,
+            max_query_len: self.max_query_len,
+            block_size: BLOCK_SIZE,
+            sliding_window: None,
+            scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+            work: Default::default(),
+        }
+    }
+}
+
+impl AttentionBuffers {
+    /// One call on `layer`'s cache (in turn), on the kernel `cuda::paged_attention` picks or on
+    /// the general kernel, with `meta` from the same case's [`StepBuffers::metadata`].
+    pub fn attend(
+        &mut self,
+        gpu: &Gpu,
+        meta: &GpuAttentionMetadata<'_>,
+        layer: usize,
+        general: bool,
+    ) -> Result<(), GpuError> {
+        let attend = if general { cuda::paged_attention_general } else { cuda::paged_attention };
+        let (k_cache, v_cache) = &self.caches[layer % self.caches.len()];
+        let Heads { query, kv } = self.heads;
+        attend(gpu, self.q.view(), k_cache.view(), v_cache.view(), meta, query, kv, HEAD_DIM, self.out.view_mut())
+    }
 }

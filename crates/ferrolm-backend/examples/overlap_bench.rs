@@ -1,0 +1,191 @@
+//! Whether a step's work split in two parts on two streams runs faster than on one stream: the
+//! memory-bound decode attention of one part beside the compute-bound GEMMs of the other. Each
+//! case is 32 layers of the Llama-3.1-8B's projections (qkv, o_proj, gate_up, down: cuBLAS, as
+//! `Gpu::tune_gemms` leaves it at the rows used) and its paged attention, in the model's order;
+//! the element-wise kernels are left out.
+//!
+//! ```text
+//! cargo build --release -p ferrolm-backend --features cuda --example overlap_bench
+//! target/release/examples/overlap_bench
+//! ```
+//!
+//! Cases: a mixed step of the 1000-request benchmark (384 decodes at context 1500 and 8 prompts
+//! of 976 tokens, 8192 rows) split into its decodes and its prompts; a smaller one (192 decodes
+//! at 1000, 8 x 1000 prompt tokens); decode steps of 384 and 512 requests at context 1500 split
+//! into halves. For each: the whole step on one stream (as ferrolm runs it), the two parts one
+//! after the other on one stream (what splitting costs by itself), and the two parts on two
+//! streams at once, each the best of 3 steps. Both streams share the weights (one copy of each
+//! layer, 4 layers in turn, well past the 50 MB L2).
+
+mod bench_support;
+
+use bench_support::{open_gpu, random_tensor, AttentionCase, COMPACT_ZEROS, LAYERS, LLAMA_8B};
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaEvent;
+use ferrolm_backend::cuda::{self, Gpu, GpuError, GpuTensor};
+use ferrolm_backend::DType;
+
+/// The 8B's projections of one layer, `(n, k)`, in the order a layer runs them; attention
+/// follows the first.
+const PROJECTIONS: [(usize, usize); 4] = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)];
+const WIDEST_N: usize = 28672;
+const WIDEST_K: usize = 14336;
+/// Copies of a layer's weights cycled through (436 MB each).
+const WEIGHT_LAYERS: usize = 4;
+const RUNS: usize = 3;
+
+fn main() {
+    let Some(a) = open_gpu() else { return };
+    // A second `Gpu` on the same device: the same (primary) context, its own stream, cuBLAS
+    // handle and attention workspace.
+    let b = match Gpu::new(0) {
+        Ok(gpu) => gpu,
+        Err(e) => return eprintln!("second stream: {e}"),
+    };
+    let weights = match layer_weights(&a) {
+        Ok(w) => w,
+        Err(e) => return eprintln!("weights: {e}"),
+    };
+    println!(
+        "{:<46} {:>11} {:>14} {:>13} {:>9}",
+        "case (32 layers)", "one stream", "split in turn", "two streams", "two/one"
+    );
+    let decodes = |n: usize, context: usize| vec![(context, 1); n];
+    let prompts = |n: usize, len: usize| vec![(len, len); n];
+    let cases = [
+        ("mixed: 384 decodes @1500 | 8 x 976 prompt", decodes(384, 1500), prompts(8, 976)),
+        ("mixed: 192 decodes @1000 | 8 x 1000 prompt", decodes(192, 1000), prompts(8, 1000)),
+        ("decode 384 @1500: 192 | 192", decodes(192, 1500), decodes(192, 1500)),
+        ("decode 512 @1500: 256 | 256", decodes(256, 1500), decodes(256, 1500)),
+    ];
+    let only = std::env::args().nth(1).unwrap_or_default();
+    for (name, first, second) in cases.iter().filter(|(name, ..)| name.contains(&only)) {
+        if let Err(e) = run_case(&a, &b, &weights, name, first, second) {
+            eprintln!("{name}: {e}");
+        }
+    }
+}
+
+/// `WEIGHT_LAYERS` layers of random bf16 projections, on `gpu` (shared by both streams: one
+/// context).
+fn layer_weights(gpu: &Gpu) -> Result<Vec<Vec<GpuTensor>>, GpuError> {
+    let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+    (0..WEIGHT_LAYERS)
+        .map(|_| PROJECTIONS.iter().map(|&(n, k)| random_tensor(gpu, DType::BF16, n * k, &mut seed)).collect())
+        .collect()
+}
+
+/// One part of a step: its rows' activations and its attention.
+struct Part {
+    rows: usize,
+    /// `[rows, WIDEST_K]` input and `[rows, WIDEST_N]` output, sliced per projection.
+    x: GpuTensor,
+    y: GpuTensor,
+    attention: AttentionCase,
+}
+
+impl Part {
+    /// `requests`: (context length, query rows) of each sequence.
+    fn new(gpu: &Gpu, requests: &[(usize, usize)]) -> Result<Part, GpuError> {
+        let attention = AttentionCase::new(gpu, LLAMA_8B, COMPACT_ZEROS, requests)?;
+        let rows = requests.iter().map(|&(_, q)| q).sum();
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        Ok(Part {
+            rows,
+            x: random_tensor(gpu, DType::BF16, rows * WIDEST_K, &mut seed)?,
+            y: GpuTensor::zeros(gpu, DType::BF16, rows * WIDEST_N)?,
+            attention,
+        })
+    }
+
+    /// Tunes the GEMMs at this part's rows on `gpu`, as the engine does at load for its batches.
+    fn tune(&self, gpu: &Gpu, weights: &[Vec<GpuTensor>]) -> Result<(), GpuError> {
+        let shapes: Vec<_> = weights[0].iter().zip(PROJECTIONS).map(|(w, (n, _))| (w.view(), n, DType::BF16)).collect();
+        gpu.tune_gemms(&[self.rows], &shapes).map(|_| ())
+    }
+
+    /// Issues 32 layers on `gpu`'s stream: qkv, attention, o_proj, gate_up, down.
+    fn issue_step(&mut self, gpu: &Gpu, weights: &[Vec<GpuTensor>]) -> Result<(), GpuError> {
+        let Part { rows, x, y, attention } = self;
+        let m = *rows;
+        let meta = attention.step.metadata();
+        for layer in 0..LAYERS {
+            let w = &weights[layer % weights.len()];
+            for (p, &(n, k)) in PROJECTIONS.iter().enumerate() {
+                cuda::linear(gpu, x.slice(0..m * k), m, k, w[p].view(), n, None, y.slice_mut(0..m * n))?;
+                if p == 0 {
+                    attention.buffers.attend(gpu, &meta, layer, false)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Seconds between two events recorded on `gpu`'s stream around `issue`, best of `RUNS` after
+/// one warm-up.
+fn best_time(gpu: &Gpu, mut issue: impl FnMut() -> Result<(), GpuError>) -> Result<f64, GpuError> {
+    let (start, end) = (event(gpu)?, event(gpu)?);
+    issue()?;
+    gpu.synchronize()?;
+    let mut best = f64::INFINITY;
+    for _ in 0..RUNS {
+        start.record(gpu.stream())?;
+        issue()?;
+        end.record(gpu.stream())?;
+        end.synchronize()?;
+        best = best.min(start.elapsed_ms(&end)? as f64 / 1e3);
+    }
+    Ok(best)
+}
+
+fn event(gpu: &Gpu) -> Result<CudaEvent, GpuError> {
+    Ok(gpu.stream().context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?)
+}
+
+fn run_case(
+    a: &Gpu,
+    b: &Gpu,
+    weights: &[Vec<GpuTensor>],
+    name: &str,
+    first: &[(usize, usize)],
+    second: &[(usize, usize)],
+) -> Result<(), GpuError> {
+    let whole_requests: Vec<_> = first.iter().chain(second).copied().collect();
+    let one_stream = {
+        let mut whole = Part::new(a, &whole_requests)?;
+        whole.tune(a, weights)?;
+        best_time(a, || whole.issue_step(a, weights))?
+    };
+    a.clear_tuned_gemms();
+    let mut first = Part::new(a, first)?;
+    let mut second = Part::new(b, second)?;
+    first.tune(a, weights)?;
+    second.tune(a, weights)?;
+    let in_turn = best_time(a, || {
+        first.issue_step(a, weights)?;
+        second.issue_step(a, weights)
+    })?;
+    second.tune(b, weights)?;
+    // Stream b starts when a reaches the fork event, and a waits for b's last layer.
+    let (fork, join) = (event(a)?, event(b)?);
+    let two_streams = best_time(a, || {
+        fork.record(a.stream())?;
+        b.stream().wait(&fork)?;
+        first.issue_step(a, weights)?;
+        second.issue_step(b, weights)?;
+        join.record(b.stream())?;
+        a.stream().wait(&join)?;
+        Ok(())
+    })?;
+    a.clear_tuned_gemms();
+    b.clear_tuned_gemms();
+    println!(
+        "{name:<46} {:>8.2} ms {:>11.2} ms {:>10.2} ms {:>9.3}",
+        one_stream * 1e3,
+        in_turn * 1e3,
+        two_streams * 1e3,
+        two_streams / one_stream
+    );
+    Ok(())
+}
