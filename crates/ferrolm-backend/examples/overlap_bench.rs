@@ -14,7 +14,8 @@
 //! at 1000, 8 x 1000 prompt tokens); decode steps of 384 and 512 requests at context 1500 split
 //! into halves. For each: the whole step on one stream (as ferrolm runs it), the two parts one
 //! after the other on one stream (what splitting costs by itself), and the two parts on two
-//! streams at once, each the best of 3 steps. Both streams share the weights (one copy of each
+//! streams at once, of equal priority and with the first part's (the decodes') stream at the
+//! highest priority, each the best of 3 steps. The streams share the weights (one copy of each
 //! layer, 4 layers in turn, well past the 50 MB L2).
 
 mod bench_support;
@@ -22,7 +23,7 @@ mod bench_support;
 use bench_support::{open_gpu, random_tensor, AttentionCase, COMPACT_ZEROS, LAYERS, LLAMA_8B};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
-use ferrolm_backend::cuda::{self, Gpu, GpuError, GpuTensor};
+use ferrolm_backend::cuda::{self, Gpu, GpuError, GpuTensor, StreamPriority};
 use ferrolm_backend::DType;
 
 /// The 8B's projections of one layer, `(n, k)`, in the order a layer runs them; attention
@@ -36,10 +37,11 @@ const RUNS: usize = 3;
 
 fn main() {
     let Some(a) = open_gpu() else { return };
-    // A second `Gpu` on the same device: the same (primary) context, its own stream, cuBLAS
-    // handle and attention workspace.
-    let b = match Gpu::new(0) {
-        Ok(gpu) => gpu,
+    // More `Gpu`s on the same device: the same (primary) context, each with its own stream,
+    // cuBLAS handle and attention workspace; the last one's stream at the highest priority.
+    let others = Gpu::new(0).and_then(|b| Ok((b, Gpu::new_with_priority(0, StreamPriority::Highest)?)));
+    let (b, high) = match others {
+        Ok(gpus) => gpus,
         Err(e) => return eprintln!("second stream: {e}"),
     };
     let weights = match layer_weights(&a) {
@@ -47,8 +49,8 @@ fn main() {
         Err(e) => return eprintln!("weights: {e}"),
     };
     println!(
-        "{:<46} {:>11} {:>14} {:>13} {:>9}",
-        "case (32 layers)", "one stream", "split in turn", "two streams", "two/one"
+        "{:<44} {:>10} {:>14} {:>12} {:>12} {:>9}",
+        "case (32 layers), ms", "one stream", "split in turn", "two streams", "first high", "best/one"
     );
     let decodes = |n: usize, context: usize| vec![(context, 1); n];
     let prompts = |n: usize, len: usize| vec![(len, len); n];
@@ -60,7 +62,7 @@ fn main() {
     ];
     let only = std::env::args().nth(1).unwrap_or_default();
     for (name, first, second) in cases.iter().filter(|(name, ..)| name.contains(&only)) {
-        if let Err(e) = run_case(&a, &b, &weights, name, first, second) {
+        if let Err(e) = run_case([&a, &b, &high], &weights, name, first, second) {
             eprintln!("{name}: {e}");
         }
     }
@@ -143,49 +145,57 @@ fn event(gpu: &Gpu) -> Result<CudaEvent, GpuError> {
     Ok(gpu.stream().context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?)
 }
 
+/// `gpus`: the stream of the whole step and of the second part, the first part's stream of
+/// equal priority, and one of the highest priority.
 fn run_case(
-    a: &Gpu,
-    b: &Gpu,
+    gpus: [&Gpu; 3],
     weights: &[Vec<GpuTensor>],
     name: &str,
     first: &[(usize, usize)],
     second: &[(usize, usize)],
 ) -> Result<(), GpuError> {
+    let [a, b, high] = gpus;
     let whole_requests: Vec<_> = first.iter().chain(second).copied().collect();
     let one_stream = {
         let mut whole = Part::new(a, &whole_requests)?;
         whole.tune(a, weights)?;
-        best_time(a, || whole.issue_step(a, weights))?
+        let t = best_time(a, || whole.issue_step(a, weights))?;
+        a.clear_tuned_gemms();
+        t
     };
-    a.clear_tuned_gemms();
     let mut first = Part::new(a, first)?;
-    let mut second = Part::new(b, second)?;
+    let mut second = Part::new(a, second)?;
     first.tune(a, weights)?;
     second.tune(a, weights)?;
     let in_turn = best_time(a, || {
         first.issue_step(a, weights)?;
         second.issue_step(a, weights)
     })?;
-    second.tune(b, weights)?;
-    // Stream b starts when a reaches the fork event, and a waits for b's last layer.
-    let (fork, join) = (event(a)?, event(b)?);
-    let two_streams = best_time(a, || {
-        fork.record(a.stream())?;
-        b.stream().wait(&fork)?;
-        first.issue_step(a, weights)?;
-        second.issue_step(b, weights)?;
-        join.record(b.stream())?;
-        a.stream().wait(&join)?;
-        Ok(())
-    })?;
+    let mut two_streams = [0.0; 2];
+    for (slot, side) in [b, high].into_iter().enumerate() {
+        first.tune(side, weights)?;
+        // The side stream starts when `a` reaches the fork event, and `a` waits for its last
+        // layer.
+        let (fork, join) = (event(a)?, event(side)?);
+        two_streams[slot] = best_time(a, || {
+            fork.record(a.stream())?;
+            side.stream().wait(&fork)?;
+            first.issue_step(side, weights)?;
+            second.issue_step(a, weights)?;
+            join.record(side.stream())?;
+            a.stream().wait(&join)?;
+            Ok(())
+        })?;
+        side.clear_tuned_gemms();
+    }
     a.clear_tuned_gemms();
-    b.clear_tuned_gemms();
     println!(
-        "{name:<46} {:>8.2} ms {:>11.2} ms {:>10.2} ms {:>9.3}",
+        "{name:<44} {:>10.2} {:>14.2} {:>12.2} {:>12.2} {:>9.3}",
         one_stream * 1e3,
         in_turn * 1e3,
-        two_streams * 1e3,
-        two_streams / one_stream
+        two_streams[0] * 1e3,
+        two_streams[1] * 1e3,
+        two_streams[0].min(two_streams[1]) / one_stream
     );
     Ok(())
 }

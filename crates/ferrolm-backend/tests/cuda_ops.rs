@@ -1002,6 +1002,30 @@ fn paged_attention_work_list_is_shared_by_a_steps_layers() -> Result<(), GpuErro
 // ---------------------------------------------------------------------------------------------
 // Linear and logits
 
+/// A second `Gpu` on the device, its stream at the highest priority, shares the first one's
+/// context: it runs ops on the first one's buffers (both GEMM routes) with the same results.
+#[test]
+fn a_gpu_of_highest_priority_works_on_another_gpus_buffers() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let high = cuda::Gpu::new_with_priority(0, cuda::StreamPriority::Highest)?;
+    let mut rng = rng(31);
+    let (k, n) = (256, 384);
+    for m in [1, 200] {
+        let x = random_vec(&mut rng, m * k, 1.0);
+        let w = random_vec(&mut rng, n * k, 0.5);
+        let (x_dev, x_r) = upload(&gpu, &x, DType::BF16)?;
+        let (w_dev, w_r) = upload(&gpu, &w, DType::BF16)?;
+        let mut y = nan_tensor(&gpu, DType::F32, m * n)?;
+        gpu.synchronize()?;
+        cuda::linear(&high, x_dev.view(), m, k, w_dev.view(), n, None, y.view_mut())?;
+        high.synchronize()?;
+        let mut want = vec![0.0; m * n];
+        cpu::linear(&x_r, m, k, WeightView::F32(&w_r), n, None, &mut want);
+        check(&format!("linear on the high-priority stream, m={m}"), &y.to_f32_vec(&gpu)?, &want, 1e-3);
+    }
+    Ok(())
+}
+
 #[test]
 fn linear_matches_cpu() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };

@@ -102,6 +102,14 @@ fn allow_dynamic_shared(f: &CudaFunction, max_shared_per_block: i32) -> Result<(
     Ok(())
 }
 
+/// The priority of a [`Gpu`]'s stream among the device's streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamPriority {
+    Default,
+    /// The highest the device offers.
+    Highest,
+}
+
 /// One CUDA device with everything the ops need.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
@@ -143,10 +151,17 @@ impl Gpu {
     /// creates the context, the stream and the cuBLAS handle, and compiles (or loads from the
     /// disk cache) the kernels for the device's architecture.
     pub fn new(ordinal: usize) -> Result<Gpu, GpuError> {
+        Gpu::new_with_priority(ordinal, StreamPriority::Default)
+    }
+
+    /// [`Gpu::new`] with its stream at `priority`. Two `Gpu`s of one device share its primary
+    /// context, so each may read the other's buffers; where both have work queued, the block
+    /// scheduler starts the blocks of the higher-priority stream first.
+    pub fn new_with_priority(ordinal: usize, priority: StreamPriority) -> Result<Gpu, GpuError> {
         check_libraries()?;
         // cudarc panics when a library lacks a symbol it binds (an older driver, say): report
         // that as an error too.
-        std::panic::catch_unwind(|| Gpu::open(ordinal)).unwrap_or_else(|payload| {
+        std::panic::catch_unwind(|| Gpu::open(ordinal, priority)).unwrap_or_else(|payload| {
             let msg = payload
                 .downcast_ref::<String>()
                 .cloned()
@@ -156,7 +171,7 @@ impl Gpu {
         })
     }
 
-    fn open(ordinal: usize) -> Result<Gpu, GpuError> {
+    fn open(ordinal: usize, priority: StreamPriority) -> Result<Gpu, GpuError> {
         let mut version = 0;
         // SAFETY: the pointer is valid for a write; the driver library was found above.
         unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }.result()?;
@@ -172,7 +187,13 @@ impl Gpu {
         // SAFETY: every buffer of this `Gpu` is used on its single stream, so stream order alone
         // keeps reads, writes and frees in sequence.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream()?;
+        let stream = match priority {
+            StreamPriority::Default => ctx.new_stream()?,
+            StreamPriority::Highest => {
+                let (_least, greatest) = cudarc::driver::result::stream::get_priority_range()?;
+                ctx.new_stream_with_priority(greatest)?
+            }
+        };
         let blas = CudaBlas::new(stream.clone())?;
         // Default math (so no TF32 for f32 GEMMs) with every reduction kept in f32: by default
         // cuBLAS may sum split-K partial products in the f16/bf16 output type, which costs bf16
