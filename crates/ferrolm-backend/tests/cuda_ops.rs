@@ -1003,14 +1003,16 @@ fn paged_attention_work_list_is_shared_by_a_steps_layers() -> Result<(), GpuErro
 // Linear and logits
 
 /// A second `Gpu` on the device, its stream at the highest priority, shares the first one's
-/// context: it runs ops on the first one's buffers (both GEMM routes) with the same results.
+/// context: it runs ops on the first one's buffers (both GEMM routes, cuBLAS on all SMs and on
+/// 8) with the same results.
 #[test]
 fn a_gpu_of_highest_priority_works_on_another_gpus_buffers() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
     let high = cuda::Gpu::new_with_priority(0, cuda::StreamPriority::Highest)?;
     let mut rng = rng(31);
     let (k, n) = (256, 384);
-    for m in [1, 200] {
+    for (m, sm_target) in [(1, None), (200, None), (200, Some(8))] {
+        high.set_gemm_sm_count_target(sm_target)?;
         let x = random_vec(&mut rng, m * k, 1.0);
         let w = random_vec(&mut rng, n * k, 0.5);
         let (x_dev, x_r) = upload(&gpu, &x, DType::BF16)?;
@@ -1021,7 +1023,8 @@ fn a_gpu_of_highest_priority_works_on_another_gpus_buffers() -> Result<(), GpuEr
         high.synchronize()?;
         let mut want = vec![0.0; m * n];
         cpu::linear(&x_r, m, k, WeightView::F32(&w_r), n, None, &mut want);
-        check(&format!("linear on the high-priority stream, m={m}"), &y.to_f32_vec(&gpu)?, &want, 1e-3);
+        let what = format!("linear on the high-priority stream, m={m}, SM target {sm_target:?}");
+        check(&what, &y.to_f32_vec(&gpu)?, &want, 1e-3);
     }
     Ok(())
 }

@@ -371,6 +371,16 @@ impl Gpu {
         self.tuned_gemms.clear();
     }
 
+    /// Has `cublasGemmEx` choose kernels for `count` streaming multiprocessors (all of them with
+    /// `None`, the default): a GEMM running beside another stream's kernels leaves them the
+    /// rest. Tuned cuBLASLt plans keep the kernels they were chosen with.
+    pub fn set_gemm_sm_count_target(&self, count: Option<usize>) -> Result<(), GpuError> {
+        let count = count.map_or(0, |c| c.clamp(1, self.multiprocessors)) as i32;
+        // SAFETY: the handle is live.
+        unsafe { blas_sys::cublasSetSmCountTarget(self.blas_handle()?, count) }.result()?;
+        Ok(())
+    }
+
     /// The cuBLAS workspace, `(address, bytes)`, which cuBLASLt GEMMs share in stream order.
     pub(crate) fn blas_workspace(&self) -> (u64, usize) {
         (self.blas_workspace_ptr, BLAS_WORKSPACE_BYTES)
@@ -388,7 +398,7 @@ impl Gpu {
     }
 
     /// Streaming multiprocessors (132 on an H200).
-    pub(crate) fn multiprocessors(&self) -> usize {
+    pub fn multiprocessors(&self) -> usize {
         self.multiprocessors
     }
 
