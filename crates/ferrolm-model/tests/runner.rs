@@ -308,6 +308,53 @@ fn steps_launched_ahead_equal_steps_run_one_at_a_time() {
     }
 }
 
+/// The step [`a_mixed_step_split_in_two_computes_what_it_computes_whole`] and its GPU
+/// counterpart run, after a first step that reads three prompts: their three decodes first,
+/// then a new 9-token prompt and a new 4-token one with every row's logits. Tables of 3 blocks
+/// each over 16 blocks.
+fn prompts_then_mixed_step() -> (ModelInput, ModelInput) {
+    let prompts: Vec<Vec<u32>> =
+        (0..5u32).map(|i| (0..[5, 7, 3, 9, 4][i as usize]).map(|j| 1 + (i * 131 + j * 17) % 500).collect()).collect();
+    // Distinct blocks, in descending order.
+    let tables: Vec<Vec<u32>> = (0..5u32).map(|i| (0..3).map(|b| 15 - (i * 3 + b)).collect()).collect();
+    let mut first = ModelInput::default();
+    for i in 0..3 {
+        first.push_request(&prompts[i], 0, &tables[i], BLOCK_SIZE, true, false);
+    }
+    let mut mixed = ModelInput::default();
+    for i in 0..3 {
+        mixed.push_request(&[10 + i as u32], prompts[i].len(), &tables[i], BLOCK_SIZE, true, false);
+    }
+    mixed.push_request(&prompts[3], 0, &tables[3], BLOCK_SIZE, true, false);
+    mixed.push_request(&prompts[4], 0, &tables[4], BLOCK_SIZE, true, true);
+    (first, mixed)
+}
+
+/// A mixed step run as two (its decodes, then its prompts), as the CUDA runner can run it on two
+/// streams, writes the same K/V and gives the same logits as the step run whole (CPU model).
+#[test]
+fn a_mixed_step_split_in_two_computes_what_it_computes_whole() {
+    let model = load_model(&repo_path("models/ferrolm-demo-py"));
+    let (first, mixed) = prompts_then_mixed_step();
+    let (mut whole_kv, mut parts_kv) = (model.new_kv_cache(16, BLOCK_SIZE), model.new_kv_cache(16, BLOCK_SIZE));
+    model.forward(&first, &mut whole_kv);
+    model.forward(&first, &mut parts_kv);
+    let whole = model.forward(&mixed, &mut whole_kv);
+    assert_eq!(mixed.leading_decodes(), 3);
+    let (decodes, prompts) = mixed.split_at(3).expect("two parts");
+    let mut parts = model.forward(&decodes, &mut parts_kv);
+    parts.extend(model.forward(&prompts, &mut parts_kv));
+    assert_eq!(parts.len(), whole.len());
+    assert_eq!(whole.len(), (3 + 1 + 4) * model.config.vocab_size);
+    let worst = parts.iter().zip(&whole).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(worst < 1e-4, "split against whole: logits differ by {worst}");
+    for (layer, (a, b)) in parts_kv.layers.iter().zip(&whole_kv.layers).enumerate() {
+        let worst =
+            a.0.iter().chain(&a.1).zip(b.0.iter().chain(&b.1)).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(worst < 1e-5, "layer {layer}: K/V differ by {worst}");
+    }
+}
+
 /// 64 requests of mixed lengths decoded together give the tokens each gives alone (on bf16,
 /// up to the first step whose margin alone is within 0.1, where rounding may flip the choice).
 /// The bundled demo model is trained, so its choices mostly have clear margins.
