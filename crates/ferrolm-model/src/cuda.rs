@@ -8,7 +8,7 @@
 
 use ferrolm_backend::cuda::{
     self as gpu_ops, GatedActivation, Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor, GpuView,
-    StagedBuffer,
+    StagedBuffer, StreamPriority,
 };
 use ferrolm_backend::DType;
 use ferrolm_sampling::{RowRequest, TokenLogprobs};
@@ -108,6 +108,23 @@ pub struct CudaRunner {
     sampler: gpu_ops::GpuSampler,
     /// The `(t, row)` pairs of a step's previous tokens on their way to the device.
     previous: PreviousTokens,
+    /// Where a mixed step's decodes run beside its prompts, when steps are split (see
+    /// [`CudaRunner::set_split_mixed_steps`]).
+    side: Option<SideStream>,
+}
+
+/// A second stream on the runner's device, at the highest priority, with the buffers of the
+/// part of a step that runs on it: a mixed step's leading decodes, whose memory-bound attention
+/// can then run while the main stream's GEMMs of the step's prompt tokens hold the tensor
+/// cores. It shares the runner's context, so it works on the runner's weights and KV cache.
+struct SideStream {
+    gpu: Gpu,
+    /// Steps run split so far.
+    steps: u64,
+    /// Its part's activations, up to the final norm (the LM head runs on the main stream).
+    acts: Option<Activations>,
+    buffers: Option<StepBuffers>,
+    previous: PreviousTokens,
 }
 
 /// The `(t, row)` pairs of a step's previous tokens (see [`ModelInput::previous_tokens`]), sent
@@ -195,7 +212,35 @@ impl CudaRunner {
             eager_buffers: None,
             sampler: gpu_ops::GpuSampler::new(),
             previous: PreviousTokens::default(),
+            side: None,
         })
+        .and_then(|mut runner| {
+            if std::env::var("FERROLM_SPLIT_MIXED_STEPS").is_ok_and(|v| v == "1") {
+                runner.set_split_mixed_steps(true)?;
+            }
+            Ok(runner)
+        })
+    }
+
+    /// Runs each step that has both leading decodes and prompt tokens as two parts (off by
+    /// default; `FERROLM_SPLIT_MIXED_STEPS=1` turns it on): the decodes on a second stream of
+    /// the highest priority, the rest on the main stream at the same time, and the LM head of
+    /// all rows once both are done. The parts write the same K/V and logits as the whole step,
+    /// up to the GEMMs' rounding at other row counts.
+    pub fn set_split_mixed_steps(&mut self, enabled: bool) -> Result<(), ModelError> {
+        if !enabled {
+            self.side = None;
+        } else if self.side.is_none() {
+            let gpu = Gpu::new_with_priority(self.gpu.ordinal(), StreamPriority::Highest)?;
+            let previous = PreviousTokens::default();
+            self.side = Some(SideStream { gpu, steps: 0, acts: None, buffers: None, previous });
+        }
+        Ok(())
+    }
+
+    /// Steps run split in two since splitting was turned on (0 while it is off).
+    pub fn split_steps(&self) -> u64 {
+        self.side.as_ref().map_or(0, |side| side.steps)
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -236,6 +281,10 @@ impl CudaRunner {
             return Ok(());
         }
         let report = self.gpu.tune_gemms(&ms, &weights)?;
+        if let Some(side) = &self.side {
+            // The side stream's GEMMs are decode batches too; its cuBLAS handle keeps its own plans.
+            side.gpu.tune_gemms(&ms, &weights)?;
+        }
         for t in &report {
             tracing::debug!(
                 m = t.shape.m,
@@ -295,13 +344,29 @@ impl CudaRunner {
         let rows = input.logits_indices.len();
         let shape = if self.graphs.disabled || self.model.layers.is_empty() { None } else { GraphShape::of(input) };
         let Some(shape) = shape else {
+            let decodes = input.leading_decodes();
+            if self.side.is_some() && decodes < input.num_reqs() {
+                if let Some((first, second)) = input.split_at(decodes) {
+                    return self.forward_split(&first, &second, rows);
+                }
+            }
             self.ensure_activations(input.num_tokens(), rows)?;
             StepBuffers::upload_reusing(&mut self.eager_buffers, &self.gpu, input)?;
             let buffers = self.eager_buffers.as_ref().expect("buffers were just written");
             self.previous.write(&self.gpu, &self.sampler, self.config.vocab_size, input, buffers)?;
             let step = StepShape::of(input);
             let acts = self.acts.as_mut().expect("activations were just ensured");
-            return decoder(&self.gpu, &self.config, &self.model, &mut self.kv, self.block_size, acts, buffers, &step);
+            return decoder(
+                &self.gpu,
+                &self.config,
+                &self.model,
+                &mut self.kv,
+                self.block_size,
+                acts,
+                buffers,
+                &step,
+                End::Logits,
+            );
         };
         let padded = shape.pad(input);
         self.ensure_activations(shape.batch, shape.batch)?;
@@ -317,7 +382,7 @@ impl CudaRunner {
         let acts = self.acts.as_mut().expect("activations were just ensured");
         let (g, cfg, model, block_size) = (&self.gpu, &self.config, &self.model, self.block_size);
         let kv = &mut self.kv;
-        match g.capture(|| decoder(g, cfg, model, kv, block_size, acts, &buffers, &step)) {
+        match g.capture(|| decoder(g, cfg, model, kv, block_size, acts, &buffers, &step, End::Logits)) {
             Ok(graph) => {
                 graph.launch()?;
                 self.graphs.graphs.insert(shape, DecodeGraph { buffers, graph });
@@ -327,15 +392,74 @@ impl CudaRunner {
                 tracing::warn!("CUDA graph capture failed ({err}); decode steps run without graphs");
                 self.graphs.clear();
                 self.graphs.disabled = true;
-                decoder(g, cfg, model, kv, block_size, acts, &buffers, &step)
+                decoder(g, cfg, model, kv, block_size, acts, &buffers, &step, End::Logits)
             }
         }
+    }
+
+    /// A step split in two ([`ModelInput::split_at`]): `first` (its leading decodes) on the side
+    /// stream, `second` on the main stream, both issued at once after everything before the step
+    /// on the main stream, which then waits for the side stream, gathers the final-norm rows of
+    /// both (`first`'s first, as in the whole step's output) and runs the LM head over `rows`.
+    fn forward_split(&mut self, first: &ModelInput, second: &ModelInput, rows: usize) -> Result<(), GpuError> {
+        let first_rows = first.logits_indices.len();
+        self.ensure_activations(second.num_tokens(), rows)?;
+        let (cfg, vocab) = (&self.config, self.config.vocab_size);
+        let side = self.side.as_mut().expect("forward_split runs with a side stream");
+        side.steps += 1;
+        // Both parts' indices go up on the main stream, before the side stream's fork point.
+        StepBuffers::upload_reusing(&mut side.buffers, &self.gpu, first)?;
+        StepBuffers::upload_reusing(&mut self.eager_buffers, &self.gpu, second)?;
+        let side_buffers = side.buffers.as_ref().expect("buffers were just written");
+        let buffers = self.eager_buffers.as_ref().expect("buffers were just written");
+        side.previous.write(&self.gpu, &self.sampler, vocab, first, side_buffers)?;
+        self.previous.write(&self.gpu, &self.sampler, vocab, second, buffers)?;
+
+        let fork = self.gpu.stream().record_event(None)?;
+        side.gpu.stream().wait(&fork)?;
+        // After the fork: buffers the side stream frees here may still be read by the main
+        // stream's copy of the split step before.
+        Activations::ensure(&mut side.acts, &side.gpu, cfg, self.dtype, first.num_tokens(), first_rows, false)?;
+        let side_acts = side.acts.as_mut().expect("activations were just ensured");
+        let (model, block_size) = (&self.model, self.block_size);
+        let first_step = StepShape::of(first);
+        decoder(
+            &side.gpu,
+            cfg,
+            model,
+            &mut self.kv,
+            block_size,
+            side_acts,
+            side_buffers,
+            &first_step,
+            End::FinalNormAt(0),
+        )?;
+        let join = side.gpu.stream().record_event(None)?;
+        let acts = self.acts.as_mut().expect("activations were just ensured");
+        let second_step = StepShape::of(second);
+        decoder(
+            &self.gpu,
+            cfg,
+            model,
+            &mut self.kv,
+            block_size,
+            acts,
+            buffers,
+            &second_step,
+            End::FinalNormAt(first_rows),
+        )?;
+        self.gpu.stream().wait(&join)?;
+        let h = cfg.hidden_size;
+        acts.final_normed
+            .rows_mut(0..first_rows, h)
+            .copy_from(&self.gpu, side_acts.final_normed.rows(0..first_rows, h))?;
+        lm_head(&self.gpu, cfg, model, acts, rows)
     }
 
     /// Grows the activation buffers for a step of `tokens` tokens and `rows` logits rows;
     /// captured graphs go when the buffers move.
     fn ensure_activations(&mut self, tokens: usize, rows: usize) -> Result<(), GpuError> {
-        if Activations::ensure(&mut self.acts, &self.gpu, &self.config, self.dtype, tokens, rows)? {
+        if Activations::ensure(&mut self.acts, &self.gpu, &self.config, self.dtype, tokens, rows, true)? {
             self.graphs.clear();
         }
         Ok(())
@@ -375,9 +499,19 @@ impl StepShape {
     }
 }
 
-/// The decoder: issues every layer and the LM head for one step, writing f32 logits of the
-/// step's `rows` rows into the first rows of `a.logits`. Issues launches only (no host copy and
-/// no synchronization), so that a decode step can be captured as a graph.
+/// Where [`decoder`] ends.
+#[derive(Clone, Copy)]
+enum End {
+    /// At the LM head: the f32 logits of the step's `rows` rows in the first rows of `a.logits`.
+    Logits,
+    /// At the final norm, whose `rows` rows go to rows `at..at + rows` of `a.final_normed` (for
+    /// [`lm_head`] over more rows than this step's).
+    FinalNormAt(usize),
+}
+
+/// The decoder: issues every layer of one step, then the final norm and the LM head as `end`
+/// says. Issues launches only (no host copy and no synchronization), so that a decode step can
+/// be captured as a graph.
 #[allow(clippy::too_many_arguments)]
 fn decoder(
     g: &Gpu,
@@ -388,6 +522,7 @@ fn decoder(
     a: &mut Activations,
     b: &StepBuffers,
     step: &StepShape,
+    end: End,
 ) -> Result<(), GpuError> {
     let (t, rows) = (step.tokens, step.rows);
     let (h, q_size, kv_size, inter) = (cfg.hidden_size, cfg.q_size(), cfg.kv_size(), cfg.intermediate_size);
@@ -543,13 +678,18 @@ fn decoder(
         }
         (&mut a.last_residual, &a.last_out)
     };
+    let final_at = match end {
+        End::Logits => 0,
+        End::FinalNormAt(at) => at,
+    };
+    let final_rows = final_at..final_at + rows;
     if model.layers.is_empty() {
         gpu_ops::rms_norm(
             g,
             last_residual.rows(0..rows, h),
             model.norm.view(),
             eps,
-            a.final_normed.rows_mut(0..rows, h),
+            a.final_normed.rows_mut(final_rows, h),
         )?;
     } else {
         gpu_ops::add_rms_norm(
@@ -558,9 +698,18 @@ fn decoder(
             last_out.rows(0..rows, h),
             model.norm.view(),
             eps,
-            a.final_normed.rows_mut(0..rows, h),
+            a.final_normed.rows_mut(final_rows, h),
         )?;
     }
+    match end {
+        End::Logits => lm_head(g, cfg, model, a, rows),
+        End::FinalNormAt(_) => Ok(()),
+    }
+}
+
+/// The LM head: f32 logits of the first `rows` rows of `a.final_normed` into `a.logits`.
+fn lm_head(g: &Gpu, cfg: &ModelConfig, model: &GpuModel, a: &mut Activations, rows: usize) -> Result<(), GpuError> {
+    let h = cfg.hidden_size;
     let head = model.lm_head.as_ref().unwrap_or(&model.embed_tokens);
     let vocab = cfg.vocab_size;
     gpu_ops::linear(

@@ -470,6 +470,141 @@ fn cuda_graph_decode_steps_equal_eager_steps() {
     }
 }
 
+/// Greedy decoding of 6 requests that join one per step, each to 8 tokens: every step holds the
+/// decodes of the requests already in (first, as the scheduler orders them) and the prompt of
+/// the one joining, so every step but the first is a mixed step. With `ahead`, each step is
+/// launched before the one before it is collected and its decodes take their tokens from that
+/// step's rows on the device. Per request: each token, its logprob and its margin (top-1 minus
+/// top-2 logprob).
+fn staggered(runner: &mut dyn ModelRunner, ahead: bool) -> Vec<Vec<(u32, f64, f64)>> {
+    let (n, len) = (6usize, 8usize);
+    let prompts: Vec<Vec<u32>> =
+        (0..n as u32).map(|i| (0..5 + 3 * i).map(|j| 1 + (i * 131 + j * 17) % 500).collect()).collect();
+    let blocks_each = (5 + 3 * n + len).div_ceil(BLOCK_SIZE);
+    let tables: Vec<Vec<u32>> = (0..n).map(|i| (0..blocks_each).map(|b| (b * n + i) as u32).collect()).collect();
+    runner.allocate_kv_cache(blocks_each * n, BLOCK_SIZE).expect("kv cache");
+    let plan = greedy_plan(2);
+    let mut out: Vec<Vec<(u32, f64, f64)>> = vec![Vec::new(); n];
+    let record = |runner: &mut dyn ModelRunner, in_flight: &[usize], out: &mut Vec<Vec<(u32, f64, f64)>>| {
+        let answers = runner.collect().expect("collect");
+        assert_eq!(answers.len(), in_flight.len());
+        for (&i, a) in in_flight.iter().zip(answers) {
+            let a = a.expect("a token");
+            let margin = f64::from(a.top_logprobs[0].1) - f64::from(a.top_logprobs[1].1);
+            out[i].push((a.token, f64::from(a.logprob), margin));
+        }
+    };
+    // Tokens sampled per request, the step in flight's included, and the requests of that step's rows.
+    let mut count = vec![0usize; n];
+    let mut in_flight: Vec<usize> = Vec::new();
+    for step in 0.. {
+        let decoding: Vec<usize> = (0..n.min(step)).filter(|&i| count[i] < len).collect();
+        if decoding.is_empty() && step >= n {
+            break;
+        }
+        let device_tokens = ahead && !decoding.is_empty();
+        if !device_tokens && !in_flight.is_empty() {
+            record(runner, &in_flight, &mut out);
+            in_flight.clear();
+        }
+        let mut input = ModelInput::default();
+        for (t, &i) in decoding.iter().enumerate() {
+            let position = prompts[i].len() + count[i] - 1;
+            if device_tokens {
+                input.push_request(&[u32::MAX], position, &tables[i], BLOCK_SIZE, true, false);
+                let row = in_flight.iter().position(|&r| r == i).expect("sampled in the step before");
+                input.previous_tokens.push((t as u32, row as u32));
+            } else {
+                let last = out[i].last().expect("a token").0;
+                input.push_request(&[last], position, &tables[i], BLOCK_SIZE, true, false);
+            }
+        }
+        let mut rows_for = decoding;
+        if step < n {
+            input.push_request(&prompts[step], 0, &tables[step], BLOCK_SIZE, true, false);
+            rows_for.push(step);
+        }
+        runner.launch(&input, &vec![RowRequest::Sample(&plan); rows_for.len()]).expect("launch");
+        if !in_flight.is_empty() {
+            record(runner, &in_flight, &mut out);
+        }
+        for &i in &rows_for {
+            count[i] += 1;
+        }
+        in_flight = rows_for;
+    }
+    if !in_flight.is_empty() {
+        record(runner, &in_flight, &mut out);
+    }
+    out
+}
+
+/// Requests that join one per step, so that steps mix decodes and a prompt, give the same
+/// tokens launched ahead as one step at a time, on every backend (on the GPU, steps whole).
+#[test]
+fn mixed_steps_launched_ahead_equal_steps_run_one_at_a_time() {
+    for (backend, mut runner, _) in backends(&repo_path("models/ferrolm-demo-py")) {
+        let one_at_a_time = staggered(runner.as_mut(), false);
+        let ahead = staggered(runner.as_mut(), true);
+        assert!(one_at_a_time.iter().all(|r| r.len() == 8), "{backend}: 8 tokens each");
+        assert_eq!(ahead, one_at_a_time, "{backend}");
+    }
+}
+
+/// Mixed steps split over two streams (`CudaRunner::set_split_mixed_steps`) give the tokens and
+/// logprobs of whole steps, steps launched ahead included, in f32 (within 1e-3, tokens equal)
+/// and bf16 (mean logprob error within 0.02, tokens equal up to a request's first step with a
+/// margin within 0.1).
+#[cfg(feature = "cuda")]
+#[test]
+fn split_mixed_steps_equal_whole_steps() {
+    use ferrolm_backend::cuda::Gpu;
+    use ferrolm_backend::DType;
+    use ferrolm_model::cuda::CudaRunner;
+    let dir = repo_path("models/ferrolm-demo-py");
+    for (dtype, rule) in [(DType::F32, Rule::Close(1e-3)), (DType::BF16, Rule::Bf16)] {
+        let mut runs = Vec::new();
+        for (split, ahead) in [(false, false), (true, false), (true, true)] {
+            let gpu = match Gpu::new(0) {
+                Ok(gpu) => gpu,
+                Err(err) if err.means_no_gpu() => return eprintln!("skipping: no GPU ({err})"),
+                Err(err) => panic!("the GPU is there but could not be opened: {err}"),
+            };
+            let mut runner = CudaRunner::new(&load_model(&dir), gpu, dtype).expect("upload");
+            runner.set_split_mixed_steps(split).expect("a second stream");
+            runs.push((split, ahead, staggered(&mut runner, ahead)));
+            // Every step but the first has decodes and a prompt.
+            assert_eq!(runner.split_steps(), if split { 5 } else { 0 }, "{dtype:?}: steps split");
+        }
+        let whole = &runs[0].2;
+        for (split, ahead, run) in &runs[1..] {
+            let what = format!("{dtype:?}, split {split}, ahead {ahead}");
+            let (mut sum_err, mut count) = (0.0f64, 0usize);
+            for (i, (want, got)) in whole.iter().zip(run).enumerate() {
+                assert_eq!(got.len(), want.len(), "{what}: request {i}");
+                for (step, (&(token, logprob, margin), &(got_token, got_logprob, _))) in
+                    want.iter().zip(got).enumerate()
+                {
+                    if matches!(rule, Rule::Bf16) && margin <= BF16_MARGIN {
+                        break;
+                    }
+                    assert_eq!(got_token, token, "{what}: request {i} step {step} (margin {margin})");
+                    let err = (got_logprob - logprob).abs();
+                    if let Rule::Close(tol) = rule {
+                        assert!(err < tol, "{what}: request {i} step {step}: logprob {got_logprob} vs {logprob}");
+                    }
+                    sum_err += err;
+                    count += 1;
+                }
+            }
+            assert!(count >= 24, "{what}: too few tokens compared ({count})");
+            let mean = sum_err / count as f64;
+            eprintln!("{what}: {count} tokens, mean logprob error {mean:.2e}");
+            assert!(mean <= BF16_MEAN_ERR, "{what}: mean logprob error {mean}");
+        }
+    }
+}
+
 /// How far u, top_p and min_p are nudged to call a host choice fragile: well above the CPU/GPU
 /// f32 logprob differences (under 1e-3), so a choice that survives the nudges cannot flip.
 const FRAGILE: f64 = 5e-3;
