@@ -84,6 +84,7 @@ fn main() -> ExitCode {
         num_blocks: int("kv-tokens") / BLOCK_SIZE,
         max_model_len: input + output,
         long_prefill_token_threshold: None,
+        max_prompt_logprob_rows: 256,
         enable_prefix_caching: true,
     };
     let mut scheduler = match Scheduler::new(config) {

@@ -10,6 +10,11 @@
 //! order (preempted ones at the front) while the budget, `max_num_seqs` and the free blocks
 //! allow. A waiting request that does not fit stops admission: nobody behind it jumps the queue.
 //!
+//! Logits rows: a request that asks for prompt logprobs needs every prompt row's logits, so its
+//! prompt chunks share a budget of [`SchedulerConfig::prompt_logprob_rows`] rows a step, and a
+//! step's logits rows stay within [`SchedulerConfig::max_logits_rows`] (the runner's logits
+//! buffer is sized for that, not for a whole token budget of rows).
+//!
 //! Preemption by recompute: when a running request cannot get blocks, the newest running
 //! request loses all of its blocks and goes back to the front of the waiting queue with
 //! `num_computed_tokens = 0` (its outputs kept), and the allocation is retried; the newest may
@@ -62,12 +67,28 @@ pub struct SchedulerConfig {
     /// Most tokens one request gets in a step, so that one long prompt cannot take the whole
     /// budget from the prompts queued behind it.
     pub long_prefill_token_threshold: Option<usize>,
+    /// Most prompt rows a step computes logits of for requests that ask for prompt logprobs
+    /// (their prompts run in chunks of at most this many tokens in all).
+    pub max_prompt_logprob_rows: usize,
     pub enable_prefix_caching: bool,
 }
 
 impl SchedulerConfig {
+    /// Most prompt tokens of requests that ask for prompt logprobs that one step runs (each
+    /// needs its row's logits): `max_prompt_logprob_rows`, at most the token budget.
+    pub fn prompt_logprob_rows(&self) -> usize {
+        self.max_prompt_logprob_rows.min(self.max_num_batched_tokens)
+    }
+
+    /// Most logits rows one step has: one for each request that samples, and the prompt rows of
+    /// requests that ask for prompt logprobs.
+    pub fn max_logits_rows(&self) -> usize {
+        (self.max_num_seqs + self.prompt_logprob_rows()).min(self.max_num_batched_tokens)
+    }
+
     /// Defaults for everything but the pool size and the model's length: 256 sequences,
-    /// 2048 tokens a step, blocks of 16 tokens, no per-request chunk cap, prefix caching on.
+    /// 2048 tokens a step, blocks of 16 tokens, no per-request chunk cap, 256 prompt-logprob
+    /// rows a step, prefix caching on.
     pub fn new(num_blocks: usize, max_model_len: usize) -> Self {
         SchedulerConfig {
             max_num_seqs: 256,
@@ -76,6 +97,7 @@ impl SchedulerConfig {
             num_blocks,
             max_model_len,
             long_prefill_token_threshold: None,
+            max_prompt_logprob_rows: 256,
             enable_prefix_caching: true,
         }
     }
@@ -88,6 +110,7 @@ impl SchedulerConfig {
             (self.num_blocks, "num_blocks"),
             (self.max_model_len, "max_model_len"),
             (self.long_prefill_token_threshold.unwrap_or(1), "long_prefill_token_threshold"),
+            (self.max_prompt_logprob_rows, "max_prompt_logprob_rows"),
         ];
         if let Some((_, name)) = positive.iter().find(|(v, _)| *v == 0) {
             return Err(SchedulerError::InvalidConfig(format!("{name} must be at least 1")));
@@ -228,14 +251,14 @@ impl Scheduler {
     /// Picks this step's requests and tokens and allocates their blocks.
     pub fn schedule(&mut self) -> SchedulerOutput {
         debug_assert!(self.ahead.is_empty(), "schedule() with a step scheduled ahead still to update");
-        let mut budget = self.config.max_num_batched_tokens;
+        let mut budget = StepBudget::of(&self.config);
         let mut out = SchedulerOutput::default();
 
         let mut i = 0;
-        while i < self.running.len() && budget > 0 {
+        while i < self.running.len() && budget.tokens > 0 {
             let id = self.running[i];
             let start = self.requests[&id].num_computed_tokens();
-            let n = self.num_new_tokens(&self.requests[&id], start, budget);
+            let n = budget.tokens_for(&self.requests[&id], start, &self.config);
             if n == 0 {
                 i += 1;
                 continue;
@@ -262,7 +285,7 @@ impl Scheduler {
             };
             let req = &self.requests[&id];
             out.scheduled.push(scheduled_request(req, start, n, table, false));
-            budget -= n;
+            budget.take(req, start, n);
             i += 1;
         }
 
@@ -272,7 +295,7 @@ impl Scheduler {
             self.admit_waiting(&mut budget, &mut out, 0);
         }
 
-        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget;
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget.tokens;
         self.in_flight = out.scheduled.iter().map(|s| (s.request_id, s.num_scheduled_tokens)).collect();
         out
     }
@@ -295,13 +318,13 @@ impl Scheduler {
             return None;
         }
         let in_flight: HashMap<RequestId, usize> = self.in_flight.iter().copied().collect();
-        let mut budget = self.config.max_num_batched_tokens;
+        let mut budget = StepBudget::of(&self.config);
         // (request, first position, tokens, whether its one token is the unknown one)
         let mut plan = Vec::with_capacity(self.running.len());
         let mut num_new_blocks = 0;
         let mut leaving = 0;
         for &id in &self.running {
-            if budget == 0 {
+            if budget.tokens == 0 {
                 break;
             }
             let req = &self.requests[&id];
@@ -314,11 +337,15 @@ impl Scheduler {
                 }
                 (1, true)
             } else {
-                (self.num_new_tokens(req, start, budget), false)
+                (budget.tokens_for(req, start, &self.config), false)
             };
+            if n == 0 {
+                // Out of prompt-logprob rows this step.
+                continue;
+            }
             num_new_blocks += self.kv.num_blocks_to_cover(id, start + n);
             plan.push((id, start, n, unknown));
-            budget -= n;
+            budget.take(req, start, n);
         }
         if num_new_blocks > self.kv.block_pool().num_free_blocks() {
             return None;
@@ -346,7 +373,7 @@ impl Scheduler {
         if out.scheduled.is_empty() {
             return None;
         }
-        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget;
+        out.total_num_scheduled_tokens = self.config.max_num_batched_tokens - budget.tokens;
         self.ahead = out.scheduled.iter().map(|s| (s.request_id, s.num_scheduled_tokens)).collect();
         Some(out)
     }
@@ -354,15 +381,19 @@ impl Scheduler {
     /// Admits waiting requests in order while the budget, the seats and the blocks allow; `leaving`
     /// running requests end with the step in flight (a step scheduled ahead), so their seats count
     /// as free.
-    fn admit_waiting(&mut self, budget: &mut usize, out: &mut SchedulerOutput, leaving: usize) {
-        while *budget > 0 && self.running.len() < self.config.max_num_seqs + leaving {
+    fn admit_waiting(&mut self, budget: &mut StepBudget, out: &mut SchedulerOutput, leaving: usize) {
+        while budget.tokens > 0 && self.running.len() < self.config.max_num_seqs + leaving {
             let Some(&id) = self.waiting.front() else {
                 break;
             };
             let req = &self.requests[&id];
             let hit = self.kv.get_computed_blocks(req);
             let start = hit.num_computed_tokens();
-            let n = self.num_new_tokens(req, start, *budget);
+            let n = budget.tokens_for(req, start, &self.config);
+            if n == 0 {
+                // Out of prompt-logprob rows: it waits for the next step, and nobody jumps it.
+                break;
+            }
             let Some(table) = self.kv.allocate_slots(req, n, &hit) else {
                 break;
             };
@@ -376,14 +407,8 @@ impl Scheduler {
             req.num_computed_tokens = start;
             req.num_cached_tokens.get_or_insert(start);
             out.scheduled.push(scheduled_request(req, start, n, table, true));
-            *budget -= n;
+            budget.take(req, start, n);
         }
-    }
-
-    fn num_new_tokens(&self, request: &Request, num_computed: usize, budget: usize) -> usize {
-        let remaining = request.num_tokens() - num_computed;
-        let capped = self.config.long_prefill_token_threshold.map_or(remaining, |t| remaining.min(t));
-        capped.min(budget)
     }
 
     fn preempt(&mut self, request_id: RequestId) {
@@ -506,6 +531,47 @@ impl Scheduler {
             kv_cache_usage: self.kv_cache_usage(),
             prefix_cache: self.kv.prefix_cache_stats(),
             num_preemptions: self.num_preemptions,
+        }
+    }
+}
+
+/// What is left of a step's budgets while it is scheduled.
+struct StepBudget {
+    /// Tokens (`max_num_batched_tokens`).
+    tokens: usize,
+    /// Prompt rows of requests that ask for prompt logprobs
+    /// ([`SchedulerConfig::prompt_logprob_rows`]).
+    prompt_logprob_rows: usize,
+}
+
+impl StepBudget {
+    fn of(config: &SchedulerConfig) -> StepBudget {
+        StepBudget { tokens: config.max_num_batched_tokens, prompt_logprob_rows: config.prompt_logprob_rows() }
+    }
+
+    /// Whether `request`'s tokens from `start` on are prompt rows whose logits it needs.
+    fn needs_rows(request: &Request, start: usize) -> bool {
+        request.needs_prompt_logprobs() && start < request.num_prompt_tokens()
+    }
+
+    /// Tokens `request` gets this step from `start` on: what it has left, capped by
+    /// `long_prefill_token_threshold` and what is left of the budgets (0 when a budget it needs
+    /// is spent).
+    fn tokens_for(&self, request: &Request, start: usize, config: &SchedulerConfig) -> usize {
+        let remaining = request.num_tokens() - start;
+        let capped = config.long_prefill_token_threshold.map_or(remaining, |t| remaining.min(t)).min(self.tokens);
+        if Self::needs_rows(request, start) {
+            capped.min(self.prompt_logprob_rows)
+        } else {
+            capped
+        }
+    }
+
+    /// Spends what `n` tokens of `request` from `start` on take.
+    fn take(&mut self, request: &Request, start: usize, n: usize) {
+        self.tokens -= n;
+        if Self::needs_rows(request, start) {
+            self.prompt_logprob_rows -= n;
         }
     }
 }

@@ -23,6 +23,7 @@ struct Setup {
     block_size: usize,
     max_num_batched_tokens: usize,
     max_num_seqs: usize,
+    max_prompt_logprob_rows: usize,
     max_pending_requests: usize,
     overlap_steps: bool,
 }
@@ -34,6 +35,7 @@ impl Default for Setup {
             block_size: 16,
             max_num_batched_tokens: 2048,
             max_num_seqs: 64,
+            max_prompt_logprob_rows: 256,
             max_pending_requests: 1024,
             overlap_steps: true,
         }
@@ -51,6 +53,7 @@ fn start(name: &str, setup: Setup) -> (EngineHandle, Arc<Tokenizer>) {
         num_blocks: setup.num_blocks,
         max_model_len: 512,
         long_prefill_token_threshold: None,
+        max_prompt_logprob_rows: setup.max_prompt_logprob_rows,
         enable_prefix_caching: true,
     };
     let config = EngineConfig {
@@ -174,9 +177,17 @@ fn preemption_under_a_tiny_pool_gives_the_same_tokens() {
     assert!(roomy.iter().all(|t| t.len() == 30));
 }
 
+/// Prompt logprobs read in chunks of the token budget (16) and of a prompt-logprob row budget of
+/// 3 rows a step both match the reference.
 #[test]
 fn prompt_logprobs_match_reference() {
-    let (engine, _) = start("qwen3_qknorm", Setup { max_num_batched_tokens: 16, ..Setup::default() });
+    for rows in [16, 3] {
+        check_prompt_logprobs(Setup { max_num_batched_tokens: 16, max_prompt_logprob_rows: rows, ..Setup::default() });
+    }
+}
+
+fn check_prompt_logprobs(setup: Setup) {
+    let (engine, _) = start("qwen3_qknorm", setup);
     let reference = reference("qwen3_qknorm");
     for case in reference["cases"].as_array().expect("cases") {
         let prompt = ids(&case["prompt_ids"]);
@@ -440,6 +451,7 @@ fn start_watched(name: &str, fail_at_call: Option<usize>) -> (EngineHandle, Arc<
         num_blocks: 256,
         max_model_len: 512,
         long_prefill_token_threshold: None,
+        max_prompt_logprob_rows: 256,
         enable_prefix_caching: true,
     };
     let config = EngineConfig { scheduler, max_pending_requests: 1024, eos_token_ids: vec![1], overlap_steps: true };

@@ -226,14 +226,22 @@ fn cuda_place(model: Model, gpu: ferrolm_backend::cuda::Gpu, args: &EngineArgs) 
     Ok(Placed { runner: Box::new(runner), device_kv_blocks: Some(blocks) })
 }
 
+/// Most prompt rows a step computes logits of for prompt logprobs (the scheduler's
+/// `max_prompt_logprob_rows`): as many as decode rows, and at least 256.
+fn prompt_logprob_rows(args: &EngineArgs) -> usize {
+    args.max_num_seqs.max(256)
+}
+
 /// Bytes of device memory one step's activations may take: the widest rows (the MLP's
-/// `[T, 2 * intermediate]`, the logits `[seqs, vocab]` in f32) times the token budget, with room.
+/// `[T, 2 * intermediate]`) times the token budget, and the f32 logits of the most rows a step
+/// has (a row per request that samples, and the prompt-logprob rows), with room.
 #[cfg(feature = "cuda")]
 fn activation_reserve(config: &ModelConfig, args: &EngineArgs, dtype: DType) -> usize {
     let t = args.max_num_batched_tokens;
     let width = config.hidden_size * 4 + config.q_size() * 2 + config.kv_size() * 4 + config.intermediate_size * 3;
     let activations = t * width * dtype.size_in_bytes();
-    let logits = t.min(args.max_num_seqs.max(1) * 2) * config.vocab_size * 4 * 2;
+    let rows = (args.max_num_seqs.max(1) + prompt_logprob_rows(args)).min(t);
+    let logits = rows * config.vocab_size * 4 * 2;
     (activations + logits) * 2 + (512 << 20)
 }
 
@@ -273,6 +281,7 @@ pub fn start_engine(
         num_blocks,
         max_model_len,
         long_prefill_token_threshold: None,
+        max_prompt_logprob_rows: prompt_logprob_rows(args),
         enable_prefix_caching: true,
     };
     tracing::info!(num_blocks, kv_tokens = num_blocks * BLOCK_SIZE, max_model_len, "engine configured");

@@ -78,19 +78,23 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
         1..=40usize,
         prop::option::of(1..=16usize),
         8..=96usize,
+        1..=12usize,
         any::<bool>(),
     )
-        .prop_map(|(num_blocks, block_size, max_num_seqs, budget, threshold, max_model_len, caching)| {
-            SchedulerConfig {
-                max_num_seqs,
-                max_num_batched_tokens: budget,
-                block_size,
-                num_blocks,
-                max_model_len,
-                long_prefill_token_threshold: threshold,
-                enable_prefix_caching: caching,
-            }
-        })
+        .prop_map(
+            |(num_blocks, block_size, max_num_seqs, budget, threshold, max_model_len, logprob_rows, caching)| {
+                SchedulerConfig {
+                    max_num_seqs,
+                    max_num_batched_tokens: budget,
+                    block_size,
+                    num_blocks,
+                    max_model_len,
+                    long_prefill_token_threshold: threshold,
+                    max_prompt_logprob_rows: logprob_rows,
+                    enable_prefix_caching: caching,
+                }
+            },
+        )
 }
 
 fn scenario(num_steps: usize, events_per_step: usize) -> impl Strategy<Value = Scenario> {
@@ -226,6 +230,19 @@ fn check_output(s: &Scheduler, out: &SchedulerOutput, running_before: &[RequestI
         prop_assert_eq!(&r.token_ids[..], &req.all_token_ids()[r.num_computed_tokens..r.seq_len()]);
         prop_assert_eq!(r.samples_next_token, r.seq_len() == req.num_tokens());
     }
+    // Logits rows: one per request that samples, every scheduled row of a prompt-logprob chunk.
+    let (mut rows, mut prompt_rows) = (0, 0);
+    for r in &out.scheduled {
+        let req = s.request(r.request_id).ok_or_else(|| TestCaseError::fail("unknown request"))?;
+        if req.needs_prompt_logprobs() && r.num_computed_tokens < req.num_prompt_tokens() {
+            prompt_rows += r.num_scheduled_tokens;
+            rows += r.num_scheduled_tokens;
+        } else {
+            rows += usize::from(r.samples_next_token);
+        }
+    }
+    prop_assert!(prompt_rows <= cfg.prompt_logprob_rows(), "{} prompt-logprob rows", prompt_rows);
+    prop_assert!(rows <= cfg.max_logits_rows(), "{} logits rows", rows);
     for id in &out.preempted {
         prop_assert!(running_before.contains(id));
         prop_assert!(out.get(*id).is_none());

@@ -69,6 +69,32 @@ fn req(id: u64, prompt: Vec<u32>, max_tokens: usize) -> Request {
     Request::new(RequestId(id), prompt, max_tokens)
 }
 
+/// Prompts that need prompt logprobs share `max_prompt_logprob_rows` rows a step; a plain
+/// prompt behind them takes the rest of the token budget, and a step's logits rows stay within
+/// `max_logits_rows`.
+#[test]
+fn prompt_logprob_chunks_share_a_budget_of_rows() -> TestResult {
+    let cfg = SchedulerConfig { max_prompt_logprob_rows: 8, ..config(100, 16, 64) };
+    assert_eq!((cfg.prompt_logprob_rows(), cfg.max_logits_rows()), (8, 64));
+    let mut s = Scheduler::new(cfg)?;
+    s.add_request(req(1, seq(0, 13), 2).with_prompt_logprobs(true))?;
+    s.add_request(req(2, seq(100, 5), 2).with_prompt_logprobs(true))?;
+    s.add_request(req(3, seq(200, 30), 2))?;
+    let expected = [
+        // Request 1 takes the 8 rows; request 2 waits for rows, and request 3 behind it too.
+        vec![(1, 0, 8)],
+        // Request 1's last 5 rows, then 3 of request 2's; request 3 takes what is left.
+        vec![(1, 8, 5), (2, 0, 3), (3, 0, 30)],
+        // Request 1 decodes (one row), request 2's last 2 prompt rows, request 3 decodes.
+        vec![(1, 13, 1), (2, 3, 2), (3, 30, 1)],
+    ];
+    for (i, want) in expected.iter().enumerate() {
+        let (out, _) = step(&mut s)?;
+        assert_eq!(&summary(&out), want, "step {}", i + 1);
+    }
+    Ok(())
+}
+
 #[test]
 fn chunked_prefill_runs_beside_decodes() -> TestResult {
     let mut s = Scheduler::new(config(100, 16, 64))?;

@@ -92,6 +92,7 @@ pub fn load(dir: &Path, opts: &Options) -> (EngineHandle, Arc<Tokenizer>, Genera
         num_blocks: opts.num_blocks,
         max_model_len: opts.max_model_len,
         long_prefill_token_threshold: None,
+        max_prompt_logprob_rows: 256,
         enable_prefix_caching: true,
     };
     let config =
