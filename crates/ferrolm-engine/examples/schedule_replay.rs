@@ -13,7 +13,7 @@
 //! of a preempted request included). The defaults are the fit of the Llama-3.1-8B's
 //! 1000-request run on one H200 (docs/PERFORMANCE.md). `--mixed-overlap F` hides that share of
 //! the decodes' time in steps with prompt tokens (their decodes run beside the prompts, as
-//! `FERROLM_SPLIT_MIXED_STEPS=1` runs them): 0 by default, 1 for a perfect overlap.
+//! `FERROLM_SPLIT_STEPS=mixed` runs them): 0 by default, 1 for a perfect overlap.
 
 use std::collections::{BTreeMap, HashMap};
 use std::process::ExitCode;

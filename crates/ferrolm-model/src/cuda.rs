@@ -108,17 +108,42 @@ pub struct CudaRunner {
     sampler: gpu_ops::GpuSampler,
     /// The `(t, row)` pairs of a step's previous tokens on their way to the device.
     previous: PreviousTokens,
-    /// Where a mixed step's decodes run beside its prompts, when steps are split (see
-    /// [`CudaRunner::set_split_mixed_steps`]).
+    /// Where part of a step runs beside the rest, when steps are split (see
+    /// [`CudaRunner::set_split_steps`]).
     side: Option<SideStream>,
+}
+
+/// Which steps [`CudaRunner`] runs as two parts on two streams.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SplitSteps {
+    /// None (the default).
+    Off,
+    /// Steps with leading decodes and prompt tokens: the decodes on the side stream.
+    Mixed,
+    /// Those, and decode steps of two requests or more, in halves (eagerly, not from graphs).
+    All,
+}
+
+impl SplitSteps {
+    /// From `FERROLM_SPLIT_STEPS` (`mixed` or `all`; anything else, or unset, is off).
+    pub fn from_env() -> SplitSteps {
+        match std::env::var("FERROLM_SPLIT_STEPS").as_deref() {
+            Ok("mixed") => SplitSteps::Mixed,
+            Ok("all") => SplitSteps::All,
+            _ => SplitSteps::Off,
+        }
+    }
 }
 
 /// A second stream on the runner's device, at the highest priority, with the buffers of the
 /// part of a step that runs on it: a mixed step's leading decodes, whose memory-bound attention
 /// can then run while the main stream's GEMMs of the step's prompt tokens hold the tensor
-/// cores. It shares the runner's context, so it works on the runner's weights and KV cache.
+/// cores, or half of a decode step. It shares the runner's context, so it works on the runner's
+/// weights and KV cache.
 struct SideStream {
     gpu: Gpu,
+    /// Which steps are split.
+    split: SplitSteps,
     /// Steps run split so far.
     steps: u64,
     /// Its part's activations, up to the final norm (the LM head runs on the main stream).
@@ -215,25 +240,26 @@ impl CudaRunner {
             side: None,
         })
         .and_then(|mut runner| {
-            if std::env::var("FERROLM_SPLIT_MIXED_STEPS").is_ok_and(|v| v == "1") {
-                runner.set_split_mixed_steps(true)?;
-            }
+            runner.set_split_steps(SplitSteps::from_env())?;
             Ok(runner)
         })
     }
 
-    /// Runs each step that has both leading decodes and prompt tokens as two parts (off by
-    /// default; `FERROLM_SPLIT_MIXED_STEPS=1` turns it on): the decodes on a second stream of
-    /// the highest priority, the rest on the main stream at the same time, and the LM head of
-    /// all rows once both are done. The parts write the same K/V and logits as the whole step,
-    /// up to the GEMMs' rounding at other row counts.
-    pub fn set_split_mixed_steps(&mut self, enabled: bool) -> Result<(), ModelError> {
-        if !enabled {
-            self.side = None;
-        } else if self.side.is_none() {
-            let gpu = Gpu::new_with_priority(self.gpu.ordinal(), StreamPriority::Highest)?;
-            let previous = PreviousTokens::default();
-            self.side = Some(SideStream { gpu, steps: 0, acts: None, buffers: None, previous });
+    /// Runs steps as two parts at once (off by default; `FERROLM_SPLIT_STEPS=mixed|all` turns it
+    /// on): the first part on a second stream of the highest priority, the rest on the main
+    /// stream, and the LM head of all rows once both are done. `Mixed` splits each step with
+    /// leading decodes and prompt tokens there, `All` also decode steps into halves. The parts
+    /// write the same K/V and logits as the whole step, up to the GEMMs' rounding at other row
+    /// counts.
+    pub fn set_split_steps(&mut self, split: SplitSteps) -> Result<(), ModelError> {
+        match (split, &mut self.side) {
+            (SplitSteps::Off, side) => *side = None,
+            (split, Some(side)) => side.split = split,
+            (split, side @ None) => {
+                let gpu = Gpu::new_with_priority(self.gpu.ordinal(), StreamPriority::Highest)?;
+                let previous = PreviousTokens::default();
+                *side = Some(SideStream { gpu, split, steps: 0, acts: None, buffers: None, previous });
+            }
         }
         Ok(())
     }
@@ -342,14 +368,11 @@ impl CudaRunner {
     /// captured graph; anything else runs eagerly.
     fn forward(&mut self, input: &ModelInput) -> Result<(), GpuError> {
         let rows = input.logits_indices.len();
+        if let Some((first, second)) = self.side.as_ref().and_then(|side| split_point(side.split, input)) {
+            return self.forward_split(&first, &second, rows);
+        }
         let shape = if self.graphs.disabled || self.model.layers.is_empty() { None } else { GraphShape::of(input) };
         let Some(shape) = shape else {
-            let decodes = input.leading_decodes();
-            if self.side.is_some() && decodes < input.num_reqs() {
-                if let Some((first, second)) = input.split_at(decodes) {
-                    return self.forward_split(&first, &second, rows);
-                }
-            }
             self.ensure_activations(input.num_tokens(), rows)?;
             StepBuffers::upload_reusing(&mut self.eager_buffers, &self.gpu, input)?;
             let buffers = self.eager_buffers.as_ref().expect("buffers were just written");
@@ -397,7 +420,7 @@ impl CudaRunner {
         }
     }
 
-    /// A step split in two ([`ModelInput::split_at`]): `first` (its leading decodes) on the side
+    /// A step split in two ([`ModelInput::split_at`]): `first` (leading decodes) on the side
     /// stream, `second` on the main stream, both issued at once after everything before the step
     /// on the main stream, which then waits for the side stream, gathers the final-norm rows of
     /// both (`first`'s first, as in the whole step's output) and runs the LM head over `rows`.
@@ -469,6 +492,18 @@ impl CudaRunner {
     fn logits(&self, rows: usize) -> GpuView<'_> {
         let acts = self.acts.as_ref().expect("forward ran");
         acts.logits.rows(0..rows, self.config.vocab_size)
+    }
+}
+
+/// `input` as the two parts `split` runs it in, if it splits: at its leading decodes when it
+/// also has prompt tokens, in halves when it is all decodes (`SplitSteps::All`).
+fn split_point(split: SplitSteps, input: &ModelInput) -> Option<(ModelInput, ModelInput)> {
+    let (decodes, requests) = (input.leading_decodes(), input.num_reqs());
+    match split {
+        SplitSteps::Off => None,
+        _ if decodes < requests => input.split_at(decodes),
+        SplitSteps::All => input.split_at(requests / 2),
+        SplitSteps::Mixed => None,
     }
 }
 

@@ -551,34 +551,47 @@ fn mixed_steps_launched_ahead_equal_steps_run_one_at_a_time() {
     }
 }
 
-/// Mixed steps split over two streams (`CudaRunner::set_split_mixed_steps`) give the tokens and
-/// logprobs of whole steps, steps launched ahead included, in f32 (within 1e-3, tokens equal)
-/// and bf16 (mean logprob error within 0.02, tokens equal up to a request's first step with a
-/// margin within 0.1).
+/// Steps split over two streams (`CudaRunner::set_split_steps`: mixed steps, and with `All`
+/// decode steps in halves too) give the tokens and logprobs of whole steps, steps launched ahead
+/// included, in f32 (within 1e-3, tokens equal) and bf16 (mean logprob error within 0.02, tokens
+/// equal up to a request's first step with a margin within 0.1).
 #[cfg(feature = "cuda")]
 #[test]
-fn split_mixed_steps_equal_whole_steps() {
+fn split_steps_equal_whole_steps() {
     use ferrolm_backend::cuda::Gpu;
     use ferrolm_backend::DType;
-    use ferrolm_model::cuda::CudaRunner;
+    use ferrolm_model::cuda::{CudaRunner, SplitSteps};
     let dir = repo_path("models/ferrolm-demo-py");
     for (dtype, rule) in [(DType::F32, Rule::Close(1e-3)), (DType::BF16, Rule::Bf16)] {
         let mut runs = Vec::new();
-        for (split, ahead) in [(false, false), (true, false), (true, true)] {
+        let modes = [
+            (SplitSteps::Off, false),
+            (SplitSteps::Mixed, false),
+            (SplitSteps::Mixed, true),
+            (SplitSteps::All, false),
+            (SplitSteps::All, true),
+        ];
+        for (split, ahead) in modes {
             let gpu = match Gpu::new(0) {
                 Ok(gpu) => gpu,
                 Err(err) if err.means_no_gpu() => return eprintln!("skipping: no GPU ({err})"),
                 Err(err) => panic!("the GPU is there but could not be opened: {err}"),
             };
             let mut runner = CudaRunner::new(&load_model(&dir), gpu, dtype).expect("upload");
-            runner.set_split_mixed_steps(split).expect("a second stream");
+            runner.set_split_steps(split).expect("a second stream");
             runs.push((split, ahead, staggered(&mut runner, ahead)));
-            // Every step but the first has decodes and a prompt.
-            assert_eq!(runner.split_steps(), if split { 5 } else { 0 }, "{dtype:?}: steps split");
+            // Steps 1 to 5 have decodes and a prompt; steps 6 to 11 decode 6, 6, 5, 4, 3 and 2
+            // requests, step 12 the last one alone (request i decodes in steps i + 1 to i + 7).
+            let want = match split {
+                SplitSteps::Off => 0,
+                SplitSteps::Mixed => 5,
+                SplitSteps::All => 11,
+            };
+            assert_eq!(runner.split_steps(), want, "{dtype:?}: steps split ({split:?})");
         }
         let whole = &runs[0].2;
         for (split, ahead, run) in &runs[1..] {
-            let what = format!("{dtype:?}, split {split}, ahead {ahead}");
+            let what = format!("{dtype:?}, split {split:?}, ahead {ahead}");
             let (mut sum_err, mut count) = (0.0f64, 0usize);
             for (i, (want, got)) in whole.iter().zip(run).enumerate() {
                 assert_eq!(got.len(), want.len(), "{what}: request {i}");
