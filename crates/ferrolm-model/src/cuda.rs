@@ -253,7 +253,13 @@ impl CudaRunner {
     /// counts.
     pub fn set_split_steps(&mut self, split: SplitSteps) -> Result<(), ModelError> {
         match (split, &mut self.side) {
-            (SplitSteps::Off, side) => *side = None,
+            (SplitSteps::Off, side) => {
+                if side.is_some() {
+                    // The main stream may still copy from the side stream's buffers.
+                    self.gpu.synchronize()?;
+                }
+                *side = None;
+            }
             (split, Some(side)) => side.split = split,
             (split, side @ None) => {
                 let gpu = Gpu::new_with_priority(self.gpu.ordinal(), StreamPriority::Highest)?;
