@@ -125,12 +125,17 @@ pub enum SplitSteps {
 }
 
 impl SplitSteps {
-    /// From `FERROLM_SPLIT_STEPS` (`mixed` or `all`; anything else, or unset, is off).
+    /// From `FERROLM_SPLIT_STEPS` (`off`, `mixed` or `all`; unset is off, and so is anything
+    /// else, with a warning).
     pub fn from_env() -> SplitSteps {
         match std::env::var("FERROLM_SPLIT_STEPS").as_deref() {
             Ok("mixed") => SplitSteps::Mixed,
             Ok("all") => SplitSteps::All,
-            _ => SplitSteps::Off,
+            Ok("off") | Err(_) => SplitSteps::Off,
+            Ok(other) => {
+                tracing::warn!(value = other, "FERROLM_SPLIT_STEPS is not off, mixed or all; steps are not split");
+                SplitSteps::Off
+            }
         }
     }
 }
