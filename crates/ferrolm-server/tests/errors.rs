@@ -72,6 +72,7 @@ async fn values_out_of_range_are_400s_naming_the_field() {
         (json!({"prompt": "a", "stop": ["x", ""]}), "stop"),
         (json!({"prompt": [5, 320]}), "prompt"),
         (json!({"prompt": "a", "logit_bias": {"5": 10}}), "logit_bias"),
+        (json!({"prompt": "a", "stream_options": {"include_usage": true}}), "stream_options"),
     ];
     for (body, param) in cases {
         let (status, resp) = server.post("/v1/completions", &body).await;
@@ -89,6 +90,10 @@ async fn values_out_of_range_are_400s_naming_the_field() {
             "response_format",
         ),
         (json!({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"messages": [{"role": "user", "content": "hi"}], "stream": false, "stream_options": {}}),
+            "stream_options",
+        ),
     ];
     for (body, param) in chat {
         let (status, resp) = server.post("/v1/chat/completions", &body).await;

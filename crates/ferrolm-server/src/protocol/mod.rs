@@ -39,6 +39,20 @@ pub struct StreamOptions {
     pub include_usage: Option<bool>,
 }
 
+impl StreamOptions {
+    /// Whether a request streaming or not (`stream`) with these options ends its stream with a
+    /// usage chunk; options on a request that does not stream are an error, as OpenAI's.
+    pub fn include_usage(options: Option<&StreamOptions>, stream: bool) -> Result<bool, crate::ApiError> {
+        match options {
+            Some(_) if !stream => Err(crate::ApiError::invalid(
+                "stream_options is only allowed when stream is true",
+                Some("stream_options"),
+            )),
+            options => Ok(options.and_then(|o| o.include_usage).unwrap_or(false)),
+        }
+    }
+}
+
 /// `stop`: one string or a list of them.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Stop(pub Vec<String>);

@@ -22,7 +22,7 @@ use crate::protocol::chat::{
     ChatLogprobs, ChatResponseMessage,
 };
 use crate::protocol::completions::UsageField;
-use crate::protocol::{check_model, Usage};
+use crate::protocol::{check_model, StreamOptions, Usage};
 use crate::sse::{self, to_json, ChunkFormat};
 use crate::state::SharedState;
 
@@ -47,7 +47,7 @@ pub async fn create(
     }
     check_text_reply(&req)?;
     let stream = req.stream.unwrap_or(false);
-    let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    let include_usage = StreamOptions::include_usage(req.stream_options.as_ref(), stream)?;
     let options = ChatPromptOptions {
         add_generation_prompt: req.add_generation_prompt,
         continue_final_message: req.continue_final_message,

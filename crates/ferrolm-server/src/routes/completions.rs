@@ -18,7 +18,7 @@ use crate::params::RequestSampling;
 use crate::protocol::completions::{
     CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, UsageField,
 };
-use crate::protocol::{check_model, PromptInput, Usage};
+use crate::protocol::{check_model, PromptInput, StreamOptions, Usage};
 use crate::sse::{self, to_json, ChunkFormat};
 use crate::state::SharedState;
 
@@ -51,7 +51,7 @@ pub async fn create(
     }
     let echo = req.echo.unwrap_or(false);
     let stream = req.stream.unwrap_or(false);
-    let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    let include_usage = StreamOptions::include_usage(req.stream_options.as_ref(), stream)?;
     let sampling = RequestSampling {
         max_tokens: req.max_tokens,
         temperature: req.temperature,
