@@ -169,3 +169,10 @@ fi
 echo
 echo "=== ferrolm GPU check ==="
 printf '%s\n' "${summary[@]}"
+# The two-stream measurement decides whether split steps are worth timing end to end: repeated
+# here so that it is in the tail of the output.
+if [ -s "$OUT/overlap_bench.txt" ]; then
+    echo
+    echo "=== overlap_bench (one stream against two) ==="
+    cat "$OUT/overlap_bench.txt"
+fi
