@@ -9,10 +9,7 @@
 # l8b-nucleus (the same at T = 0.6, top-p 0.9), ttft (the 8B's 2048-token prompt), d384 (the 8B
 # decoding 384 requests at ~1500), t1000 (the 8B's 1000 x (1000 + 1000), ~2.5 min a run),
 # t1000-512 (the same, 512 requests at a time in the whole free memory: two waves instead of
-# three). A ROW with `-split` appended (t1000-split, t1000-512-split) runs that row with
-# FERROLM_SPLIT_STEPS=mixed (a mixed step's decodes on a second stream beside its prompts), with
-# `-splitall` with FERROLM_SPLIT_STEPS=all (decode steps in halves on the two streams too).
-# BASE_ROW runs that row on the base side instead of each ROW, to compare flags on one
+# three). BASE_ROW runs that row on the base side instead of each ROW, to compare flags on one
 # build: `BASE_ROW=t1000 scripts/gpu-ab.sh DIR DIR t1000-512`.
 # ROUNDS (default 2) runs per build and row. Logs and JSON go to $OUT (default: a new temporary
 # directory); the table comes last.
@@ -31,8 +28,6 @@ DECODE=(--input-len 128 --output-len 256 --num-iters 3)
 
 row_args() { # row -> the bench arguments
     case $1 in
-        *-split) row_args "${1%-split}" ;;
-        *-splitall) row_args "${1%-splitall}" ;;
         l1b) echo latency "${L1B[@]}" "${DECODE[@]}" ;;
         l8b) echo latency "${L8B[@]}" "${DECODE[@]}" ;;
         l1b-nucleus) echo latency "${L1B[@]}" "${DECODE[@]}" --temperature 0.6 --top-p 0.9 ;;
@@ -74,13 +69,8 @@ for row in "${ROWS[@]}"; do
             json="$OUT/$row-$side-$round.json"
             # The JSON names the build's revision (gpu-build.sh writes it), not this checkout's.
             revision=$(cat "$dir/REVISION" 2>/dev/null || true)
-            # The row whose flags this side runs: its FERROLM_SPLIT_STEPS comes from its suffix.
-            side_row=$row
-            [ "$side" = base ] && side_row=${BASE_ROW:-$row}
-            split=off
-            case $side_row in *-split) split=mixed ;; *-splitall) split=all ;; esac
             # shellcheck disable=SC2086 # the row's arguments are words
-            FERROLM_SPLIT_STEPS=$split FERROLM_GIT_REVISION=$revision timeout "${BENCH_TIMEOUT:-420}" "$dir/ferrolm" bench $args --device cuda \
+            FERROLM_GIT_REVISION=$revision timeout "${BENCH_TIMEOUT:-420}" "$dir/ferrolm" bench $args --device cuda \
                 --dummy-weights --json "$json" >"$json.log" 2>&1 || tail -n 3 "$json.log"
             results[$row,$side]="${results[$row,$side]:-} $(figure "$row" "$json")"
             echo "$row $side round $round: $(figure "$row" "$json")"

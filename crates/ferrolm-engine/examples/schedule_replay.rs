@@ -11,9 +11,7 @@
 //! A step costs `--step-ms`, plus per decode request `--decode-us` and `--attention-us` scaled by
 //! its context over `--attention-context`, plus `--prompt-us` per prompt token (recomputed tokens
 //! of a preempted request included). The defaults are the fit of the Llama-3.1-8B's
-//! 1000-request run on one H200 (docs/PERFORMANCE.md). `--mixed-overlap F` hides that share of
-//! the decodes' time in steps with prompt tokens (their decodes run beside the prompts, as
-//! `FERROLM_SPLIT_STEPS=mixed` runs them): 0 by default, 1 for a perfect overlap.
+//! 1000-request run on one H200 (docs/PERFORMANCE.md).
 
 use std::collections::{BTreeMap, HashMap};
 use std::process::ExitCode;
@@ -21,7 +19,7 @@ use std::process::ExitCode;
 use ferrolm_engine::{Request, RequestId, Scheduler, SchedulerConfig};
 
 /// `--name value` flags with their defaults.
-const FLAGS: [(&str, f64); 12] = [
+const FLAGS: [(&str, f64); 11] = [
     ("num-prompts", 1000.0),
     ("input-len", 1000.0),
     ("output-len", 1000.0),
@@ -33,7 +31,6 @@ const FLAGS: [(&str, f64); 12] = [
     ("attention-us", 48.0),
     ("attention-context", 1500.0),
     ("prompt-us", 23.4),
-    ("mixed-overlap", 0.0),
 ];
 const BLOCK_SIZE: usize = 16;
 /// Decode batches are reported in buckets of this many requests.
@@ -63,8 +60,7 @@ struct Replay {
     /// Steps with prompt tokens: count and seconds.
     mixed: (usize, f64),
     /// The decodes those steps carry, and their share of the steps' seconds (their GEMMs and
-    /// attention, less what `--mixed-overlap` hides): what running a step's decodes beside its
-    /// prompt tokens could hide.
+    /// attention): what running a step's decodes beside its prompt tokens could hide.
     mixed_decodes: (usize, f64),
     /// Decode-only steps by bucket of batch size: count and seconds.
     decode: BTreeMap<usize, (usize, f64)>,
@@ -126,8 +122,7 @@ fn main() -> ExitCode {
         }
         let decode_ms = decodes as f64 * flags["decode-us"] / 1e3
             + context as f64 / flags["attention-context"].max(1.0) * flags["attention-us"] / 1e3;
-        let hidden = if prompt_tokens > 0 { decode_ms * flags["mixed-overlap"].min(1.0) } else { 0.0 };
-        let ms = flags["step-ms"] + decode_ms - hidden + prompt_tokens as f64 * flags["prompt-us"] / 1e3;
+        let ms = flags["step-ms"] + decode_ms + prompt_tokens as f64 * flags["prompt-us"] / 1e3;
         let seconds = ms / 1e3;
         replay.seconds += seconds;
         replay.steps += 1;
@@ -135,7 +130,7 @@ fn main() -> ExitCode {
             replay.mixed.0 += 1;
             replay.mixed.1 += seconds;
             replay.mixed_decodes.0 += decodes;
-            replay.mixed_decodes.1 += (decode_ms - hidden) / 1e3;
+            replay.mixed_decodes.1 += decode_ms / 1e3;
         } else {
             let bucket = replay.decode.entry(decodes / BUCKET * BUCKET).or_default();
             bucket.0 += 1;

@@ -8,7 +8,7 @@
 
 use ferrolm_backend::cuda::{
     self as gpu_ops, GatedActivation, Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor, GpuView,
-    StagedBuffer, StreamPriority,
+    StagedBuffer,
 };
 use ferrolm_backend::DType;
 use ferrolm_sampling::{RowRequest, TokenLogprobs};
@@ -108,53 +108,6 @@ pub struct CudaRunner {
     sampler: gpu_ops::GpuSampler,
     /// The `(t, row)` pairs of a step's previous tokens on their way to the device.
     previous: PreviousTokens,
-    /// Where part of a step runs beside the rest, when steps are split (see
-    /// [`CudaRunner::set_split_steps`]).
-    side: Option<SideStream>,
-}
-
-/// Which steps [`CudaRunner`] runs as two parts on two streams.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum SplitSteps {
-    /// None (the default).
-    Off,
-    /// Steps with leading decodes and prompt tokens: the decodes on the side stream.
-    Mixed,
-    /// Those, and decode steps of two requests or more, in halves (eagerly, not from graphs).
-    All,
-}
-
-impl SplitSteps {
-    /// From `FERROLM_SPLIT_STEPS` (`off`, `mixed` or `all`; unset is off, and so is anything
-    /// else, with a warning).
-    pub fn from_env() -> SplitSteps {
-        match std::env::var("FERROLM_SPLIT_STEPS").as_deref() {
-            Ok("mixed") => SplitSteps::Mixed,
-            Ok("all") => SplitSteps::All,
-            Ok("off") | Err(_) => SplitSteps::Off,
-            Ok(other) => {
-                tracing::warn!(value = other, "FERROLM_SPLIT_STEPS is not off, mixed or all; steps are not split");
-                SplitSteps::Off
-            }
-        }
-    }
-}
-
-/// A second stream on the runner's device, at the highest priority, with the buffers of the
-/// part of a step that runs on it: a mixed step's leading decodes, whose memory-bound attention
-/// can then run while the main stream's GEMMs of the step's prompt tokens hold the tensor
-/// cores, or half of a decode step. It shares the runner's context, so it works on the runner's
-/// weights and KV cache.
-struct SideStream {
-    gpu: Gpu,
-    /// Which steps are split.
-    split: SplitSteps,
-    /// Steps run split so far.
-    steps: u64,
-    /// Its part's activations, up to the final norm (the LM head runs on the main stream).
-    acts: Option<Activations>,
-    buffers: Option<StepBuffers>,
-    previous: PreviousTokens,
 }
 
 /// The `(t, row)` pairs of a step's previous tokens (see [`ModelInput::previous_tokens`]), sent
@@ -242,42 +195,7 @@ impl CudaRunner {
             eager_buffers: None,
             sampler: gpu_ops::GpuSampler::new(),
             previous: PreviousTokens::default(),
-            side: None,
         })
-        .and_then(|mut runner| {
-            runner.set_split_steps(SplitSteps::from_env())?;
-            Ok(runner)
-        })
-    }
-
-    /// Runs steps as two parts at once (off by default; `FERROLM_SPLIT_STEPS=mixed|all` turns it
-    /// on): the first part on a second stream of the highest priority, the rest on the main
-    /// stream, and the LM head of all rows once both are done. `Mixed` splits each step with
-    /// leading decodes and prompt tokens there, `All` also decode steps into halves. The parts
-    /// write the same K/V and logits as the whole step, up to the GEMMs' rounding at other row
-    /// counts.
-    pub fn set_split_steps(&mut self, split: SplitSteps) -> Result<(), ModelError> {
-        match (split, &mut self.side) {
-            (SplitSteps::Off, side) => {
-                if side.is_some() {
-                    // The main stream may still copy from the side stream's buffers.
-                    self.gpu.synchronize()?;
-                }
-                *side = None;
-            }
-            (split, Some(side)) => side.split = split,
-            (split, side @ None) => {
-                let gpu = Gpu::new_with_priority(self.gpu.ordinal(), StreamPriority::Highest)?;
-                let previous = PreviousTokens::default();
-                *side = Some(SideStream { gpu, split, steps: 0, acts: None, buffers: None, previous });
-            }
-        }
-        Ok(())
-    }
-
-    /// Steps run split in two since splitting was turned on (0 while it is off).
-    pub fn split_steps(&self) -> u64 {
-        self.side.as_ref().map_or(0, |side| side.steps)
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -318,10 +236,6 @@ impl CudaRunner {
             return Ok(());
         }
         let report = self.gpu.tune_gemms(&ms, &weights)?;
-        if let Some(side) = &self.side {
-            // The side stream's GEMMs are decode batches too; its cuBLAS handle keeps its own plans.
-            side.gpu.tune_gemms(&ms, &weights)?;
-        }
         for t in &report {
             tracing::debug!(
                 m = t.shape.m,
@@ -379,9 +293,6 @@ impl CudaRunner {
     /// captured graph; anything else runs eagerly.
     fn forward(&mut self, input: &ModelInput) -> Result<(), GpuError> {
         let rows = input.logits_indices.len();
-        if let Some((first, second)) = self.side.as_ref().and_then(|side| split_point(side.split, input)) {
-            return self.forward_split(&first, &second, rows);
-        }
         let shape = if self.graphs.disabled || self.model.layers.is_empty() { None } else { GraphShape::of(input) };
         let Some(shape) = shape else {
             self.ensure_activations(input.num_tokens(), rows)?;
@@ -390,17 +301,7 @@ impl CudaRunner {
             self.previous.write(&self.gpu, &self.sampler, self.config.vocab_size, input, buffers)?;
             let step = StepShape::of(input);
             let acts = self.acts.as_mut().expect("activations were just ensured");
-            return decoder(
-                &self.gpu,
-                &self.config,
-                &self.model,
-                &mut self.kv,
-                self.block_size,
-                acts,
-                buffers,
-                &step,
-                End::Logits,
-            );
+            return decoder(&self.gpu, &self.config, &self.model, &mut self.kv, self.block_size, acts, buffers, &step);
         };
         let padded = shape.pad(input);
         self.ensure_activations(shape.batch, shape.batch)?;
@@ -416,7 +317,7 @@ impl CudaRunner {
         let acts = self.acts.as_mut().expect("activations were just ensured");
         let (g, cfg, model, block_size) = (&self.gpu, &self.config, &self.model, self.block_size);
         let kv = &mut self.kv;
-        match g.capture(|| decoder(g, cfg, model, kv, block_size, acts, &buffers, &step, End::Logits)) {
+        match g.capture(|| decoder(g, cfg, model, kv, block_size, acts, &buffers, &step)) {
             Ok(graph) => {
                 graph.launch()?;
                 self.graphs.graphs.insert(shape, DecodeGraph { buffers, graph });
@@ -426,74 +327,15 @@ impl CudaRunner {
                 tracing::warn!("CUDA graph capture failed ({err}); decode steps run without graphs");
                 self.graphs.clear();
                 self.graphs.disabled = true;
-                decoder(g, cfg, model, kv, block_size, acts, &buffers, &step, End::Logits)
+                decoder(g, cfg, model, kv, block_size, acts, &buffers, &step)
             }
         }
-    }
-
-    /// A step split in two ([`ModelInput::split_at`]): `first` (leading decodes) on the side
-    /// stream, `second` on the main stream, both issued at once after everything before the step
-    /// on the main stream, which then waits for the side stream, gathers the final-norm rows of
-    /// both (`first`'s first, as in the whole step's output) and runs the LM head over `rows`.
-    fn forward_split(&mut self, first: &ModelInput, second: &ModelInput, rows: usize) -> Result<(), GpuError> {
-        let first_rows = first.logits_indices.len();
-        self.ensure_activations(second.num_tokens(), rows)?;
-        let (cfg, vocab) = (&self.config, self.config.vocab_size);
-        let side = self.side.as_mut().expect("forward_split runs with a side stream");
-        side.steps += 1;
-        // Both parts' indices go up on the main stream, before the side stream's fork point.
-        StepBuffers::upload_reusing(&mut side.buffers, &self.gpu, first)?;
-        StepBuffers::upload_reusing(&mut self.eager_buffers, &self.gpu, second)?;
-        let side_buffers = side.buffers.as_ref().expect("buffers were just written");
-        let buffers = self.eager_buffers.as_ref().expect("buffers were just written");
-        side.previous.write(&self.gpu, &self.sampler, vocab, first, side_buffers)?;
-        self.previous.write(&self.gpu, &self.sampler, vocab, second, buffers)?;
-
-        let fork = self.gpu.stream().record_event(None)?;
-        side.gpu.stream().wait(&fork)?;
-        // After the fork: buffers the side stream frees here may still be read by the main
-        // stream's copy of the split step before.
-        Activations::ensure(&mut side.acts, &side.gpu, cfg, self.dtype, first.num_tokens(), first_rows, false)?;
-        let side_acts = side.acts.as_mut().expect("activations were just ensured");
-        let (model, block_size) = (&self.model, self.block_size);
-        let first_step = StepShape::of(first);
-        decoder(
-            &side.gpu,
-            cfg,
-            model,
-            &mut self.kv,
-            block_size,
-            side_acts,
-            side_buffers,
-            &first_step,
-            End::FinalNormAt(0),
-        )?;
-        let join = side.gpu.stream().record_event(None)?;
-        let acts = self.acts.as_mut().expect("activations were just ensured");
-        let second_step = StepShape::of(second);
-        decoder(
-            &self.gpu,
-            cfg,
-            model,
-            &mut self.kv,
-            block_size,
-            acts,
-            buffers,
-            &second_step,
-            End::FinalNormAt(first_rows),
-        )?;
-        self.gpu.stream().wait(&join)?;
-        let h = cfg.hidden_size;
-        acts.final_normed
-            .rows_mut(0..first_rows, h)
-            .copy_from(&self.gpu, side_acts.final_normed.rows(0..first_rows, h))?;
-        lm_head(&self.gpu, cfg, model, acts, rows)
     }
 
     /// Grows the activation buffers for a step of `tokens` tokens and `rows` logits rows;
     /// captured graphs go when the buffers move.
     fn ensure_activations(&mut self, tokens: usize, rows: usize) -> Result<(), GpuError> {
-        if Activations::ensure(&mut self.acts, &self.gpu, &self.config, self.dtype, tokens, rows, true)? {
+        if Activations::ensure(&mut self.acts, &self.gpu, &self.config, self.dtype, tokens, rows)? {
             self.graphs.clear();
         }
         Ok(())
@@ -503,18 +345,6 @@ impl CudaRunner {
     fn logits(&self, rows: usize) -> GpuView<'_> {
         let acts = self.acts.as_ref().expect("forward ran");
         acts.logits.rows(0..rows, self.config.vocab_size)
-    }
-}
-
-/// `input` as the two parts `split` runs it in, if it splits: at its leading decodes when it
-/// also has prompt tokens, in halves when it is all decodes (`SplitSteps::All`).
-fn split_point(split: SplitSteps, input: &ModelInput) -> Option<(ModelInput, ModelInput)> {
-    let (decodes, requests) = (input.leading_decodes(), input.num_reqs());
-    match split {
-        SplitSteps::Off => None,
-        _ if decodes < requests => input.split_at(decodes),
-        SplitSteps::All => input.split_at(requests / 2),
-        SplitSteps::Mixed => None,
     }
 }
 
@@ -545,19 +375,9 @@ impl StepShape {
     }
 }
 
-/// Where [`decoder`] ends.
-#[derive(Clone, Copy)]
-enum End {
-    /// At the LM head: the f32 logits of the step's `rows` rows in the first rows of `a.logits`.
-    Logits,
-    /// At the final norm, whose `rows` rows go to rows `at..at + rows` of `a.final_normed` (for
-    /// [`lm_head`] over more rows than this step's).
-    FinalNormAt(usize),
-}
-
-/// The decoder: issues every layer of one step, then the final norm and the LM head as `end`
-/// says. Issues launches only (no host copy and no synchronization), so that a decode step can
-/// be captured as a graph.
+/// The decoder: issues every layer and the LM head for one step, writing f32 logits of the
+/// step's `rows` rows into the first rows of `a.logits`. Issues launches only (no host copy and
+/// no synchronization), so that a decode step can be captured as a graph.
 #[allow(clippy::too_many_arguments)]
 fn decoder(
     g: &Gpu,
@@ -568,7 +388,6 @@ fn decoder(
     a: &mut Activations,
     b: &StepBuffers,
     step: &StepShape,
-    end: End,
 ) -> Result<(), GpuError> {
     let (t, rows) = (step.tokens, step.rows);
     let (h, q_size, kv_size, inter) = (cfg.hidden_size, cfg.q_size(), cfg.kv_size(), cfg.intermediate_size);
@@ -724,18 +543,13 @@ fn decoder(
         }
         (&mut a.last_residual, &a.last_out)
     };
-    let final_at = match end {
-        End::Logits => 0,
-        End::FinalNormAt(at) => at,
-    };
-    let final_rows = final_at..final_at + rows;
     if model.layers.is_empty() {
         gpu_ops::rms_norm(
             g,
             last_residual.rows(0..rows, h),
             model.norm.view(),
             eps,
-            a.final_normed.rows_mut(final_rows, h),
+            a.final_normed.rows_mut(0..rows, h),
         )?;
     } else {
         gpu_ops::add_rms_norm(
@@ -744,18 +558,9 @@ fn decoder(
             last_out.rows(0..rows, h),
             model.norm.view(),
             eps,
-            a.final_normed.rows_mut(final_rows, h),
+            a.final_normed.rows_mut(0..rows, h),
         )?;
     }
-    match end {
-        End::Logits => lm_head(g, cfg, model, a, rows),
-        End::FinalNormAt(_) => Ok(()),
-    }
-}
-
-/// The LM head: f32 logits of the first `rows` rows of `a.final_normed` into `a.logits`.
-fn lm_head(g: &Gpu, cfg: &ModelConfig, model: &GpuModel, a: &mut Activations, rows: usize) -> Result<(), GpuError> {
-    let h = cfg.hidden_size;
     let head = model.lm_head.as_ref().unwrap_or(&model.embed_tokens);
     let vocab = cfg.vocab_size;
     gpu_ops::linear(

@@ -37,50 +37,6 @@ impl ModelInput {
         self.seq_lens.len()
     }
 
-    /// Requests at the head of the batch with one query token each: the decodes of running
-    /// requests, which the scheduler puts first.
-    pub fn leading_decodes(&self) -> usize {
-        self.query_start_loc.windows(2).take_while(|w| w[1] - w[0] == 1).count()
-    }
-
-    /// The batch as two: requests `..num_reqs` and the rest, each indexed from 0, with the
-    /// logits rows and previous tokens that fall in each (a previous token's `row` names the
-    /// step before's rows and stays as it is). The first part's logits rows are the first rows
-    /// of the whole's output. `None` unless both parts have a request and `logits_indices` is
-    /// increasing (as [`Self::push_request`] builds it).
-    pub fn split_at(&self, num_reqs: usize) -> Option<(ModelInput, ModelInput)> {
-        if num_reqs == 0 || num_reqs >= self.num_reqs() || !self.logits_indices.windows(2).all(|w| w[0] < w[1]) {
-            return None;
-        }
-        let width = self.max_blocks_per_seq;
-        let part = |reqs: std::ops::Range<usize>| {
-            let (first_token, end_token) = (self.query_start_loc[reqs.start], self.query_start_loc[reqs.end]);
-            let token_range = first_token as usize..end_token as usize;
-            ModelInput {
-                token_ids: self.token_ids[token_range.clone()].to_vec(),
-                positions: self.positions[token_range.clone()].to_vec(),
-                query_start_loc: self.query_start_loc[reqs.start..=reqs.end].iter().map(|&q| q - first_token).collect(),
-                seq_lens: self.seq_lens[reqs.clone()].to_vec(),
-                block_tables: self.block_tables[reqs.start * width..reqs.end * width].to_vec(),
-                max_blocks_per_seq: width,
-                slot_mapping: self.slot_mapping[token_range].to_vec(),
-                logits_indices: self
-                    .logits_indices
-                    .iter()
-                    .filter(|&&r| (first_token..end_token).contains(&r))
-                    .map(|&r| r - first_token)
-                    .collect(),
-                previous_tokens: self
-                    .previous_tokens
-                    .iter()
-                    .filter(|&&(t, _)| (first_token..end_token).contains(&t))
-                    .map(|&(t, row)| (t - first_token, row))
-                    .collect(),
-            }
-        };
-        Some((part(0..num_reqs), part(num_reqs..self.num_reqs())))
-    }
-
     /// Fills in [`Self::previous_tokens`] from `sampled`, the tokens the step before sampled per
     /// logits row (`None`: none picked, token 0). An error names a pair outside the step or
     /// outside `sampled`.
@@ -209,48 +165,6 @@ mod tests {
         assert_eq!(input.max_blocks_per_seq, 2);
         assert_eq!(input.block_tables, vec![3, 5, 7, 0]);
         assert_eq!(input.logits_indices, vec![0, 1, 2, 3]);
-    }
-
-    #[test]
-    fn a_batch_splits_into_two_batches_indexed_from_zero() {
-        let mut input = ModelInput::default();
-        // Two decodes (one still waiting for its token), then a 3-token prompt chunk with all
-        // its logits, then a 2-token chunk with none.
-        input.push_request(&[u32::MAX], 17, &[3, 5], 16, true, false);
-        input.push_request(&[42], 4, &[6], 16, true, false);
-        input.push_request(&[1, 2, 3], 0, &[7], 16, true, true);
-        input.push_request(&[8, 9], 30, &[1, 2], 16, false, false);
-        input.previous_tokens = vec![(0, 1)];
-        assert_eq!(input.leading_decodes(), 2);
-        let (first, second) = input.split_at(2).expect("two parts");
-        assert_eq!(first.token_ids, vec![u32::MAX, 42]);
-        assert_eq!(first.positions, vec![17, 4]);
-        assert_eq!(first.query_start_loc, vec![0, 1, 2]);
-        assert_eq!(first.seq_lens, vec![18, 5]);
-        assert_eq!(first.block_tables, vec![3, 5, 6, 0]);
-        assert_eq!(first.slot_mapping, vec![5 * 16 + 1, 6 * 16 + 4]);
-        assert_eq!(first.logits_indices, vec![0, 1]);
-        assert_eq!(first.previous_tokens, vec![(0, 1)]);
-        assert_eq!(second.token_ids, vec![1, 2, 3, 8, 9]);
-        assert_eq!(second.positions, vec![0, 1, 2, 30, 31]);
-        assert_eq!(second.query_start_loc, vec![0, 3, 5]);
-        assert_eq!(second.seq_lens, vec![3, 32]);
-        assert_eq!(second.block_tables, vec![7, 0, 1, 2]);
-        assert_eq!(second.slot_mapping, vec![7 * 16, 7 * 16 + 1, 7 * 16 + 2, 2 * 16 + 14, 2 * 16 + 15]);
-        assert_eq!(second.logits_indices, vec![0, 1, 2]);
-        assert!(second.previous_tokens.is_empty());
-        // The parts' logits rows, in order, are the whole's.
-        let second_rows = second.logits_indices.iter().map(|r| r + 2);
-        let rows: Vec<u32> = first.logits_indices.iter().copied().chain(second_rows).collect();
-        assert_eq!(rows, input.logits_indices);
-        assert!(input.split_at(0).is_none() && input.split_at(4).is_none(), "a part without requests");
-        let mut reordered = input.clone();
-        reordered.logits_indices.reverse();
-        assert!(reordered.split_at(2).is_none(), "logits rows out of order");
-        let mut prompt_first = ModelInput::default();
-        prompt_first.push_request(&[1, 2], 0, &[7], 16, true, false);
-        prompt_first.push_request(&[42], 4, &[6], 16, true, false);
-        assert_eq!(prompt_first.leading_decodes(), 0);
     }
 
     #[test]

@@ -308,53 +308,6 @@ fn steps_launched_ahead_equal_steps_run_one_at_a_time() {
     }
 }
 
-/// The step [`a_mixed_step_split_in_two_computes_what_it_computes_whole`] and its GPU
-/// counterpart run, after a first step that reads three prompts: their three decodes first,
-/// then a new 9-token prompt and a new 4-token one with every row's logits. Tables of 3 blocks
-/// each over 16 blocks.
-fn prompts_then_mixed_step() -> (ModelInput, ModelInput) {
-    let prompts: Vec<Vec<u32>> =
-        (0..5u32).map(|i| (0..[5, 7, 3, 9, 4][i as usize]).map(|j| 1 + (i * 131 + j * 17) % 500).collect()).collect();
-    // Distinct blocks, in descending order.
-    let tables: Vec<Vec<u32>> = (0..5u32).map(|i| (0..3).map(|b| 15 - (i * 3 + b)).collect()).collect();
-    let mut first = ModelInput::default();
-    for i in 0..3 {
-        first.push_request(&prompts[i], 0, &tables[i], BLOCK_SIZE, true, false);
-    }
-    let mut mixed = ModelInput::default();
-    for i in 0..3 {
-        mixed.push_request(&[10 + i as u32], prompts[i].len(), &tables[i], BLOCK_SIZE, true, false);
-    }
-    mixed.push_request(&prompts[3], 0, &tables[3], BLOCK_SIZE, true, false);
-    mixed.push_request(&prompts[4], 0, &tables[4], BLOCK_SIZE, true, true);
-    (first, mixed)
-}
-
-/// A mixed step run as two (its decodes, then its prompts), as the CUDA runner can run it on two
-/// streams, writes the same K/V and gives the same logits as the step run whole (CPU model).
-#[test]
-fn a_mixed_step_split_in_two_computes_what_it_computes_whole() {
-    let model = load_model(&repo_path("models/ferrolm-demo-py"));
-    let (first, mixed) = prompts_then_mixed_step();
-    let (mut whole_kv, mut parts_kv) = (model.new_kv_cache(16, BLOCK_SIZE), model.new_kv_cache(16, BLOCK_SIZE));
-    model.forward(&first, &mut whole_kv);
-    model.forward(&first, &mut parts_kv);
-    let whole = model.forward(&mixed, &mut whole_kv);
-    assert_eq!(mixed.leading_decodes(), 3);
-    let (decodes, prompts) = mixed.split_at(3).expect("two parts");
-    let mut parts = model.forward(&decodes, &mut parts_kv);
-    parts.extend(model.forward(&prompts, &mut parts_kv));
-    assert_eq!(parts.len(), whole.len());
-    assert_eq!(whole.len(), (3 + 1 + 4) * model.config.vocab_size);
-    let worst = parts.iter().zip(&whole).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-    assert!(worst < 1e-4, "split against whole: logits differ by {worst}");
-    for (layer, (a, b)) in parts_kv.layers.iter().zip(&whole_kv.layers).enumerate() {
-        let worst =
-            a.0.iter().chain(&a.1).zip(b.0.iter().chain(&b.1)).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-        assert!(worst < 1e-5, "layer {layer}: K/V differ by {worst}");
-    }
-}
-
 /// 64 requests of mixed lengths decoded together give the tokens each gives alone (on bf16,
 /// up to the first step whose margin alone is within 0.1, where rounding may flip the choice).
 /// The bundled demo model is trained, so its choices mostly have clear margins.
@@ -540,7 +493,7 @@ fn staggered(runner: &mut dyn ModelRunner, ahead: bool) -> Vec<Vec<(u32, f64, f6
 }
 
 /// Requests that join one per step, so that steps mix decodes and a prompt, give the same
-/// tokens launched ahead as one step at a time, on every backend (on the GPU, steps whole).
+/// tokens launched ahead as one step at a time, on every backend.
 #[test]
 fn mixed_steps_launched_ahead_equal_steps_run_one_at_a_time() {
     for (backend, mut runner, _) in backends(&repo_path("models/ferrolm-demo-py")) {
@@ -548,73 +501,6 @@ fn mixed_steps_launched_ahead_equal_steps_run_one_at_a_time() {
         let ahead = staggered(runner.as_mut(), true);
         assert!(one_at_a_time.iter().all(|r| r.len() == 8), "{backend}: 8 tokens each");
         assert_eq!(ahead, one_at_a_time, "{backend}");
-    }
-}
-
-/// Steps split over two streams (`CudaRunner::set_split_steps`: mixed steps, and with `All`
-/// decode steps in halves too) give the tokens and logprobs of whole steps, steps launched ahead
-/// included, in f32 (within 1e-3, tokens equal) and bf16 (mean logprob error within 0.02, tokens
-/// equal up to a request's first step with a margin within 0.1).
-#[cfg(feature = "cuda")]
-#[test]
-fn split_steps_equal_whole_steps() {
-    use ferrolm_backend::cuda::Gpu;
-    use ferrolm_backend::DType;
-    use ferrolm_model::cuda::{CudaRunner, SplitSteps};
-    let dir = repo_path("models/ferrolm-demo-py");
-    for (dtype, rule) in [(DType::F32, Rule::Close(1e-3)), (DType::BF16, Rule::Bf16)] {
-        let mut runs = Vec::new();
-        let modes = [
-            (SplitSteps::Off, false),
-            (SplitSteps::Mixed, false),
-            (SplitSteps::Mixed, true),
-            (SplitSteps::All, false),
-            (SplitSteps::All, true),
-        ];
-        for (split, ahead) in modes {
-            let gpu = match Gpu::new(0) {
-                Ok(gpu) => gpu,
-                Err(err) if err.means_no_gpu() => return eprintln!("skipping: no GPU ({err})"),
-                Err(err) => panic!("the GPU is there but could not be opened: {err}"),
-            };
-            let mut runner = CudaRunner::new(&load_model(&dir), gpu, dtype).expect("upload");
-            runner.set_split_steps(split).expect("a second stream");
-            runs.push((split, ahead, staggered(&mut runner, ahead)));
-            // Steps 1 to 5 have decodes and a prompt; steps 6 to 11 decode 6, 6, 5, 4, 3 and 2
-            // requests, step 12 the last one alone (request i decodes in steps i + 1 to i + 7).
-            let want = match split {
-                SplitSteps::Off => 0,
-                SplitSteps::Mixed => 5,
-                SplitSteps::All => 11,
-            };
-            assert_eq!(runner.split_steps(), want, "{dtype:?}: steps split ({split:?})");
-        }
-        let whole = &runs[0].2;
-        for (split, ahead, run) in &runs[1..] {
-            let what = format!("{dtype:?}, split {split:?}, ahead {ahead}");
-            let (mut sum_err, mut count) = (0.0f64, 0usize);
-            for (i, (want, got)) in whole.iter().zip(run).enumerate() {
-                assert_eq!(got.len(), want.len(), "{what}: request {i}");
-                for (step, (&(token, logprob, margin), &(got_token, got_logprob, _))) in
-                    want.iter().zip(got).enumerate()
-                {
-                    if matches!(rule, Rule::Bf16) && margin <= BF16_MARGIN {
-                        break;
-                    }
-                    assert_eq!(got_token, token, "{what}: request {i} step {step} (margin {margin})");
-                    let err = (got_logprob - logprob).abs();
-                    if let Rule::Close(tol) = rule {
-                        assert!(err < tol, "{what}: request {i} step {step}: logprob {got_logprob} vs {logprob}");
-                    }
-                    sum_err += err;
-                    count += 1;
-                }
-            }
-            assert!(count >= 24, "{what}: too few tokens compared ({count})");
-            let mean = sum_err / count as f64;
-            eprintln!("{what}: {count} tokens, mean logprob error {mean:.2e}");
-            assert!(mean <= BF16_MEAN_ERR, "{what}: mean logprob error {mean}");
-        }
     }
 }
 

@@ -264,11 +264,6 @@ impl Gpu {
         })
     }
 
-    /// The device's ordinal (for [`Gpu::new_with_priority`] on the same device).
-    pub fn ordinal(&self) -> usize {
-        self.ctx.ordinal()
-    }
-
     /// The device's name, e.g. "NVIDIA H200".
     pub fn name(&self) -> &str {
         &self.name

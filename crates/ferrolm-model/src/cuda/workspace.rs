@@ -46,9 +46,8 @@ pub(super) struct Activations {
     pub(super) last_out: GpuTensor,
     /// `[rows, hidden]`
     pub(super) final_normed: GpuTensor,
-    /// f32 `[rows, vocab]`; empty in activations made without logits.
+    /// f32 `[rows, vocab]`
     pub(super) logits: GpuTensor,
-    with_logits: bool,
 }
 
 impl Activations {
@@ -58,7 +57,6 @@ impl Activations {
         dtype: DType,
         tokens: usize,
         rows: usize,
-        with_logits: bool,
     ) -> Result<Self, GpuError> {
         let (tokens, rows) = (tokens.max(MIN_CAPACITY), rows.max(MIN_CAPACITY));
         let (h, q_size, kv_size, inter) = (cfg.hidden_size, cfg.q_size(), cfg.kv_size(), cfg.intermediate_size);
@@ -82,14 +80,12 @@ impl Activations {
             last_residual: buf(DType::F32, rows * h)?,
             last_out: buf(dtype, rows * h)?,
             final_normed: buf(dtype, rows * h)?,
-            logits: buf(DType::F32, if with_logits { rows * cfg.vocab_size } else { 0 })?,
-            with_logits,
+            logits: buf(DType::F32, rows * cfg.vocab_size)?,
         })
     }
 
-    /// Makes room for a step of `tokens` tokens and `rows` logits rows (their logits too when
-    /// `with_logits`; else up to the final norm). Returns whether the buffers moved (then every
-    /// captured graph that uses them is stale).
+    /// Makes room for a step of `tokens` tokens and `rows` logits rows. Returns whether the
+    /// buffers moved (then every captured graph that uses them is stale).
     pub(super) fn ensure(
         this: &mut Option<Activations>,
         gpu: &Gpu,
@@ -97,10 +93,9 @@ impl Activations {
         dtype: DType,
         tokens: usize,
         rows: usize,
-        with_logits: bool,
     ) -> Result<bool, GpuError> {
         if let Some(a) = this {
-            if a.tokens >= tokens && a.rows >= rows && (a.with_logits || !with_logits) {
+            if a.tokens >= tokens && a.rows >= rows {
                 return Ok(false);
             }
         }
@@ -109,7 +104,7 @@ impl Activations {
         *this = None;
         let tokens = tokens.max(old_tokens).next_power_of_two();
         let rows = rows.max(old_rows).next_power_of_two();
-        *this = Some(Activations::new(gpu, cfg, dtype, tokens, rows, with_logits)?);
+        *this = Some(Activations::new(gpu, cfg, dtype, tokens, rows)?);
         Ok(true)
     }
 }
