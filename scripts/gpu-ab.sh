@@ -9,8 +9,9 @@
 # l8b-nucleus (the same at T = 0.6, top-p 0.9), ttft (the 8B's 2048-token prompt), d384 (the 8B
 # decoding 384 requests at ~1500), t1000-512 (the 8B's 1000 x (1000 + 1000), 512 requests at a
 # time in the whole free memory, as docs/PERFORMANCE.md gives the row; ~2.5 min a run), t1000
-# (the same 384 at a time: three waves instead of two). BASE_ROW runs that row on the base side instead of each ROW, to compare flags on one
-# build: `BASE_ROW=t1000 scripts/gpu-ab.sh DIR DIR t1000-512`.
+# (the same 384 at a time: three waves instead of two). BASE_ROW runs that row on the base side
+# instead of each ROW, to compare flags on one build: `BASE_ROW=t1000 scripts/gpu-ab.sh DIR DIR
+# t1000-512`.
 # ROUNDS (default 2) runs per build and row. Logs and JSON go to $OUT (default: a new temporary
 # directory); the table comes last.
 set -u

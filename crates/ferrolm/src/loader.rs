@@ -240,8 +240,15 @@ fn activation_reserve(config: &ModelConfig, args: &EngineArgs, dtype: DType) -> 
     let t = args.max_num_batched_tokens;
     let width = config.hidden_size * 4 + config.q_size() * 2 + config.kv_size() * 4 + config.intermediate_size * 3;
     let activations = t * width * dtype.size_in_bytes();
-    let rows = (args.max_num_seqs.max(1) + prompt_logprob_rows(args)).min(t);
-    let logits = rows * config.vocab_size * 4 * 2;
+    // The scheduler's bound on a step's logits rows under these flags (the pool and length do
+    // not enter it).
+    let step = SchedulerConfig {
+        max_num_seqs: args.max_num_seqs,
+        max_num_batched_tokens: t,
+        max_prompt_logprob_rows: prompt_logprob_rows(args),
+        ..SchedulerConfig::new(1, 1)
+    };
+    let logits = step.max_logits_rows() * config.vocab_size * 4 * 2;
     (activations + logits) * 2 + (512 << 20)
 }
 

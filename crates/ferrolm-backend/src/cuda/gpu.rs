@@ -105,6 +105,7 @@ fn allow_dynamic_shared(f: &CudaFunction, max_shared_per_block: i32) -> Result<(
 /// The priority of a [`Gpu`]'s stream among the device's streams.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StreamPriority {
+    /// What a stream gets unless asked otherwise.
     Default,
     /// The highest the device offers.
     Highest,
