@@ -335,6 +335,26 @@ fn gated_activations_match_cpu() -> Result<(), GpuError> {
     Ok(())
 }
 
+/// The kernel that measures the memory read rate reads every word once: its XOR of random
+/// buffers, one word to several million (not a multiple of its grid's threads), is the host's.
+#[test]
+fn stream_read_xor_reads_every_word() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(41);
+    for words in [1usize, 1000, 3_000_017] {
+        let host: Vec<u32> = (0..4 * words).map(|_| rng.random()).collect();
+        let mut expected = [0u32; 4];
+        for (i, w) in host.iter().enumerate() {
+            expected[i % 4] ^= w;
+        }
+        assert_eq!(cuda::xor_words(&gpu, &gpu.upload(&host)?)?, expected, "{words} words");
+    }
+    let rate = cuda::read_rate(&gpu, 64 << 20, 2)?;
+    eprintln!("read rate over 64 MiB: {:.0} GB/s", rate / 1e9);
+    assert!(rate.is_finite() && rate > 1e9, "read rate {rate} B/s");
+    Ok(())
+}
+
 #[test]
 fn gather_rows_picks_rows() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };

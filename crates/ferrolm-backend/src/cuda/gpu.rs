@@ -43,6 +43,7 @@ const KERNELS: &[&str] = &[
     "gelu_tanh_and_mul",
     "bias_add",
     "gather_rows",
+    "stream_read_xor",
     "reshape_and_cache",
     "paged_attention",
     "paged_attention_decode_g1",

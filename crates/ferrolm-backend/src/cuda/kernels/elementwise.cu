@@ -126,3 +126,33 @@ FOR_EACH_DTYPE(BIAS_ADD)
         } \
     }
 FOR_EACH_DTYPE(GATHER_ROWS)
+
+// The XOR of src's n16 16-byte words into sink[0..4], read with streaming loads (evict-first,
+// no L1): a grid-stride loop of one 16-byte load per thread per step, each block's XOR folded
+// into sink with one atomic per 4-byte lane of the word. What the device's memory read rate is measured with
+// (read_rate.rs); T is unused.
+#define STREAM_READ_XOR(T, S) \
+    extern "C" __global__ void stream_read_xor_##S(const uint4* src, u64 n16, u32* sink) { \
+        pdl_enter(); \
+        uint4 acc = make_uint4(0, 0, 0, 0); \
+        for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n16; i += (u64)gridDim.x * blockDim.x) { \
+            const uint4 v = __ldcs(src + i); \
+            acc.x ^= v.x; acc.y ^= v.y; acc.z ^= v.z; acc.w ^= v.w; \
+        } \
+        for (int o = 16; o > 0; o >>= 1) { \
+            acc.x ^= __shfl_xor_sync(0xffffffffu, acc.x, o); \
+            acc.y ^= __shfl_xor_sync(0xffffffffu, acc.y, o); \
+            acc.z ^= __shfl_xor_sync(0xffffffffu, acc.z, o); \
+            acc.w ^= __shfl_xor_sync(0xffffffffu, acc.w, o); \
+        } \
+        __shared__ uint4 warps_acc[32]; \
+        if ((threadIdx.x & 31) == 0) warps_acc[threadIdx.x >> 5] = acc; \
+        __syncthreads(); \
+        if (threadIdx.x == 0) { \
+            for (u32 w = 1; w < blockDim.x / 32; w++) { \
+                acc.x ^= warps_acc[w].x; acc.y ^= warps_acc[w].y; acc.z ^= warps_acc[w].z; acc.w ^= warps_acc[w].w; \
+            } \
+            atomicXor(sink, acc.x); atomicXor(sink + 1, acc.y); atomicXor(sink + 2, acc.z); atomicXor(sink + 3, acc.w); \
+        } \
+    }
+FOR_EACH_DTYPE(STREAM_READ_XOR)

@@ -1,0 +1,63 @@
+//! How fast the device reads its memory: the ceiling of every memory-bound kernel that only
+//! reads (a decode step's weights, K and V).
+//!
+//! A device-to-device copy also writes, and on an H200 it moves ~3.9 TB/s (read and write
+//! counted) where a kernel that only reads streams ~4.6 TB/s: priced at the copy rate, a decode
+//! kernel's reads would look closer to their limit than they are. [`read_rate`] reads a buffer
+//! far larger than the L2 with the `stream_read_xor` kernel (16-byte streaming loads, the whole
+//! device full of threads) and [`xor_words`] checks that kernel: it returns what it read.
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaSlice, LaunchConfig};
+
+use super::{Gpu, GpuError};
+use crate::DType;
+
+/// Blocks per multiprocessor and threads per block of the read: two waves of 64 warps per SM,
+/// as many loads in flight as the device allows (on an H200 ~1 % faster than one wave).
+const BLOCKS_PER_SM: usize = 16;
+const THREADS: u32 = 256;
+
+/// The XOR of every 16-byte word of `src` (a multiple of 4 elements) as four u32 lanes, read on
+/// the device by the kernel [`read_rate`] times. Waits for the result.
+pub fn xor_words(gpu: &Gpu, src: &CudaSlice<u32>) -> Result<[u32; 4], GpuError> {
+    let mut sink = gpu.upload(&[0u32; 4])?;
+    launch_read(gpu, src, &mut sink)?;
+    let words = gpu.download(&sink)?;
+    Ok([words[0], words[1], words[2], words[3]])
+}
+
+/// Bytes per second the device reads: the fastest of `repetitions` reads of a `bytes`-long
+/// buffer of non-zero words (at least 64 MiB), timed by device events.
+pub fn read_rate(gpu: &Gpu, bytes: usize, repetitions: usize) -> Result<f64, GpuError> {
+    let words = bytes.max(64 << 20) / 16 * 4;
+    let host: Vec<u32> = (0..words).map(|i| (i as u32).wrapping_mul(0x9e37_79b9) | 1).collect();
+    let src = gpu.upload(&host)?;
+    drop(host);
+    let mut sink = gpu.upload(&[0u32; 4])?;
+    let ctx = gpu.stream().context();
+    // Timing events (None would make them without timing).
+    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+    let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);
+    launch_read(gpu, &src, &mut sink)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..repetitions.max(1) {
+        start.record(gpu.stream())?;
+        launch_read(gpu, &src, &mut sink)?;
+        end.record(gpu.stream())?;
+        end.synchronize()?;
+        best = best.min(f64::from(start.elapsed_ms(&end)?) / 1e3);
+    }
+    Ok((words * 4) as f64 / best)
+}
+
+fn launch_read(gpu: &Gpu, src: &CudaSlice<u32>, sink: &mut CudaSlice<u32>) -> Result<(), GpuError> {
+    assert_eq!(src.len() % 4, 0, "stream_read_xor: {} u32 are not 16-byte words", src.len());
+    let (src_ptr, sink_ptr, n16) = (gpu.index_ptr(src), gpu.index_ptr(sink), (src.len() / 4) as u64);
+    let blocks = (gpu.multiprocessors() * BLOCKS_PER_SM) as u32;
+    let mut launch = gpu.launch_builder("stream_read_xor", DType::F32);
+    launch.arg(&src_ptr).arg(&n16).arg(&sink_ptr);
+    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: `src` holds n16 words and `sink` four u32, as the kernel's parameters say.
+    unsafe { launch.launch(cfg) }
+}
