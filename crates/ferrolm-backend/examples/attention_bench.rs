@@ -54,6 +54,7 @@ fn main() {
         // take; then as 3072 sequences of one KV head, whose 16-key pages are 4 KiB contiguous
         // where the 8B's are 16 rows of 256 bytes 2 KiB apart.
         ("decode batch 384, context 1500", LLAMA_8B, COMPACT, vec![(1500, 1); 384]),
+        ("decode batch 512, context 1500", LLAMA_8B, COMPACT, vec![(1500, 1); 512]),
         ("decode batch 192, context 3000", LLAMA_8B, COMPACT, vec![(3000, 1); 192]),
         ("decode batch 768, context 750", LLAMA_8B, COMPACT, vec![(750, 1); 768]),
         ("decode batch 3072 x 1 KV head, context 1500", ONE_KV_HEAD, COMPACT, vec![(1500, 1); 3072]),

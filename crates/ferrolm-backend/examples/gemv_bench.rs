@@ -9,7 +9,7 @@
 //! Each shape's weights are cycled through in enough copies that one pass is several times the
 //! 50 MB L2 cache, so the reads come from device memory as in a decode step. A line gives the
 //! mean time per call over 64 back-to-back calls (best of 5 such runs) and the weight bytes read
-//! per call over that time. Last, the 8B projections but the LM head at 192, 384 and 8192 rows,
+//! per call over that time. Last, the 8B projections and LM head at 192, 384, 512 and 8192 rows,
 //! as TFLOP/s, on cuBLAS's default kernels and again after `Gpu::tune_gemms`.
 
 mod bench_support;
@@ -62,32 +62,44 @@ fn main() {
     }
     // Many rows (cuBLAS): a batch of decodes and a prefill chunk, as compute rates.
     println!();
-    println!("{:<34} {:>10} {:>10} {:>10}", "TFLOP/s (n x k), cuBLAS", "m 192", "384", "8192");
-    for (name, n, k) in shapes.into_iter().filter(|&(name, n, _)| name.starts_with("8b") && n != 128256) {
+    println!("{:<34} {:>10} {:>10} {:>10} {:>10}", "TFLOP/s (n x k), cuBLAS", "m 192", "384", "512", "8192");
+    for (name, n, k) in shapes.into_iter().filter(|&(name, _, _)| name.starts_with("8b")) {
         let rates: Result<Vec<f64>, GpuError> =
-            [192, 384, 8192].into_iter().map(|m| gemm_rate(&gpu, m, n, k)).collect();
+            [192, 384, 512, 8192].into_iter().map(|m| gemm_rate(&gpu, m, n, k)).collect();
         match rates {
-            Ok(r) => println!("{:<34} {:>10.0} {:>10.0} {:>10.0}", format!("{name} ({n} x {k})"), r[0], r[1], r[2]),
-            Err(e) => eprintln!("{name} GEMM: {e}"),
-        }
-    }
-    // The same after `Gpu::tune_gemms` (cuBLASLt where it beat cuBLAS by 3 % on one copy of the
-    // weights), with which of the three shapes it kept a plan for.
-    println!();
-    println!("{:<34} {:>10} {:>10} {:>10}  kept", "TFLOP/s (n x k), tuned", "m 192", "384", "8192");
-    for (name, n, k) in shapes.into_iter().filter(|&(name, n, _)| name.starts_with("8b") && n != 128256) {
-        let ms = [192, 384, 8192];
-        let tuned = random_tensor(&gpu, DType::BF16, n * k, &mut 0x9e37_79b9_7f4a_7c15_u64)
-            .and_then(|w| gpu.tune_gemms(&ms, &[(w.view(), n, DType::BF16)]));
-        let rates: Result<Vec<f64>, GpuError> = ms.into_iter().map(|m| gemm_rate(&gpu, m, n, k)).collect();
-        match (tuned, rates) {
-            (Ok(t), Ok(r)) => println!(
-                "{:<34} {:>10.0} {:>10.0} {:>10.0}  {:?}",
+            Ok(r) => println!(
+                "{:<34} {:>10.0} {:>10.0} {:>10.0} {:>10.0}",
                 format!("{name} ({n} x {k})"),
                 r[0],
                 r[1],
                 r[2],
-                t.iter().map(|t| t.taken).collect::<Vec<_>>()
+                r[3]
+            ),
+            Err(e) => eprintln!("{name} GEMM: {e}"),
+        }
+    }
+    // The same after `Gpu::tune_gemms` (cuBLASLt where it beat cuBLAS by 3 % on one copy of the
+    // weights); per row count, whether it kept a plan, the candidates it timed and cuBLAS's time
+    // over the best candidate's.
+    println!();
+    println!("{:<34} {:>10} {:>10} {:>10} {:>10}  kept", "TFLOP/s (n x k), tuned", "m 192", "384", "512", "8192");
+    for (name, n, k) in shapes.into_iter().filter(|&(name, _, _)| name.starts_with("8b")) {
+        let ms = [192, 384, 512, 8192];
+        let output = if n == 128256 { DType::F32 } else { DType::BF16 };
+        let tuned = random_tensor(&gpu, DType::BF16, n * k, &mut 0x9e37_79b9_7f4a_7c15_u64)
+            .and_then(|w| gpu.tune_gemms(&ms, &[(w.view(), n, output)]));
+        let rates: Result<Vec<f64>, GpuError> = ms.into_iter().map(|m| gemm_rate(&gpu, m, n, k)).collect();
+        match (tuned, rates) {
+            (Ok(t), Ok(r)) => println!(
+                "{:<34} {:>10.0} {:>10.0} {:>10.0} {:>10.0}  {:?}",
+                format!("{name} ({n} x {k})"),
+                r[0],
+                r[1],
+                r[2],
+                r[3],
+                t.iter()
+                    .map(|t| (t.taken, t.candidates, t.best_us.map(|b| (t.default_us / b * 100.0).round() / 100.0)))
+                    .collect::<Vec<_>>()
             ),
             (Err(e), _) | (_, Err(e)) => eprintln!("{name} tuned GEMM: {e}"),
         }

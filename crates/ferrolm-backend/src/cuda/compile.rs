@@ -73,6 +73,11 @@ fn compile_options(arch: &str) -> Vec<String> {
     if let Some(dir) = cuda_include_dir() {
         options.push(format!("--include-path={}", dir.display()));
     }
+    // Kernel variants for experiments: `FERROLM_KERNEL_DEFINES="NAME=VALUE ..."` (part of the
+    // cache key, as every option is).
+    if let Ok(defines) = std::env::var("FERROLM_KERNEL_DEFINES") {
+        options.extend(defines.split_whitespace().map(|d| format!("-D{d}")));
+    }
     options
 }
 
