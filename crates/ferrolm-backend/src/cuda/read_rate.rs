@@ -33,7 +33,8 @@ pub fn xor_words(gpu: &Gpu, src: &CudaSlice<u32>) -> Result<[u32; 4], GpuError> 
 /// back-to-back reads of a `bytes`-long buffer of non-zero words (at least 64 MiB), by device
 /// events. An untimed read runs ahead of each timing, so that the device is busy while the host
 /// queues the timed ones: a lone read between two events also times its launch (a 1 GiB read on
-/// an H200 timed that way gave 4.13 TB/s where 8 GiB read ten times over gave 4.58).
+/// an H200 timed that way gave 4.13 TB/s where the same loads over 8 GiB, ten reads to an event
+/// pair, gave 4.58).
 pub fn read_rate(gpu: &Gpu, bytes: usize, repetitions: usize) -> Result<f64, GpuError> {
     let words = bytes.max(64 << 20) / 16 * 4;
     let host: Vec<u32> = (0..words).map(|i| (i as u32).wrapping_mul(0x9e37_79b9) | 1).collect();
