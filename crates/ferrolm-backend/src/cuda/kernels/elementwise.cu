@@ -129,8 +129,8 @@ FOR_EACH_DTYPE(GATHER_ROWS)
 
 // The XOR of src's n16 16-byte words into sink[0..4], read with streaming loads (evict-first,
 // no L1): a grid-stride loop of one 16-byte load per thread per step, each block's XOR folded
-// into sink with one atomic per 4-byte lane of the word. What the device's memory read rate is measured with
-// (read_rate.rs); T is unused.
+// into sink with one atomic per 4-byte lane of the word. What the device's memory read rate is
+// measured with (read_rate.rs); T is unused.
 #define STREAM_READ_XOR(T, S) \
     extern "C" __global__ void stream_read_xor_##S(const uint4* src, u64 n16, u32* sink) { \
         pdl_enter(); \
