@@ -125,7 +125,7 @@ impl MeasuredLimit {
         table
             .section("Throughput Limit (work at measured ceilings)")
             .num(&format!("GEMM rate at {} rows (TFLOP/s)", self.rate.rows), self.rate.tflops())
-            .num("Memory bandwidth (GB/s)", self.bandwidth.gbps())
+            .num("Memory read bandwidth (GB/s)", self.bandwidth.gbps())
             .num("GEMM and attention arithmetic (TFLOP)", (w.gemm_flops + w.attention_flops) / 1e12)
             .num("K/V read by decode tokens (GB)", w.kv_read_bytes / 1e9)
             .num(&format!("Weights read in {} steps at fewest (GB)", w.min_steps), w.weight_read_bytes / 1e9)
