@@ -33,29 +33,6 @@ template <int D> struct DecodeMmaStages { static constexpr int value = D <= 64 ?
 #ifndef DM_BULK
 #define DM_BULK 1
 #endif
-#if DM_BULK && __CUDA_ARCH__ >= 900
-// Bulk copies (sm_90): a whole K or V row of one head per instruction, completing on an mbarrier
-// that counts the bytes.
-__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
-    asm volatile(
-        "{\n.reg .pred P1;\nWAIT:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-        "@P1 bra DONE;\nbra WAIT;\nDONE:\n}\n" ::"r"(bar),
-        "r"(parity)
-        : "memory");
-}
-__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-                 "l"(src), "r"(bytes), "r"(bar)
-                 : "memory");
-}
-#endif
 
 __device__ __forceinline__ u32 load_pair(const void* p) { return *reinterpret_cast<const u32*>(p); }
 
@@ -385,20 +362,27 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
 #pragma unroll
             for (int c = 0; c < D / 8; c++) reinterpret_cast<uint4*>(row)[c] = make_uint4(0, 0, 0, 0);
         }
+        // Zero rows a lane stored are in before any lane reads the slot.
+        __syncwarp();
     };
+    auto commit = [] {};
+    // Tile `tile` has landed: its slot's barrier finished the phase of this use.
+    auto wait_tile = [&](u32 tile) { mbar_wait(bar0 + (tile % STAGES) * 8, (tile / STAGES) & 1); };
 #else
     auto load_tile = [&](u32 tile, u32 slot) {
         decode_load_keys<T, D, DM_KEYS, 32>(ring + slot * 2 * TILE, kv, start + tile * DM_KEYS, end, lane);
     };
+    // One commit group per tile (empty past the last), so that "all but STAGES - 2 groups done"
+    // always means "tile i is in".
+    auto commit = [] { cp_async_commit(); };
+    auto wait_tile = [](u32) { cp_async_wait<STAGES - 2>(); };
 #endif
     // One visible key at least (the token's own): start < end.
     const u32 num_tiles = (end - start + DM_KEYS - 1) / DM_KEYS;
 #pragma unroll
     for (int st = 0; st < STAGES - 1; st++) {
         if ((u32)st < num_tiles) load_tile(st, st);
-#if !(DM_BULK && __CUDA_ARCH__ >= 900)
-        cp_async_commit();
-#endif
+        commit();
     }
 
     const u32 gid = lane >> 2, tig = lane & 3;
@@ -418,24 +402,13 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
     const u32 v_lane = (((lane & 7) + (((lane >> 3) & 1) << 3)) * STRIDE + (lane >> 4) * 8) * sizeof(T);
 
     for (u32 tile = 0; tile < num_tiles; tile++) {
-#if DM_BULK && __CUDA_ARCH__ >= 900
-        // Tile `tile` has landed (its slot's barrier finished the phase of this use), and every
-        // lane is done with the slot the next copies overwrite (the one used in the previous
-        // iteration); the second barrier orders zero rows a lane stored before others read them.
-        mbar_wait(bar0 + (tile % STAGES) * 8, (tile / STAGES) & 1);
-        __syncwarp();
-        const u32 next = tile + STAGES - 1;
-        if (next < num_tiles) load_tile(next, next % STAGES);
-        __syncwarp();
-#else
-        cp_async_wait<STAGES - 2>();
+        wait_tile(tile);
         // Tile `tile` is in for every lane's copies, and every lane is done with the slot the
         // next copy overwrites (the one used in the previous iteration).
         __syncwarp();
         const u32 next = tile + STAGES - 1;
         if (next < num_tiles) load_tile(next, next % STAGES);
-        cp_async_commit();
-#endif
+        commit();
 
         const u32 key0 = start + tile * DM_KEYS;
         const u32 kb = smem_addr(ring + (tile % STAGES) * 2 * TILE) + k_lane;
