@@ -353,8 +353,9 @@ impl Gpu {
         Ok(GemmTuning { shape, default_us, best_us: best.map(|(us, _)| us), candidates: ran, taken })
     }
 
-    /// Mean microseconds of `issue` over [`REPS`] runs after one untimed run, by device events.
-    fn time_us(&self, mut issue: impl FnMut() -> Result<(), GpuError>) -> Result<f32, GpuError> {
+    /// Mean microseconds of `issue` over [`REPS`] runs after one untimed run, by device events
+    /// (the untimed run keeps the device busy while the host queues the timed ones).
+    pub(crate) fn time_us(&self, mut issue: impl FnMut() -> Result<(), GpuError>) -> Result<f32, GpuError> {
         issue()?;
         let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
         let ctx = self.stream().context();

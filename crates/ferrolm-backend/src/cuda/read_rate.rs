@@ -7,7 +7,6 @@
 //! far larger than the L2 with the `stream_read_xor` kernel (16-byte streaming loads, the whole
 //! device full of threads) and [`xor_words`] checks that kernel: it returns what it read.
 
-use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 use super::{Gpu, GpuError};
@@ -17,8 +16,6 @@ use crate::DType;
 /// as many loads in flight as the device allows (on an H200 ~1 % faster than one wave).
 const BLOCKS_PER_SM: usize = 16;
 const THREADS: u32 = 256;
-/// Reads timed together.
-const LAUNCHES: usize = 4;
 
 /// The XOR of every 16-byte word of `src` (a multiple of 4 elements) as four u32 lanes, read on
 /// the device by the kernel [`read_rate`] times. Waits for the result.
@@ -29,34 +26,23 @@ pub fn xor_words(gpu: &Gpu, src: &CudaSlice<u32>) -> Result<[u32; 4], GpuError> 
     Ok([words[0], words[1], words[2], words[3]])
 }
 
-/// Bytes per second the device reads: the fastest of `repetitions` timings of [`LAUNCHES`]
-/// back-to-back reads of a `bytes`-long buffer of non-zero words (at least 64 MiB), by device
-/// events. An untimed read runs ahead of each timing, so that the device is busy while the host
-/// queues the timed ones: a lone read between two events also times its launch (a 1 GiB read on
-/// an H200 timed that way gave 4.13 TB/s where the same loads over 8 GiB, ten reads to an event
-/// pair, gave 4.58).
+/// Bytes per second the device reads: the fastest of `repetitions` timings of back-to-back
+/// reads of a `bytes`-long buffer of non-zero words (at least 64 MiB), each timing the mean of
+/// several after an untimed one (`Gpu::time_us`), so that the device is busy while the host
+/// queues the timed reads: a lone read between two events also times its launch (a 1 GiB read
+/// on an H200 timed that way gave 4.13 TB/s where the same loads over 8 GiB, ten reads to an
+/// event pair, gave 4.58).
 pub fn read_rate(gpu: &Gpu, bytes: usize, repetitions: usize) -> Result<f64, GpuError> {
     let words = bytes.max(64 << 20) / 16 * 4;
     let host: Vec<u32> = (0..words).map(|i| (i as u32).wrapping_mul(0x9e37_79b9) | 1).collect();
     let src = gpu.upload(&host)?;
     drop(host);
     let mut sink = gpu.upload(&[0u32; 4])?;
-    let ctx = gpu.stream().context();
-    // Timing events (None would make them without timing).
-    let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-    let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);
-    let mut best = f64::INFINITY;
+    let mut best_us = f32::INFINITY;
     for _ in 0..repetitions.max(1) {
-        launch_read(gpu, &src, &mut sink)?;
-        start.record(gpu.stream())?;
-        for _ in 0..LAUNCHES {
-            launch_read(gpu, &src, &mut sink)?;
-        }
-        end.record(gpu.stream())?;
-        end.synchronize()?;
-        best = best.min(f64::from(start.elapsed_ms(&end)?) / 1e3 / LAUNCHES as f64);
+        best_us = best_us.min(gpu.time_us(|| launch_read(gpu, &src, &mut sink))?);
     }
-    Ok((words * 4) as f64 / best)
+    Ok((words * 4) as f64 / (f64::from(best_us) / 1e6))
 }
 
 fn launch_read(gpu: &Gpu, src: &CudaSlice<u32>, sink: &mut CudaSlice<u32>) -> Result<(), GpuError> {
