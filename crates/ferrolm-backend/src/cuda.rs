@@ -43,7 +43,7 @@ pub use linear::{linear, linear_cublas, linear_gated, linear_gemv_ksplit, GatedA
 pub use ops::{
     add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, split_qkv,
 };
-pub use read_rate::{read_rate, xor_words};
+pub use read_rate::{read_rate, word_pattern, xor_words};
 pub use rope::{linear_qkv_rope_cache, qkv_rope_cache, rope, GpuRopeTable};
 pub use sampling::GpuSampler;
 pub use staging::{StagedBuffer, StagedPart};

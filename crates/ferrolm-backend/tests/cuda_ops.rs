@@ -336,7 +336,8 @@ fn gated_activations_match_cpu() -> Result<(), GpuError> {
 }
 
 /// The kernel that measures the memory read rate reads every word once: its XOR of random
-/// buffers, one word to several million (not a multiple of its grid's threads), is the host's.
+/// buffers, one word to several million (not a multiple of its grid's threads), is the host's;
+/// the kernel that fills its buffer writes the pattern the host computes.
 #[test]
 fn stream_read_xor_reads_every_word() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
@@ -348,6 +349,12 @@ fn stream_read_xor_reads_every_word() -> Result<(), GpuError> {
             expected[i % 4] ^= w;
         }
         assert_eq!(cuda::xor_words(&gpu, &gpu.upload(&host)?)?, expected, "{words} words");
+    }
+    // The read-rate buffer, written on the device: the host's pattern, word for word.
+    for words in [0usize, 5, 1_000_003] {
+        let pattern = gpu.download(&cuda::word_pattern(&gpu, words)?)?;
+        let want: Vec<u32> = (0..words).map(|i| (i as u32).wrapping_mul(0x9e37_79b9) | 1).collect();
+        assert!(pattern == want, "word_pattern({words})");
     }
     let rate = cuda::read_rate(&gpu, 64 << 20, 2)?;
     eprintln!("read rate over 64 MiB: {:.0} GB/s", rate / 1e9);

@@ -135,6 +135,7 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::gpu::{entry_name, kernel_entries};
 
     /// Every kernel compiles for Ampere (cp.async paths) and Hopper (bulk copies, wgmma-era
     /// PTX) wherever NVRTC can be loaded: CI installs it from PyPI (`.ci/run`), so kernel source
@@ -148,7 +149,9 @@ mod tests {
         }
         for arch in ["compute_80", "compute_90"] {
             let ptx = kernels_ptx(arch, false).unwrap_or_else(|e| panic!("{arch}: {e}"));
-            for kernel in ["paged_decode_mma_warp_d128_bf16", "stream_read_xor_f32", "silu_and_mul_bf16"] {
+            // Every entry point a `Gpu` loads, so that a missing or misnamed kernel fails here.
+            for (family, dtype, _) in kernel_entries() {
+                let kernel = entry_name(family, dtype);
                 assert!(ptx.text.contains(&format!(".entry {kernel}(")), "{arch}: no {kernel}");
             }
             // The decode kernel's bulk copies are Hopper's alone.

@@ -44,6 +44,7 @@ const KERNELS: &[&str] = &[
     "bias_add",
     "gather_rows",
     "stream_read_xor",
+    "fill_word_pattern",
     "reshape_and_cache",
     "paged_attention",
     "paged_attention_decode_g1",
@@ -219,23 +220,12 @@ impl Gpu {
         let max_shared_per_block =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let mut kernels = HashMap::new();
-        for &name in KERNELS {
-            for dtype in [DType::F32, DType::BF16, DType::F16] {
-                let f = module.load_function(&format!("{name}_{}", dtype_suffix(dtype)))?;
-                if LARGE_SHARED_KERNELS.contains(&name) {
-                    allow_dynamic_shared(&f, max_shared_per_block)?;
-                }
-                kernels.insert((name, dtype), f);
-            }
-        }
-        // The tensor-core kernels exist for half types only, each with its own shared memory.
-        let decode_mma = attention::DECODE_MMA_KERNELS.iter().flat_map(|(_, block, warp)| [block, warp]);
-        for &name in flash_attention::KERNELS.iter().chain(decode_mma) {
-            for dtype in [DType::BF16, DType::F16] {
-                let f = module.load_function(&format!("{name}_{}", dtype_suffix(dtype)))?;
+        for (name, dtype, large_shared) in kernel_entries() {
+            let f = module.load_function(&entry_name(name, dtype))?;
+            if large_shared {
                 allow_dynamic_shared(&f, max_shared_per_block)?;
-                kernels.insert((name, dtype), f);
             }
+            kernels.insert((name, dtype), f);
         }
         let decode_counters = stream.alloc_zeros::<u32>(attention::DECODE_TARGET_BLOCKS)?;
         // SAFETY: a decode kernel writes every element of the workspace that it reads.
@@ -497,6 +487,26 @@ pub(crate) fn dtype_suffix(dtype: DType) -> &'static str {
         DType::BF16 => "bf16",
         DType::F16 => "f16",
     }
+}
+
+/// Every kernel a [`Gpu`] loads: (family, dtype, whether it may take more than the default
+/// 48 KiB of dynamic shared memory). The families of [`KERNELS`] come in the three dtypes; the
+/// tensor-core kernels exist for half types only, each with its own shared memory.
+pub(super) fn kernel_entries() -> impl Iterator<Item = (&'static str, DType, bool)> {
+    let every_dtype = KERNELS.iter().flat_map(|&name| {
+        [DType::F32, DType::BF16, DType::F16].map(|dtype| (name, dtype, LARGE_SHARED_KERNELS.contains(&name)))
+    });
+    let decode_mma = attention::DECODE_MMA_KERNELS.iter().flat_map(|&(_, block, warp)| [block, warp]);
+    let half_only = flash_attention::KERNELS
+        .into_iter()
+        .chain(decode_mma)
+        .flat_map(|name| [DType::BF16, DType::F16].map(|dtype| (name, dtype, true)));
+    every_dtype.chain(half_only)
+}
+
+/// The module's entry point of a kernel family in `dtype`, e.g. `rms_norm_bf16`.
+pub(super) fn entry_name(family: &str, dtype: DType) -> String {
+    format!("{family}_{}", dtype_suffix(dtype))
 }
 
 /// Asserts that `value` fits the kernels' 32-bit sizes.

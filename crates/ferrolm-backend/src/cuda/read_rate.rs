@@ -5,7 +5,8 @@
 //! counted) where a kernel that only reads streams ~4.6 TB/s: priced at the copy rate, a decode
 //! kernel's reads would look closer to their limit than they are. [`read_rate`] reads a buffer
 //! far larger than the L2 with the `stream_read_xor` kernel (16-byte streaming loads, the whole
-//! device full of threads) and [`xor_words`] checks that kernel: it returns what it read.
+//! device full of threads), filled on the device by [`word_pattern`]; [`xor_words`] checks that
+//! kernel: it returns what it read.
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
@@ -34,15 +35,31 @@ pub fn xor_words(gpu: &Gpu, src: &CudaSlice<u32>) -> Result<[u32; 4], GpuError> 
 /// event pair, gave 4.58).
 pub fn read_rate(gpu: &Gpu, bytes: usize, repetitions: usize) -> Result<f64, GpuError> {
     let words = bytes.max(64 << 20) / 16 * 4;
-    let host: Vec<u32> = (0..words).map(|i| (i as u32).wrapping_mul(0x9e37_79b9) | 1).collect();
-    let src = gpu.upload(&host)?;
-    drop(host);
+    let src = word_pattern(gpu, words)?;
     let mut sink = gpu.upload(&[0u32; 4])?;
     let mut best_us = f32::INFINITY;
     for _ in 0..repetitions.max(1) {
         best_us = best_us.min(gpu.time_us(|| launch_read(gpu, &src, &mut sink))?);
     }
     Ok((words * 4) as f64 / (f64::from(best_us) / 1e6))
+}
+
+/// A new device buffer of `words` distinct non-zero words, `(i * 0x9e3779b9) | 1` at index i
+/// (wrapping), written on the device: a host fill and upload of a GiB takes about a second.
+pub fn word_pattern(gpu: &Gpu, words: usize) -> Result<CudaSlice<u32>, GpuError> {
+    if words == 0 {
+        return Ok(gpu.stream().null()?);
+    }
+    // SAFETY: the kernel below writes every element before anything reads it.
+    let dst = unsafe { gpu.stream().alloc::<u32>(words) }?;
+    let (dst_ptr, n) = (gpu.index_ptr(&dst), words as u64);
+    let blocks = (gpu.multiprocessors() * BLOCKS_PER_SM) as u32;
+    let mut launch = gpu.launch_builder("fill_word_pattern", DType::F32);
+    launch.arg(&dst_ptr).arg(&n);
+    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: `dst` holds n u32, as the kernel's parameters say.
+    unsafe { launch.launch(cfg) }?;
+    Ok(dst)
 }
 
 fn launch_read(gpu: &Gpu, src: &CudaSlice<u32>, sink: &mut CudaSlice<u32>) -> Result<(), GpuError> {

@@ -156,3 +156,14 @@ FOR_EACH_DTYPE(GATHER_ROWS)
         } \
     }
 FOR_EACH_DTYPE(STREAM_READ_XOR)
+
+// dst[i] = (i * 0x9e3779b9) | 1 for i < n: a buffer of distinct non-zero words written on the
+// device (the read-rate buffer; a host fill of a GiB takes about a second). T is unused.
+#define FILL_WORD_PATTERN(T, S) \
+    extern "C" __global__ void fill_word_pattern_##S(u32* dst, u64 n) { \
+        pdl_enter(); \
+        for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) { \
+            dst[i] = ((u32)i * 0x9e3779b9u) | 1u; \
+        } \
+    }
+FOR_EACH_DTYPE(FILL_WORD_PATTERN)
