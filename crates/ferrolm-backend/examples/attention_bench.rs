@@ -9,7 +9,8 @@
 //!
 //! Cases: a decode step of 1 sequence at context 384 and 4096, of 256 sequences at context 640
 //! and 1500 and of 232 at 1500 (the decode kernel), the same bytes as 384 at 1500 in 192, 384 and 768
-//! sequences, in 3072 sequences of one KV head, and spread over 16 layers of a 75 GB cache as a
+//! sequences, 396, 512 and 528 at 1500 (3, 3.88 and 4 waves of the per-warp kernel on an H200),
+//! in 3072 sequences of one KV head, and spread over 16 layers of a 75 GB cache as a
 //! server's cache holds them, a 512-token and a 2048-token prompt of one sequence, a
 //! mixed step of 16 512-token prompts with 200 decodes at context 600 (the tensor-core kernel),
 //! the same with the decodes first as the scheduler orders them, and 384 decodes at context
@@ -55,6 +56,11 @@ fn main() {
         // where the 8B's are 16 rows of 256 bytes 2 KiB apart.
         ("decode batch 384, context 1500", LLAMA_8B, COMPACT, vec![(1500, 1); 384]),
         ("decode batch 512, context 1500", LLAMA_8B, COMPACT, vec![(1500, 1); 512]),
+        // On an H200 the per-warp kernel holds 132 x 8 head blocks at once: 396 and 528 requests
+        // (8 KV heads each) are 3 and 4 whole waves, 512 is 3.88. Equal times per call at 512
+        // and 528 would say the last wave's idle warps cost what a full wave does.
+        ("decode batch 396, context 1500", LLAMA_8B, COMPACT, vec![(1500, 1); 396]),
+        ("decode batch 528, context 1500", LLAMA_8B, COMPACT, vec![(1500, 1); 528]),
         ("decode batch 192, context 3000", LLAMA_8B, COMPACT, vec![(3000, 1); 192]),
         ("decode batch 768, context 750", LLAMA_8B, COMPACT, vec![(750, 1); 768]),
         ("decode batch 3072 x 1 KV head, context 1500", ONE_KV_HEAD, COMPACT, vec![(1500, 1); 3072]),

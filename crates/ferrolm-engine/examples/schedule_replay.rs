@@ -64,6 +64,9 @@ struct Replay {
     mixed_decodes: (usize, f64),
     /// Decode-only steps by bucket of batch size: count and seconds.
     decode: BTreeMap<usize, (usize, f64)>,
+    /// Prompt tokens computed: each prompt's once, and again after each preemption (less what
+    /// the prefix cache still held when the request came back).
+    prompt_tokens: usize,
     output_tokens: usize,
 }
 
@@ -126,6 +129,7 @@ fn main() -> ExitCode {
         let seconds = ms / 1e3;
         replay.seconds += seconds;
         replay.steps += 1;
+        replay.prompt_tokens += prompt_tokens;
         if prompt_tokens > 0 {
             replay.mixed.0 += 1;
             replay.mixed.1 += seconds;
@@ -157,6 +161,11 @@ fn main() -> ExitCode {
         println!("decode steps of {low}-{}: {count} ({seconds:.1} s)", low + BUCKET - 1);
     }
     println!("preemptions: {}", scheduler.num_preemptions());
+    println!(
+        "prompt tokens computed: {} ({} recomputed)",
+        replay.prompt_tokens,
+        replay.prompt_tokens.saturating_sub(n * input)
+    );
     println!(
         "{} steps, {:.1} s predicted: {:.0} output tok/s",
         replay.steps,
