@@ -12,6 +12,9 @@
 # (the same 384 at a time: three waves instead of two). BASE_ROW runs that row on the base side
 # instead of each ROW, to compare flags on one build: `BASE_ROW=t1000 scripts/gpu-ab.sh DIR DIR
 # t1000-512`.
+# NEW_ENV ("NAME=VALUE ...") is set for the new side's runs only, to compare a switch on one
+# build: `NEW_ENV=FERROLM_DECODE_TENSOR_COPIES=1 BASE_ROW=t1000-512 scripts/gpu-ab.sh DIR DIR
+# t1000-512`.
 # ROUNDS (default 2) runs per build and row. Logs and JSON go to $OUT (default: a new temporary
 # directory); the table comes last.
 set -u
@@ -65,13 +68,16 @@ for row in "${ROWS[@]}"; do
     base_args=$(row_args "${BASE_ROW:-$row}") || exit 2
     for round in $(seq "${ROUNDS:-2}"); do
         for side in base new; do
-            dir=$BASE args=$base_args
-            [ "$side" = new ] && dir=$NEW args=$new_args
+            dir=$BASE args=$base_args envs=()
+            if [ "$side" = new ]; then
+                dir=$NEW args=$new_args
+                read -r -a envs <<<"${NEW_ENV:-}"
+            fi
             json="$OUT/$row-$side-$round.json"
             # The JSON names the build's revision (gpu-build.sh writes it), not this checkout's.
             revision=$(cat "$dir/REVISION" 2>/dev/null || true)
             # shellcheck disable=SC2086 # the row's arguments are words
-            FERROLM_GIT_REVISION=$revision timeout "${BENCH_TIMEOUT:-420}" "$dir/ferrolm" bench $args --device cuda \
+            env "${envs[@]}" FERROLM_GIT_REVISION="$revision" timeout "${BENCH_TIMEOUT:-420}" "$dir/ferrolm" bench $args --device cuda \
                 --dummy-weights --json "$json" >"$json.log" 2>&1 || tail -n 3 "$json.log"
             results[$row,$side]="${results[$row,$side]:-} $(figure "$row" "$json")"
             echo "$row $side round $round: $(figure "$row" "$json")"
@@ -80,7 +86,7 @@ for row in "${ROWS[@]}"; do
 done
 
 echo
-echo "=== ferrolm A/B: $NEW against $BASE${BASE_ROW:+ (base side: row $BASE_ROW)} ($(date -u +%FT%TZ)) ==="
+echo "=== ferrolm A/B: $NEW${NEW_ENV:+ with $NEW_ENV} against $BASE${BASE_ROW:+ (base side: row $BASE_ROW)} ($(date -u +%FT%TZ)) ==="
 printf '%-12s %-6s %-24s %-24s %s\n' row unit base new "new / base (means)"
 for row in "${ROWS[@]}"; do
     python3 - "$row" "${results[$row,base]}" "${results[$row,new]}" <<'PY'

@@ -1,6 +1,6 @@
 //! Times `cuda::paged_attention` in the Llama-3.1-8B shape (32 query heads, 8 KV heads,
 //! head_dim 128, block_size 16, bf16; one case with one KV head) on random inputs, next to the general kernel
-//! (`cuda::paged_attention_general`) on the same inputs.
+//! (`cuda::paged_attention_on(AttentionKernel::General, ..)`) on the same inputs.
 //!
 //! ```text
 //! cargo build --release -p ferrolm-backend --features cuda --example attention_bench
@@ -20,13 +20,14 @@
 //! back-to-back calls (one per layer, as a model step issues them, sharing one metadata and so
 //! one work list; best of 3 such runs). Small cases cycle through 32 layers' worth of K/V so that
 //! the reads come from device memory, not the L2 cache. Decode lines give the K/V bytes read per
-//! call over the time.
+//! call over the time; on sm_90 decode cases also run on the per-warp kernel's tensor-copy form
+//! (`AttentionKernel::TensorCopies`).
 
 mod bench_support;
 
 use bench_support::{open_gpu, AttentionCase, CacheLayout, Heads, COMPACT, LAYERS, LLAMA_8B};
 use cudarc::driver::sys::CUevent_flags;
-use ferrolm_backend::cuda::{Gpu, GpuError};
+use ferrolm_backend::cuda::{AttentionKernel, Gpu, GpuError};
 
 const REPS: usize = 20;
 const ONE_KV_HEAD: Heads = Heads { query: 4, kv: 1 };
@@ -95,9 +96,18 @@ fn run_case(
 ) -> Result<(), GpuError> {
     let mut case = AttentionCase::new(gpu, heads, cache, requests)?;
     let decode_only = requests.iter().all(|&(_, q)| q == 1);
-    for general in [false, true] {
-        let label = if general { "  general kernel".to_string() } else { name.to_string() };
-        let (best, mean) = time(gpu, &mut case, general)?;
+    // Decodes also on the per-warp kernel's tensor-copy form, where the device has it (sm_90).
+    let tensor = decode_only && gpu.compute_capability().0 >= 9;
+    let kernels = [AttentionKernel::Picked, AttentionKernel::General]
+        .into_iter()
+        .chain(tensor.then_some(AttentionKernel::TensorCopies));
+    for kernel in kernels {
+        let label = match kernel {
+            AttentionKernel::Picked => name.to_string(),
+            AttentionKernel::General => "  general kernel".to_string(),
+            AttentionKernel::TensorCopies => "  per-warp kernel, tensor copies".to_string(),
+        };
+        let (best, mean) = time(gpu, &mut case, kernel)?;
         let gbs = |s: f64| case.kv_bytes as f64 / s / 1e9;
         let (best_bw, mean_bw) = if decode_only {
             (format!("{:.0}", gbs(best)), format!("{:.0}", gbs(mean)))
@@ -109,23 +119,22 @@ fn run_case(
     Ok(())
 }
 
-/// (best single call, mean of `LAYERS` back-to-back calls), in seconds, on the kernel
-/// `paged_attention` picks or on the general kernel. Each run of `LAYERS` calls is one step: one
-/// metadata, whose work list the first call builds.
-fn time(gpu: &Gpu, case: &mut AttentionCase, general: bool) -> Result<(f64, f64), GpuError> {
+/// (best single call, mean of `LAYERS` back-to-back calls), in seconds, on `kernel`. Each run of
+/// `LAYERS` calls is one step: one metadata, whose work list the first call builds.
+fn time(gpu: &Gpu, case: &mut AttentionCase, kernel: AttentionKernel) -> Result<(f64, f64), GpuError> {
     let AttentionCase { buffers, step, .. } = case;
     let ctx = gpu.stream().context();
     let start = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
     let end = ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))?;
     let meta = step.metadata();
     for layer in 0..LAYERS {
-        buffers.attend(gpu, &meta, layer, general)?;
+        buffers.attend(gpu, &meta, layer, kernel)?;
     }
     gpu.synchronize()?;
     let mut best = f64::INFINITY;
     for rep in 0..REPS {
         start.record(gpu.stream())?;
-        buffers.attend(gpu, &meta, rep, general)?;
+        buffers.attend(gpu, &meta, rep, kernel)?;
         end.record(gpu.stream())?;
         end.synchronize()?;
         best = best.min(start.elapsed_ms(&end)? as f64 / 1e3);
@@ -135,7 +144,7 @@ fn time(gpu: &Gpu, case: &mut AttentionCase, general: bool) -> Result<(f64, f64)
         let meta = step.metadata();
         start.record(gpu.stream())?;
         for layer in 0..LAYERS {
-            buffers.attend(gpu, &meta, layer, general)?;
+            buffers.attend(gpu, &meta, layer, kernel)?;
         }
         end.record(gpu.stream())?;
         end.synchronize()?;

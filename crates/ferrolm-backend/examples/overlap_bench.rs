@@ -24,7 +24,7 @@ mod bench_support;
 use bench_support::{open_gpu, random_tensor, AttentionCase, COMPACT_ZEROS, LAYERS, LLAMA_8B};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
-use ferrolm_backend::cuda::{self, Gpu, GpuError, GpuTensor, StreamPriority};
+use ferrolm_backend::cuda::{self, AttentionKernel, Gpu, GpuError, GpuTensor, StreamPriority};
 use ferrolm_backend::DType;
 
 /// The 8B's projections of one layer, `(n, k)`, in the order a layer runs them; attention
@@ -117,7 +117,7 @@ impl Part {
             for (p, &(n, k)) in PROJECTIONS.iter().enumerate() {
                 cuda::linear(gpu, x.slice(0..m * k), m, k, w[p].view(), n, None, y.slice_mut(0..m * n))?;
                 if p == 0 {
-                    attention.buffers.attend(gpu, &meta, layer, false)?;
+                    attention.buffers.attend(gpu, &meta, layer, AttentionKernel::Picked)?;
                 }
             }
         }

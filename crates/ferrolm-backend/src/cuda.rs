@@ -33,7 +33,7 @@ mod sampling;
 mod staging;
 mod tensor;
 
-pub use attention::{paged_attention, paged_attention_general, reshape_and_cache, GpuAttentionMetadata};
+pub use attention::{paged_attention, paged_attention_on, reshape_and_cache, AttentionKernel, GpuAttentionMetadata};
 pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 pub use error::GpuError;
 pub use flash_attention::AttentionWork;

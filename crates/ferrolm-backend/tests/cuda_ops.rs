@@ -8,7 +8,7 @@
 #![cfg(feature = "cuda")]
 
 use ferrolm_backend::cpu;
-use ferrolm_backend::cuda::{self, Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor};
+use ferrolm_backend::cuda::{self, AttentionKernel, Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor};
 use ferrolm_backend::{DType, WeightView};
 use half::{bf16, f16};
 use rand::seq::SliceRandom;
@@ -688,9 +688,14 @@ impl Batch {
     }
 }
 
-/// Runs both ops on `batch` and compares; `max_query_len` overrides the batch's own hint.
+/// The kernel `cuda::paged_attention` picks.
+const PICKED: AttentionKernel = AttentionKernel::Picked;
+
+/// Runs the CPU op and the GPU op on `kernel` on `batch` and compares; `max_query_len`
+/// overrides the batch's own hint.
 #[allow(clippy::too_many_arguments)]
 fn compare_attention(
+    kernel: AttentionKernel,
     gpu: &Gpu,
     batch: &Batch,
     heads: Heads,
@@ -740,7 +745,8 @@ fn compare_attention(
     let k_cache = GpuTensor::from_f32(gpu, &batch.k_cache, dtype)?;
     let v_cache = GpuTensor::from_f32(gpu, &batch.v_cache, dtype)?;
     let mut out = nan_tensor(gpu, dtype, batch.q.len())?;
-    cuda::paged_attention(
+    cuda::paged_attention_on(
+        kernel,
         gpu,
         q.view(),
         k_cache.view(),
@@ -782,10 +788,20 @@ fn paged_attention_matches_cpu() -> Result<(), GpuError> {
         for window in [None, Some(50), Some(1)] {
             for (d, (dtype, tol)) in DTYPES.into_iter().enumerate() {
                 let mixed = Batch::random(&mut rng, heads, &MIXED, block_size, dtype);
-                let err = compare_attention(&gpu, &mixed, heads, block_size, window, dtype, tol, mixed.max_query_len)?;
+                let err = compare_attention(
+                    PICKED,
+                    &gpu,
+                    &mixed,
+                    heads,
+                    block_size,
+                    window,
+                    dtype,
+                    tol,
+                    mixed.max_query_len,
+                )?;
                 worst[d] = worst[d].max(err);
                 let decodes = Batch::random(&mut rng, heads, &DECODES, block_size, dtype);
-                let err = compare_attention(&gpu, &decodes, heads, block_size, window, dtype, tol, 1)?;
+                let err = compare_attention(PICKED, &gpu, &decodes, heads, block_size, window, dtype, tol, 1)?;
                 worst[d] = worst[d].max(err);
             }
         }
@@ -793,7 +809,7 @@ fn paged_attention_matches_cpu() -> Result<(), GpuError> {
     // The work split must not change results: a mixed batch under the decode split.
     let heads = Heads { num_heads: 8, num_kv_heads: 2, head_dim: 128 };
     let mixed = Batch::random(&mut rng, heads, &MIXED, block_size, DType::F32);
-    compare_attention(&gpu, &mixed, heads, block_size, None, DType::F32, 1e-4, 1)?;
+    compare_attention(PICKED, &gpu, &mixed, heads, block_size, None, DType::F32, 1e-4, 1)?;
     eprintln!("paged_attention max relative error: f32 {:e}, bf16 {:e}, f16 {:e}", worst[0], worst[1], worst[2]);
     Ok(())
 }
@@ -808,7 +824,7 @@ fn paged_attention_long_prefill() -> Result<(), GpuError> {
     for (dtype, tol) in DTYPES {
         let batch = Batch::random(&mut rng, heads, &requests, 16, dtype);
         for window in [None, Some(777)] {
-            compare_attention(&gpu, &batch, heads, 16, window, dtype, tol, batch.max_query_len)?;
+            compare_attention(PICKED, &gpu, &batch, heads, 16, window, dtype, tol, batch.max_query_len)?;
         }
     }
     Ok(())
@@ -835,7 +851,7 @@ fn paged_attention_decode_splits_long_contexts() -> Result<(), GpuError> {
             for requests in &batches {
                 let batch = Batch::random(&mut rng, heads, requests, 16, dtype);
                 for window in [None, Some(50), Some(1000)] {
-                    compare_attention(&gpu, &batch, heads, 16, window, dtype, tol, 1)?;
+                    compare_attention(PICKED, &gpu, &batch, heads, 16, window, dtype, tol, 1)?;
                 }
             }
         }
@@ -844,14 +860,14 @@ fn paged_attention_decode_splits_long_contexts() -> Result<(), GpuError> {
     let requests: Vec<(usize, usize)> = (0..256).map(|i| ([1, 17, 100, 600][i % 4] + i % 7, 1)).collect();
     for (dtype, tol) in [DTYPES[0], DTYPES[1]] {
         let batch = Batch::random(&mut rng, heads, &requests, 16, dtype);
-        compare_attention(&gpu, &batch, heads, 16, None, dtype, tol, 1)?;
-        compare_attention(&gpu, &batch, heads, 16, Some(300), dtype, tol, 1)?;
+        compare_attention(PICKED, &gpu, &batch, heads, 16, None, dtype, tol, 1)?;
+        compare_attention(PICKED, &gpu, &batch, heads, 16, Some(300), dtype, tol, 1)?;
     }
     // One sequence 3000 deep among 255 short ones.
     let mut requests: Vec<(usize, usize)> = (0..255).map(|i| (1 + i % 40, 1)).collect();
     requests.push((3000, 1));
     let batch = Batch::random(&mut rng, heads, &requests, 16, DType::BF16);
-    compare_attention(&gpu, &batch, heads, 16, None, DType::BF16, 1e-2, 1)?;
+    compare_attention(PICKED, &gpu, &batch, heads, 16, None, DType::BF16, 1e-2, 1)?;
     Ok(())
 }
 
@@ -884,7 +900,17 @@ fn paged_attention_tensor_core_prefill_and_mixed_batches() -> Result<(), GpuErro
         for (block_size, window) in [(16, None), (16, Some(37)), (8, Some(200)), (32, None), (5, Some(1))] {
             for (d, (dtype, tol)) in [DTYPES[1], DTYPES[2]].into_iter().enumerate() {
                 let batch = Batch::random(&mut rng, heads, &requests, block_size, dtype);
-                let err = compare_attention(&gpu, &batch, heads, block_size, window, dtype, tol, batch.max_query_len)?;
+                let err = compare_attention(
+                    PICKED,
+                    &gpu,
+                    &batch,
+                    heads,
+                    block_size,
+                    window,
+                    dtype,
+                    tol,
+                    batch.max_query_len,
+                )?;
                 worst[d] = worst[d].max(err);
             }
         }
@@ -903,11 +929,19 @@ fn paged_attention_tensor_core_decodes() -> Result<(), GpuError> {
         for (dtype, tol) in [DTYPES[1], DTYPES[2]] {
             let batch = Batch::random(&mut rng, heads, &DECODES, 16, dtype);
             for window in [None, Some(50)] {
-                compare_attention(&gpu, &batch, heads, 16, window, dtype, tol, 2)?;
+                compare_attention(PICKED, &gpu, &batch, heads, 16, window, dtype, tol, 2)?;
             }
         }
     }
     Ok(())
+}
+
+/// A lone decode 3000 deep: its context split into partitions where the kernel splits.
+const DEEP_DECODE: [(usize, usize); 1] = [(3000, 1)];
+
+/// 300 decodes at depths from 1 to 400: too many to split.
+fn many_decodes() -> Vec<(usize, usize)> {
+    (0..300).map(|i| (1 + (i * 37) % 400, 1)).collect()
 }
 
 /// Batches of decodes in bf16 and f16, which take the tensor-core decode kernel: every head
@@ -927,22 +961,83 @@ fn paged_attention_tensor_core_decode_kernel() -> Result<(), GpuError> {
         Heads { num_heads: 16, num_kv_heads: 1, head_dim: 96 },
         Heads { num_heads: 48, num_kv_heads: 2, head_dim: 80 },
     ];
-    let deep = [(3000, 1)];
     let edges = [(1, 1), (63, 1), (64, 1), (65, 1), (129, 1), (700, 1), (17, 1)];
-    let many: Vec<(usize, usize)> = (0..300).map(|i| (1 + (i * 37) % 400, 1)).collect();
+    let (deep, many) = (DEEP_DECODE, many_decodes());
     let mut worst = [0.0f32; 2];
     for heads in configs {
         for (block_size, window) in [(16, None), (5, Some(100)), (32, Some(1))] {
             for (d, (dtype, tol)) in [DTYPES[1], DTYPES[2]].into_iter().enumerate() {
                 for requests in [&deep[..], &edges[..], &many[..]] {
                     let batch = Batch::random(&mut rng, heads, requests, block_size, dtype);
-                    let err = compare_attention(&gpu, &batch, heads, block_size, window, dtype, tol, 1)?;
+                    let err = compare_attention(PICKED, &gpu, &batch, heads, block_size, window, dtype, tol, 1)?;
                     worst[d] = worst[d].max(err);
                 }
             }
         }
     }
     eprintln!("tensor-core decode max relative error: bf16 {:e}, f16 {:e}", worst[0], worst[1]);
+    Ok(())
+}
+
+/// The per-warp decode kernel in its tensor-copy form (sm_90: K/V tiles as boxes of the caches'
+/// tensor maps, 128-byte swizzled) against the CPU, on the batches of the test above that it
+/// takes (head sizes 64 and 128, block size 16, no window): a lone sequence 3000 deep, depths on
+/// and off block edges (whose last blocks' unused rows hold NaN, as every slot no request owns
+/// does), and 300 sequences. Where it does not apply the call is an error, not a fallback.
+#[test]
+fn paged_attention_tensor_copies_match_cpu() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(19);
+    let heads = Heads { num_heads: 32, num_kv_heads: 8, head_dim: 128 };
+    let edges = [(1, 1), (15, 1), (16, 1), (17, 1), (129, 1), (700, 1), (33, 1)];
+    let batch = Batch::random(&mut rng, heads, &edges, 16, DType::BF16);
+    let refused = |block_size, window| {
+        matches!(
+            compare_attention(
+                AttentionKernel::TensorCopies,
+                &gpu,
+                &batch,
+                heads,
+                block_size,
+                window,
+                DType::BF16,
+                1.0,
+                1
+            ),
+            Err(GpuError::Unsupported { .. })
+        )
+    };
+    if gpu.compute_capability().0 < 9 {
+        assert!(refused(16, None), "tensor copies before sm_90");
+        return Ok(());
+    }
+    // A window, or blocks that are not one tile, are refused.
+    assert!(refused(16, Some(100)), "a sliding window");
+    let wide = Batch::random(&mut rng, heads, &edges, 32, DType::BF16);
+    let wide_refused =
+        compare_attention(AttentionKernel::TensorCopies, &gpu, &wide, heads, 32, None, DType::BF16, 1.0, 1);
+    assert!(matches!(wide_refused, Err(GpuError::Unsupported { .. })), "block size 32");
+
+    let configs = [
+        Heads { num_heads: 32, num_kv_heads: 8, head_dim: 128 },
+        Heads { num_heads: 8, num_kv_heads: 8, head_dim: 128 },
+        Heads { num_heads: 6, num_kv_heads: 2, head_dim: 64 },
+        Heads { num_heads: 14, num_kv_heads: 2, head_dim: 64 },
+        Heads { num_heads: 24, num_kv_heads: 1, head_dim: 128 },
+    ];
+    let (deep, many) = (DEEP_DECODE, many_decodes());
+    let mut worst = [0.0f32; 2];
+    for heads in configs {
+        for (d, (dtype, tol)) in [DTYPES[1], DTYPES[2]].into_iter().enumerate() {
+            for requests in [&deep[..], &edges[..], &many[..]] {
+                let batch = Batch::random(&mut rng, heads, requests, 16, dtype);
+                let err =
+                    compare_attention(AttentionKernel::TensorCopies, &gpu, &batch, heads, 16, None, dtype, tol, 1)?;
+                worst[d] = worst[d].max(err);
+            }
+        }
+    }
+    eprintln!("tensor-copy decode max relative error: bf16 {:e}, f16 {:e}", worst[0], worst[1]);
     Ok(())
 }
 
@@ -960,7 +1055,7 @@ fn paged_attention_tensor_core_long_prompts() -> Result<(), GpuError> {
         for requests in [vec![(2048, 2048)], vec![(2348, 2048), (900, 1)]] {
             let batch = Batch::random(&mut rng, heads, &requests, 16, dtype);
             for window in [None, Some(1000)] {
-                compare_attention(&gpu, &batch, heads, 16, window, dtype, tol, batch.max_query_len)?;
+                compare_attention(PICKED, &gpu, &batch, heads, 16, window, dtype, tol, batch.max_query_len)?;
             }
         }
     }
@@ -1017,9 +1112,10 @@ fn paged_attention_work_list_is_shared_by_a_steps_layers() -> Result<(), GpuErro
         let k_cache = GpuTensor::from_f32(&gpu, &batch.k_cache, dtype)?;
         let v_cache = GpuTensor::from_f32(&gpu, &batch.v_cache, dtype)?;
         for general in [false, true] {
-            let attend = if general { cuda::paged_attention_general } else { cuda::paged_attention };
+            let kernel = if general { AttentionKernel::General } else { AttentionKernel::Picked };
             let mut out = nan_tensor(&gpu, dtype, batch.q.len())?;
-            attend(&gpu, q.view(), k_cache.view(), v_cache.view(), &meta, h, kv, d, out.view_mut())?;
+            let (q, k, v) = (q.view(), k_cache.view(), v_cache.view());
+            cuda::paged_attention_on(kernel, &gpu, q, k, v, &meta, h, kv, d, out.view_mut())?;
             check(&format!("layer {i} {heads:?} general {general}"), &out.to_f32_vec(&gpu)?, &want, tol);
         }
     }

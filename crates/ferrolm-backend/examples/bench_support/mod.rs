@@ -4,7 +4,7 @@
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
-use ferrolm_backend::cuda::{self, Gpu, GpuAttentionMetadata, GpuError, GpuTensor};
+use ferrolm_backend::cuda::{self, AttentionKernel, Gpu, GpuAttentionMetadata, GpuError, GpuTensor};
 use ferrolm_backend::{DType, WeightView};
 use half::bf16;
 
@@ -204,18 +204,18 @@ impl StepBuffers {
 }
 
 impl AttentionBuffers {
-    /// One call on `layer`'s cache (in turn), on the kernel `cuda::paged_attention` picks or on
-    /// the general kernel, with `meta` from the same case's [`StepBuffers::metadata`].
+    /// One call on `layer`'s cache (in turn), on `kernel`, with `meta` from the same case's
+    /// [`StepBuffers::metadata`].
     pub fn attend(
         &mut self,
         gpu: &Gpu,
         meta: &GpuAttentionMetadata<'_>,
         layer: usize,
-        general: bool,
+        kernel: AttentionKernel,
     ) -> Result<(), GpuError> {
-        let attend = if general { cuda::paged_attention_general } else { cuda::paged_attention };
         let (k_cache, v_cache) = &self.caches[layer % self.caches.len()];
         let Heads { query, kv } = self.heads;
-        attend(gpu, self.q.view(), k_cache.view(), v_cache.view(), meta, query, kv, HEAD_DIM, self.out.view_mut())
+        let (q, out) = (self.q.view(), self.out.view_mut());
+        cuda::paged_attention_on(kernel, gpu, q, k_cache.view(), v_cache.view(), meta, query, kv, HEAD_DIM, out)
     }
 }

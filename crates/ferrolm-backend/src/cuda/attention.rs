@@ -16,7 +16,11 @@
 //! kernel, which tiles query rows and keys through shared memory in f32. All compute the same
 //! function for any batch; `max_query_len` and the dtype only pick the kernel.
 
-use cudarc::driver::{CudaView, DevicePtr, LaunchConfig};
+use cudarc::driver::sys::{
+    cuTensorMapEncodeTiled, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
+    CUtensorMapL2promotion, CUtensorMapSwizzle,
+};
+use cudarc::driver::{CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 
 use super::flash_attention::{self, AttentionWork};
 use super::gpu::{rows_config, to_u32};
@@ -69,6 +73,14 @@ pub(crate) const DECODE_MMA_KERNELS: [(usize, &str, &str); 4] = [
     (96, "paged_decode_mma_d96", "paged_decode_mma_warp_d96"),
     (128, "paged_decode_mma_d128", "paged_decode_mma_warp_d128"),
 ];
+/// The per-warp kernel in its form that copies K/V tiles as boxes of the caches' tensor maps
+/// (`paged_decode_mma_tensor_d{D}`, sm_90), `(head_dim, name)`; loaded for bf16 and f16 only.
+pub(crate) const DECODE_MMA_TENSOR_KERNELS: [(usize, &str); 2] =
+    [(64, "paged_decode_mma_tensor_d64"), (128, "paged_decode_mma_tensor_d128")];
+/// Keys per warp and tile of the per-warp kernel (`DM_KEYS`): with tensor copies, one cache block.
+const DECODE_MMA_WARP_KEYS: usize = 16;
+/// Columns of a tensor-copy box: 128 bytes of 2-byte elements, the most 128-byte swizzling takes.
+const TENSOR_BOX_COLUMNS: usize = 64;
 /// Query heads of a tensor-core decode block (`DM_ROWS`: the rows of one mma tile).
 const DECODE_MMA_HEADS: usize = 16;
 /// Keys per tile of the tensor-core decode kernel (`DM_TILE_KEYS`), and its fewest keys per
@@ -184,14 +196,15 @@ pub fn paged_attention(
     head_dim: usize,
     out: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
-    attention(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out, false)
+    attention(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out, AttentionKernel::Picked)
 }
 
-/// [`paged_attention`] on the general kernel whatever the batch, dtype and head size: for
-/// benchmarks and tests that compare the kernels.
+/// [`paged_attention`] on a kernel of the caller's choice, for benchmarks and tests that
+/// compare the kernels. An error where the kernel does not apply (see [`AttentionKernel`]).
 #[doc(hidden)]
 #[allow(clippy::too_many_arguments)]
-pub fn paged_attention_general(
+pub fn paged_attention_on(
+    kernel: AttentionKernel,
     gpu: &Gpu,
     q: GpuView<'_>,
     k_cache: GpuView<'_>,
@@ -202,7 +215,31 @@ pub fn paged_attention_general(
     head_dim: usize,
     out: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
-    attention(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out, true)
+    attention(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out, kernel)
+}
+
+/// Where a decode call takes the per-warp kernel's tensor-copy form (the kernel named).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum TensorCopies {
+    Never,
+    /// Wherever the per-warp kernel runs (the `Gpu`'s choice: `FERROLM_DECODE_TENSOR_COPIES`).
+    WherePerWarp(&'static str),
+    /// For the whole batch, unsplit ([`AttentionKernel::TensorCopies`]).
+    Always(&'static str),
+}
+
+/// Which kernel a [`paged_attention_on`] call takes.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum AttentionKernel {
+    /// The one [`paged_attention`] picks for the batch.
+    Picked,
+    /// The general kernel, whatever the batch, dtype and head size.
+    General,
+    /// The per-warp tensor-core decode kernel in its tensor-copy form, whatever the batch size
+    /// and whether or not the `Gpu` takes that form itself (`FERROLM_DECODE_TENSOR_COPIES`); an
+    /// error where it does not apply (see `tensor_copy_kernel`).
+    TensorCopies,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -216,7 +253,7 @@ fn attention(
     num_kv_heads: usize,
     head_dim: usize,
     out: GpuViewMut<'_>,
-    general_only: bool,
+    route: AttentionKernel,
 ) -> Result<(), GpuError> {
     let op = "paged_attention";
     assert!(
@@ -252,10 +289,37 @@ fn attention(
     }
 
     let decode = if meta.max_query_len <= 1 { decode_kernel(gpu, head_dim, q, k_cache, v_cache, &out) } else { None };
-    if general_only {
+    if route == AttentionKernel::TensorCopies {
+        // The tensor-copy form is a form of the tensor-core decode kernel.
+        let tensor = decode
+            .filter(|k| matches!(k, DecodeKernel::TensorCore(..)))
+            .and_then(|_| tensor_copy_kernel(gpu, meta, head_dim, q.dtype(), k_cache, v_cache));
+        let Some(tensor) = tensor else {
+            return Err(GpuError::Unsupported {
+                op: "paged_attention_on(TensorCopies)",
+                reason: format!(
+                    "needs decodes (max_query_len {}), bf16 or f16 (not {:?}), head_dim 64 or 128 (not {head_dim}), \
+                     block_size 16 (not {}), no sliding window ({:?}) and compute capability 9.0 or later ({:?})",
+                    meta.max_query_len,
+                    q.dtype(),
+                    meta.block_size,
+                    meta.sliding_window,
+                    gpu.compute_capability()
+                ),
+            });
+        };
+        let kernel = decode.expect("checked above");
+        let tensor = TensorCopies::Always(tensor);
+        paged_decode(gpu, kernel, tensor, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
+    } else if route == AttentionKernel::General {
         paged_general(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
     } else if let Some(kernel) = decode {
-        paged_decode(gpu, kernel, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
+        let tensor = match gpu.decode_tensor_copies() {
+            true => tensor_copy_kernel(gpu, meta, head_dim, q.dtype(), k_cache, v_cache),
+            false => None,
+        };
+        let tensor = tensor.map_or(TensorCopies::Never, TensorCopies::WherePerWarp);
+        paged_decode(gpu, kernel, tensor, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
     } else if let Some(kernel) = flash_attention::kernel_for(gpu, head_dim, q, k_cache, v_cache, &out) {
         flash_attention::paged_flash(gpu, kernel, q, k_cache, v_cache, meta, num_heads, num_kv_heads, out)
     } else {
@@ -300,6 +364,96 @@ fn decode_kernel(
         }
         _ => decode_supported(gpu, head_dim, k_cache, v_cache).then_some(DecodeKernel::Cuda),
     }
+}
+
+/// The per-warp decode kernel's tensor-copy form for these operands, if it takes them: sm_90 or
+/// later, bf16 or f16 of head size 64 or 128, block size 16 (a tile is one cache block) and no
+/// sliding window (so every tile starts on a block), caches 16-byte aligned with slot
+/// coordinates that fit an i32.
+fn tensor_copy_kernel(
+    gpu: &Gpu,
+    meta: &GpuAttentionMetadata<'_>,
+    head_dim: usize,
+    dtype: DType,
+    k_cache: GpuView<'_>,
+    v_cache: GpuView<'_>,
+) -> Option<&'static str> {
+    let slots = k_cache.len() / head_dim.max(1);
+    let fits = tensor_copies_fit(gpu.compute_capability(), dtype, meta.block_size, meta.sliding_window, slots)
+        && k_cache.ptr().is_multiple_of(16)
+        && v_cache.ptr().is_multiple_of(16);
+    let kernel = DECODE_MMA_TENSOR_KERNELS.iter().find(|&&(d, _)| d == head_dim).map(|&(_, name)| name);
+    kernel.filter(|_| fits && tensor_copy_shared_bytes(head_dim) <= gpu.max_shared_per_block())
+}
+
+/// The shape conditions of [`tensor_copy_kernel`] (`slots`: rows of `head_dim` in a cache, an
+/// upper bound on its slots' coordinate).
+fn tensor_copies_fit(
+    (major, _): (u32, u32),
+    dtype: DType,
+    block_size: usize,
+    window: Option<usize>,
+    slots: usize,
+) -> bool {
+    major >= 9
+        && matches!(dtype, DType::BF16 | DType::F16)
+        && block_size == DECODE_MMA_WARP_KEYS
+        && window.is_none()
+        && i32::try_from(slots).is_ok()
+}
+
+/// Shared memory of the per-warp kernel's tensor-copy form: each warp's ring of unpadded K/V
+/// tiles of 16 keys, and 1 KiB to start it on the 1 KiB boundary 128-byte swizzling needs.
+fn tensor_copy_shared_bytes(head_dim: usize) -> usize {
+    let stages = if head_dim <= 64 { 4 } else { 3 };
+    (DECODE_THREADS / 32) * stages * 2 * DECODE_MMA_WARP_KEYS * head_dim * 2 + 1024
+}
+
+/// A tensor map as a kernel parameter (`TensorMap` in common.cuh).
+#[repr(transparent)]
+struct KernelTensorMap(CUtensorMap);
+
+// SAFETY: the driver's encoding, bytes the kernel takes by value (a `__grid_constant__`
+// parameter of the same size and alignment).
+unsafe impl DeviceRepr for KernelTensorMap {}
+
+/// The tensor map of one layer's K or V cache for the tensor-copy kernel: 3-d, `head_dim`
+/// columns by `num_kv_heads` heads by the cache's slots, read in boxes of 64 columns of one head
+/// by 16 slots with 128-byte swizzling; coordinates past the cache read as zeros.
+fn cache_tensor_map(cache: GpuView<'_>, num_kv_heads: usize, head_dim: usize) -> Result<KernelTensorMap, GpuError> {
+    let elem = cache.dtype().size_in_bytes();
+    let data_type = match cache.dtype() {
+        DType::BF16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        DType::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        DType::F32 => unreachable!("tensor copies take half types (tensor_copy_kernel)"),
+    };
+    let slots = cache.len() / (num_kv_heads * head_dim);
+    let dims = [head_dim as u64, num_kv_heads as u64, slots as u64];
+    // Bytes between consecutive heads and slots (the innermost stride is the element's).
+    let strides = [(head_dim * elem) as u64, (num_kv_heads * head_dim * elem) as u64];
+    let boxes = [TENSOR_BOX_COLUMNS as u32, 1, DECODE_MMA_WARP_KEYS as u32];
+    let element_strides = [1u32; 3];
+    let mut map = CUtensorMap { opaque: [0; 16] };
+    // SAFETY: every pointer is valid for the rank (3) the call is given; the cache's address is
+    // a device address, 16-byte aligned (tensor_copy_kernel).
+    unsafe {
+        cuTensorMapEncodeTiled(
+            &mut map,
+            data_type,
+            3,
+            cache.ptr() as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            element_strides.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    }
+    .result()?;
+    Ok(KernelTensorMap(map))
 }
 
 /// Shared memory of a tensor-core decode block: its ring of K/V tiles (4 tiles for head size
@@ -358,6 +512,7 @@ fn shape_args(
 fn paged_decode(
     gpu: &Gpu,
     kernel: DecodeKernel,
+    tensor_copies: TensorCopies,
     q: GpuView<'_>,
     k_cache: GpuView<'_>,
     v_cache: GpuView<'_>,
@@ -380,7 +535,12 @@ fn paged_decode(
         DecodeKernel::Cuda => CUDA_CORE_SPLIT,
         DecodeKernel::TensorCore(..) => TENSOR_CORE_SPLIT,
     };
-    let split = DecodeSplit::new(policy, group, num_tokens * num_kv_heads, max_context);
+    let mut split = DecodeSplit::new(policy, group, num_tokens * num_kv_heads, max_context);
+    if let TensorCopies::Always(_) = tensor_copies {
+        // The per-warp kernel takes whole contexts.
+        split.num_parts = 1;
+        split.part_len = max_context.next_multiple_of(16);
+    }
     let num_parts = split.num_parts;
 
     // Partial results of each (token, head, partition): out then (max, sum), f32; none when the
@@ -415,12 +575,21 @@ fn paged_decode(
         num_parts == 1 || head_blocks <= DECODE_TARGET_BLOCKS,
         "paged_attention: {head_blocks} head blocks split into partitions, more than the {DECODE_TARGET_BLOCKS} counters"
     );
-    // Unsplit, the tensor-core kernel may give each warp a head block of its own.
-    let per_warp = matches!(kernel, DecodeKernel::TensorCore(..)) && num_parts == 1 && gpu.decode_warp_items() && {
-        // Two blocks of the tensor-core kernel per SM at most, by their registers.
-        let sm_blocks = gpu.blocks_per_multiprocessor(shared).min(2) * gpu.multiprocessors();
-        warp_items_fill_as_well(head_blocks, DECODE_THREADS / 32, sm_blocks)
+    // Unsplit, the tensor-core kernel may give each warp a head block of its own (in its
+    // tensor-copy form where the call asks for it).
+    let tensor_core = matches!(kernel, DecodeKernel::TensorCore(..));
+    let per_warp = tensor_core && matches!(tensor_copies, TensorCopies::Always(_))
+        || tensor_core && num_parts == 1 && gpu.decode_warp_items() && {
+            // Two blocks of the tensor-core kernel per SM at most, by their registers.
+            let sm_blocks = gpu.blocks_per_multiprocessor(shared).min(2) * gpu.multiprocessors();
+            warp_items_fill_as_well(head_blocks, DECODE_THREADS / 32, sm_blocks)
+        };
+    let tensor_copies = match tensor_copies {
+        TensorCopies::Always(name) if tensor_core => Some(name),
+        TensorCopies::WherePerWarp(name) if per_warp => Some(name),
+        _ => None,
     };
+    let shared = if tensor_copies.is_some() { tensor_copy_shared_bytes(head_dim) } else { shared };
     let blocks = if per_warp { head_blocks.div_ceil(DECODE_THREADS / 32) } else { head_blocks };
     let cfg = LaunchConfig {
         grid_dim: (
@@ -439,14 +608,14 @@ fn paged_decode(
     let reqs = to_u32(op, "num_reqs", num_reqs);
     let args = shape_args(op, meta, num_heads, num_kv_heads, head_dim, num_blocks);
     let part_len = to_u32(op, "partition length", split.part_len);
-    let name = match (kernel, g) {
+    let name = tensor_copies.unwrap_or(match (kernel, g) {
         (DecodeKernel::TensorCore(_, warp_name), _) if per_warp => warp_name,
         (DecodeKernel::TensorCore(name, _), _) => name,
         (DecodeKernel::Cuda, 1) => "paged_attention_decode_g1",
         (DecodeKernel::Cuda, 2) => "paged_attention_decode_g2",
         (DecodeKernel::Cuda, 4) => "paged_attention_decode_g4",
         (DecodeKernel::Cuda, _) => "paged_attention_decode_g8",
-    };
+    });
     let mut launch = gpu.launch_builder(name, q.dtype());
     launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&out_ptr).arg(&part_out).arg(&part_ml).arg(&counters_ptr);
     launch.arg(&qsl_ptr).arg(&lens_ptr).arg(&tables_ptr).arg(&reqs);
@@ -454,8 +623,20 @@ fn paged_decode(
         launch.arg(a);
     }
     launch.arg(&meta.scale).arg(&part_len);
-    // SAFETY: the arguments match the kernel's parameters in order (both decode kernels take
-    // the same); head_dim, dtype and alignment suit the kernel (`decode_kernel`), the workspace holds `num_parts` partitions of every (token, head),
+    // The tensor-copy form takes the caches' tensor maps after the others.
+    let maps = match tensor_copies {
+        Some(_) => Some((
+            cache_tensor_map(k_cache, num_kv_heads, head_dim)?,
+            cache_tensor_map(v_cache, num_kv_heads, head_dim)?,
+        )),
+        None => None,
+    };
+    if let Some((k_map, v_map)) = &maps {
+        launch.arg(k_map).arg(v_map);
+    }
+    // SAFETY: the arguments match the kernel's parameters in order (the decode kernels take the
+    // same, the tensor-copy form two tensor maps more); head_dim, dtype and alignment suit the
+    // kernel (`decode_kernel`, `tensor_copy_kernel`), the workspace holds `num_parts` partitions of every (token, head),
     // there is a zeroed counter per block of a partition (checked above), and the shared memory
     // is as the kernel lays it out.
     unsafe { launch.launch(cfg) }?;
@@ -691,6 +872,38 @@ mod tests {
         assert!(warp_items_fill_as_well(3072, 4, slots));
         // A single wave either way: the per-warp kernel's 66 blocks leave 3/4 of the SMs idle.
         assert!(!warp_items_fill_as_well(264, 4, slots));
+    }
+
+    #[test]
+    fn tensor_copies_take_hopper_half_types_in_whole_blocks() {
+        let hopper = (9, 0);
+        assert!(tensor_copies_fit(hopper, DType::BF16, 16, None, 1 << 20));
+        assert!(tensor_copies_fit((10, 0), DType::F16, 16, None, 1 << 20));
+        // Before sm_90, in f32, with tiles that are not whole blocks, with a window (tiles that
+        // start inside a block), or with slots past an i32 coordinate.
+        assert!(!tensor_copies_fit((8, 9), DType::BF16, 16, None, 1 << 20));
+        assert!(!tensor_copies_fit(hopper, DType::F32, 16, None, 1 << 20));
+        for block_size in [5, 8, 32] {
+            assert!(!tensor_copies_fit(hopper, DType::BF16, block_size, None, 1 << 20), "block size {block_size}");
+        }
+        assert!(!tensor_copies_fit(hopper, DType::BF16, 16, Some(4096), 1 << 20));
+        assert!(tensor_copies_fit(hopper, DType::BF16, 16, None, i32::MAX as usize));
+        assert!(!tensor_copies_fit(hopper, DType::BF16, 16, None, i32::MAX as usize + 1));
+        // The kernel exists for the head sizes whose rows are whole 64-column boxes.
+        for (head_dim, name) in DECODE_MMA_TENSOR_KERNELS {
+            assert_eq!(head_dim % TENSOR_BOX_COLUMNS, 0, "{name}");
+        }
+    }
+
+    #[test]
+    fn tensor_copy_blocks_fit_two_per_sm() {
+        // Unpadded rows: less than the padded ring, with the 1 KiB of alignment.
+        assert_eq!(tensor_copy_shared_bytes(128), 4 * 3 * 2 * 16 * 128 * 2 + 1024);
+        assert_eq!(tensor_copy_shared_bytes(64), 4 * 4 * 2 * 16 * 64 * 2 + 1024);
+        for (head_dim, _) in DECODE_MMA_TENSOR_KERNELS {
+            assert!(tensor_copy_shared_bytes(head_dim) <= decode_mma_shared_bytes(head_dim), "head_dim {head_dim}");
+            assert!(2 * (tensor_copy_shared_bytes(head_dim) + 1024) <= 228 * 1024, "head_dim {head_dim}");
+        }
     }
 
     #[test]

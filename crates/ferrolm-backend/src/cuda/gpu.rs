@@ -139,6 +139,9 @@ pub struct Gpu {
     /// Unsplit tensor-core decodes take the kernel with a head block per warp (unless
     /// `FERROLM_DECODE_WARP_ITEMS=0`, which keeps the block-per-head-block kernel).
     decode_warp_items: bool,
+    /// The per-warp decode kernel copies its K/V tiles as tensor-map boxes where it can
+    /// (`FERROLM_DECODE_TENSOR_COPIES=1`, compute capability 9.0 and later; off by default).
+    decode_tensor_copies: bool,
     /// Streaming multiprocessors, and the shared memory each has for blocks.
     multiprocessors: usize,
     max_shared_per_multiprocessor: usize,
@@ -232,6 +235,7 @@ impl Gpu {
         let decode_workspace = unsafe { stream.alloc::<f32>(attention::DECODE_WORKSPACE_FLOATS) }?;
         let programmatic_launch = major >= 9 && std::env::var("FERROLM_PDL").map_or(true, |v| v != "0");
         let decode_warp_items = std::env::var("FERROLM_DECODE_WARP_ITEMS").map_or(true, |v| v != "0");
+        let decode_tensor_copies = major >= 9 && std::env::var("FERROLM_DECODE_TENSOR_COPIES").is_ok_and(|v| v == "1");
         let multiprocessors = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let max_shared_per_multiprocessor =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
@@ -239,6 +243,7 @@ impl Gpu {
         Ok(Gpu {
             programmatic_launch,
             decode_warp_items,
+            decode_tensor_copies,
             tuned_gemms,
             blas_workspace_ptr: workspace_ptr,
             multiprocessors: multiprocessors.max(1) as usize,
@@ -383,6 +388,11 @@ impl Gpu {
         self.decode_warp_items
     }
 
+    /// Whether the per-warp decode kernel copies K/V as tensor-map boxes where it can.
+    pub(crate) fn decode_tensor_copies(&self) -> bool {
+        self.decode_tensor_copies
+    }
+
     /// Blocks of `shared_bytes` dynamic shared memory that fit on one SM at once, by shared
     /// memory alone (the runtime reserves 1 KiB per block).
     pub(crate) fn blocks_per_multiprocessor(&self, shared_bytes: usize) -> usize {
@@ -497,6 +507,7 @@ pub(super) fn kernel_entries() -> impl Iterator<Item = (&'static str, DType, boo
         [DType::F32, DType::BF16, DType::F16].map(|dtype| (name, dtype, LARGE_SHARED_KERNELS.contains(&name)))
     });
     let decode_mma = attention::DECODE_MMA_KERNELS.iter().flat_map(|&(_, block, warp)| [block, warp]);
+    let decode_mma = decode_mma.chain(attention::DECODE_MMA_TENSOR_KERNELS.iter().map(|&(_, name)| name));
     let half_only = flash_attention::KERNELS
         .into_iter()
         .chain(decode_mma)

@@ -95,29 +95,84 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-#if __CUDA_ARCH__ >= 900
-// Bulk copies (sm_90): contiguous bytes from global to shared memory in one instruction,
-// completing on a shared-memory mbarrier that counts the bytes it expects.
+// Bulk copies (sm_90): contiguous bytes, or a box of a tensor described by a tensor map, from
+// global to shared memory in one instruction, completing on a shared-memory mbarrier that counts
+// the bytes it expects. Declared for every architecture so that templates may name them in
+// branches they discard; before sm_90 they trap.
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+#if __CUDA_ARCH__ >= 900
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+#else
+    __trap();
+#endif
 }
 __device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+#if __CUDA_ARCH__ >= 900
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+#else
+    __trap();
+#endif
 }
 __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+#if __CUDA_ARCH__ >= 900
     asm volatile(
         "{\n.reg .pred P1;\nWAIT:\n"
         "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
         "@P1 bra DONE;\nbra WAIT;\nDONE:\n}\n" ::"r"(bar),
         "r"(parity)
         : "memory");
+#else
+    __trap();
+#endif
 }
 __device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+#if __CUDA_ARCH__ >= 900
     asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
                  "l"(src), "r"(bytes), "r"(bar)
                  : "memory");
-}
+#else
+    __trap();
 #endif
+}
+// Orders this thread's earlier shared-memory accesses before its later bulk copies into the
+// same bytes (the copies write through the async proxy).
+__device__ __forceinline__ void fence_proxy_async() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#else
+    __trap();
+#endif
+}
+
+// A tensor map (the driver's CUtensorMap, encoded on the host by cuTensorMapEncodeTiled),
+// passed to a kernel as a `const __grid_constant__` parameter.
+struct __align__(128) TensorMap {
+    u64 opaque[16];
+};
+
+// Copies the box at element coordinates (c0, c1, c2) of `map`'s tensor to shared memory at
+// `dst`, completing on `bar`; elements past the tensor's bounds arrive as zeros, and the barrier
+// counts the whole box's bytes either way.
+__device__ __forceinline__ void tensor_copy_3d(u32 dst, const TensorMap* map, int c0, int c1, int c2, u32 bar) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+        "[%5];\n" ::"r"(dst),
+        "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+        : "memory");
+#else
+    __trap();
+#endif
+}
+
+// Fetches a tensor map into the cache the copies read it from.
+__device__ __forceinline__ void prefetch_tensor_map(const TensorMap* map) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
+#else
+    __trap();
+#endif
+}
 
 // 8 consecutive elements as loaded with 16-byte accesses (two for f32), converted to f32 when used.
 template <typename T> struct Raw8 { uint4 u; };

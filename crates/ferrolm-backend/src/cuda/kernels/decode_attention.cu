@@ -93,13 +93,25 @@ __device__ __forceinline__ void load_q_fragments(const T* q_row, u32 gid, u32 ti
     }
 }
 
+// The shared address of a lane's ldmatrix row for k step `ks` (16 columns) of a 16-key tile,
+// from `row` (the tile's address plus the lane's row and, unswizzled, column offset) and `x`.
+// Unswizzled rows are padded and contiguous: the step moves 32 bytes. Swizzled tiles (tensor
+// copies with 128-byte swizzling) hold 64-column halves 2 KiB apart, each of 16 rows of 128
+// bytes whose 16-byte chunk c lies at chunk c ^ (row % 8); `x` is the lane's chunk (0 or 1 of a
+// step's two) XOR its row % 8, times 16.
+template <typename T, bool SWIZZLED> __device__ __forceinline__ u32 tile_step(u32 row, u32 x, int ks) {
+    if (SWIZZLED) return row + (ks / 4) * 2048 + ((((2 * ks) & 7) * 16) ^ x);
+    return row + ks * 16 * sizeof(T);
+}
+
 // A warp's 16 keys from key0 (those at or past `end` masked): S = Q K^T from the K rows at
 // shared address kb, the online-softmax step on the lane's state, then O += P V from the V rows
-// at vb (kb and vb with the lane's ldmatrix offsets applied; see flash_attention.cu).
-template <typename T, int D>
-__device__ __forceinline__ void decode_mma_keys(u32 kb, u32 vb, u32 key0, u32 end, u32 tig, float scale_log2,
-                                                const u32 (&qf)[D / 16][4], float (&o)[D / 8][4], float& m_lo,
-                                                float& m_hi, float& l_lo, float& l_hi) {
+// at vb (kb and vb with the lane's ldmatrix offsets applied, kx and vx their swizzle: see
+// tile_step and flash_attention.cu).
+template <typename T, int D, bool SWIZZLED = false>
+__device__ __forceinline__ void decode_mma_keys(u32 kb, u32 vb, u32 kx, u32 vx, u32 key0, u32 end, u32 tig,
+                                                float scale_log2, const u32 (&qf)[D / 16][4], float (&o)[D / 8][4],
+                                                float& m_lo, float& m_hi, float& l_lo, float& l_hi) {
     float s[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; nt++) {
@@ -110,7 +122,7 @@ __device__ __forceinline__ void decode_mma_keys(u32 kb, u32 vb, u32 key0, u32 en
     for (int ks = 0; ks < D / 16; ks++) {
         // Keys 0..15, dims 16 ks..16 ks + 15: b0, b1 of key tiles 0 and 1.
         u32 b[4];
-        ldmatrix_x4(b, kb + ks * 16 * sizeof(T));
+        ldmatrix_x4(b, tile_step<T, SWIZZLED>(kb, kx, ks));
         mma16816(s[0], qf[ks], b[0], b[1], T());
         mma16816(s[1], qf[ks], b[2], b[3], T());
     }
@@ -147,7 +159,7 @@ __device__ __forceinline__ void decode_mma_keys(u32 kb, u32 vb, u32 key0, u32 en
     for (int np = 0; np < D / 16; np++) {
         // Keys 0..15, dims 16 np..16 np + 15, transposed: b0, b1 of dim tiles 2 np, 2 np + 1.
         u32 b[4];
-        ldmatrix_x4_trans(b, vb + np * 16 * sizeof(T));
+        ldmatrix_x4_trans(b, tile_step<T, SWIZZLED>(vb, vx, np));
         mma16816(o[2 * np], p, b[0], b[1], T());
         mma16816(o[2 * np + 1], p, b[2], b[3], T());
         mma16816(o[2 * np], p_rest, b[0], b[1], T());
@@ -245,7 +257,7 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
         if (key0 >= end) continue;  // warp-uniform: none of this warp's keys in the partition
         const u32 kb = smem_addr(ring + (tile % STAGES) * 2 * TILE) + k_lane;
         const u32 vb = smem_addr(ring + (tile % STAGES) * 2 * TILE + TILE) + v_lane;
-        decode_mma_keys<T, D>(kb, vb, key0, end, tig, scale_log2, qf, o, m_lo, m_hi, l_lo, l_hi);
+        decode_mma_keys<T, D>(kb, vb, 0, 0, key0, end, tig, scale_log2, qf, o, m_lo, m_hi, l_lo, l_hi);
     }
     // Every copy has landed and every warp is done with the ring before red_s reuses it.
     cp_async_wait<0>();
@@ -295,28 +307,47 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
 // streams 4.0. But this kernel's blocks are 4 whole contexts: with too few of them for full waves
 // (batch 192 at 3000: 1.45 waves) the block kernel wins, and the host picks it
 // (`warp_items_fill_as_well` in attention.rs).
-// On sm_90 a lane brings a tile's K or V row of its head (D * 2 bytes) with one bulk copy that
-// completes on the slot's mbarrier, where cp.async takes 16 copies of 16 bytes per lane and
-// tile: `attention_bench` (H200), batch 512 at 1500, 779 -> 765 us (4.04 -> 4.11 TB/s).
+//
+// How the tiles come in (LOAD):
+// - DM_LOAD_CP_ASYNC: 16-byte cp.async copies, 16 per lane and tile, into rows padded to D + 8.
+// - DM_LOAD_BULK (sm_90): a lane brings a tile's K or V row of its head (D * 2 bytes) with one
+//   bulk copy that completes on the slot's mbarrier: `attention_bench` (H200), batch 512 at
+//   1500, 779 -> 765 us (4.04 -> 4.11 TB/s).
+// - DM_LOAD_TENSOR (sm_90, the `paged_decode_mma_tensor_d{D}` entries): one lane copies a
+//   tile's K and V as boxes of the caches' tensor maps (64 columns of one KV head by 16 keys,
+//   128-byte swizzled, so rows need no padding: D / 32 copies a tile instead of 32). A tile is
+//   one cache block, so the host takes it for block size 16 without a window only (every tile
+//   then starts on a block); block ids past the cache land as zeros (past the tensor), and the
+//   V rows past the context in the last tile are zeroed once landed (K's are masked).
 // Grid: ceil(T * num_kv_heads * head_chunks / DM_WARPS) blocks of DM_THREADS; num_parts 1.
-template <typename T, int D>
+#define DM_LOAD_CP_ASYNC 0
+#define DM_LOAD_BULK 1
+#define DM_LOAD_TENSOR 2
+
+template <typename T, int D, int LOAD>
 __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__ q, const T* __restrict__ k_cache,
                                                            const T* __restrict__ v_cache, T* __restrict__ out,
                                                            const u32* __restrict__ query_start_loc,
                                                            const u32* __restrict__ seq_lens,
                                                            const u32* __restrict__ block_tables, u32 num_reqs,
                                                            u32 num_heads, u32 num_kv_heads, u32 max_blocks_per_seq,
-                                                           u32 block_size, u32 num_blocks, u32 window, float scale) {
-    constexpr int STRIDE = D + 8;              // elements per shared-memory row
-    constexpr int TILE = DM_KEYS * STRIDE;     // one warp's 16 keys
+                                                           u32 block_size, u32 num_blocks, u32 window, float scale,
+                                                           const TensorMap* k_map, const TensorMap* v_map) {
+    constexpr bool SWIZZLED = LOAD == DM_LOAD_TENSOR;
+    constexpr int STRIDE = SWIZZLED ? D : D + 8;  // elements per shared-memory row
+    constexpr int TILE = DM_KEYS * STRIDE;        // one warp's 16 keys
     constexpr int STAGES = DecodeMmaStages<D>::value;
     constexpr int KSTEPS = D / 16;
     constexpr int DT = D / 8;
     static_assert(D % 16 == 0, "mma tiles");
+    static_assert(!SWIZZLED || D % 64 == 0, "tensor copies take 64-column halves");
     extern __shared__ uint4 dm_smem[];
 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    T* ring = reinterpret_cast<T*>(dm_smem) + warp * STAGES * 2 * TILE;
+    // 128-byte swizzling lays out 1 KiB patterns: the ring starts on a 1 KiB boundary (the host
+    // gives the tensor entries 1 KiB more shared memory).
+    const u32 pad = SWIZZLED ? (1024u - (smem_addr(dm_smem) & 1023u)) & 1023u : 0u;
+    T* ring = reinterpret_cast<T*>(reinterpret_cast<char*>(dm_smem) + pad) + warp * STAGES * 2 * TILE;
     const u32 group = num_heads / num_kv_heads;
     const u32 heads_total = num_kv_heads * ((group + DM_ROWS - 1) / DM_ROWS);
     const u32 item = blockIdx.x * DM_WARPS + warp;
@@ -332,51 +363,97 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
     // The first tiles' K/V rows go into the L2 while the kernels before this one finish.
     const DecodeKv<T> kv{k_cache, v_cache, table, kv_width, kv_head * D, block_size, num_blocks};
     decode_prefetch<T, D>(kv, start, min(end, start + (STAGES - 1) * DM_KEYS), lane, 32);
+    if constexpr (SWIZZLED) {
+        if (lane == 0) {
+            prefetch_tensor_map(k_map);
+            prefetch_tensor_map(v_map);
+        }
+    }
     pdl_enter();
 
-#if DM_BULK && __CUDA_ARCH__ >= 900
+#if __CUDA_ARCH__ >= 900
     __shared__ __align__(8) u64 dm_bars[DM_WARPS][DecodeMmaStages<D>::value];
     const u32 bar0 = smem_addr(&dm_bars[warp][0]);
-    if (lane == 0) {
+    if (LOAD != DM_LOAD_CP_ASYNC) {
+        if (lane == 0) {
 #pragma unroll
-        for (int st = 0; st < STAGES; st++) mbar_init(bar0 + st * 8, 1);
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    __syncwarp();
-    // Lane l copies row l % 16 of the tile's K (l < 16) or V rows: keys past `end` repeat the
-    // last key's row (finite; their weights are 0), rows of block ids past the cache are zeros.
-    auto load_tile = [&](u32 tile, u32 slot) {
-        const u32 j = lane & 15, key = min(start + tile * DM_KEYS + j, end - 1);
-        const long long at_slot = decode_slot(kv.table, key, kv.block_size, kv.num_blocks);
-        const bool valid = at_slot >= 0;
-        const u32 bytes = __popc(__ballot_sync(0xffffffffu, valid)) * (u32)(D * sizeof(T));
-        const u32 bar = bar0 + slot * 8;
-        T* row = ring + slot * 2 * TILE + (lane >> 4) * TILE + j * STRIDE;
-        if (lane == 0) mbar_expect_tx(bar, bytes);
-        __syncwarp();
-        if (valid) {
-            const T* src = (lane < 16 ? kv.k_cache : kv.v_cache) + (u64)at_slot * kv.kv_width + kv.col0;
-            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            bulk_copy(smem_addr(row), src, D * sizeof(T), bar);
-        } else {
-#pragma unroll
-            for (int c = 0; c < D / 8; c++) reinterpret_cast<uint4*>(row)[c] = make_uint4(0, 0, 0, 0);
+            for (int st = 0; st < STAGES; st++) mbar_init(bar0 + st * 8, 1);
+            asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         }
-        // Zero rows a lane stored are in before any lane reads the slot.
         __syncwarp();
-    };
-    auto commit = [] {};
-    // Tile `tile` has landed: its slot's barrier finished the phase of this use.
-    auto wait_tile = [&](u32 tile) { mbar_wait(bar0 + (tile % STAGES) * 8, (tile / STAGES) & 1); };
+    }
 #else
-    auto load_tile = [&](u32 tile, u32 slot) {
-        decode_load_keys<T, D, DM_KEYS, 32>(ring + slot * 2 * TILE, kv, start + tile * DM_KEYS, end, lane);
-    };
-    // One commit group per tile (empty past the last), so that "all but STAGES - 2 groups done"
-    // always means "tile i is in".
-    auto commit = [] { cp_async_commit(); };
-    auto wait_tile = [](u32) { cp_async_wait<STAGES - 2>(); };
+    const u32 bar0 = 0;
 #endif
+    auto load_tile = [&](u32 tile, u32 slot) {
+        T* k_s = ring + slot * 2 * TILE;
+        if constexpr (LOAD == DM_LOAD_TENSOR) {
+            // Lane 0 copies the tile's cache block, K then V, in 64-column halves; a block id
+            // past the cache reads rows past the tensor, which arrive as zeros.
+            if (lane == 0) {
+                const u32 bar = bar0 + slot * 8;
+                const int row = (int)(min(kv.table[start / DM_KEYS + tile], kv.num_blocks) * DM_KEYS);
+                fence_proxy_async();
+                mbar_expect_tx(bar, 2 * DM_KEYS * D * (u32)sizeof(T));
+#pragma unroll
+                for (int h = 0; h < D / 64; h++) {
+                    tensor_copy_3d(smem_addr(k_s) + h * 2048, k_map, h * 64, (int)kv_head, row, bar);
+                    tensor_copy_3d(smem_addr(k_s + TILE) + h * 2048, v_map, h * 64, (int)kv_head, row, bar);
+                }
+            }
+        } else if constexpr (LOAD == DM_LOAD_BULK) {
+            // Lane l copies row l % 16 of the tile's K (l < 16) or V rows: keys past `end` repeat
+            // the last key's row (finite; their weights are 0), rows of block ids past the cache
+            // are zeros.
+            const u32 j = lane & 15, key = min(start + tile * DM_KEYS + j, end - 1);
+            const long long at_slot = decode_slot(kv.table, key, kv.block_size, kv.num_blocks);
+            const bool valid = at_slot >= 0;
+            const u32 bytes = __popc(__ballot_sync(0xffffffffu, valid)) * (u32)(D * sizeof(T));
+            const u32 bar = bar0 + slot * 8;
+            T* row = k_s + (lane >> 4) * TILE + j * STRIDE;
+            if (lane == 0) mbar_expect_tx(bar, bytes);
+            __syncwarp();
+            if (valid) {
+                const T* src = (lane < 16 ? kv.k_cache : kv.v_cache) + (u64)at_slot * kv.kv_width + kv.col0;
+                fence_proxy_async();
+                bulk_copy(smem_addr(row), src, D * sizeof(T), bar);
+            } else {
+#pragma unroll
+                for (int c = 0; c < D / 8; c++) reinterpret_cast<uint4*>(row)[c] = make_uint4(0, 0, 0, 0);
+            }
+            // Zero rows a lane stored are in before any lane reads the slot.
+            __syncwarp();
+        } else {
+            decode_load_keys<T, D, DM_KEYS, 32>(k_s, kv, start + tile * DM_KEYS, end, lane);
+        }
+    };
+    // cp.async: one commit group per tile (empty past the last), so that "all but STAGES - 2
+    // groups done" always means "tile i is in". The bulk copies complete on the slot's barrier,
+    // whose phase flips once per use of the slot.
+    auto commit = [] {
+        if constexpr (LOAD == DM_LOAD_CP_ASYNC) cp_async_commit();
+    };
+    auto wait_tile = [&](u32 tile) {
+        if constexpr (LOAD == DM_LOAD_CP_ASYNC) {
+            cp_async_wait<STAGES - 2>();
+        } else {
+            mbar_wait(bar0 + (tile % STAGES) * 8, (tile / STAGES) & 1);
+        }
+    };
+    // Tensor copies bring whole cache blocks: the last tile's V rows past the context hold
+    // whatever the cache holds there (weight 0 is not enough against a NaN), so they are zeroed.
+    auto settle_tile = [&](u32 tile) {
+        if constexpr (LOAD == DM_LOAD_TENSOR) {
+            const u32 valid = end - (start + tile * DM_KEYS);
+            if (valid < DM_KEYS) {
+                uint4* v_s = reinterpret_cast<uint4*>(ring + (tile % STAGES) * 2 * TILE + TILE);
+                // 16-byte chunk c of the V tile lies in row (c % 128) / 8 of its half.
+                for (u32 c = lane; c < DM_KEYS * D / 8; c += 32) {
+                    if ((c % 128) / 8 >= valid) v_s[c] = make_uint4(0, 0, 0, 0);
+                }
+            }
+        }
+    };
     // One visible key at least (the token's own): start < end.
     const u32 num_tiles = (end - start + DM_KEYS - 1) / DM_KEYS;
 #pragma unroll
@@ -398,11 +475,18 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
         for (int i = 0; i < 4; i++) o[dt][i] = 0.f;
     }
     float m_lo = NEG_INF, m_hi = NEG_INF, l_lo = 0.f, l_hi = 0.f;
-    const u32 k_lane = (((lane & 7) + ((lane >> 4) << 3)) * STRIDE + ((lane >> 3) & 1) * 8) * sizeof(T);
-    const u32 v_lane = (((lane & 7) + (((lane >> 3) & 1) << 3)) * STRIDE + (lane >> 4) * 8) * sizeof(T);
+    // The lane's ldmatrix rows: K row-major (key, chunk of the step) = (lane % 8 + 8 (lane / 16),
+    // lane / 8 % 2), V transposed (lane % 8 + 8 (lane / 8 % 2), lane / 16); see tile_step.
+    const u32 k_key = (lane & 7) + ((lane >> 4) << 3), k_chunk = (lane >> 3) & 1;
+    const u32 v_key = (lane & 7) + (((lane >> 3) & 1) << 3), v_chunk = lane >> 4;
+    const u32 k_lane = SWIZZLED ? k_key * 128 : (k_key * STRIDE + k_chunk * 8) * sizeof(T);
+    const u32 v_lane = SWIZZLED ? v_key * 128 : (v_key * STRIDE + v_chunk * 8) * sizeof(T);
+    const u32 kx = SWIZZLED ? (k_chunk ^ (k_key & 7)) * 16 : 0;
+    const u32 vx = SWIZZLED ? (v_chunk ^ (v_key & 7)) * 16 : 0;
 
     for (u32 tile = 0; tile < num_tiles; tile++) {
         wait_tile(tile);
+        settle_tile(tile);
         // Tile `tile` is in for every lane's copies, and every lane is done with the slot the
         // next copy overwrites (the one used in the previous iteration).
         __syncwarp();
@@ -413,10 +497,10 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
         const u32 key0 = start + tile * DM_KEYS;
         const u32 kb = smem_addr(ring + (tile % STAGES) * 2 * TILE) + k_lane;
         const u32 vb = smem_addr(ring + (tile % STAGES) * 2 * TILE + TILE) + v_lane;
-        decode_mma_keys<T, D>(kb, vb, key0, end, tig, scale_log2, qf, o, m_lo, m_hi, l_lo, l_hi);
+        decode_mma_keys<T, D, SWIZZLED>(kb, vb, kx, vx, key0, end, tig, scale_log2, qf, o, m_lo, m_hi, l_lo, l_hi);
     }
     // No copy is left in flight when the warp exits (the last groups are empty).
-    cp_async_wait<0>();
+    if (LOAD == DM_LOAD_CP_ASYNC) cp_async_wait<0>();
 
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 1);
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
@@ -436,6 +520,18 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
         }
     }
 }
+
+// The per-warp kernel's loads on this architecture: bulk copies from sm_90 (unless DM_BULK=0,
+// through FERROLM_KERNEL_DEFINES, to compare), tensor copies for the tensor entries there; the
+// tensor entries are never launched before sm_90 (they exist so that every architecture has the
+// same entry points).
+#if __CUDA_ARCH__ >= 900
+#define DM_LOAD_WARP (DM_BULK ? DM_LOAD_BULK : DM_LOAD_CP_ASYNC)
+#define DM_LOAD_WARP_TENSOR DM_LOAD_TENSOR
+#else
+#define DM_LOAD_WARP DM_LOAD_CP_ASYNC
+#define DM_LOAD_WARP_TENSOR DM_LOAD_CP_ASYNC
+#endif
 
 // One kernel per (head_dim, dtype): paged_decode_mma_d{D}_{bf16,f16}, with the decode kernel's
 // parameters (head_dim unused: it is D).
@@ -457,9 +553,24 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
         const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, u32 num_reqs, u32 num_heads, \
         u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, \
         float scale, u32 part_len) { \
-        paged_decode_mma_warp_impl<T, D>(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, \
-                                         num_reqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, \
-                                         num_blocks, window, scale); \
+        paged_decode_mma_warp_impl<T, D, DM_LOAD_WARP>(q, k_cache, v_cache, out, query_start_loc, seq_lens, \
+                                                       block_tables, num_reqs, num_heads, num_kv_heads, \
+                                                       max_blocks_per_seq, block_size, num_blocks, window, scale, \
+                                                       nullptr, nullptr); \
+    }
+// paged_decode_mma_tensor_d{D}_{bf16,f16}: the per-warp kernel's parameters, then the tensor maps
+// of the K and V caches (3-d: D columns, num_kv_heads heads, num_blocks * 16 slots; boxes of 64
+// x 1 x 16, 128-byte swizzle).
+#define PAGED_DECODE_MMA_TENSOR(T, S, D) \
+    extern "C" __global__ void __launch_bounds__(DM_THREADS, 2) paged_decode_mma_tensor_d##D##_##S( \
+        const T* q, const T* k_cache, const T* v_cache, T* out, float* part_out, float* part_ml, u32* counters, \
+        const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, u32 num_reqs, u32 num_heads, \
+        u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, \
+        float scale, u32 part_len, const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map) { \
+        paged_decode_mma_warp_impl<T, D, DM_LOAD_WARP_TENSOR>(q, k_cache, v_cache, out, query_start_loc, seq_lens, \
+                                                              block_tables, num_reqs, num_heads, num_kv_heads, \
+                                                              max_blocks_per_seq, block_size, num_blocks, window, \
+                                                              scale, &k_map, &v_map); \
     }
 #define PAGED_DECODE_MMA_HEAD_DIMS(T, S) \
     PAGED_DECODE_MMA(T, S, 64) \
@@ -469,6 +580,8 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
     PAGED_DECODE_MMA_WARP(T, S, 64) \
     PAGED_DECODE_MMA_WARP(T, S, 80) \
     PAGED_DECODE_MMA_WARP(T, S, 96) \
-    PAGED_DECODE_MMA_WARP(T, S, 128)
+    PAGED_DECODE_MMA_WARP(T, S, 128) \
+    PAGED_DECODE_MMA_TENSOR(T, S, 64) \
+    PAGED_DECODE_MMA_TENSOR(T, S, 128)
 PAGED_DECODE_MMA_HEAD_DIMS(__nv_bfloat16, bf16)
 PAGED_DECODE_MMA_HEAD_DIMS(__half, f16)
