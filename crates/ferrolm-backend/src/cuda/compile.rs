@@ -137,9 +137,11 @@ mod tests {
     use super::*;
     use crate::cuda::gpu::{entry_name, kernel_entries};
 
-    /// Every kernel compiles for Ampere (cp.async paths) and Hopper (bulk copies, wgmma-era
-    /// PTX) wherever NVRTC can be loaded: CI installs it from PyPI (`.ci/run`), so kernel source
-    /// errors show there, not first on a GPU machine. Without NVRTC it says so and passes.
+    /// Every kernel compiles for Ampere (cp.async paths) and Hopper (bulk and tensor copies)
+    /// wherever NVRTC can be loaded, and the PTX assembles with ptxas for sm_80 and sm_90 where
+    /// `$CUDA_HOME/bin/ptxas` is (inline assembly is checked there only): CI installs both from
+    /// PyPI (`.ci/run`), so kernel source errors show there, not first on a GPU machine. Without
+    /// NVRTC it says so and passes.
     #[test]
     fn kernels_compile_for_ampere_and_hopper() {
         // SAFETY: only tries to dlopen NVRTC's candidate file names.
@@ -147,6 +149,9 @@ mod tests {
             eprintln!("skipping: NVRTC not found (LD_LIBRARY_PATH); CI installs it");
             return;
         }
+        let ptxas = std::env::var_os("CUDA_HOME").map(|home| PathBuf::from(home).join("bin/ptxas"));
+        let ptxas = ptxas.filter(|p| p.is_file());
+        let mut assembling = Vec::new();
         for arch in ["compute_80", "compute_90"] {
             let ptx = kernels_ptx(arch, false).unwrap_or_else(|e| panic!("{arch}: {e}"));
             // Every entry point a `Gpu` loads, so that a missing or misnamed kernel fails here.
@@ -154,8 +159,30 @@ mod tests {
                 let kernel = entry_name(family, dtype);
                 assert!(ptx.text.contains(&format!(".entry {kernel}(")), "{arch}: no {kernel}");
             }
-            // The decode kernel's bulk copies are Hopper's alone.
+            // The decode kernel's bulk and tensor copies are Hopper's alone.
             assert_eq!(ptx.text.contains("cp.async.bulk.shared"), arch == "compute_90", "{arch}");
+            assert_eq!(ptx.text.contains("cp.async.bulk.tensor.3d"), arch == "compute_90", "{arch}");
+            if let Some(ptxas) = &ptxas {
+                let sm = arch.replace("compute_", "sm_");
+                let file = std::env::temp_dir().join(format!("ferrolm-kernels-{sm}-{}.ptx", std::process::id()));
+                std::fs::write(&file, &ptx.text).expect("the PTX is written");
+                let child = std::process::Command::new(ptxas)
+                    .arg(format!("-arch={sm}"))
+                    .arg(&file)
+                    .args(["-o", "/dev/null"])
+                    .stderr(std::process::Stdio::piped())
+                    .spawn()
+                    .expect("ptxas starts");
+                assembling.push((sm, file, child));
+            }
+        }
+        if ptxas.is_none() {
+            eprintln!("ptxas not found under CUDA_HOME: the PTX was not assembled (CI installs it)");
+        }
+        for (sm, file, child) in assembling {
+            let out = child.wait_with_output().expect("ptxas runs");
+            let _ = std::fs::remove_file(&file);
+            assert!(out.status.success(), "ptxas -arch={sm}: {}", String::from_utf8_lossy(&out.stderr));
         }
     }
 
