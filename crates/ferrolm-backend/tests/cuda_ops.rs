@@ -726,7 +726,23 @@ fn compare_attention(
         heads.head_dim,
         &mut want,
     );
+    let got = gpu_attention(kernel, gpu, batch, heads, block_size, window, dtype, max_query_len)?;
+    let what = format!("paged_attention {dtype:?} {heads:?} window {window:?} max_query_len {max_query_len}");
+    Ok(check(&what, &got, &want, tol))
+}
 
+/// The GPU op on `kernel` on `batch`, its output as f32.
+#[allow(clippy::too_many_arguments)]
+fn gpu_attention(
+    kernel: AttentionKernel,
+    gpu: &Gpu,
+    batch: &Batch,
+    heads: Heads,
+    block_size: usize,
+    window: Option<usize>,
+    dtype: DType,
+    max_query_len: usize,
+) -> Result<Vec<f32>, GpuError> {
     let (qsl, lens, tables) =
         (gpu.upload(&batch.query_start_loc)?, gpu.upload(&batch.seq_lens)?, gpu.upload(&batch.block_tables)?);
     let gpu_meta = GpuAttentionMetadata {
@@ -738,7 +754,7 @@ fn compare_attention(
         max_query_len,
         block_size,
         sliding_window: window,
-        scale,
+        scale: 1.0 / (heads.head_dim as f32).sqrt(),
         work: Default::default(),
     };
     let q = GpuTensor::from_f32(gpu, &batch.q, dtype)?;
@@ -757,8 +773,7 @@ fn compare_attention(
         heads.head_dim,
         out.view_mut(),
     )?;
-    let what = format!("paged_attention {dtype:?} {heads:?} window {window:?} max_query_len {max_query_len}");
-    Ok(check(&what, &out.to_f32_vec(gpu)?, &want, tol))
+    out.to_f32_vec(gpu)
 }
 
 /// A prefill chunk after 263 cached tokens, a request with no rows this step, a first token, a
@@ -1017,6 +1032,20 @@ fn paged_attention_tensor_copies_match_cpu() -> Result<(), GpuError> {
     let wide_refused =
         compare_attention(AttentionKernel::TensorCopies, &gpu, &wide, heads, 32, None, DType::BF16, 1.0, 1);
     assert!(matches!(wide_refused, Err(GpuError::Unsupported { .. })), "block size 32");
+
+    // Block ids past the cache read as zeros, as on the kernel `paged_attention` picks: the
+    // second block of each request that has one points past the cache (the last one, partly
+    // filled, for the 17-token request).
+    let mut past = Batch::random(&mut rng, heads, &edges, 16, DType::BF16);
+    let num_blocks = past.k_cache.len() / (heads.num_kv_heads * heads.head_dim * 16);
+    for (r, &(seq_len, _)) in edges.iter().enumerate() {
+        if seq_len > 16 {
+            past.block_tables[r * past.max_blocks_per_seq + 1] = (num_blocks + r) as u32;
+        }
+    }
+    let picked = gpu_attention(PICKED, &gpu, &past, heads, 16, None, DType::BF16, 1)?;
+    let tensor = gpu_attention(AttentionKernel::TensorCopies, &gpu, &past, heads, 16, None, DType::BF16, 1)?;
+    check("tensor copies of block ids past the cache", &tensor, &picked, DTYPES[1].1);
 
     let configs = [
         Heads { num_heads: 32, num_kv_heads: 8, head_dim: 128 },

@@ -522,15 +522,18 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
 }
 
 // The per-warp kernel's loads on this architecture: bulk copies from sm_90 (unless DM_BULK=0,
-// through FERROLM_KERNEL_DEFINES, to compare), tensor copies for the tensor entries there; the
-// tensor entries are never launched before sm_90 (they exist so that every architecture has the
-// same entry points).
+// through FERROLM_KERNEL_DEFINES, to compare), cp.async before. The tensor-copy entries exist on
+// every architecture (so that every one has the same entry points) but trap before sm_90: the
+// host never launches them there.
 #if __CUDA_ARCH__ >= 900
 #define DM_LOAD_WARP (DM_BULK ? DM_LOAD_BULK : DM_LOAD_CP_ASYNC)
-#define DM_LOAD_WARP_TENSOR DM_LOAD_TENSOR
+#define DM_TENSOR_BODY(T, D) \
+    paged_decode_mma_warp_impl<T, D, DM_LOAD_TENSOR>(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, \
+                                                     num_reqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, \
+                                                     num_blocks, window, scale, &k_map, &v_map);
 #else
 #define DM_LOAD_WARP DM_LOAD_CP_ASYNC
-#define DM_LOAD_WARP_TENSOR DM_LOAD_CP_ASYNC
+#define DM_TENSOR_BODY(T, D) __trap();
 #endif
 
 // One kernel per (head_dim, dtype): paged_decode_mma_d{D}_{bf16,f16}, with the decode kernel's
@@ -567,10 +570,7 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
         const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, u32 num_reqs, u32 num_heads, \
         u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, \
         float scale, u32 part_len, const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map) { \
-        paged_decode_mma_warp_impl<T, D, DM_LOAD_WARP_TENSOR>(q, k_cache, v_cache, out, query_start_loc, seq_lens, \
-                                                              block_tables, num_reqs, num_heads, num_kv_heads, \
-                                                              max_blocks_per_seq, block_size, num_blocks, window, \
-                                                              scale, &k_map, &v_map); \
+        DM_TENSOR_BODY(T, D) \
     }
 #define PAGED_DECODE_MMA_HEAD_DIMS(T, S) \
     PAGED_DECODE_MMA(T, S, 64) \
