@@ -291,10 +291,10 @@ fn attention(
     let decode = if meta.max_query_len <= 1 { decode_kernel(gpu, head_dim, q, k_cache, v_cache, &out) } else { None };
     if route == AttentionKernel::TensorCopies {
         // The tensor-copy form is a form of the tensor-core decode kernel.
-        let tensor = decode
-            .filter(|k| matches!(k, DecodeKernel::TensorCore(..)))
-            .and_then(|_| tensor_copy_kernel(gpu, meta, head_dim, q.dtype(), k_cache, v_cache));
-        let Some(tensor) = tensor else {
+        let tensor = decode.filter(|k| matches!(k, DecodeKernel::TensorCore(..))).and_then(|kernel| {
+            tensor_copy_kernel(gpu, meta, head_dim, q.dtype(), k_cache, v_cache).map(|name| (kernel, name))
+        });
+        let Some((kernel, tensor)) = tensor else {
             return Err(GpuError::Unsupported {
                 op: "paged_attention_on(TensorCopies)",
                 reason: format!(
@@ -308,7 +308,6 @@ fn attention(
                 ),
             });
         };
-        let kernel = decode.expect("checked above");
         let tensor = TensorCopies::Always(tensor);
         paged_decode(gpu, kernel, tensor, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
     } else if route == AttentionKernel::General {
@@ -577,16 +576,16 @@ fn paged_decode(
     );
     // Unsplit, the tensor-core kernel may give each warp a head block of its own (in its
     // tensor-copy form where the call asks for it).
-    let tensor_core = matches!(kernel, DecodeKernel::TensorCore(..));
-    let per_warp = tensor_core && matches!(tensor_copies, TensorCopies::Always(_))
-        || tensor_core && num_parts == 1 && gpu.decode_warp_items() && {
-            // Two blocks of the tensor-core kernel per SM at most, by their registers.
-            let sm_blocks = gpu.blocks_per_multiprocessor(shared).min(2) * gpu.multiprocessors();
-            warp_items_fill_as_well(head_blocks, DECODE_THREADS / 32, sm_blocks)
-        };
+    let forced = matches!(tensor_copies, TensorCopies::Always(_));
+    let per_warp = matches!(kernel, DecodeKernel::TensorCore(..))
+        && (forced
+            || num_parts == 1 && gpu.decode_warp_items() && {
+                // Two blocks of the tensor-core kernel per SM at most, by their registers.
+                let sm_blocks = gpu.blocks_per_multiprocessor(shared).min(2) * gpu.multiprocessors();
+                warp_items_fill_as_well(head_blocks, DECODE_THREADS / 32, sm_blocks)
+            });
     let tensor_copies = match tensor_copies {
-        TensorCopies::Always(name) if tensor_core => Some(name),
-        TensorCopies::WherePerWarp(name) if per_warp => Some(name),
+        TensorCopies::Always(name) | TensorCopies::WherePerWarp(name) if per_warp => Some(name),
         _ => None,
     };
     let shared = if tensor_copies.is_some() { tensor_copy_shared_bytes(head_dim) } else { shared };

@@ -28,13 +28,14 @@ pub fn xor_words(gpu: &Gpu, src: &CudaSlice<u32>) -> Result<[u32; 4], GpuError> 
 }
 
 /// Bytes per second the device reads: the fastest of `repetitions` timings of back-to-back
-/// reads of a `bytes`-long buffer of non-zero words (at least 64 MiB), each timing the mean of
+/// reads of a buffer of `bytes` (whole 16-byte words, at least one) of non-zero words, far
+/// larger than the L2 for the rate to be the memory's, each timing the mean of
 /// several after an untimed one (`Gpu::time_us`), so that the device is busy while the host
 /// queues the timed reads: a lone read between two events also times its launch (a 1 GiB read
 /// on an H200 timed that way gave 4.13 TB/s where the same loads over 8 GiB, ten reads to an
 /// event pair, gave 4.58).
 pub fn read_rate(gpu: &Gpu, bytes: usize, repetitions: usize) -> Result<f64, GpuError> {
-    let words = bytes.max(64 << 20) / 16 * 4;
+    let words = bytes.max(16) / 16 * 4;
     let src = word_pattern(gpu, words)?;
     let mut sink = gpu.upload(&[0u32; 4])?;
     let mut best_us = f32::INFINITY;
@@ -53,22 +54,24 @@ pub fn word_pattern(gpu: &Gpu, words: usize) -> Result<CudaSlice<u32>, GpuError>
     // SAFETY: the kernel below writes every element before anything reads it.
     let dst = unsafe { gpu.stream().alloc::<u32>(words) }?;
     let (dst_ptr, n) = (gpu.index_ptr(&dst), words as u64);
-    let blocks = (gpu.multiprocessors() * BLOCKS_PER_SM) as u32;
     let mut launch = gpu.launch_builder("fill_word_pattern", DType::F32);
     launch.arg(&dst_ptr).arg(&n);
-    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: `dst` holds n u32, as the kernel's parameters say.
-    unsafe { launch.launch(cfg) }?;
+    unsafe { launch.launch(device_full(gpu)) }?;
     Ok(dst)
 }
 
 fn launch_read(gpu: &Gpu, src: &CudaSlice<u32>, sink: &mut CudaSlice<u32>) -> Result<(), GpuError> {
     assert_eq!(src.len() % 4, 0, "stream_read_xor: {} u32 are not 16-byte words", src.len());
     let (src_ptr, sink_ptr, n16) = (gpu.index_ptr(src), gpu.index_ptr(sink), (src.len() / 4) as u64);
-    let blocks = (gpu.multiprocessors() * BLOCKS_PER_SM) as u32;
     let mut launch = gpu.launch_builder("stream_read_xor", DType::F32);
     launch.arg(&src_ptr).arg(&n16).arg(&sink_ptr);
-    let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
     // SAFETY: `src` holds n16 words and `sink` four u32, as the kernel's parameters say.
-    unsafe { launch.launch(cfg) }
+    unsafe { launch.launch(device_full(gpu)) }
+}
+
+/// A grid-stride launch with [`BLOCKS_PER_SM`] blocks of [`THREADS`] on every multiprocessor.
+fn device_full(gpu: &Gpu) -> LaunchConfig {
+    let blocks = (gpu.multiprocessors() * BLOCKS_PER_SM) as u32;
+    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
 }
