@@ -9,6 +9,7 @@
 
 mod activation;
 mod attention;
+mod device;
 mod embedding;
 mod gemv;
 mod kv_cache;
@@ -21,6 +22,7 @@ mod weights;
 
 pub use activation::{gelu_tanh_and_mul, silu_and_mul};
 pub use attention::{paged_attention, AttentionMetadata};
+pub use device::{Cpu, CpuBatch, CpuKvLayer, CpuRope, CpuTensor};
 pub use embedding::embedding;
 pub use kv_cache::reshape_and_cache;
 pub use linear::{linear, linear_gemm, linear_gemv, GEMV_MAX_M};

@@ -21,6 +21,7 @@
 
 mod attention;
 mod compile;
+mod device;
 mod error;
 mod flash_attention;
 mod gemm_tune;
@@ -33,13 +34,15 @@ mod sampling;
 mod staging;
 mod tensor;
 
+pub use crate::GatedActivation;
 pub use attention::{paged_attention, paged_attention_on, reshape_and_cache, AttentionKernel, GpuAttentionMetadata};
 pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
+pub use device::{Cuda, CudaBatch, CudaKvLayer, CudaTensor};
 pub use error::GpuError;
 pub use flash_attention::AttentionWork;
 pub use gemm_tune::{GemmShape, GemmTuning};
 pub use gpu::{Gpu, GpuGraph, StreamPriority};
-pub use linear::{linear, linear_cublas, linear_gated, linear_gemv_ksplit, GatedActivation, GEMV_MAX_M};
+pub use linear::{linear, linear_cublas, linear_gated, linear_gemv_ksplit, GEMV_MAX_M};
 pub use ops::{
     add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, split_qkv,
 };

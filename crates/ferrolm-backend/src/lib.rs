@@ -8,10 +8,21 @@
 //!
 //! With the `cuda` feature, the `cuda` module holds the same ops on an NVIDIA GPU, with
 //! activations in f32, bf16 or f16 device memory.
+//!
+//! [`Device`] is the one interface the decoder runs on: shaped activation buffers and the ops of
+//! a decoder step, implemented by [`cpu::Cpu`] and `cuda::Cuda` over those ops.
 
 pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod device;
+mod host;
+
+pub use device::{
+    unfused_attention_input, AttentionInput, Device, GatedActivation, Heads, LayerAttention, Linear, Precision,
+    RopeFrequencies, Shaped,
+};
+pub use host::{HostTensor, SharedBytes};
 
 use half::{bf16, f16};
 

@@ -755,7 +755,7 @@ fn gpu_attention(
         block_size,
         sliding_window: window,
         scale: 1.0 / (heads.head_dim as f32).sqrt(),
-        work: Default::default(),
+        work: &Default::default(),
     };
     let q = GpuTensor::from_f32(gpu, &batch.q, dtype)?;
     let k_cache = GpuTensor::from_f32(gpu, &batch.k_cache, dtype)?;
@@ -1121,7 +1121,7 @@ fn paged_attention_work_list_is_shared_by_a_steps_layers() -> Result<(), GpuErro
         block_size,
         sliding_window: None,
         scale,
-        work: Default::default(),
+        work: &Default::default(),
     };
     for (i, (heads, batch)) in shapes.iter().zip(&batches).enumerate() {
         assert_eq!(batch.block_tables, layout.block_tables);

@@ -424,7 +424,7 @@ impl ferrolm_model::ModelRunner for DeviceLikeRunner {
     ) -> Result<(), ferrolm_model::ModelError> {
         self.calls += 1;
         if self.fail_at_call == Some(self.calls) {
-            return Err(ferrolm_model::ModelError::Device("injected failure".into()));
+            return Err(ferrolm_model::ModelError::Config("injected failure".into()));
         }
         self.inner.launch(input, rows)
     }

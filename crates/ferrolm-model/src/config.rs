@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use ferrolm_backend::DType;
+use ferrolm_backend::{DType, GatedActivation, Heads, LayerAttention};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -48,13 +48,6 @@ impl Architecture {
     }
 }
 
-/// The gated activation of the MLP: `act(gate) * up`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Activation {
-    Silu,
-    GeluTanh,
-}
-
 #[derive(Clone, Debug)]
 pub struct ModelConfig {
     pub architecture: Architecture,
@@ -68,7 +61,7 @@ pub struct ModelConfig {
     pub rms_norm_eps: f32,
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
-    pub activation: Activation,
+    pub activation: GatedActivation,
     /// Biases on q/k/v projections (Qwen2, or Llama's `attention_bias`).
     pub qkv_bias: bool,
     /// Bias on the output projection (Llama's `attention_bias`).
@@ -199,9 +192,9 @@ impl ModelConfig {
         // Gemma's MLP is GELU-tanh whatever `hidden_act` says (HF overrides the exact "gelu").
         let act_name = raw.hidden_activation.clone().or(raw.hidden_act.clone()).unwrap_or_else(|| "silu".into());
         let activation = match (is_gemma, act_name.as_str()) {
-            (true, _) => Activation::GeluTanh,
-            (false, "silu" | "swish") => Activation::Silu,
-            (false, "gelu_pytorch_tanh" | "gelu_new" | "gelu_tanh") => Activation::GeluTanh,
+            (true, _) => GatedActivation::GeluTanh,
+            (false, "silu" | "swish") => GatedActivation::Silu,
+            (false, "gelu_pytorch_tanh" | "gelu_new" | "gelu_tanh") => GatedActivation::GeluTanh,
             (false, other) => return Err(ModelError::Config(format!("unsupported hidden_act `{other}`"))),
         };
 
@@ -279,6 +272,26 @@ impl ModelConfig {
 
     pub fn kv_size(&self) -> usize {
         self.num_key_value_heads * self.head_dim
+    }
+
+    pub fn heads(&self) -> Heads {
+        Heads { num_heads: self.num_attention_heads, num_kv_heads: self.num_key_value_heads, head_dim: self.head_dim }
+    }
+
+    /// What attention layer `layer` computes over the shared batch metadata. Every supported
+    /// family uses one window (or none) and `1 / sqrt(head_dim)` on all its layers; families
+    /// that mix windowed and global layers state it here.
+    pub fn layer_attention(&self, _layer: usize) -> LayerAttention {
+        LayerAttention {
+            heads: self.heads(),
+            sliding_window: self.sliding_window,
+            scale: 1.0 / (self.head_dim as f32).sqrt(),
+        }
+    }
+
+    /// Bytes of one KV cache block of `block_size` tokens over all layers, K and V, in `dtype`.
+    pub fn kv_bytes_per_block(&self, block_size: usize, dtype: DType) -> usize {
+        self.num_hidden_layers * 2 * block_size * self.kv_size() * dtype.size_in_bytes()
     }
 
     /// Elements of one layer's projection matrices: q, k, v, o, gate, up and down.
@@ -374,7 +387,7 @@ mod tests {
         v["architectures"] = json!(["GemmaForCausalLM"]);
         v["hidden_act"] = json!("gelu");
         let c = ModelConfig::from_value(v)?;
-        assert_eq!(c.activation, Activation::GeluTanh);
+        assert_eq!(c.activation, GatedActivation::GeluTanh);
         assert!(c.norm_unit_offset && c.tie_word_embeddings);
         assert_eq!(c.embedding_multiplier, 8.0);
 

@@ -4,6 +4,11 @@
 //! `query_start_loc[r]..query_start_loc[r + 1]`; `slot_mapping[t] = block_id * block_size + offset`
 //! says where token `t`'s K and V go.
 
+use ferrolm_backend::cpu::CpuKvLayer;
+
+use crate::decoder::StepRows;
+use crate::ModelError;
+
 /// One step's batch.
 #[derive(Clone, Debug, Default)]
 pub struct ModelInput {
@@ -37,19 +42,29 @@ impl ModelInput {
         self.seq_lens.len()
     }
 
+    /// The step's token and logits rows, as the decoder takes them.
+    pub fn step_rows(&self) -> StepRows {
+        let identity = self.logits_indices.len() == self.num_tokens()
+            && self.logits_indices.iter().enumerate().all(|(i, &r)| r as usize == i);
+        StepRows { tokens: self.num_tokens(), logits: self.logits_indices.len(), identity }
+    }
+
     /// Fills in [`Self::previous_tokens`] from `sampled`, the tokens the step before sampled per
     /// logits row (`None`: none picked, token 0). An error names a pair outside the step or
     /// outside `sampled`.
-    pub fn fill_previous_tokens(&mut self, sampled: &[Option<u32>]) -> Result<(), String> {
+    pub fn fill_previous_tokens(&mut self, sampled: &[Option<u32>]) -> Result<(), ModelError> {
         for &(t, row) in &self.previous_tokens {
-            let token = sampled.get(row as usize).ok_or_else(|| {
-                format!("previous token row {row} is outside the step before's {} rows", sampled.len())
+            let token = sampled.get(row as usize).ok_or(ModelError::PreviousToken {
+                what: "row (of the step before's rows)",
+                index: row,
+                len: sampled.len(),
             })?;
             let len = self.token_ids.len();
-            let slot = self
-                .token_ids
-                .get_mut(t as usize)
-                .ok_or_else(|| format!("previous token {t} is outside the step's {len} tokens"))?;
+            let slot = self.token_ids.get_mut(t as usize).ok_or(ModelError::PreviousToken {
+                what: "index (of the step's tokens)",
+                index: t,
+                len,
+            })?;
             *slot = token.unwrap_or(0);
         }
         self.previous_tokens.clear();
@@ -111,24 +126,7 @@ pub struct KvCache {
     /// `num_kv_heads * head_dim`
     pub kv_width: usize,
     /// Per layer: K and V, each `[num_blocks * block_size, kv_width]`.
-    pub layers: Vec<(Vec<f32>, Vec<f32>)>,
-}
-
-impl KvCache {
-    pub fn new(num_layers: usize, num_blocks: usize, block_size: usize, kv_width: usize) -> KvCache {
-        let len = num_blocks * block_size * kv_width;
-        KvCache {
-            num_blocks,
-            block_size,
-            kv_width,
-            layers: (0..num_layers).map(|_| (vec![0.0; len], vec![0.0; len])).collect(),
-        }
-    }
-
-    /// Bytes held by one block across all layers (K and V).
-    pub fn bytes_per_block(num_layers: usize, block_size: usize, kv_width: usize) -> usize {
-        num_layers * 2 * block_size * kv_width * std::mem::size_of::<f32>()
-    }
+    pub layers: Vec<CpuKvLayer>,
 }
 
 #[cfg(test)]

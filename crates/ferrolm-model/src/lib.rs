@@ -1,9 +1,11 @@
-//! Models of ferrolm: configuration, weights and the decoder that runs every supported family
-//! over a flattened, paged batch.
+//! Models of ferrolm: configuration, weights and the one decoder that runs every supported
+//! family over a flattened, paged batch, on any [`ferrolm_backend::Device`].
 
+pub mod activations;
 pub mod config;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod decoder;
 pub mod input;
 pub mod model;
 pub mod rope;
@@ -12,11 +14,14 @@ pub mod weights;
 
 use std::path::{Path, PathBuf};
 
-pub use config::{Activation, Architecture, GenerationConfig, ModelConfig};
+pub use activations::Activations;
+pub use config::{Architecture, GenerationConfig, ModelConfig};
+pub use decoder::{Decoder, StepRows};
+pub use ferrolm_backend::{GatedActivation, HostTensor};
 pub use input::{KvCache, ModelInput};
 pub use model::Model;
 pub use runner::{apply_rows, sampled_tokens, CpuRunner, ModelRunner};
-pub use weights::{Tensor, WeightSource};
+pub use weights::WeightSource;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -34,10 +39,24 @@ pub enum ModelError {
     CorruptWeights { path: PathBuf, message: String },
     #[error("missing tensor `{0}` in the checkpoint")]
     MissingTensor(String),
-    #[error("device error: {0}")]
-    Device(String),
+    #[cfg(feature = "cuda")]
+    #[error(transparent)]
+    Gpu(#[from] ferrolm_backend::cuda::GpuError),
+    #[error("a step was launched before the KV cache was allocated")]
+    NoKvCache,
+    #[error("collect with no step launched")]
+    NothingLaunched,
+    #[error("previous token {what} {index} is outside the step's {len}")]
+    PreviousToken { what: &'static str, index: u32, len: usize },
     #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
     ShapeMismatch { name: String, expected: Vec<usize>, found: Vec<usize> },
+}
+
+/// The CPU device cannot fail.
+impl From<std::convert::Infallible> for ModelError {
+    fn from(never: std::convert::Infallible) -> ModelError {
+        match never {}
+    }
 }
 
 impl ModelError {

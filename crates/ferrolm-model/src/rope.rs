@@ -2,6 +2,7 @@
 //! families ferrolm runs (default, linear, llama3, yarn, longrope), computed in f32 as HF does so
 //! that angles match the reference to the last bit the arithmetic allows.
 
+use ferrolm_backend::RopeFrequencies;
 use serde_json::Value;
 
 use crate::ModelError;
@@ -49,6 +50,15 @@ pub struct RopeTables {
 }
 
 impl RopeTables {
+    /// The tables as a device is given them.
+    pub fn frequencies(&self) -> RopeFrequencies<'_> {
+        RopeFrequencies {
+            inv_freq: &self.inv_freq,
+            long: self.long.as_ref().map(|(start, table)| (*start, table.as_slice())),
+            attention_scaling: self.attention_scaling,
+        }
+    }
+
     /// The inverse frequencies for a token at `position`.
     pub fn inv_freq_for(&self, position: u32) -> &[f32] {
         match &self.long {

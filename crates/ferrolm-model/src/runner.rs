@@ -12,6 +12,9 @@ use std::collections::VecDeque;
 use ferrolm_sampling::{RowRequest, TokenLogprobs};
 use rayon::prelude::*;
 
+use ferrolm_backend::cpu::Cpu;
+
+use crate::activations::Activations;
 use crate::config::ModelConfig;
 use crate::input::{KvCache, ModelInput};
 use crate::model::Model;
@@ -73,6 +76,8 @@ pub fn apply_rows(logits: &[f32], vocab: usize, rows: &[RowRequest<'_>]) -> Vec<
 pub struct CpuRunner {
     model: Model,
     kv: Option<KvCache>,
+    /// Reused by every step; `None` until the first.
+    acts: Option<Activations<Cpu>>,
     answers: VecDeque<Vec<Option<TokenLogprobs>>>,
     /// The tokens the last launched step sampled, per logits row.
     last_sampled: Vec<Option<u32>>,
@@ -80,7 +85,7 @@ pub struct CpuRunner {
 
 impl CpuRunner {
     pub fn new(model: Model) -> CpuRunner {
-        CpuRunner { model, kv: None, answers: VecDeque::new(), last_sampled: Vec::new() }
+        CpuRunner { model, kv: None, acts: None, answers: VecDeque::new(), last_sampled: Vec::new() }
     }
 }
 
@@ -106,25 +111,25 @@ impl ModelRunner for CpuRunner {
 
     fn launch(&mut self, input: &ModelInput, rows: &[RowRequest<'_>]) -> Result<(), ModelError> {
         assert_eq!(rows.len(), input.logits_indices.len(), "launch: {} requests for the logits rows", rows.len());
-        let kv = self.kv.as_mut().ok_or_else(|| ModelError::Device("launch before allocate_kv_cache".into()))?;
+        let kv = self.kv.as_mut().ok_or(ModelError::NoKvCache)?;
         let filled;
         let input = if input.previous_tokens.is_empty() {
             input
         } else {
             let mut copy = input.clone();
-            copy.fill_previous_tokens(&self.last_sampled).map_err(ModelError::Device)?;
+            copy.fill_previous_tokens(&self.last_sampled)?;
             filled = copy;
             &filled
         };
-        let logits = self.model.forward(input, kv); // [rows, vocab]
-        let answers = apply_rows(&logits, self.model.config.vocab_size, rows);
+        let logits = self.model.forward_with(input, kv, &mut self.acts); // [rows, vocab]
+        let answers = apply_rows(logits, self.model.config.vocab_size, rows);
         self.last_sampled = sampled_tokens(&answers);
         self.answers.push_back(answers);
         Ok(())
     }
 
     fn collect(&mut self) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
-        self.answers.pop_front().ok_or_else(|| ModelError::Device("collect with no step launched".into()))
+        self.answers.pop_front().ok_or(ModelError::NothingLaunched)
     }
 }
 

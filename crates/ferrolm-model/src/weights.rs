@@ -2,14 +2,15 @@
 //! `model.safetensors.index.json`), memory-mapped, kept in their file dtype; and random weights
 //! of any config for benchmarks.
 //!
-//! Invariant: a [`Tensor`] always holds exactly `shape.iter().product()` elements of its dtype.
+//! Tensors come out as [`HostTensor`]s: borrowed from the mapped file where they are aligned
+//! for their dtype, copied otherwise.
 
 use std::collections::HashMap;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use ferrolm_backend::{DType, WeightView};
+use ferrolm_backend::{DType, HostTensor, SharedBytes};
 use half::{bf16, f16};
 use memmap2::Mmap;
 use rand::{RngCore, SeedableRng};
@@ -18,121 +19,6 @@ use rayon::prelude::*;
 use safetensors::{Dtype as StDtype, SafeTensors};
 
 use crate::ModelError;
-
-/// Where a tensor's elements live.
-#[derive(Debug)]
-enum Storage {
-    /// Bytes `[start, end)` of a mapped file, suitably aligned for the dtype.
-    Mapped {
-        map: Arc<Mmap>,
-        start: usize,
-        end: usize,
-    },
-    F32(Vec<f32>),
-    F16(Vec<f16>),
-    BF16(Vec<bf16>),
-}
-
-/// A weight tensor in its storage dtype.
-#[derive(Debug)]
-pub struct Tensor {
-    dtype: DType,
-    shape: Vec<usize>,
-    storage: Storage,
-}
-
-impl Tensor {
-    pub fn dtype(&self) -> DType {
-        self.dtype
-    }
-
-    pub fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-
-    pub fn num_elements(&self) -> usize {
-        self.shape.iter().product()
-    }
-
-    pub fn size_in_bytes(&self) -> usize {
-        self.num_elements() * self.dtype.size_in_bytes()
-    }
-
-    pub fn from_f32(shape: Vec<usize>, data: Vec<f32>) -> Tensor {
-        assert_eq!(shape.iter().product::<usize>(), data.len());
-        Tensor { dtype: DType::F32, shape, storage: Storage::F32(data) }
-    }
-
-    pub fn view(&self) -> WeightView<'_> {
-        match &self.storage {
-            Storage::Mapped { map, start, end } => {
-                let bytes = &map[*start..*end];
-                // Alignment was checked when the tensor was created.
-                match self.dtype {
-                    DType::F32 => WeightView::F32(bytemuck::cast_slice(bytes)),
-                    DType::F16 => WeightView::F16(bytemuck::cast_slice(bytes)),
-                    DType::BF16 => WeightView::BF16(bytemuck::cast_slice(bytes)),
-                }
-            }
-            Storage::F32(v) => WeightView::F32(v),
-            Storage::F16(v) => WeightView::F16(v),
-            Storage::BF16(v) => WeightView::BF16(v),
-        }
-    }
-
-    pub fn to_f32_vec(&self) -> Vec<f32> {
-        self.view().to_f32_vec()
-    }
-
-    /// Concatenates tensors of equal dtype and trailing dims along dim 0 (fusing q/k/v or gate/up
-    /// into one GEMM). The result is owned memory.
-    pub fn concat_rows(parts: &[Tensor]) -> Tensor {
-        let first = &parts[0];
-        let cols: usize = first.shape[1..].iter().product();
-        let rows: usize = parts.iter().map(|p| p.shape[0]).sum();
-        let mut shape = first.shape.clone();
-        shape[0] = rows;
-        let storage = match first.dtype {
-            DType::F32 => Storage::F32(concat(parts, |v| match v {
-                WeightView::F32(s) => s,
-                _ => unreachable!("dtype checked"),
-            })),
-            DType::F16 => Storage::F16(concat(parts, |v| match v {
-                WeightView::F16(s) => s,
-                _ => unreachable!("dtype checked"),
-            })),
-            DType::BF16 => Storage::BF16(concat(parts, |v| match v {
-                WeightView::BF16(s) => s,
-                _ => unreachable!("dtype checked"),
-            })),
-        };
-        debug_assert_eq!(rows * cols, shape.iter().product::<usize>());
-        Tensor { dtype: first.dtype, shape, storage }
-    }
-
-    /// Converts to `dtype` (owned) unless it is already in it.
-    pub fn into_dtype(self, dtype: DType) -> Tensor {
-        if self.dtype == dtype {
-            return self;
-        }
-        let values = self.to_f32_vec();
-        let storage = match dtype {
-            DType::F32 => Storage::F32(values),
-            DType::F16 => Storage::F16(values.iter().map(|&x| f16::from_f32(x)).collect()),
-            DType::BF16 => Storage::BF16(values.iter().map(|&x| bf16::from_f32(x)).collect()),
-        };
-        Tensor { dtype, shape: self.shape, storage }
-    }
-}
-
-fn concat<T: Copy>(parts: &[Tensor], get: impl Fn(WeightView<'_>) -> &[T]) -> Vec<T> {
-    assert!(parts.iter().all(|p| p.dtype == parts[0].dtype), "concat_rows: mixed dtypes");
-    let mut out = Vec::with_capacity(parts.iter().map(Tensor::num_elements).sum());
-    for p in parts {
-        out.extend_from_slice(get(p.view()));
-    }
-    out
-}
 
 #[derive(Debug, Clone)]
 struct TensorLocation {
@@ -230,7 +116,7 @@ impl WeightSource {
     }
 
     /// Loads `name`, checking that it has exactly `shape`.
-    pub fn get(&self, name: &str, shape: &[usize]) -> Result<Tensor, ModelError> {
+    pub fn get(&self, name: &str, shape: &[usize]) -> Result<HostTensor, ModelError> {
         match &self.0 {
             Source::SafeTensors { maps, files, index } => {
                 let loc = index.get(name).ok_or_else(|| ModelError::MissingTensor(name.to_owned()))?;
@@ -253,13 +139,8 @@ impl WeightSource {
                         ),
                     });
                 }
-                let aligned = (bytes.as_ptr() as usize).is_multiple_of(loc.dtype.size_in_bytes());
-                let storage = if aligned {
-                    Storage::Mapped { map: Arc::clone(map), start: loc.start, end: loc.end }
-                } else {
-                    copy_unaligned(bytes, loc.dtype)
-                };
-                Ok(Tensor { dtype: loc.dtype, shape: shape.to_vec(), storage })
+                let map: SharedBytes = Arc::clone(map) as SharedBytes;
+                Ok(HostTensor::from_bytes(map, loc.start, loc.end, loc.dtype, shape.to_vec()))
             }
             Source::Random { dtype, seed } => Ok(random_tensor(name, shape, *dtype, *seed)),
         }
@@ -268,16 +149,6 @@ impl WeightSource {
     /// Loads a small tensor (norm weights, biases) as f32 values.
     pub fn get_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
         Ok(self.get(name, shape)?.to_f32_vec())
-    }
-}
-
-fn copy_unaligned(bytes: &[u8], dtype: DType) -> Storage {
-    match dtype {
-        DType::F32 => {
-            Storage::F32(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
-        }
-        DType::F16 => Storage::F16(bytes.chunks_exact(2).map(|c| f16::from_le_bytes([c[0], c[1]])).collect()),
-        DType::BF16 => Storage::BF16(bytes.chunks_exact(2).map(|c| bf16::from_le_bytes([c[0], c[1]])).collect()),
     }
 }
 
@@ -291,19 +162,19 @@ const RANDOM_CHUNK: usize = 1 << 16;
 
 /// Random weights that keep activations in a sane range: norms near 1, matrices uniform with the
 /// variance of a fan-in initialisation. Generated in parallel (an 8B model is 16 GB of them).
-fn random_tensor(name: &str, shape: &[usize], dtype: DType, seed: u64) -> Tensor {
+fn random_tensor(name: &str, shape: &[usize], dtype: DType, seed: u64) -> HostTensor {
     let n: usize = shape.iter().product();
     let is_norm = name.contains("norm");
     let fan_in = *shape.last().unwrap_or(&1) as f32;
     let bound = if shape.len() == 1 { 0.02 } else { (3.0 / fan_in).sqrt() };
     let offset = if is_norm { 1.0 } else { 0.0 };
     let rng = ChaCha8Rng::seed_from_u64(name_seed(name, seed));
-    let storage = match dtype {
-        DType::F32 => Storage::F32(uniform(n, &rng, bound, offset, |x| x)),
-        DType::F16 => Storage::F16(uniform(n, &rng, bound, offset, f16::from_f32)),
-        DType::BF16 => Storage::BF16(uniform(n, &rng, bound, offset, bf16::from_f32)),
-    };
-    Tensor { dtype, shape: shape.to_vec(), storage }
+    let shape = shape.to_vec();
+    match dtype {
+        DType::F32 => HostTensor::from_f32(shape, uniform(n, &rng, bound, offset, |x| x)),
+        DType::F16 => HostTensor::from_f16(shape, uniform(n, &rng, bound, offset, f16::from_f32)),
+        DType::BF16 => HostTensor::from_bf16(shape, uniform(n, &rng, bound, offset, bf16::from_f32)),
+    }
 }
 
 /// `n` values `offset + U(-bound, bound)` from one ChaCha8 stream, converted by `convert`.

@@ -10,6 +10,7 @@ use std::path::PathBuf;
 mod common;
 
 use common::{block_table, ids, log_softmax, prompt_logprobs};
+use ferrolm_backend::cpu::Cpu;
 use ferrolm_model::{Model, ModelConfig, ModelInput, WeightSource};
 use serde_json::Value;
 
@@ -24,7 +25,7 @@ fn load(name: &str) -> (Model, Value) {
     let dir = fixtures().join(name);
     let config = ModelConfig::from_dir(&dir).expect("config");
     let src = WeightSource::open_dir(&dir).expect("weights");
-    let model = Model::load(config, &src).expect("model");
+    let model = Model::load(&Cpu, config, &src).expect("model");
     let reference: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).expect("reference")).expect("json");
     (model, reference)

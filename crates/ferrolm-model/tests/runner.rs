@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 mod common;
 
 use common::{block_table, ids};
+use ferrolm_backend::cpu::Cpu;
 use ferrolm_model::{CpuRunner, Model, ModelConfig, ModelInput, ModelRunner, WeightSource};
 use ferrolm_sampling::{RequestSampler, RowRequest, SamplePlan, SamplingParams, TokenLogprobs};
 use serde_json::Value;
@@ -47,10 +48,21 @@ fn fixture(name: &str) -> PathBuf {
     repo_path("testdata/fixtures").join(name)
 }
 
+#[cfg(feature = "cuda")]
+fn load_cuda(
+    dir: &Path,
+    gpu: ferrolm_backend::cuda::Gpu,
+    dtype: ferrolm_backend::DType,
+) -> ferrolm_model::cuda::CudaRunner {
+    let config = ModelConfig::from_dir(dir).expect("config");
+    let src = WeightSource::open_dir(dir).expect("weights");
+    ferrolm_model::cuda::CudaRunner::load(gpu, dtype, config, &src).expect("upload")
+}
+
 fn load_model(dir: &Path) -> Model {
     let config = ModelConfig::from_dir(dir).expect("config");
     let src = WeightSource::open_dir(dir).expect("weights");
-    Model::load(config, &src).expect("model")
+    Model::load(&Cpu, config, &src).expect("model")
 }
 
 fn reference(name: &str) -> Value {
@@ -67,11 +79,10 @@ fn backends(dir: &Path) -> Vec<(String, Box<dyn ModelRunner>, Rule)> {
     {
         use ferrolm_backend::cuda::Gpu;
         use ferrolm_backend::DType;
-        use ferrolm_model::cuda::CudaRunner;
         for (dtype, rule) in [(DType::F32, Rule::Close(1e-3)), (DType::BF16, Rule::Bf16)] {
             match Gpu::new(0) {
                 Ok(gpu) => {
-                    let runner = CudaRunner::new(&load_model(dir), gpu, dtype).expect("upload");
+                    let runner = load_cuda(dir, gpu, dtype);
                     all.push((format!("cuda {dtype:?}"), Box::new(runner), rule));
                 }
                 Err(err) if err.means_no_gpu() => eprintln!("skipping the CUDA runner: no GPU ({err})"),
@@ -347,7 +358,6 @@ fn sixty_four_requests_together_equal_each_alone() {
 fn cuda_graph_decode_steps_equal_eager_steps() {
     use ferrolm_backend::cuda::Gpu;
     use ferrolm_backend::DType;
-    use ferrolm_model::cuda::CudaRunner;
     let dir = repo_path("models/ferrolm-demo-py");
     for (dtype, rule) in [(DType::F32, Rule::Close(1e-3)), (DType::BF16, Rule::Bf16)] {
         // Per run, per row: the greedy token and the top logprobs.
@@ -359,7 +369,7 @@ fn cuda_graph_decode_steps_equal_eager_steps() {
                 Err(err) if err.means_no_gpu() => return eprintln!("skipping: no GPU ({err})"),
                 Err(err) => panic!("the GPU is there but could not be opened: {err}"),
             };
-            let mut runner = CudaRunner::new(&load_model(&dir), gpu, dtype).expect("upload");
+            let mut runner = load_cuda(&dir, gpu, dtype);
             runner.set_cuda_graphs(graphs);
             let mut rows = Vec::new();
             let mut next_fed = 0;

@@ -4,11 +4,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, ValueEnum};
+use clap::builder::BoolishValueParser;
+use clap::{ArgAction, Args, ValueEnum};
+use ferrolm_backend::cpu::Cpu;
 use ferrolm_backend::DType;
 use ferrolm_engine::{EngineConfig, EngineHandle, SchedulerConfig};
 use ferrolm_model::config::parse_dtype;
-use ferrolm_model::{CpuRunner, GenerationConfig, KvCache, Model, ModelConfig, ModelRunner};
+use ferrolm_model::{CpuRunner, GenerationConfig, Model, ModelConfig, ModelRunner, WeightSource};
 use ferrolm_sampling::GenerationDefaults;
 use ferrolm_tokenizer::Tokenizer;
 use serde::Serialize;
@@ -50,6 +52,13 @@ pub struct EngineArgs {
     /// (0, 1]. On the CPU the cache is sized by --kv-cache-memory-gb (or --num-kv-blocks).
     #[arg(long, default_value_t = 0.9)]
     pub kv_cache_fraction: f64,
+    /// GPU: replay decode steps from captured CUDA graphs (`false` runs every step eagerly).
+    #[arg(long, env = "FERROLM_CUDA_GRAPHS", default_value_t = true, action = ArgAction::Set, value_parser = BoolishValueParser::new())]
+    pub cuda_graphs: bool,
+    /// GPU: at start-up, time cuBLAS's default GEMM kernels against cuBLASLt's algorithms on the
+    /// decode batches' projections and keep the faster (a second or two).
+    #[arg(long, env = "FERROLM_GEMM_TUNE", default_value_t = true, action = ArgAction::Set, value_parser = BoolishValueParser::new())]
+    pub gemm_tune: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -115,11 +124,11 @@ pub fn load(args: &EngineArgs) -> Result<LoadedModel> {
     let config = ModelConfig::from_dir(&dir)?;
     let generation = GenerationConfig::from_dir(&dir)?;
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
-    let model = Model::from_dir(&dir)?;
+    let weights = WeightSource::open_dir(&dir)?;
 
     let eos_token_ids = eos_token_ids(&config, &generation, Some(&tokenizer));
-    tracing::info!(model = %dir.display(), architecture = config.architecture.hf_name(), "model loaded");
-    let runner = make_runner(model, args)?;
+    tracing::info!(model = %dir.display(), architecture = config.architecture.hf_name(), "model found");
+    let runner = make_runner(config, &weights, args)?;
     let engine = start_engine(runner, Some(Arc::clone(&tokenizer)), eos_token_ids, args)?;
     Ok(LoadedModel { dir: dir.clone(), engine, tokenizer, defaults: generation_defaults(&dir)? })
 }
@@ -141,47 +150,72 @@ pub fn eos_token_ids(config: &ModelConfig, generation: &GenerationConfig, tokeni
 pub struct Placed {
     pub runner: Box<dyn ModelRunner>,
     pub device_kv_blocks: Option<usize>,
+    /// Bytes of weight matrices on the device, and the dtype they are kept in there.
+    pub weight_bytes: usize,
+    pub weight_dtype: DType,
 }
 
-/// Puts `model` on the CPU or the GPU as `args.device` says.
-pub fn make_runner(model: Model, args: &EngineArgs) -> Result<Placed> {
+/// Places `config`'s weights, read from `weights`, on the CPU or the GPU as `args.device` says.
+/// Weights go from the source to the device one tensor at a time.
+pub fn make_runner(config: ModelConfig, weights: &WeightSource, args: &EngineArgs) -> Result<Placed> {
     if !(args.kv_cache_fraction > 0.0 && args.kv_cache_fraction <= 1.0) {
         bail!("--kv-cache-fraction must be in (0, 1], got {}", args.kv_cache_fraction);
     }
     match args.device {
-        Device::Cpu => Ok(cpu_runner(model)),
-        Device::Cuda => cuda_runner(model, args),
-        Device::Auto if cfg!(feature = "cuda") => match cuda_runner_if_present(model, args)? {
-            Ok(placed) => Ok(placed),
-            Err(model) => Ok(cpu_runner(model)),
+        Device::Cpu => cpu_runner(config, weights),
+        Device::Cuda => cuda_runner(config, weights, args),
+        Device::Auto if cfg!(feature = "cuda") => match cuda_runner_if_present(&config, weights, args)? {
+            Some(placed) => Ok(placed),
+            None => cpu_runner(config, weights),
         },
-        Device::Auto => Ok(cpu_runner(model)),
+        Device::Auto => cpu_runner(config, weights),
     }
 }
 
-fn cpu_runner(model: Model) -> Placed {
-    tracing::info!(device = "cpu", "model placed");
-    Placed { runner: Box::new(CpuRunner::new(model)), device_kv_blocks: None }
+fn cpu_runner(config: ModelConfig, weights: &WeightSource) -> Result<Placed> {
+    let started = std::time::Instant::now();
+    let model = Model::load(&Cpu, config, weights)?;
+    tracing::info!(device = "cpu", seconds = started.elapsed().as_secs_f64(), "model placed");
+    let (weight_bytes, weight_dtype) = (model.weight_bytes(), stored_dtype(&model.config, model.weight_bytes()));
+    Ok(Placed { runner: Box::new(CpuRunner::new(model)), device_kv_blocks: None, weight_bytes, weight_dtype })
+}
+
+/// The dtype a checkpoint's matrices are stored in, from their size (`config.json`'s dtype can
+/// disagree with the files).
+fn stored_dtype(config: &ModelConfig, weight_bytes: usize) -> DType {
+    let c = config;
+    let table = c.vocab_size * c.hidden_size;
+    let embeddings = if c.tie_word_embeddings { table } else { 2 * table };
+    let elements = c.num_hidden_layers * c.layer_matrix_elements() + embeddings;
+    match weight_bytes / elements.max(1) {
+        4 => DType::F32,
+        _ if c.dtype != DType::F32 => c.dtype,
+        _ => DType::BF16,
+    }
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_runner(_model: Model, _args: &EngineArgs) -> Result<Placed> {
+fn cuda_runner(_config: ModelConfig, _weights: &WeightSource, _args: &EngineArgs) -> Result<Placed> {
     bail!("--device cuda: this build of ferrolm has no CUDA backend (build with `--features cuda`); use --device cpu")
 }
 
 #[cfg(not(feature = "cuda"))]
-fn cuda_runner_if_present(model: Model, _args: &EngineArgs) -> Result<Result<Placed, Model>> {
-    Ok(Err(model))
+fn cuda_runner_if_present(
+    _config: &ModelConfig,
+    _weights: &WeightSource,
+    _args: &EngineArgs,
+) -> Result<Option<Placed>> {
+    Ok(None)
 }
 
-/// The first GPU if there is one (`Err(model)` back otherwise, for the CPU).
+/// The first GPU if there is one (`None` otherwise, for the CPU).
 #[cfg(feature = "cuda")]
-fn cuda_runner_if_present(model: Model, args: &EngineArgs) -> Result<Result<Placed, Model>> {
+fn cuda_runner_if_present(config: &ModelConfig, weights: &WeightSource, args: &EngineArgs) -> Result<Option<Placed>> {
     match ferrolm_backend::cuda::Gpu::new(0) {
-        Ok(gpu) => cuda_place(model, gpu, args).map(Ok),
+        Ok(gpu) => cuda_place(config.clone(), weights, gpu, args).map(Some),
         Err(err) if err.means_no_gpu() => {
             tracing::info!(reason = %err, "no usable GPU; running on the CPU");
-            Ok(Err(model))
+            Ok(None)
         }
         // A GPU that is there but fails must not quietly become a CPU server.
         Err(err) => Err(anyhow::Error::new(err).context("the GPU could not be opened (--device cpu runs without it)")),
@@ -189,24 +223,35 @@ fn cuda_runner_if_present(model: Model, args: &EngineArgs) -> Result<Result<Plac
 }
 
 #[cfg(feature = "cuda")]
-fn cuda_runner(model: Model, args: &EngineArgs) -> Result<Placed> {
+fn cuda_runner(config: ModelConfig, weights: &WeightSource, args: &EngineArgs) -> Result<Placed> {
     let gpu = ferrolm_backend::cuda::Gpu::new(0).context("--device cuda")?;
-    cuda_place(model, gpu, args)
+    cuda_place(config, weights, gpu, args)
 }
 
 /// Uploads the weights, then gives the KV cache `--kv-cache-fraction` of the memory left free.
 #[cfg(feature = "cuda")]
-fn cuda_place(model: Model, gpu: ferrolm_backend::cuda::Gpu, args: &EngineArgs) -> Result<Placed> {
+fn cuda_place(
+    config: ModelConfig,
+    weights: &WeightSource,
+    gpu: ferrolm_backend::cuda::Gpu,
+    args: &EngineArgs,
+) -> Result<Placed> {
     use ferrolm_model::cuda::CudaRunner;
 
     let dtype = args.dtype().unwrap_or(DType::BF16);
-    let runner = CudaRunner::new(&model, gpu, dtype).context("cannot load the model onto the GPU")?;
-    drop(model);
+    let started = std::time::Instant::now();
+    let mut runner = CudaRunner::load(gpu, dtype, config, weights).context("cannot load the model onto the GPU")?;
+    tracing::info!(seconds = started.elapsed().as_secs_f64(), "weights uploaded");
+    runner.set_cuda_graphs(args.cuda_graphs);
     // Before the free memory is read: tuning's operands are freed again.
-    runner.tune_gemms(args.max_num_seqs).context("cannot tune the GEMMs")?;
+    if args.gemm_tune {
+        runner.tune_gemms(args.max_num_seqs).context("cannot tune the GEMMs")?;
+    }
     let (free, total) = runner.gpu().memory_info()?;
-    // Activations and cuBLAS workspaces of the largest step stay outside the cache.
-    let reserve = activation_reserve(runner.config(), args, dtype);
+    // The activations of the largest step, twice (a step launched ahead overlaps the one before
+    // it being read), and cuBLAS workspaces, stay outside the cache.
+    let activations = runner.activation_bytes(args.max_num_batched_tokens, step_logits_rows(args));
+    let reserve = 2 * activations + (512 << 20);
     let budget = (free.saturating_sub(reserve) as f64 * args.kv_cache_fraction) as usize;
     let per_block = runner.kv_bytes_per_block(BLOCK_SIZE);
     let blocks = budget / per_block.max(1);
@@ -214,6 +259,7 @@ fn cuda_place(model: Model, gpu: ferrolm_backend::cuda::Gpu, args: &EngineArgs) 
         device = %runner.device(),
         dtype = ?dtype,
         weights_gib = runner.weight_bytes() as f64 / (1u64 << 30) as f64,
+        activations_gib = activations as f64 / (1u64 << 30) as f64,
         free_gib = free as f64 / (1u64 << 30) as f64,
         total_gib = total as f64 / (1u64 << 30) as f64,
         kv_blocks = blocks,
@@ -223,7 +269,8 @@ fn cuda_place(model: Model, gpu: ferrolm_backend::cuda::Gpu, args: &EngineArgs) 
     if blocks == 0 {
         bail!("no GPU memory left for the KV cache after the weights ({free} bytes free)");
     }
-    Ok(Placed { runner: Box::new(runner), device_kv_blocks: Some(blocks) })
+    let weight_bytes = runner.weight_bytes();
+    Ok(Placed { runner: Box::new(runner), device_kv_blocks: Some(blocks), weight_bytes, weight_dtype: dtype })
 }
 
 /// Most prompt rows a step computes logits of for prompt logprobs (the scheduler's
@@ -232,24 +279,17 @@ fn prompt_logprob_rows(args: &EngineArgs) -> usize {
     args.max_num_seqs.max(256)
 }
 
-/// Bytes of device memory one step's activations may take: the widest rows (the MLP's
-/// `[T, 2 * intermediate]`) times the token budget, and the f32 logits of the most rows a step
-/// has (a row per request that samples, and the prompt-logprob rows), with room.
+/// The most logits rows a step has under these flags: the scheduler's bound (a row per request
+/// that samples, and the prompt-logprob rows; the pool and length do not enter it).
 #[cfg(feature = "cuda")]
-fn activation_reserve(config: &ModelConfig, args: &EngineArgs, dtype: DType) -> usize {
-    let t = args.max_num_batched_tokens;
-    let width = config.hidden_size * 4 + config.q_size() * 2 + config.kv_size() * 4 + config.intermediate_size * 3;
-    let activations = t * width * dtype.size_in_bytes();
-    // The scheduler's bound on a step's logits rows under these flags (the pool and length do
-    // not enter it).
+fn step_logits_rows(args: &EngineArgs) -> usize {
     let step = SchedulerConfig {
         max_num_seqs: args.max_num_seqs,
-        max_num_batched_tokens: t,
+        max_num_batched_tokens: args.max_num_batched_tokens,
         max_prompt_logprob_rows: prompt_logprob_rows(args),
         ..SchedulerConfig::new(1, 1)
     };
-    let logits = step.max_logits_rows() * config.vocab_size * 4 * 2;
-    (activations + logits) * 2 + (512 << 20)
+    step.max_logits_rows()
 }
 
 /// Sizes the KV cache and the scheduler from `args` and starts the engine on `placed`.
@@ -259,7 +299,7 @@ pub fn start_engine(
     eos_token_ids: Vec<u32>,
     args: &EngineArgs,
 ) -> Result<EngineHandle> {
-    let Placed { runner, device_kv_blocks } = placed;
+    let Placed { runner, device_kv_blocks, .. } = placed;
     let config = runner.config().clone();
     let config = &config;
     let max_model_len = match args.max_model_len {
@@ -270,7 +310,8 @@ pub fn start_engine(
         Some(n) => n,
         None => config.max_position_embeddings,
     };
-    let bytes_per_block = KvCache::bytes_per_block(config.num_hidden_layers, BLOCK_SIZE, config.kv_size());
+    // The CPU cache is f32.
+    let bytes_per_block = config.kv_bytes_per_block(BLOCK_SIZE, DType::F32);
     let num_blocks = match (args.num_kv_blocks, device_kv_blocks) {
         (Some(n), _) => n,
         (None, Some(device)) => device.min((args.max_num_seqs * max_model_len).div_ceil(BLOCK_SIZE)),

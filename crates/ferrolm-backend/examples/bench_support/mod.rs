@@ -4,7 +4,7 @@
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
-use ferrolm_backend::cuda::{self, AttentionKernel, Gpu, GpuAttentionMetadata, GpuError, GpuTensor};
+use ferrolm_backend::cuda::{self, AttentionKernel, AttentionWork, Gpu, GpuAttentionMetadata, GpuError, GpuTensor};
 use ferrolm_backend::{DType, WeightView};
 use half::bf16;
 
@@ -126,6 +126,8 @@ pub struct StepBuffers {
     block_tables: CudaSlice<u32>,
     blocks_per_seq: usize,
     max_query_len: usize,
+    /// The flash kernel's work list, built by the first call that needs it.
+    work: AttentionWork,
 }
 
 impl AttentionCase {
@@ -179,6 +181,7 @@ impl AttentionCase {
                 block_tables: gpu.upload(&order)?,
                 blocks_per_seq,
                 max_query_len: requests.iter().map(|&(_, q)| q).max().unwrap_or(0),
+                work: AttentionWork::default(),
             },
             kv_bytes,
         })
@@ -198,7 +201,7 @@ impl StepBuffers {
             block_size: BLOCK_SIZE,
             sliding_window: None,
             scale: 1.0 / (HEAD_DIM as f32).sqrt(),
-            work: Default::default(),
+            work: &self.work,
         }
     }
 }

@@ -131,8 +131,9 @@ pub struct GpuAttentionMetadata<'a> {
     pub sliding_window: Option<usize>,
     /// Softmax scale, usually `1 / sqrt(head_dim)`.
     pub scale: f32,
-    /// Starts empty (`AttentionWork::default()`); filled by the first call that needs it.
-    pub work: AttentionWork,
+    /// Starts empty (`AttentionWork::default()`); filled by the first call that needs it, and
+    /// shared by every layer's metadata of the step.
+    pub work: &'a AttentionWork,
 }
 
 /// Writes each token's K and V into the paged cache at `slot_mapping[t]` (a negative slot is

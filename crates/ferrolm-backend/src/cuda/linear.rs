@@ -11,7 +11,7 @@ use cudarc::driver::{result as driver, LaunchConfig};
 use super::gemm_tune::GemmShape;
 use super::gpu::{rows_config, to_u32};
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
-use crate::DType;
+use crate::{DType, GatedActivation};
 
 /// Most rows of `x` the GEMV kernel takes (it is instantiated for 1 to 4); more go to cuBLAS.
 pub const GEMV_MAX_M: usize = 4;
@@ -235,14 +235,6 @@ fn launch_gemv(
     // kernel's alignment needs hold (`gemv_fits`).
     unsafe { launch.launch(cfg) }?;
     Ok(())
-}
-
-/// The activation of a gated MLP: `act(gate) * up`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum GatedActivation {
-    Silu,
-    /// GELU with the tanh approximation (`gelu_pytorch_tanh`).
-    GeluTanh,
 }
 
 /// `out[m, inter] = act(x · w_gate^T + b_gate) * (x · w_up^T + b_up)` for `w = [gate; up]`

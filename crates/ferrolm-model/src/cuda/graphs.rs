@@ -5,7 +5,7 @@
 //! shape and replays it: the shape is the batch padded up to a bucket of [`GRAPH_BATCHES`] and the
 //! block tables padded to a power-of-two width. A captured graph reads its step's indices from
 //! buffers of its own, which the runner overwrites before each replay, and its activations from
-//! the runner's [`super::workspace::Activations`], which must not move while it lives.
+//! the runner's [`crate::Activations`], which must not move while it lives.
 //!
 //! Padding requests have one token at position 0 with slot -1 (no KV write) and a block table of
 //! block 0, so they read valid memory and write nothing; their logits rows are ignored.
@@ -14,7 +14,7 @@ use std::collections::HashMap;
 
 use ferrolm_backend::cuda::GpuGraph;
 
-use super::workspace::StepBuffers;
+use super::step_buffers::StepBuffers;
 use crate::input::ModelInput;
 
 /// Batch sizes that get a graph; a decode batch takes the smallest bucket that holds it.
@@ -102,10 +102,9 @@ pub(super) struct DecodeGraphs {
 }
 
 impl DecodeGraphs {
-    /// No graphs yet; graphs are off when the environment sets `FERROLM_CUDA_GRAPHS=0`.
-    pub(super) fn new() -> DecodeGraphs {
-        let disabled = std::env::var("FERROLM_CUDA_GRAPHS").is_ok_and(|v| v == "0");
-        DecodeGraphs { graphs: HashMap::new(), disabled }
+    /// No graphs yet; `enabled: false` runs every step eagerly.
+    pub(super) fn new(enabled: bool) -> DecodeGraphs {
+        DecodeGraphs { graphs: HashMap::new(), disabled: !enabled }
     }
 
     /// Drops every graph (the buffers they use moved).

@@ -10,7 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferrolm_backend::DType;
 use ferrolm_engine::EngineHandle;
-use ferrolm_model::{GenerationConfig, Model, ModelConfig, WeightSource};
+use ferrolm_model::{GenerationConfig, ModelConfig, WeightSource};
 use ferrolm_tokenizer::Tokenizer;
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -36,9 +36,9 @@ pub struct ModelArgs {
 /// What the reports need to know about the model an engine runs.
 pub struct BenchModel {
     pub config: ModelConfig,
-    /// Dtype the weights are stored in.
+    /// Dtype the weights are kept in on the device.
     pub dtype: DType,
-    /// Bytes of all weight matrices (embedding and LM head included).
+    /// Bytes of all weight matrices on the device (embedding and LM head included).
     pub weight_bytes: usize,
     /// Where the model runs: `cpu`, `cuda:0 (NVIDIA H200)`.
     pub device: String,
@@ -90,20 +90,6 @@ impl BenchModel {
     }
 }
 
-/// The dtype a checkpoint's matrices are stored in, from their size (`config.json`'s dtype can
-/// disagree with the files).
-fn stored_dtype(config: &ModelConfig, weight_bytes: usize) -> DType {
-    let c = config;
-    let table = c.vocab_size * c.hidden_size;
-    let embeddings = if c.tie_word_embeddings { table } else { 2 * table };
-    let elements = c.num_hidden_layers * c.layer_matrix_elements() + embeddings;
-    match weight_bytes / elements.max(1) {
-        4 => DType::F32,
-        _ if c.dtype != DType::F32 => c.dtype,
-        _ => DType::BF16,
-    }
-}
-
 pub fn dtype_name(dtype: DType) -> &'static str {
     match dtype {
         DType::F32 => "float32",
@@ -150,17 +136,11 @@ pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(Eng
         _ => None,
     };
 
-    let (model, dtype) = if args.dummy_weights {
-        let dtype = engine_args.dtype().unwrap_or(config.dtype);
-        let src = WeightSource::random(dtype, args.weight_seed);
-        (Model::load(config.clone(), &src)?, dtype)
+    let weights = if args.dummy_weights {
+        WeightSource::random(engine_args.dtype().unwrap_or(config.dtype), args.weight_seed)
     } else {
-        let dir = dir.as_deref().context("a checkpoint needs --model DIR")?;
-        let model = Model::from_dir(dir)?;
-        let dtype = stored_dtype(&config, model.weight_bytes());
-        (model, dtype)
+        WeightSource::open_dir(dir.as_deref().context("a checkpoint needs --model DIR")?)?
     };
-    let weight_bytes = model.weight_bytes();
 
     let mut special: Vec<u32> = config.bos_token_id.into_iter().chain(config.eos_token_ids.iter().copied()).collect();
     let mut vocab_size = config.vocab_size;
@@ -176,8 +156,9 @@ pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(Eng
         _ => GenerationConfig::default(),
     };
     let eos = loader::eos_token_ids(&config, &generation, tokenizer.as_deref());
-    let placed = loader::make_runner(model, &engine_args)?;
-    let device = placed.runner.device();
+    let placed = loader::make_runner(config.clone(), &weights, &engine_args)?;
+    drop(weights);
+    let (device, weight_bytes, dtype) = (placed.runner.device(), placed.weight_bytes, placed.weight_dtype);
     let activation_dtype =
         if placed.device_kv_blocks.is_some() { engine_args.dtype().unwrap_or(DType::BF16) } else { DType::F32 };
     let engine = loader::start_engine(placed, tokenizer, eos, &engine_args)?;

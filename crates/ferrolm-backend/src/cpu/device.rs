@@ -1,0 +1,269 @@
+//! [`Cpu`]: the device interface over the CPU ops. Activations are f32 `Vec`s; weights stay in
+//! host memory in their checkpoint dtype (a memory-mapped file where it can be), widened as
+//! they are used. Nothing fails at run time: the error type is `Infallible`.
+
+use std::convert::Infallible;
+
+use super::{
+    add_rms_norm, embedding, gelu_tanh_and_mul, linear, paged_attention, reshape_and_cache, rms_norm, rms_norm_inplace,
+    rope, silu_and_mul, AttentionMetadata,
+};
+use crate::device::{Device, GatedActivation, LayerAttention, Linear, Precision, RopeFrequencies, Shaped};
+use crate::{DType, HostTensor};
+
+/// The CPU as a [`Device`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Cpu;
+
+/// An f32 activation buffer `[rows, cols]` with room for `capacity` rows.
+#[derive(Clone, Debug)]
+pub struct CpuTensor {
+    /// `[capacity, cols]`
+    data: Vec<f32>,
+    rows: usize,
+    cols: usize,
+}
+
+impl CpuTensor {
+    pub fn zeros(capacity: usize, cols: usize) -> CpuTensor {
+        CpuTensor { data: vec![0.0; capacity * cols], rows: capacity, cols }
+    }
+
+    /// `[rows, cols]`
+    pub fn as_slice(&self) -> &[f32] {
+        &self.data[..self.rows * self.cols]
+    }
+
+    /// `[rows, cols]`
+    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        &mut self.data[..self.rows * self.cols]
+    }
+}
+
+impl Shaped for CpuTensor {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn capacity(&self) -> usize {
+        self.data.len().checked_div(self.cols).unwrap_or(self.rows)
+    }
+
+    fn set_rows(&mut self, rows: usize) {
+        assert!(rows * self.cols <= self.data.len(), "set_rows: {rows} rows of {} past the capacity", self.cols);
+        self.rows = rows;
+    }
+}
+
+/// The rotary frequency tables, in f32.
+#[derive(Clone, Debug)]
+pub struct CpuRope {
+    /// `[rotary_dim / 2]`
+    inv_freq: Vec<f32>,
+    /// LongRoPE: the first position of the long table, and the table.
+    long: Option<(u32, Vec<f32>)>,
+    attention_scaling: f32,
+}
+
+impl CpuRope {
+    fn table_for(&self, position: u32) -> &[f32] {
+        match &self.long {
+            Some((start, table)) if position >= *start => table,
+            _ => &self.inv_freq,
+        }
+    }
+}
+
+/// One layer's paged cache: K and V, each `[num_blocks * block_size, kv_width]`.
+#[derive(Clone, Debug)]
+pub struct CpuKvLayer {
+    pub k: Vec<f32>,
+    pub v: Vec<f32>,
+}
+
+/// One step's batch, borrowed from the host arrays that describe it.
+#[derive(Clone, Copy, Debug)]
+pub struct CpuBatch<'a> {
+    /// `[T]`
+    pub token_ids: &'a [u32],
+    /// `[T]`
+    pub positions: &'a [u32],
+    /// `[T]`; negative = padding.
+    pub slot_mapping: &'a [i64],
+    /// `[rows]`
+    pub logits_indices: &'a [u32],
+    /// Its `sliding_window` and `scale` are replaced per layer ([`LayerAttention`]).
+    pub attention: AttentionMetadata<'a>,
+}
+
+impl Device for Cpu {
+    type Error = Infallible;
+    type Tensor = CpuTensor;
+    type Matrix = HostTensor;
+    type Vector = Vec<f32>;
+    type Rope = CpuRope;
+    type KvLayer = CpuKvLayer;
+    type Batch<'a> = CpuBatch<'a>;
+
+    fn tensor(&self, _precision: Precision, capacity: usize, cols: usize) -> Result<CpuTensor, Infallible> {
+        Ok(CpuTensor::zeros(capacity, cols))
+    }
+
+    fn tensor_bytes(&self, _precision: Precision, capacity: usize, cols: usize) -> usize {
+        capacity * cols * std::mem::size_of::<f32>()
+    }
+
+    fn matrix(&self, parts: Vec<HostTensor>) -> Result<HostTensor, Infallible> {
+        Ok(HostTensor::concat_rows(parts))
+    }
+
+    fn matrix_bytes(&self, matrix: &HostTensor) -> usize {
+        matrix.size_in_bytes()
+    }
+
+    fn vector(&self, values: &[f32]) -> Result<Vec<f32>, Infallible> {
+        Ok(values.to_vec())
+    }
+
+    fn rope(&self, f: RopeFrequencies<'_>) -> Result<CpuRope, Infallible> {
+        Ok(CpuRope {
+            inv_freq: f.inv_freq.to_vec(),
+            long: f.long.map(|(start, table)| (start, table.to_vec())),
+            attention_scaling: f.attention_scaling,
+        })
+    }
+
+    fn kv_layer(&self, num_slots: usize, kv_width: usize) -> Result<CpuKvLayer, Infallible> {
+        Ok(CpuKvLayer { k: vec![0.0; num_slots * kv_width], v: vec![0.0; num_slots * kv_width] })
+    }
+
+    fn compute_dtype(&self) -> DType {
+        DType::F32
+    }
+
+    fn embedding(
+        &self,
+        b: &CpuBatch<'_>,
+        table: &HostTensor,
+        scale: f32,
+        out: &mut CpuTensor,
+    ) -> Result<(), Infallible> {
+        embedding(b.token_ids, table.view(), out.cols, scale, out.as_mut_slice());
+        Ok(())
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, w: &Vec<f32>, eps: f32, out: &mut CpuTensor) -> Result<(), Infallible> {
+        rms_norm(x.as_slice(), w, eps, out.as_mut_slice());
+        Ok(())
+    }
+
+    fn add_rms_norm(
+        &self,
+        residual: &mut CpuTensor,
+        x: &CpuTensor,
+        w: &Vec<f32>,
+        eps: f32,
+        out: &mut CpuTensor,
+    ) -> Result<(), Infallible> {
+        add_rms_norm(residual.as_mut_slice(), x.as_slice(), w, eps, out.as_mut_slice());
+        Ok(())
+    }
+
+    fn rms_norm_heads(&self, x: &mut CpuTensor, w: &Vec<f32>, eps: f32) -> Result<(), Infallible> {
+        rms_norm_inplace(x.as_mut_slice(), w, eps);
+        Ok(())
+    }
+
+    fn linear(&self, x: &CpuTensor, w: &Linear<Cpu>, y: &mut CpuTensor) -> Result<(), Infallible> {
+        assert_eq!(x.cols, w.in_features, "linear: x has {} columns, the weight takes {}", x.cols, w.in_features);
+        assert_eq!(y.cols, w.out_features, "linear: y has {} columns, the weight gives {}", y.cols, w.out_features);
+        let m = x.rows;
+        assert_eq!(y.rows, m, "linear: y has {} rows, x has {m}", y.rows);
+        linear(x.as_slice(), m, w.in_features, w.weight.view(), w.out_features, w.bias.as_deref(), y.as_mut_slice());
+        Ok(())
+    }
+
+    fn split_qkv(
+        &self,
+        qkv: &CpuTensor,
+        q: &mut CpuTensor,
+        k: &mut CpuTensor,
+        v: &mut CpuTensor,
+    ) -> Result<(), Infallible> {
+        let (q_size, kv_size) = (q.cols, k.cols);
+        assert_eq!(qkv.cols, q_size + 2 * kv_size, "split_qkv: qkv has {} columns", qkv.cols);
+        let (q, k, v) = (q.as_mut_slice(), k.as_mut_slice(), v.as_mut_slice());
+        for (row, chunk) in qkv.as_slice().chunks_exact(qkv.cols).enumerate() {
+            q[row * q_size..(row + 1) * q_size].copy_from_slice(&chunk[..q_size]);
+            k[row * kv_size..(row + 1) * kv_size].copy_from_slice(&chunk[q_size..q_size + kv_size]);
+            v[row * kv_size..(row + 1) * kv_size].copy_from_slice(&chunk[q_size + kv_size..]);
+        }
+        Ok(())
+    }
+
+    fn rotate(&self, b: &CpuBatch<'_>, table: &CpuRope, head_dim: usize, x: &mut CpuTensor) -> Result<(), Infallible> {
+        let (width, scaling) = (x.cols, table.attention_scaling);
+        let heads = width / head_dim;
+        let (x, positions) = (x.as_mut_slice(), b.positions);
+        // Runs of tokens that share one frequency table (LongRoPE switches tables by position).
+        let mut start = 0;
+        while start < positions.len() {
+            let freq = table.table_for(positions[start]);
+            let mut end = start + 1;
+            while end < positions.len() && std::ptr::eq(table.table_for(positions[end]), freq) {
+                end += 1;
+            }
+            rope(&mut x[start * width..end * width], &positions[start..end], heads, head_dim, freq, scaling);
+            start = end;
+        }
+        Ok(())
+    }
+
+    fn write_kv(&self, b: &CpuBatch<'_>, k: &CpuTensor, v: &CpuTensor, kv: &mut CpuKvLayer) -> Result<(), Infallible> {
+        reshape_and_cache(k.as_slice(), v.as_slice(), b.slot_mapping, k.cols, &mut kv.k, &mut kv.v);
+        Ok(())
+    }
+
+    fn attention(
+        &self,
+        b: &CpuBatch<'_>,
+        layer: &LayerAttention,
+        q: &CpuTensor,
+        kv: &CpuKvLayer,
+        out: &mut CpuTensor,
+    ) -> Result<(), Infallible> {
+        let meta = AttentionMetadata { sliding_window: layer.sliding_window, scale: layer.scale, ..b.attention };
+        let h = layer.heads;
+        paged_attention(q.as_slice(), &kv.k, &kv.v, &meta, h.num_heads, h.num_kv_heads, h.head_dim, out.as_mut_slice());
+        Ok(())
+    }
+
+    fn gated_activation(
+        &self,
+        gate_up: &CpuTensor,
+        act: GatedActivation,
+        out: &mut CpuTensor,
+    ) -> Result<(), Infallible> {
+        let inter = out.cols;
+        match act {
+            GatedActivation::Silu => silu_and_mul(gate_up.as_slice(), inter, out.as_mut_slice()),
+            GatedActivation::GeluTanh => gelu_tanh_and_mul(gate_up.as_slice(), inter, out.as_mut_slice()),
+        }
+        Ok(())
+    }
+
+    fn gather_logits_rows(&self, b: &CpuBatch<'_>, src: &CpuTensor, dst: &mut CpuTensor) -> Result<(), Infallible> {
+        let width = src.cols;
+        assert_eq!(dst.cols, width, "gather_logits_rows: {} columns into {width}", dst.cols);
+        let (src, dst) = (src.as_slice(), dst.as_mut_slice());
+        for (i, &r) in b.logits_indices.iter().enumerate() {
+            let r = r as usize;
+            dst[i * width..(i + 1) * width].copy_from_slice(&src[r * width..(r + 1) * width]);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,363 @@
+//! [`Cuda`]: the device interface over the CUDA ops, with weights, activations and the paged
+//! KV cache in device memory in one compute dtype (bf16 by default; f32 to compare closely with
+//! the CPU). Norm weights, biases and the residual stream stay f32.
+//!
+//! The fused forms of the interface take today's fused kernels where they apply: the qkv
+//! projection, rotation and cache write in one GEMV kernel (or the projection, then one kernel
+//! for the rest), and the gate/up projection with its activation in one GEMV kernel.
+
+use cudarc::driver::CudaView;
+
+use super::{
+    add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, linear, linear_gated, linear_qkv_rope_cache,
+    paged_attention, qkv_rope_cache, reshape_and_cache, rms_norm, rms_norm_inplace, rope, silu_and_mul, split_qkv, Gpu,
+    GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor, GpuView, GpuViewMut,
+};
+use crate::device::{
+    unfused_attention_input, AttentionInput, Device, GatedActivation, LayerAttention, Linear, Precision,
+    RopeFrequencies, Shaped,
+};
+use crate::{DType, HostTensor};
+
+/// One GPU as a [`Device`], computing in `dtype`.
+pub struct Cuda {
+    gpu: Gpu,
+    dtype: DType,
+}
+
+impl Cuda {
+    /// `gpu` computing in `dtype` (f32, bf16 or f16).
+    pub fn new(gpu: Gpu, dtype: DType) -> Cuda {
+        Cuda { gpu, dtype }
+    }
+
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    fn dtype_of(&self, precision: Precision) -> DType {
+        match precision {
+            Precision::Compute => self.dtype,
+            Precision::F32 => DType::F32,
+        }
+    }
+}
+
+/// An activation buffer on the device, `[rows, cols]` with room for `capacity` rows.
+pub struct CudaTensor {
+    /// `[capacity, cols]`
+    buf: GpuTensor,
+    rows: usize,
+    cols: usize,
+}
+
+impl CudaTensor {
+    /// `[rows, cols]`
+    pub fn view(&self) -> GpuView<'_> {
+        self.buf.rows(0..self.rows, self.cols)
+    }
+
+    /// `[rows, cols]`
+    pub fn view_mut(&mut self) -> GpuViewMut<'_> {
+        self.buf.rows_mut(0..self.rows, self.cols)
+    }
+
+    /// `[n, cols]`: the first `n` rows, whatever the rows set (a replayed graph's real rows).
+    pub fn first_rows(&self, n: usize) -> GpuView<'_> {
+        self.buf.rows(0..n, self.cols)
+    }
+}
+
+impl Shaped for CudaTensor {
+    fn rows(&self) -> usize {
+        self.rows
+    }
+
+    fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn capacity(&self) -> usize {
+        self.buf.len().checked_div(self.cols).unwrap_or(self.rows)
+    }
+
+    fn set_rows(&mut self, rows: usize) {
+        assert!(rows * self.cols <= self.buf.len(), "set_rows: {rows} rows of {} past the capacity", self.cols);
+        self.rows = rows;
+    }
+}
+
+/// One layer's paged cache on the device: K and V, each `[num_blocks * block_size, kv_width]`.
+pub struct CudaKvLayer {
+    pub k: GpuTensor,
+    pub v: GpuTensor,
+}
+
+/// One step's batch on the device: views of its index buffers.
+pub struct CudaBatch<'a> {
+    /// `[T]`
+    pub token_ids: CudaView<'a, u32>,
+    /// `[T]`
+    pub positions: CudaView<'a, u32>,
+    /// `[T]`; negative = padding.
+    pub slot_mapping: CudaView<'a, i64>,
+    /// `[rows]`
+    pub logits_indices: CudaView<'a, u32>,
+    /// Its `sliding_window` and `scale` are replaced per layer ([`LayerAttention`]).
+    pub attention: GpuAttentionMetadata<'a>,
+}
+
+impl CudaBatch<'_> {
+    /// The attention metadata with `layer`'s window and scale (the work list stays shared).
+    fn layer_metadata(&self, layer: &LayerAttention) -> GpuAttentionMetadata<'_> {
+        let m = &self.attention;
+        GpuAttentionMetadata {
+            query_start_loc: m.query_start_loc.slice(..),
+            query_start_loc_host: m.query_start_loc_host,
+            seq_lens: m.seq_lens.slice(..),
+            block_tables: m.block_tables.slice(..),
+            max_blocks_per_seq: m.max_blocks_per_seq,
+            max_query_len: m.max_query_len,
+            block_size: m.block_size,
+            sliding_window: layer.sliding_window,
+            scale: layer.scale,
+            work: m.work,
+        }
+    }
+}
+
+fn bias_view(l: &Linear<Cuda>) -> Option<GpuView<'_>> {
+    l.bias.as_ref().map(GpuTensor::view)
+}
+
+impl Device for Cuda {
+    type Error = GpuError;
+    type Tensor = CudaTensor;
+    type Matrix = GpuTensor;
+    type Vector = GpuTensor;
+    type Rope = GpuRopeTable;
+    type KvLayer = CudaKvLayer;
+    type Batch<'a> = CudaBatch<'a>;
+
+    fn tensor(&self, precision: Precision, capacity: usize, cols: usize) -> Result<CudaTensor, GpuError> {
+        // Every buffer is written before it is read: no zeroing needed.
+        let buf = GpuTensor::uninit(&self.gpu, self.dtype_of(precision), capacity * cols)?;
+        Ok(CudaTensor { buf, rows: capacity, cols })
+    }
+
+    fn tensor_bytes(&self, precision: Precision, capacity: usize, cols: usize) -> usize {
+        capacity * cols * self.dtype_of(precision).size_in_bytes()
+    }
+
+    fn matrix(&self, parts: Vec<HostTensor>) -> Result<GpuTensor, GpuError> {
+        // Each part straight into its rows: no stacked copy on the host.
+        let len = parts.iter().map(HostTensor::num_elements).sum();
+        let mut m = GpuTensor::uninit(&self.gpu, self.dtype, len)?;
+        let mut start = 0;
+        for part in &parts {
+            let n = part.num_elements();
+            m.slice_mut(start..start + n).copy_from_weights(&self.gpu, part.view())?;
+            start += n;
+        }
+        Ok(m)
+    }
+
+    fn matrix_bytes(&self, matrix: &GpuTensor) -> usize {
+        matrix.size_in_bytes()
+    }
+
+    fn vector(&self, values: &[f32]) -> Result<GpuTensor, GpuError> {
+        GpuTensor::from_f32(&self.gpu, values, DType::F32)
+    }
+
+    fn rope(&self, f: RopeFrequencies<'_>) -> Result<GpuRopeTable, GpuError> {
+        GpuRopeTable::new(&self.gpu, f.inv_freq, f.long, f.attention_scaling)
+    }
+
+    fn kv_layer(&self, num_slots: usize, kv_width: usize) -> Result<CudaKvLayer, GpuError> {
+        let len = num_slots * kv_width;
+        Ok(CudaKvLayer {
+            k: GpuTensor::zeros(&self.gpu, self.dtype, len)?,
+            v: GpuTensor::zeros(&self.gpu, self.dtype, len)?,
+        })
+    }
+
+    fn compute_dtype(&self) -> DType {
+        self.dtype
+    }
+
+    fn embedding(
+        &self,
+        b: &CudaBatch<'_>,
+        table: &GpuTensor,
+        scale: f32,
+        out: &mut CudaTensor,
+    ) -> Result<(), GpuError> {
+        let hidden = out.cols;
+        embedding(&self.gpu, &b.token_ids, table.view(), hidden, scale, out.view_mut())
+    }
+
+    fn rms_norm(&self, x: &CudaTensor, w: &GpuTensor, eps: f32, out: &mut CudaTensor) -> Result<(), GpuError> {
+        rms_norm(&self.gpu, x.view(), w.view(), eps, out.view_mut())
+    }
+
+    fn add_rms_norm(
+        &self,
+        residual: &mut CudaTensor,
+        x: &CudaTensor,
+        w: &GpuTensor,
+        eps: f32,
+        out: &mut CudaTensor,
+    ) -> Result<(), GpuError> {
+        add_rms_norm(&self.gpu, residual.view_mut(), x.view(), w.view(), eps, out.view_mut())
+    }
+
+    fn rms_norm_heads(&self, x: &mut CudaTensor, w: &GpuTensor, eps: f32) -> Result<(), GpuError> {
+        rms_norm_inplace(&self.gpu, x.view_mut(), w.view(), eps)
+    }
+
+    fn linear(&self, x: &CudaTensor, w: &Linear<Cuda>, y: &mut CudaTensor) -> Result<(), GpuError> {
+        let (m, k, n) = (x.rows, w.in_features, w.out_features);
+        linear(&self.gpu, x.view(), m, k, w.weight.view(), n, bias_view(w), y.view_mut())
+    }
+
+    fn split_qkv(
+        &self,
+        qkv: &CudaTensor,
+        q: &mut CudaTensor,
+        k: &mut CudaTensor,
+        v: &mut CudaTensor,
+    ) -> Result<(), GpuError> {
+        let (q_size, kv_size) = (q.cols, k.cols);
+        split_qkv(&self.gpu, qkv.view(), q_size, kv_size, q.view_mut(), k.view_mut(), v.view_mut())
+    }
+
+    fn rotate(
+        &self,
+        b: &CudaBatch<'_>,
+        table: &GpuRopeTable,
+        head_dim: usize,
+        x: &mut CudaTensor,
+    ) -> Result<(), GpuError> {
+        let heads = x.cols / head_dim;
+        rope(&self.gpu, x.view_mut(), &b.positions, heads, head_dim, table)
+    }
+
+    fn write_kv(
+        &self,
+        b: &CudaBatch<'_>,
+        k: &CudaTensor,
+        v: &CudaTensor,
+        kv: &mut CudaKvLayer,
+    ) -> Result<(), GpuError> {
+        let width = k.cols;
+        reshape_and_cache(&self.gpu, k.view(), v.view(), &b.slot_mapping, width, kv.k.view_mut(), kv.v.view_mut())
+    }
+
+    fn attention(
+        &self,
+        b: &CudaBatch<'_>,
+        layer: &LayerAttention,
+        q: &CudaTensor,
+        kv: &CudaKvLayer,
+        out: &mut CudaTensor,
+    ) -> Result<(), GpuError> {
+        let meta = b.layer_metadata(layer);
+        let h = layer.heads;
+        let (k_cache, v_cache) = (kv.k.view(), kv.v.view());
+        paged_attention(
+            &self.gpu,
+            q.view(),
+            k_cache,
+            v_cache,
+            &meta,
+            h.num_heads,
+            h.num_kv_heads,
+            h.head_dim,
+            out.view_mut(),
+        )
+    }
+
+    fn gated_activation(
+        &self,
+        gate_up: &CudaTensor,
+        act: GatedActivation,
+        out: &mut CudaTensor,
+    ) -> Result<(), GpuError> {
+        let inter = out.cols;
+        match act {
+            GatedActivation::Silu => silu_and_mul(&self.gpu, gate_up.view(), inter, out.view_mut()),
+            GatedActivation::GeluTanh => gelu_tanh_and_mul(&self.gpu, gate_up.view(), inter, out.view_mut()),
+        }
+    }
+
+    fn gather_logits_rows(&self, b: &CudaBatch<'_>, src: &CudaTensor, dst: &mut CudaTensor) -> Result<(), GpuError> {
+        gather_rows(&self.gpu, src.view(), src.cols, &b.logits_indices, dst.view_mut())
+    }
+
+    fn attention_input(&self, b: &CudaBatch<'_>, a: AttentionInput<'_, Cuda>) -> Result<(), GpuError> {
+        let h = a.heads;
+        let (gpu, w) = (&self.gpu, a.qkv_proj);
+        if a.qk_norm.is_some() {
+            // q/k norms sit between the split and the rotation: the unfused path.
+            return unfused_attention_input(self, b, a);
+        }
+        let (k_cache, v_cache) = (a.kv.k.view_mut(), a.kv.v.view_mut());
+        if w.bias.is_none() {
+            // Projection, rotation and cache write in one kernel where the GEMV takes the product.
+            return linear_qkv_rope_cache(
+                gpu,
+                a.x.view(),
+                w.in_features,
+                w.weight.view(),
+                &b.positions,
+                &b.slot_mapping,
+                h.num_heads,
+                h.num_kv_heads,
+                h.head_dim,
+                a.rope,
+                a.qkv.view_mut(),
+                a.q.view_mut(),
+                k_cache,
+                v_cache,
+            );
+        }
+        self.linear(a.x, w, a.qkv)?;
+        qkv_rope_cache(
+            gpu,
+            a.qkv.view(),
+            &b.positions,
+            &b.slot_mapping,
+            h.num_heads,
+            h.num_kv_heads,
+            h.head_dim,
+            a.rope,
+            a.q.view_mut(),
+            k_cache,
+            v_cache,
+        )
+    }
+
+    fn gated_mlp(
+        &self,
+        x: &CudaTensor,
+        w: &Linear<Cuda>,
+        act: GatedActivation,
+        gate_up: &mut CudaTensor,
+        out: &mut CudaTensor,
+    ) -> Result<(), GpuError> {
+        let (m, k, inter) = (x.rows, w.in_features, out.cols);
+        linear_gated(
+            &self.gpu,
+            x.view(),
+            m,
+            k,
+            w.weight.view(),
+            inter,
+            bias_view(w),
+            act,
+            gate_up.view_mut(),
+            out.view_mut(),
+        )
+    }
+}

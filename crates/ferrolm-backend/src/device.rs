@@ -1,0 +1,277 @@
+//! The device interface one decoder runs on: shaped activation buffers, the weights placed on
+//! the device, and the ops of a decoder step. [`crate::cpu::Cpu`] and (feature `cuda`)
+//! `crate::cuda::Cuda` implement it by delegating to their ops.
+//!
+//! Invariants every implementation keeps:
+//! - An activation buffer ([`Device::Tensor`]) is `[rows, cols]`: `cols` is fixed when it is
+//!   allocated, `rows` is the current step's (at most the capacity it was allocated with). An op
+//!   reads and writes the first `rows` rows of each operand; mismatched shapes are caller bugs
+//!   and panic with the op's name.
+//! - Outputs are overwritten, never accumulated into, unless the op's name says so.
+//! - Ops only issue work: none waits for the device or copies to the host, so that a step can
+//!   be captured as a CUDA graph and launched ahead of the host.
+//! - A fused op (a method with a default body) computes what its default, unfused sequence
+//!   computes; a device overrides it where one kernel does it faster.
+
+use crate::{DType, HostTensor};
+
+/// The shape of an activation buffer: `[rows, cols]`, with room for `capacity` rows.
+pub trait Shaped {
+    fn rows(&self) -> usize;
+    fn cols(&self) -> usize;
+    /// Rows the buffer has room for.
+    fn capacity(&self) -> usize;
+    /// Sets the rows the next ops see; panics past the capacity.
+    fn set_rows(&mut self, rows: usize);
+}
+
+/// Which precision an activation buffer holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Precision {
+    /// The device's compute dtype (f32 on the CPU, bf16 by default on a GPU).
+    Compute,
+    /// f32 whatever the compute dtype: the residual stream and the logits.
+    F32,
+}
+
+/// The activation of a gated MLP: `act(gate) * up`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GatedActivation {
+    Silu,
+    /// GELU with the tanh approximation (`gelu_pytorch_tanh`).
+    GeluTanh,
+}
+
+/// A linear layer on a device: `y = x W^T + b`, `W` stored `[out_features, in_features]`.
+pub struct Linear<D: Device + ?Sized> {
+    pub weight: D::Matrix,
+    /// f32 `[out_features]`
+    pub bias: Option<D::Vector>,
+    pub out_features: usize,
+    pub in_features: usize,
+}
+
+/// The head layout of an attention layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Heads {
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl Heads {
+    /// `num_heads * head_dim`
+    pub fn q_size(&self) -> usize {
+        self.num_heads * self.head_dim
+    }
+
+    /// `num_kv_heads * head_dim`
+    pub fn kv_size(&self) -> usize {
+        self.num_kv_heads * self.head_dim
+    }
+}
+
+/// What differs between attention layers of one model (Gemma 2/3 mix windowed and global
+/// layers): the batch's metadata is shared, these are per layer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LayerAttention {
+    pub heads: Heads,
+    /// A query at position `p` sees keys at positions `j` with `p - window < j <= p`.
+    pub sliding_window: Option<usize>,
+    /// Softmax scale, usually `1 / sqrt(head_dim)`.
+    pub scale: f32,
+}
+
+/// The rotary frequencies of a model, as the device is given them.
+#[derive(Clone, Copy, Debug)]
+pub struct RopeFrequencies<'a> {
+    /// `[rotary_dim / 2]`
+    pub inv_freq: &'a [f32],
+    /// LongRoPE: the first position that uses the long table, and that table (same length).
+    pub long: Option<(u32, &'a [f32])>,
+    pub attention_scaling: f32,
+}
+
+/// The attention block's input step: project the normed hidden states to q, k and v, apply the
+/// q/k norms, rotate q and k, write k and v to the layer's cache, and leave q in `q`.
+pub struct AttentionInput<'a, D: Device + ?Sized> {
+    /// `[T, hidden]`
+    pub x: &'a D::Tensor,
+    /// `[q_size + 2 * kv_size, hidden]`
+    pub qkv_proj: &'a Linear<D>,
+    /// f32 `[head_dim]` each, applied per head before the rotation.
+    pub qk_norm: Option<(&'a D::Vector, &'a D::Vector)>,
+    pub eps: f32,
+    pub heads: Heads,
+    pub rope: &'a D::Rope,
+    /// `[T, q_size + 2 * kv_size]`, `[T, kv_size]`, `[T, kv_size]`: scratch of the unfused form.
+    pub qkv: &'a mut D::Tensor,
+    pub k: &'a mut D::Tensor,
+    pub v: &'a mut D::Tensor,
+    /// `[T, q_size]`: the rotated queries.
+    pub q: &'a mut D::Tensor,
+    pub kv: &'a mut D::KvLayer,
+}
+
+/// A device the decoder runs on.
+pub trait Device {
+    type Error: std::error::Error + Send + Sync + 'static;
+    /// An activation buffer (see [`Shaped`]).
+    type Tensor: Shaped;
+    /// A weight matrix `[out, in]` as the device keeps it.
+    type Matrix;
+    /// A small f32 parameter vector (norm weights, biases).
+    type Vector;
+    /// A model's rotary frequency tables.
+    type Rope;
+    /// One layer's paged K and V caches.
+    type KvLayer;
+    /// One step's flattened batch on the device: token ids, positions, slot mapping, logits
+    /// rows and the attention metadata (see DESIGN.md, "The batch the backend sees").
+    type Batch<'a>
+    where
+        Self: 'a;
+
+    // Placement.
+
+    /// An activation buffer of `capacity` rows of `cols`, with `capacity` rows set.
+    fn tensor(&self, precision: Precision, capacity: usize, cols: usize) -> Result<Self::Tensor, Self::Error>;
+    /// Bytes a [`Self::tensor`] of this shape takes.
+    fn tensor_bytes(&self, precision: Precision, capacity: usize, cols: usize) -> usize;
+    /// The matrix whose rows are the rows of `parts` in order (fused projections).
+    fn matrix(&self, parts: Vec<HostTensor>) -> Result<Self::Matrix, Self::Error>;
+    fn matrix_bytes(&self, matrix: &Self::Matrix) -> usize;
+    fn vector(&self, values: &[f32]) -> Result<Self::Vector, Self::Error>;
+    fn rope(&self, frequencies: RopeFrequencies<'_>) -> Result<Self::Rope, Self::Error>;
+    /// One layer's cache: `num_slots` slots of `kv_width` for K and for V.
+    fn kv_layer(&self, num_slots: usize, kv_width: usize) -> Result<Self::KvLayer, Self::Error>;
+    /// The dtype activations (and the KV cache) are computed in.
+    fn compute_dtype(&self) -> DType;
+
+    // Ops.
+
+    /// `out[t, :] = table[token_ids[t], :] * scale`; `table`: `[vocab, hidden]`.
+    fn embedding(
+        &self,
+        batch: &Self::Batch<'_>,
+        table: &Self::Matrix,
+        scale: f32,
+        out: &mut Self::Tensor,
+    ) -> Result<(), Self::Error>;
+
+    /// Row-wise RMSNorm: `out = x / sqrt(mean(x^2) + eps) * w`.
+    fn rms_norm(&self, x: &Self::Tensor, w: &Self::Vector, eps: f32, out: &mut Self::Tensor)
+        -> Result<(), Self::Error>;
+
+    /// `residual += x; out = rms_norm(residual, w, eps)`.
+    fn add_rms_norm(
+        &self,
+        residual: &mut Self::Tensor,
+        x: &Self::Tensor,
+        w: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Tensor,
+    ) -> Result<(), Self::Error>;
+
+    /// RMSNorm in place over every `w`-long piece of each row (per head: q/k norms).
+    fn rms_norm_heads(&self, x: &mut Self::Tensor, w: &Self::Vector, eps: f32) -> Result<(), Self::Error>;
+
+    /// `y = x W^T (+ b)`; `y` in its own precision (f32 logits from a compute-dtype `x`).
+    fn linear(&self, x: &Self::Tensor, w: &Linear<Self>, y: &mut Self::Tensor) -> Result<(), Self::Error>;
+
+    /// Splits `qkv`: `[T, q + 2 kv]` into `q`: `[T, q]`, `k` and `v`: `[T, kv]`.
+    fn split_qkv(
+        &self,
+        qkv: &Self::Tensor,
+        q: &mut Self::Tensor,
+        k: &mut Self::Tensor,
+        v: &mut Self::Tensor,
+    ) -> Result<(), Self::Error>;
+
+    /// Rotary embedding in place (HF `rotate_half` layout) at the batch's positions;
+    /// `x`: `[T, heads * head_dim]`.
+    fn rotate(
+        &self,
+        batch: &Self::Batch<'_>,
+        rope: &Self::Rope,
+        head_dim: usize,
+        x: &mut Self::Tensor,
+    ) -> Result<(), Self::Error>;
+
+    /// Writes `k`, `v`: `[T, kv_width]` into the cache at the batch's slot mapping (negative
+    /// slots are padding and are skipped).
+    fn write_kv(
+        &self,
+        batch: &Self::Batch<'_>,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        kv: &mut Self::KvLayer,
+    ) -> Result<(), Self::Error>;
+
+    /// Causal attention of every query row over its request's paged K/V (the new tokens'
+    /// already written); `q`, `out`: `[T, num_heads * head_dim]`.
+    fn attention(
+        &self,
+        batch: &Self::Batch<'_>,
+        layer: &LayerAttention,
+        q: &Self::Tensor,
+        kv: &Self::KvLayer,
+        out: &mut Self::Tensor,
+    ) -> Result<(), Self::Error>;
+
+    /// `out[r, j] = act(gate_up[r, j]) * gate_up[r, inter + j]`; `gate_up`: `[rows, 2 * inter]`.
+    fn gated_activation(
+        &self,
+        gate_up: &Self::Tensor,
+        act: GatedActivation,
+        out: &mut Self::Tensor,
+    ) -> Result<(), Self::Error>;
+
+    /// `dst[i, :] = src[logits_indices[i], :]`: the rows whose logits the step wants.
+    fn gather_logits_rows(
+        &self,
+        batch: &Self::Batch<'_>,
+        src: &Self::Tensor,
+        dst: &mut Self::Tensor,
+    ) -> Result<(), Self::Error>;
+
+    // Fused forms.
+
+    /// The attention block's input step (see [`AttentionInput`]).
+    fn attention_input(&self, batch: &Self::Batch<'_>, args: AttentionInput<'_, Self>) -> Result<(), Self::Error> {
+        unfused_attention_input(self, batch, args)
+    }
+
+    /// `out = act(x W_gate^T) * (x W_up^T)` for `w = [gate; up]`, through `gate_up`:
+    /// `[T, 2 * inter]` (scratch).
+    fn gated_mlp(
+        &self,
+        x: &Self::Tensor,
+        w: &Linear<Self>,
+        act: GatedActivation,
+        gate_up: &mut Self::Tensor,
+        out: &mut Self::Tensor,
+    ) -> Result<(), Self::Error> {
+        self.linear(x, w, gate_up)?;
+        self.gated_activation(gate_up, act, out)
+    }
+}
+
+/// [`Device::attention_input`] op by op: projection, split, q/k norms, rotation, cache write.
+/// Public so that a device overriding the fused form can fall back to it where its kernel does
+/// not apply.
+pub fn unfused_attention_input<D: Device + ?Sized>(
+    dev: &D,
+    batch: &D::Batch<'_>,
+    a: AttentionInput<'_, D>,
+) -> Result<(), D::Error> {
+    dev.linear(a.x, a.qkv_proj, a.qkv)?;
+    dev.split_qkv(a.qkv, a.q, a.k, a.v)?;
+    if let Some((q_norm, k_norm)) = a.qk_norm {
+        dev.rms_norm_heads(a.q, q_norm, a.eps)?;
+        dev.rms_norm_heads(a.k, k_norm, a.eps)?;
+    }
+    dev.rotate(batch, a.rope, a.heads.head_dim, a.q)?;
+    dev.rotate(batch, a.rope, a.heads.head_dim, a.k)?;
+    dev.write_kv(batch, a.k, a.v, a.kv)
+}

@@ -1,0 +1,220 @@
+//! The activation buffers of a step, on any device: sized for the largest step seen so far
+//! (grown by doubling), reused from step to step.
+//!
+//! Reuse saves a dozen allocations per step and keeps the buffers where they are, which
+//! captured CUDA graphs rely on: [`Activations::ensure`] says when they moved. The one list of
+//! buffers ([`Specs`]) both allocates them and prices them ([`Activations::bytes`]), so that the
+//! memory a GPU keeps back for them is what they take.
+
+use ferrolm_backend::{Device, Precision, Shaped};
+
+use crate::config::ModelConfig;
+
+/// Fewest tokens and logits rows the buffers are sized for.
+const MIN_CAPACITY: usize = 16;
+
+/// The buffers of one step of up to `tokens` tokens and `rows` logits rows.
+pub struct Activations<D: Device> {
+    tokens: usize,
+    rows: usize,
+    /// f32 `[tokens, hidden]`: the residual stream stays f32 between layers (the layers compute
+    /// in the device's dtype), so rounding does not accumulate over the depth of the model.
+    pub residual: D::Tensor,
+    /// `[tokens, hidden]`
+    pub normed: D::Tensor,
+    /// `[tokens, hidden]`: the previous sub-layer's output, added into `residual` by the next norm.
+    pub pending: D::Tensor,
+    /// `[tokens, q_size + 2 * kv_size]`
+    pub qkv: D::Tensor,
+    /// `[tokens, q_size]`
+    pub q: D::Tensor,
+    /// `[tokens, kv_size]` each: the unfused attention input's split K and V.
+    pub k: D::Tensor,
+    pub v: D::Tensor,
+    /// `[tokens, q_size]`
+    pub attn: D::Tensor,
+    /// `[tokens, hidden]`
+    pub o: D::Tensor,
+    /// `[tokens, 2 * intermediate]`
+    pub gate_up: D::Tensor,
+    /// `[tokens, intermediate]`
+    pub act: D::Tensor,
+    /// f32 `[rows, hidden]` and `[rows, hidden]`: the logits rows gathered before the final norm.
+    pub last_residual: D::Tensor,
+    pub last_out: D::Tensor,
+    /// `[rows, hidden]`
+    pub final_normed: D::Tensor,
+    /// f32 `[rows, vocab]`
+    pub logits: D::Tensor,
+}
+
+/// How many rows a buffer has: one per token of the step, or one per logits row.
+#[derive(Clone, Copy)]
+enum Per {
+    Token,
+    Row,
+}
+
+/// One buffer's precision, width and row kind.
+#[derive(Clone, Copy)]
+struct Spec(Precision, usize, Per);
+
+/// Every buffer of [`Activations`], field for field.
+struct Specs {
+    residual: Spec,
+    normed: Spec,
+    pending: Spec,
+    qkv: Spec,
+    q: Spec,
+    k: Spec,
+    v: Spec,
+    attn: Spec,
+    o: Spec,
+    gate_up: Spec,
+    act: Spec,
+    last_residual: Spec,
+    last_out: Spec,
+    final_normed: Spec,
+    logits: Spec,
+}
+
+impl Specs {
+    fn of(cfg: &ModelConfig) -> Specs {
+        use Per::{Row, Token};
+        use Precision::{Compute, F32};
+        let (h, q, kv, inter) = (cfg.hidden_size, cfg.q_size(), cfg.kv_size(), cfg.intermediate_size);
+        Specs {
+            residual: Spec(F32, h, Token),
+            normed: Spec(Compute, h, Token),
+            pending: Spec(Compute, h, Token),
+            qkv: Spec(Compute, q + 2 * kv, Token),
+            q: Spec(Compute, q, Token),
+            k: Spec(Compute, kv, Token),
+            v: Spec(Compute, kv, Token),
+            attn: Spec(Compute, q, Token),
+            o: Spec(Compute, h, Token),
+            gate_up: Spec(Compute, 2 * inter, Token),
+            act: Spec(Compute, inter, Token),
+            last_residual: Spec(F32, h, Row),
+            last_out: Spec(Compute, h, Row),
+            final_normed: Spec(Compute, h, Row),
+            logits: Spec(F32, cfg.vocab_size, Row),
+        }
+    }
+
+    fn all(&self) -> [Spec; 15] {
+        [
+            self.residual,
+            self.normed,
+            self.pending,
+            self.qkv,
+            self.q,
+            self.k,
+            self.v,
+            self.attn,
+            self.o,
+            self.gate_up,
+            self.act,
+            self.last_residual,
+            self.last_out,
+            self.final_normed,
+            self.logits,
+        ]
+    }
+}
+
+/// The capacity the buffers get for a step of `tokens` tokens and `rows` logits rows.
+fn capacity(tokens: usize, rows: usize) -> (usize, usize) {
+    (tokens.max(MIN_CAPACITY).next_power_of_two(), rows.max(MIN_CAPACITY).next_power_of_two())
+}
+
+impl<D: Device> Activations<D> {
+    /// Buffers for steps of up to `tokens` tokens and `rows` logits rows (rounded up to powers
+    /// of two).
+    pub fn new(dev: &D, cfg: &ModelConfig, tokens: usize, rows: usize) -> Result<Activations<D>, D::Error> {
+        let (tokens, rows) = capacity(tokens, rows);
+        let s = Specs::of(cfg);
+        let make = |Spec(precision, cols, per): Spec| {
+            let n = match per {
+                Per::Token => tokens,
+                Per::Row => rows,
+            };
+            dev.tensor(precision, n, cols)
+        };
+        Ok(Activations {
+            tokens,
+            rows,
+            residual: make(s.residual)?,
+            normed: make(s.normed)?,
+            pending: make(s.pending)?,
+            qkv: make(s.qkv)?,
+            q: make(s.q)?,
+            k: make(s.k)?,
+            v: make(s.v)?,
+            attn: make(s.attn)?,
+            o: make(s.o)?,
+            gate_up: make(s.gate_up)?,
+            act: make(s.act)?,
+            last_residual: make(s.last_residual)?,
+            last_out: make(s.last_out)?,
+            final_normed: make(s.final_normed)?,
+            logits: make(s.logits)?,
+        })
+    }
+
+    /// Bytes [`Activations::new`] allocates on `dev` for these sizes.
+    pub fn bytes(dev: &D, cfg: &ModelConfig, tokens: usize, rows: usize) -> usize {
+        let (tokens, rows) = capacity(tokens, rows);
+        let size = |Spec(precision, cols, per): Spec| {
+            let n = match per {
+                Per::Token => tokens,
+                Per::Row => rows,
+            };
+            dev.tensor_bytes(precision, n, cols)
+        };
+        Specs::of(cfg).all().into_iter().map(size).sum()
+    }
+
+    /// Makes room for a step of `tokens` tokens and `rows` logits rows. Returns whether the
+    /// buffers moved (then every captured graph that uses them is stale).
+    pub fn ensure(
+        this: &mut Option<Activations<D>>,
+        dev: &D,
+        cfg: &ModelConfig,
+        tokens: usize,
+        rows: usize,
+    ) -> Result<bool, D::Error> {
+        if let Some(a) = this {
+            if a.tokens >= tokens && a.rows >= rows {
+                return Ok(false);
+            }
+        }
+        let (old_tokens, old_rows) = this.as_ref().map_or((0, 0), |a| (a.tokens, a.rows));
+        // Free the old buffers first so that their memory can be reused.
+        *this = None;
+        *this = Some(Activations::new(dev, cfg, tokens.max(old_tokens), rows.max(old_rows))?);
+        Ok(true)
+    }
+
+    /// Sets the rows every op of the next step sees.
+    pub(crate) fn set_rows(&mut self, tokens: usize, rows: usize) {
+        for t in [
+            &mut self.residual,
+            &mut self.normed,
+            &mut self.pending,
+            &mut self.qkv,
+            &mut self.q,
+            &mut self.k,
+            &mut self.v,
+            &mut self.attn,
+            &mut self.o,
+            &mut self.gate_up,
+            &mut self.act,
+        ] {
+            t.set_rows(tokens);
+        }
+        for t in [&mut self.last_residual, &mut self.last_out, &mut self.final_normed, &mut self.logits] {
+            t.set_rows(rows);
+        }
+    }
+}

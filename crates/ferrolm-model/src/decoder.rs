@@ -1,0 +1,251 @@
+//! The decoder: one implementation for every supported family and every device, switched by
+//! [`ModelConfig`] and generic over [`Device`].
+//!
+//! Layers mirror HF names (`model.layers.{i}.self_attn.q_proj`, ...). Separate q/k/v and
+//! gate/up projections are stacked at load into one matrix each, so every family runs the same
+//! two GEMMs where HF runs three and two. What differs between families is stated once, here
+//! and in the config: biases (`qkv_bias`, `o_bias`, `mlp_bias`), q/k norms, checkpoints with
+//! fused projections, Gemma's `(1 + w)` norms (folded into the weights at load) and scaled
+//! embedding, the gated activation, tied embeddings, and each layer's attention (window, scale:
+//! [`ModelConfig::layer_attention`]).
+//!
+//! [`Decoder::run`] only issues device work, so a step can be captured as a CUDA graph.
+
+use ferrolm_backend::{AttentionInput, Device, HostTensor, LayerAttention, Linear};
+
+use crate::activations::Activations;
+use crate::config::ModelConfig;
+use crate::weights::WeightSource;
+use crate::ModelError;
+
+/// One decoder layer's weights on device `D`.
+pub struct Layer<D: Device> {
+    /// f32 `[hidden]`
+    input_layernorm: D::Vector,
+    /// `[q_size + 2 * kv_size, hidden]`
+    qkv_proj: Linear<D>,
+    /// f32 `[head_dim]` each.
+    qk_norm: Option<(D::Vector, D::Vector)>,
+    attention: LayerAttention,
+    /// `[hidden, q_size]`
+    o_proj: Linear<D>,
+    /// f32 `[hidden]`
+    post_attention_layernorm: D::Vector,
+    /// `[2 * intermediate, hidden]`: gate rows, then up rows.
+    gate_up_proj: Linear<D>,
+    /// `[hidden, intermediate]`
+    down_proj: Linear<D>,
+}
+
+/// A model's weights on device `D`, and the step that runs them.
+pub struct Decoder<D: Device> {
+    pub config: ModelConfig,
+    /// `[vocab, hidden]`: the embedding table, and the LM head when tied.
+    embed_tokens: Linear<D>,
+    layers: Vec<Layer<D>>,
+    /// f32 `[hidden]`
+    norm: D::Vector,
+    /// `[vocab, hidden]`; `None` when tied to `embed_tokens`.
+    lm_head: Option<Linear<D>>,
+    rope: D::Rope,
+    weight_bytes: usize,
+}
+
+/// The rows of one step: what the decoder needs of it besides the device batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StepRows {
+    /// Tokens in the step (`T`).
+    pub tokens: usize,
+    /// Rows whose logits are wanted.
+    pub logits: usize,
+    /// The logits rows are all rows in order (a batch of decodes): no gather needed.
+    pub identity: bool,
+}
+
+impl<D: Device> Decoder<D>
+where
+    ModelError: From<D::Error>,
+{
+    /// Places `config`'s weights, read from `src`, on `dev`.
+    pub fn load(dev: &D, config: ModelConfig, src: &WeightSource) -> Result<Decoder<D>, ModelError> {
+        let (v, h) = (config.vocab_size, config.hidden_size);
+        let loader = Loader { dev, src, cfg: &config };
+        let embed_tokens = loader.linear(&[("model.embed_tokens".into(), v)], h, false)?;
+        let layers = (0..config.num_hidden_layers).map(|i| loader.layer(i)).collect::<Result<Vec<_>, _>>()?;
+        let norm = loader.norm("model.norm.weight", h)?;
+        let lm_head =
+            if config.tie_word_embeddings { None } else { Some(loader.linear(&[("lm_head".into(), v)], h, false)?) };
+        let tables = config.rope_scaling.tables(config.rope_theta, config.rotary_dim())?;
+        let rope = dev.rope(tables.frequencies())?;
+        let matrices = layers
+            .iter()
+            .flat_map(|l| [&l.qkv_proj, &l.o_proj, &l.gate_up_proj, &l.down_proj])
+            .chain([&embed_tokens])
+            .chain(lm_head.as_ref());
+        let weight_bytes = matrices.map(|l| dev.matrix_bytes(&l.weight)).sum();
+        Ok(Decoder { config, embed_tokens, layers, norm, lm_head, rope, weight_bytes })
+    }
+}
+
+impl<D: Device> Decoder<D> {
+    /// Bytes of weight matrices the model holds on its device.
+    pub fn weight_bytes(&self) -> usize {
+        self.weight_bytes
+    }
+
+    /// The layer the GEMM tuning times for all (every layer has the same shapes).
+    pub fn first_layer(&self) -> Option<&Layer<D>> {
+        self.layers.first()
+    }
+
+    /// `[vocab, hidden]`
+    pub fn lm_head(&self) -> &Linear<D> {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
+    }
+
+    /// A KV cache of `num_slots` slots (blocks x block size) per layer.
+    pub fn kv_cache(&self, dev: &D, num_slots: usize) -> Result<Vec<D::KvLayer>, D::Error> {
+        (0..self.layers.len()).map(|_| dev.kv_layer(num_slots, self.config.kv_size())).collect()
+    }
+
+    /// Issues one step: every layer, then the final norm and the LM head on the step's logits
+    /// rows, whose f32 logits end in `a.logits` (`[rows.logits, vocab]`). `a` must have room
+    /// for the step (see [`Activations::ensure`]).
+    pub fn run(
+        &self,
+        dev: &D,
+        batch: &D::Batch<'_>,
+        rows: StepRows,
+        kv: &mut [D::KvLayer],
+        a: &mut Activations<D>,
+    ) -> Result<(), D::Error> {
+        let cfg = &self.config;
+        let eps = cfg.rms_norm_eps;
+        a.set_rows(rows.tokens, rows.logits);
+        dev.embedding(batch, &self.embed_tokens.weight, cfg.embedding_multiplier, &mut a.residual)?;
+        for (i, (layer, kv)) in self.layers.iter().zip(kv.iter_mut()).enumerate() {
+            // The previous layer's MLP output joins the residual stream in this layer's norm.
+            if i == 0 {
+                dev.rms_norm(&a.residual, &layer.input_layernorm, eps, &mut a.normed)?;
+            } else {
+                dev.add_rms_norm(&mut a.residual, &a.pending, &layer.input_layernorm, eps, &mut a.normed)?;
+            }
+            let input = AttentionInput {
+                x: &a.normed,
+                qkv_proj: &layer.qkv_proj,
+                qk_norm: layer.qk_norm.as_ref().map(|(q, k)| (q, k)),
+                eps,
+                heads: layer.attention.heads,
+                rope: &self.rope,
+                qkv: &mut a.qkv,
+                k: &mut a.k,
+                v: &mut a.v,
+                q: &mut a.q,
+                kv,
+            };
+            dev.attention_input(batch, input)?;
+            dev.attention(batch, &layer.attention, &a.q, kv, &mut a.attn)?;
+            dev.linear(&a.attn, &layer.o_proj, &mut a.o)?;
+            dev.add_rms_norm(&mut a.residual, &a.o, &layer.post_attention_layernorm, eps, &mut a.normed)?;
+            dev.gated_mlp(&a.normed, &layer.gate_up_proj, cfg.activation, &mut a.gate_up, &mut a.act)?;
+            dev.linear(&a.act, &layer.down_proj, &mut a.pending)?;
+        }
+
+        // Only the rows whose logits are wanted go through the final norm and the LM head.
+        let (last_residual, last_out) = if rows.identity {
+            (&mut a.residual, &a.pending)
+        } else {
+            dev.gather_logits_rows(batch, &a.residual, &mut a.last_residual)?;
+            if !self.layers.is_empty() {
+                dev.gather_logits_rows(batch, &a.pending, &mut a.last_out)?;
+            }
+            (&mut a.last_residual, &a.last_out)
+        };
+        if self.layers.is_empty() {
+            dev.rms_norm(last_residual, &self.norm, eps, &mut a.final_normed)?;
+        } else {
+            dev.add_rms_norm(last_residual, last_out, &self.norm, eps, &mut a.final_normed)?;
+        }
+        dev.linear(&a.final_normed, self.lm_head(), &mut a.logits)
+    }
+}
+
+impl<D: Device> Layer<D> {
+    /// The layer's projections: qkv, o, gate/up, down.
+    pub fn projections(&self) -> [&Linear<D>; 4] {
+        [&self.qkv_proj, &self.o_proj, &self.gate_up_proj, &self.down_proj]
+    }
+}
+
+/// Reads weights from a checkpoint and places them on a device.
+struct Loader<'a, D> {
+    dev: &'a D,
+    src: &'a WeightSource,
+    cfg: &'a ModelConfig,
+}
+
+impl<D: Device> Loader<'_, D>
+where
+    ModelError: From<D::Error>,
+{
+    fn layer(&self, i: usize) -> Result<Layer<D>, ModelError> {
+        let cfg = self.cfg;
+        let p = format!("model.layers.{i}");
+        let (h, q, kv, inter) = (cfg.hidden_size, cfg.q_size(), cfg.kv_size(), cfg.intermediate_size);
+        let (qkv_proj, gate_up_proj) = if cfg.fused_projections {
+            (
+                self.linear(&[(format!("{p}.self_attn.qkv_proj"), q + 2 * kv)], h, cfg.qkv_bias)?,
+                self.linear(&[(format!("{p}.mlp.gate_up_proj"), 2 * inter)], h, cfg.mlp_bias)?,
+            )
+        } else {
+            let qkv = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)].map(|(n, o)| (format!("{p}.self_attn.{n}"), o));
+            let gate_up = [("gate_proj", inter), ("up_proj", inter)].map(|(n, o)| (format!("{p}.mlp.{n}"), o));
+            (self.linear(&qkv, h, cfg.qkv_bias)?, self.linear(&gate_up, h, cfg.mlp_bias)?)
+        };
+        let qk_norm = if cfg.qk_norm {
+            let norm = |n: &str| self.norm(&format!("{p}.self_attn.{n}.weight"), cfg.head_dim);
+            Some((norm("q_norm")?, norm("k_norm")?))
+        } else {
+            None
+        };
+        Ok(Layer {
+            input_layernorm: self.norm(&format!("{p}.input_layernorm.weight"), h)?,
+            qkv_proj,
+            qk_norm,
+            attention: cfg.layer_attention(i),
+            o_proj: self.linear(&[(format!("{p}.self_attn.o_proj"), h)], q, cfg.o_bias)?,
+            post_attention_layernorm: self.norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
+            gate_up_proj,
+            down_proj: self.linear(&[(format!("{p}.mlp.down_proj"), h)], inter, cfg.mlp_bias)?,
+        })
+    }
+
+    /// The projections `parts` (`{prefix}.weight` of `[out, inp]`, and `{prefix}.bias` when
+    /// `bias`) stacked into one linear layer.
+    fn linear(&self, parts: &[(String, usize)], inp: usize, bias: bool) -> Result<Linear<D>, ModelError> {
+        let weights: Vec<HostTensor> = parts
+            .iter()
+            .map(|(p, out)| self.src.get(&format!("{p}.weight"), &[*out, inp]))
+            .collect::<Result<_, _>>()?;
+        let bias = if bias {
+            let mut values = Vec::new();
+            for (p, out) in parts {
+                values.extend(self.src.get_f32(&format!("{p}.bias"), &[*out])?);
+            }
+            Some(self.dev.vector(&values)?)
+        } else {
+            None
+        };
+        let out_features = parts.iter().map(|(_, out)| out).sum();
+        Ok(Linear { weight: self.dev.matrix(weights)?, bias, out_features, in_features: inp })
+    }
+
+    fn norm(&self, name: &str, dim: usize) -> Result<D::Vector, ModelError> {
+        let mut w = self.src.get_f32(name, &[dim])?;
+        if self.cfg.norm_unit_offset {
+            // Gemma stores `w - 1` and computes `x * (1 + w)` in f32.
+            w.iter_mut().for_each(|x| *x += 1.0);
+        }
+        Ok(self.dev.vector(&w)?)
+    }
+}
