@@ -33,6 +33,17 @@ mod sampling;
 mod staging;
 mod tensor;
 
+/// The entry points every op family loads, by kernel file (`Gpu::new` loads them all).
+const KERNELS: [&[compile::KernelFamilies]; 7] = [
+    ops::KERNELS,
+    linear::KERNELS,
+    rope::KERNELS,
+    attention::KERNELS,
+    flash_attention::KERNELS,
+    sampling::KERNELS,
+    read_rate::KERNELS,
+];
+
 pub use attention::{paged_attention, paged_attention_on, reshape_and_cache, AttentionKernel, GpuAttentionMetadata};
 pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 pub use error::GpuError;

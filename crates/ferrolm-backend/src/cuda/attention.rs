@@ -28,6 +28,41 @@ use super::ops::same_dtype;
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
 use crate::DType;
 
+use super::compile::{self, KernelFamilies};
+
+/// The entry points of the paged KV cache ops: the tensor-core decode kernels exist for the half
+/// types only.
+pub(crate) const KERNELS: &[KernelFamilies] = &[
+    KernelFamilies { source: &compile::ATTENTION, names: &["reshape_and_cache"], large_shared: false },
+    KernelFamilies {
+        source: &compile::ATTENTION,
+        names: &[
+            "paged_attention",
+            "paged_attention_decode_g1",
+            "paged_attention_decode_g2",
+            "paged_attention_decode_g4",
+            "paged_attention_decode_g8",
+        ],
+        large_shared: true,
+    },
+    KernelFamilies {
+        source: &compile::DECODE_ATTENTION,
+        names: &[
+            DECODE_MMA_KERNELS[0].1,
+            DECODE_MMA_KERNELS[1].1,
+            DECODE_MMA_KERNELS[2].1,
+            DECODE_MMA_KERNELS[3].1,
+            DECODE_MMA_KERNELS[0].2,
+            DECODE_MMA_KERNELS[1].2,
+            DECODE_MMA_KERNELS[2].2,
+            DECODE_MMA_KERNELS[3].2,
+            DECODE_MMA_TENSOR_KERNELS[0].1,
+            DECODE_MMA_TENSOR_KERNELS[1].1,
+        ],
+        large_shared: true,
+    },
+];
+
 /// Keys per shared-memory tile (`ATTN_TILE` in attention.cu).
 const KEY_TILE: usize = 32;
 /// Accumulator elements per thread (`ATTN_ACC` in attention.cu).
