@@ -49,7 +49,7 @@ pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 pub use error::GpuError;
 pub use flash_attention::AttentionWork;
 pub use gemm_tune::{GemmShape, GemmTuning};
-pub use gpu::{Gpu, GpuGraph, StreamPriority};
+pub use gpu::{Gpu, GpuGraph, GpuOptions, StreamPriority};
 pub use linear::{linear, linear_cublas, linear_gated, linear_gemv_ksplit, GatedActivation, GEMV_MAX_M};
 pub use ops::{
     add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, split_qkv,

@@ -69,7 +69,7 @@ fn backends(dir: &Path) -> Vec<(String, Box<dyn ModelRunner>, Rule)> {
         use ferrolm_backend::DType;
         use ferrolm_model::cuda::CudaRunner;
         for (dtype, rule) in [(DType::F32, Rule::Close(1e-3)), (DType::BF16, Rule::Bf16)] {
-            match Gpu::new(0) {
+            match Gpu::new(0, &Default::default()) {
                 Ok(gpu) => {
                     let runner = CudaRunner::new(&load_model(dir), gpu, dtype).expect("upload");
                     all.push((format!("cuda {dtype:?}"), Box::new(runner), rule));
@@ -354,7 +354,7 @@ fn cuda_graph_decode_steps_equal_eager_steps() {
         let mut runs: Vec<Vec<(u32, Vec<f64>)>> = Vec::new();
         let mut fed: Vec<u32> = Vec::new();
         for graphs in [false, true] {
-            let gpu = match Gpu::new(0) {
+            let gpu = match Gpu::new(0, &Default::default()) {
                 Ok(gpu) => gpu,
                 Err(err) if err.means_no_gpu() => return eprintln!("skipping: no GPU ({err})"),
                 Err(err) => panic!("the GPU is there but could not be opened: {err}"),

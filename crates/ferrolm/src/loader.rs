@@ -4,7 +4,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, ValueEnum};
+use clap::builder::BoolishValueParser;
+use clap::{ArgAction, Args, ValueEnum};
 use ferrolm_backend::DType;
 use ferrolm_engine::{EngineConfig, EngineHandle, SchedulerConfig};
 use ferrolm_model::config::parse_dtype;
@@ -50,6 +51,43 @@ pub struct EngineArgs {
     /// (0, 1]. On the CPU the cache is sized by --kv-cache-memory-gb (or --num-kv-blocks).
     #[arg(long, default_value_t = 0.9)]
     pub kv_cache_fraction: f64,
+    #[command(flatten)]
+    pub gpu: GpuArgs,
+}
+
+/// Kernel switches of the CUDA backend (ignored on the CPU), there to compare variants on one
+/// binary; each also reads its environment variable.
+#[derive(Args, Clone, Debug, Serialize)]
+pub struct GpuArgs {
+    /// Programmatic dependent launch on Hopper and later: each kernel starts while the one
+    /// before it finishes (false launches plainly).
+    #[arg(long, env = "FERROLM_PDL", action = ArgAction::Set, value_parser = BoolishValueParser::new(),
+          default_value_t = true, value_name = "BOOL")]
+    pub pdl: bool,
+    /// Long decode batches may take the warp-per-head-block attention kernel (false keeps the
+    /// block-per-head-block kernel).
+    #[arg(long, env = "FERROLM_DECODE_WARP_ITEMS", action = ArgAction::Set,
+          value_parser = BoolishValueParser::new(), default_value_t = true, value_name = "BOOL")]
+    pub decode_warp_items: bool,
+    /// The warp-per-head-block decode kernel copies K/V as tensor-map boxes (Hopper and later).
+    #[arg(long, env = "FERROLM_DECODE_TENSOR_COPIES", action = ArgAction::Set,
+          value_parser = BoolishValueParser::new(), default_value_t = false, value_name = "BOOL")]
+    pub decode_tensor_copies: bool,
+    /// Preprocessor definitions every kernel is compiled with, "NAME=VALUE ..." (kernel variants).
+    #[arg(long, env = "FERROLM_KERNEL_DEFINES", value_delimiter = ' ', value_name = "NAME=VALUE")]
+    pub kernel_defines: Vec<String>,
+}
+
+#[cfg(feature = "cuda")]
+impl GpuArgs {
+    pub fn options(&self) -> ferrolm_backend::cuda::GpuOptions {
+        ferrolm_backend::cuda::GpuOptions {
+            programmatic_launch: self.pdl,
+            decode_warp_items: self.decode_warp_items,
+            decode_tensor_copies: self.decode_tensor_copies,
+            kernel_defines: self.kernel_defines.iter().filter(|d| !d.is_empty()).cloned().collect(),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -177,7 +215,7 @@ fn cuda_runner_if_present(model: Model, _args: &EngineArgs) -> Result<Result<Pla
 /// The first GPU if there is one (`Err(model)` back otherwise, for the CPU).
 #[cfg(feature = "cuda")]
 fn cuda_runner_if_present(model: Model, args: &EngineArgs) -> Result<Result<Placed, Model>> {
-    match ferrolm_backend::cuda::Gpu::new(0) {
+    match ferrolm_backend::cuda::Gpu::new(0, &args.gpu.options()) {
         Ok(gpu) => cuda_place(model, gpu, args).map(Ok),
         Err(err) if err.means_no_gpu() => {
             tracing::info!(reason = %err, "no usable GPU; running on the CPU");
@@ -190,7 +228,7 @@ fn cuda_runner_if_present(model: Model, args: &EngineArgs) -> Result<Result<Plac
 
 #[cfg(feature = "cuda")]
 fn cuda_runner(model: Model, args: &EngineArgs) -> Result<Placed> {
-    let gpu = ferrolm_backend::cuda::Gpu::new(0).context("--device cuda")?;
+    let gpu = ferrolm_backend::cuda::Gpu::new(0, &args.gpu.options()).context("--device cuda")?;
     cuda_place(model, gpu, args)
 }
 
@@ -304,4 +342,27 @@ pub fn start_engine(
         },
     )?;
     Ok(engine)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::GpuArgs;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        gpu: GpuArgs,
+    }
+
+    /// The kernel switches take the values their environment variables always took ("0", "1").
+    #[test]
+    fn gpu_switches_take_zero_and_one() -> Result<(), clap::Error> {
+        let args = ["ferrolm", "--pdl", "0", "--decode-warp-items", "false", "--decode-tensor-copies", "1"];
+        let cli = Cli::try_parse_from(args.into_iter().chain(["--kernel-defines", "DM_BULK=0 X=1"]))?;
+        assert!(!cli.gpu.pdl && !cli.gpu.decode_warp_items && cli.gpu.decode_tensor_copies);
+        assert_eq!(cli.gpu.kernel_defines, ["DM_BULK=0", "X=1"]);
+        Ok(())
+    }
 }

@@ -257,7 +257,7 @@ pub fn paged_attention_on(
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum TensorCopies {
     Never,
-    /// Wherever the per-warp kernel runs (the `Gpu`'s choice: `FERROLM_DECODE_TENSOR_COPIES`).
+    /// Wherever the per-warp kernel runs (`GpuOptions::decode_tensor_copies`).
     WherePerWarp(&'static str),
     /// For the whole batch, unsplit ([`AttentionKernel::TensorCopies`]).
     Always(&'static str),
@@ -272,7 +272,7 @@ pub enum AttentionKernel {
     /// The general kernel, whatever the batch, dtype and head size.
     General,
     /// The per-warp tensor-core decode kernel in its tensor-copy form, whatever the batch size
-    /// and whether or not the `Gpu` takes that form itself (`FERROLM_DECODE_TENSOR_COPIES`); an
+    /// and whether or not the `Gpu` takes that form itself (`GpuOptions::decode_tensor_copies`); an
     /// error where it does not apply (see `tensor_copy_kernel`).
     TensorCopies,
 }

@@ -39,6 +39,35 @@ fn allow_dynamic_shared(f: &CudaFunction, max_shared_per_block: i32) -> Result<(
     Ok(())
 }
 
+/// How a [`Gpu`] compiles and launches its kernels. `Default` is what a server runs with; the
+/// switches exist to compare variants on one binary. Filled in one place (the command line).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuOptions {
+    /// Launch kernels with programmatic dependent launch on compute capability 9.0 and later
+    /// (see [`Launch`]); off launches plainly.
+    pub programmatic_launch: bool,
+    /// Unsplit tensor-core decodes may take the kernel with a head block per warp; off keeps the
+    /// block-per-head-block kernel.
+    pub decode_warp_items: bool,
+    /// The per-warp decode kernel copies its K/V tiles as tensor-map boxes where it can
+    /// (compute capability 9.0 and later).
+    pub decode_tensor_copies: bool,
+    /// `NAME=VALUE` preprocessor definitions every kernel module is compiled with (kernel
+    /// variants for experiments; part of the compile cache's key).
+    pub kernel_defines: Vec<String>,
+}
+
+impl Default for GpuOptions {
+    fn default() -> GpuOptions {
+        GpuOptions {
+            programmatic_launch: true,
+            decode_warp_items: true,
+            decode_tensor_copies: false,
+            kernel_defines: Vec::new(),
+        }
+    }
+}
+
 /// The priority of a [`Gpu`]'s stream among the device's streams.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StreamPriority {
@@ -65,17 +94,15 @@ pub struct Gpu {
     /// Dynamic shared memory a block may opt into, in bytes.
     max_shared_per_block: usize,
     /// Kernels are launched with programmatic stream serialization (compute capability 9.0 and
-    /// later, unless `FERROLM_PDL=0`); see [`Launch`].
+    /// later, unless [`GpuOptions::programmatic_launch`] is off); see [`Launch`].
     programmatic_launch: bool,
     /// The cuBLASLt plans of [`Gpu::tune_gemms`], by GEMM shape.
     tuned_gemms: TunedGemms,
     /// The cuBLAS workspace's address (see [`BLAS_WORKSPACE_BYTES`]), which cuBLASLt shares.
     blas_workspace_ptr: u64,
-    /// Unsplit tensor-core decodes take the kernel with a head block per warp (unless
-    /// `FERROLM_DECODE_WARP_ITEMS=0`, which keeps the block-per-head-block kernel).
+    /// [`GpuOptions::decode_warp_items`].
     decode_warp_items: bool,
-    /// The per-warp decode kernel copies its K/V tiles as tensor-map boxes where it can
-    /// (`FERROLM_DECODE_TENSOR_COPIES=1`, compute capability 9.0 and later; off by default).
+    /// [`GpuOptions::decode_tensor_copies`], on compute capability 9.0 and later only.
     decode_tensor_copies: bool,
     /// Streaming multiprocessors, and the shared memory each has for blocks.
     multiprocessors: usize,
@@ -91,18 +118,18 @@ impl Gpu {
     /// before any CUDA call (so that a machine without them gets an error, not a panic), then
     /// creates the context, the stream and the cuBLAS handle, and compiles (or loads from the
     /// disk cache) the kernels for the device's architecture.
-    pub fn new(ordinal: usize) -> Result<Gpu, GpuError> {
-        Gpu::new_with_priority(ordinal, StreamPriority::Default)
+    pub fn new(ordinal: usize, options: &GpuOptions) -> Result<Gpu, GpuError> {
+        Gpu::new_with_priority(ordinal, StreamPriority::Default, options)
     }
 
     /// [`Gpu::new`] with its stream at `priority`. Two `Gpu`s of one device share its primary
     /// context, so each may read the other's buffers; where both have work queued, the block
     /// scheduler starts the blocks of the higher-priority stream first.
-    pub fn new_with_priority(ordinal: usize, priority: StreamPriority) -> Result<Gpu, GpuError> {
+    pub fn new_with_priority(ordinal: usize, priority: StreamPriority, options: &GpuOptions) -> Result<Gpu, GpuError> {
         check_libraries()?;
         // cudarc panics when a library lacks a symbol it binds (an older driver, say): report
         // that as an error too.
-        std::panic::catch_unwind(|| Gpu::open(ordinal, priority)).unwrap_or_else(|payload| {
+        std::panic::catch_unwind(|| Gpu::open(ordinal, priority, options)).unwrap_or_else(|payload| {
             let msg = payload
                 .downcast_ref::<String>()
                 .cloned()
@@ -112,7 +139,7 @@ impl Gpu {
         })
     }
 
-    fn open(ordinal: usize, priority: StreamPriority) -> Result<Gpu, GpuError> {
+    fn open(ordinal: usize, priority: StreamPriority, options: &GpuOptions) -> Result<Gpu, GpuError> {
         let mut version = 0;
         // SAFETY: the pointer is valid for a write; the driver library was found above.
         unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }.result()?;
@@ -155,19 +182,14 @@ impl Gpu {
         let (major, minor) = ctx.compute_capability()?;
         let max_shared_per_block =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
-        // Kernel variants for experiments: `FERROLM_KERNEL_DEFINES="NAME=VALUE ..."`.
-        let defines = std::env::var("FERROLM_KERNEL_DEFINES").unwrap_or_default();
-        let target = Target {
-            capability: (major as u32, minor as u32),
-            defines: defines.split_whitespace().map(str::to_string).collect(),
-        };
+        let target = Target { capability: (major as u32, minor as u32), defines: options.kernel_defines.clone() };
         let kernels = load_kernels(&ctx, &target, max_shared_per_block)?;
         let decode_counters = stream.alloc_zeros::<u32>(attention::DECODE_TARGET_BLOCKS)?;
         // SAFETY: a decode kernel writes every element of the workspace that it reads.
         let decode_workspace = unsafe { stream.alloc::<f32>(attention::DECODE_WORKSPACE_FLOATS) }?;
-        let programmatic_launch = major >= 9 && std::env::var("FERROLM_PDL").map_or(true, |v| v != "0");
-        let decode_warp_items = std::env::var("FERROLM_DECODE_WARP_ITEMS").map_or(true, |v| v != "0");
-        let decode_tensor_copies = major >= 9 && std::env::var("FERROLM_DECODE_TENSOR_COPIES").is_ok_and(|v| v == "1");
+        let programmatic_launch = major >= 9 && options.programmatic_launch;
+        let decode_warp_items = options.decode_warp_items;
+        let decode_tensor_copies = major >= 9 && options.decode_tensor_copies;
         let multiprocessors = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let max_shared_per_multiprocessor =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
