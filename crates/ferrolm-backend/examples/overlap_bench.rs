@@ -21,7 +21,7 @@
 
 mod bench_support;
 
-use bench_support::{open_gpu, random_tensor, AttentionCase, COMPACT_ZEROS, LAYERS, LLAMA_8B};
+use bench_support::{gpu_options, open_gpu, random_tensor, AttentionCase, COMPACT_ZEROS, LAYERS, LLAMA_8B};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
 use ferrolm_backend::cuda::{self, AttentionKernel, Gpu, GpuError, GpuTensor, StreamPriority};
@@ -40,7 +40,9 @@ fn main() {
     let Some(a) = open_gpu() else { return };
     // More `Gpu`s on the same device: the same (primary) context, each with its own stream,
     // cuBLAS handle and attention workspace; the last one's stream at the highest priority.
-    let others = Gpu::new(0).and_then(|b| Ok((b, Gpu::new_with_priority(0, StreamPriority::Highest)?)));
+    let options = gpu_options();
+    let others =
+        Gpu::new(0, &options).and_then(|b| Ok((b, Gpu::new_with_priority(0, StreamPriority::Highest, &options)?)));
     let (b, high) = match others {
         Ok(gpus) => gpus,
         Err(e) => return eprintln!("second stream: {e}"),

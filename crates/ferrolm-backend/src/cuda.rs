@@ -35,13 +35,25 @@ mod staging;
 mod tensor;
 
 pub use crate::GatedActivation;
+
+/// The entry points every op family loads, by kernel file (`Gpu::new` loads them all).
+const KERNELS: [&[compile::KernelFamilies]; 7] = [
+    ops::KERNELS,
+    linear::KERNELS,
+    rope::KERNELS,
+    attention::KERNELS,
+    flash_attention::KERNELS,
+    sampling::KERNELS,
+    read_rate::KERNELS,
+];
+
 pub use attention::{paged_attention, paged_attention_on, reshape_and_cache, AttentionKernel, GpuAttentionMetadata};
 pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 pub use device::{Cuda, CudaBatch, CudaKvLayer, CudaTensor};
 pub use error::GpuError;
 pub use flash_attention::AttentionWork;
 pub use gemm_tune::{GemmShape, GemmTuning};
-pub use gpu::{Gpu, GpuGraph, StreamPriority};
+pub use gpu::{Gpu, GpuGraph, GpuOptions, StreamPriority};
 pub use linear::{linear, linear_cublas, linear_gated, linear_gemv_ksplit, GEMV_MAX_M};
 pub use ops::{
     add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, split_qkv,

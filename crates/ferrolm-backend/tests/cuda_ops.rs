@@ -8,7 +8,9 @@
 #![cfg(feature = "cuda")]
 
 use ferrolm_backend::cpu;
-use ferrolm_backend::cuda::{self, AttentionKernel, Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor};
+use ferrolm_backend::cuda::{
+    self, AttentionKernel, Gpu, GpuAttentionMetadata, GpuError, GpuOptions, GpuRopeTable, GpuTensor,
+};
 use ferrolm_backend::{DType, WeightView};
 use half::{bf16, f16};
 use rand::seq::SliceRandom;
@@ -22,7 +24,7 @@ use rand_chacha::ChaCha8Rng;
 const DTYPES: [(DType, f32); 3] = [(DType::F32, 1e-4), (DType::BF16, 1e-2), (DType::F16, 1e-2)];
 
 fn gpu_or_skip() -> Option<Gpu> {
-    match Gpu::new(0) {
+    match Gpu::new(0, &GpuOptions::default()) {
         Ok(gpu) => Some(gpu),
         Err(e) if e.means_no_gpu() => {
             eprintln!("skipping: no GPU ({e})");
@@ -87,7 +89,7 @@ fn check(what: &str, got: &[f32], want: &[f32], tol: f32) -> f32 {
 
 #[test]
 fn device_reports_itself_and_errors_are_one_line() -> Result<(), GpuError> {
-    if let Err(e) = Gpu::new(4096) {
+    if let Err(e) = Gpu::new(4096, &GpuOptions::default()) {
         assert!(!e.to_string().contains('\n'), "multi-line error: {e}");
     } else {
         panic!("device 4096 should not exist");
@@ -1160,7 +1162,7 @@ fn paged_attention_work_list_is_shared_by_a_steps_layers() -> Result<(), GpuErro
 #[test]
 fn a_gpu_of_highest_priority_works_on_another_gpus_buffers() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
-    let high = cuda::Gpu::new_with_priority(0, cuda::StreamPriority::Highest)?;
+    let high = cuda::Gpu::new_with_priority(0, cuda::StreamPriority::Highest, &GpuOptions::default())?;
     let mut rng = rng(31);
     let (k, n) = (256, 384);
     for (m, sm_target) in [(1, None), (200, None), (200, Some(8))] {

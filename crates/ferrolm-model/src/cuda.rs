@@ -218,7 +218,6 @@ impl CudaRunner {
         match dev.gpu().capture(|| decoder.run(dev, &batch, step.rows, kv, acts)) {
             Ok(graph) => {
                 graph.launch()?;
-                drop(batch);
                 self.graphs.graphs.insert(shape, DecodeGraph { buffers, graph });
                 Ok(())
             }

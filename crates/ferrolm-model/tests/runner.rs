@@ -80,7 +80,7 @@ fn backends(dir: &Path) -> Vec<(String, Box<dyn ModelRunner>, Rule)> {
         use ferrolm_backend::cuda::Gpu;
         use ferrolm_backend::DType;
         for (dtype, rule) in [(DType::F32, Rule::Close(1e-3)), (DType::BF16, Rule::Bf16)] {
-            match Gpu::new(0) {
+            match Gpu::new(0, &Default::default()) {
                 Ok(gpu) => {
                     let runner = load_cuda(dir, gpu, dtype);
                     all.push((format!("cuda {dtype:?}"), Box::new(runner), rule));
@@ -364,7 +364,7 @@ fn cuda_graph_decode_steps_equal_eager_steps() {
         let mut runs: Vec<Vec<(u32, Vec<f64>)>> = Vec::new();
         let mut fed: Vec<u32> = Vec::new();
         for graphs in [false, true] {
-            let gpu = match Gpu::new(0) {
+            let gpu = match Gpu::new(0, &Default::default()) {
                 Ok(gpu) => gpu,
                 Err(err) if err.means_no_gpu() => return eprintln!("skipping: no GPU ({err})"),
                 Err(err) => panic!("the GPU is there but could not be opened: {err}"),

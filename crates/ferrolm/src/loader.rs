@@ -52,13 +52,52 @@ pub struct EngineArgs {
     /// (0, 1]. On the CPU the cache is sized by --kv-cache-memory-gb (or --num-kv-blocks).
     #[arg(long, default_value_t = 0.9)]
     pub kv_cache_fraction: f64,
-    /// GPU: replay decode steps from captured CUDA graphs (`false` runs every step eagerly).
-    #[arg(long, env = "FERROLM_CUDA_GRAPHS", default_value_t = true, action = ArgAction::Set, value_parser = BoolishValueParser::new())]
+    #[command(flatten)]
+    pub gpu: GpuArgs,
+}
+
+/// Kernel switches of the CUDA backend (ignored on the CPU), there to compare variants on one
+/// binary; each also reads its environment variable.
+#[derive(Args, Clone, Debug, Serialize)]
+pub struct GpuArgs {
+    /// Programmatic dependent launch on Hopper and later: each kernel starts while the one
+    /// before it finishes (false launches plainly).
+    #[arg(long, env = "FERROLM_PDL", action = ArgAction::Set, value_parser = BoolishValueParser::new(),
+          default_value_t = true, value_name = "BOOL")]
+    pub pdl: bool,
+    /// Long decode batches may take the warp-per-head-block attention kernel (false keeps the
+    /// block-per-head-block kernel).
+    #[arg(long, env = "FERROLM_DECODE_WARP_ITEMS", action = ArgAction::Set,
+          value_parser = BoolishValueParser::new(), default_value_t = true, value_name = "BOOL")]
+    pub decode_warp_items: bool,
+    /// The warp-per-head-block decode kernel copies K/V as tensor-map boxes (Hopper and later).
+    #[arg(long, env = "FERROLM_DECODE_TENSOR_COPIES", action = ArgAction::Set,
+          value_parser = BoolishValueParser::new(), default_value_t = false, value_name = "BOOL")]
+    pub decode_tensor_copies: bool,
+    /// Preprocessor definitions every kernel is compiled with, "NAME=VALUE ..." (kernel variants).
+    #[arg(long, env = "FERROLM_KERNEL_DEFINES", value_delimiter = ' ', value_name = "NAME=VALUE")]
+    pub kernel_defines: Vec<String>,
+    /// Replay decode steps from captured CUDA graphs (false runs every step eagerly).
+    #[arg(long, env = "FERROLM_CUDA_GRAPHS", action = ArgAction::Set, value_parser = BoolishValueParser::new(),
+          default_value_t = true, value_name = "BOOL")]
     pub cuda_graphs: bool,
-    /// GPU: at start-up, time cuBLAS's default GEMM kernels against cuBLASLt's algorithms on the
-    /// decode batches' projections and keep the faster (a second or two).
-    #[arg(long, env = "FERROLM_GEMM_TUNE", default_value_t = true, action = ArgAction::Set, value_parser = BoolishValueParser::new())]
+    /// At start-up, time cuBLAS's default GEMM kernels against cuBLASLt's algorithms on the
+    /// decode batches' projections and keep the faster (a second or two; false skips it).
+    #[arg(long, env = "FERROLM_GEMM_TUNE", action = ArgAction::Set, value_parser = BoolishValueParser::new(),
+          default_value_t = true, value_name = "BOOL")]
     pub gemm_tune: bool,
+}
+
+#[cfg(feature = "cuda")]
+impl GpuArgs {
+    pub fn options(&self) -> ferrolm_backend::cuda::GpuOptions {
+        ferrolm_backend::cuda::GpuOptions {
+            programmatic_launch: self.pdl,
+            decode_warp_items: self.decode_warp_items,
+            decode_tensor_copies: self.decode_tensor_copies,
+            kernel_defines: self.kernel_defines.iter().filter(|d| !d.is_empty()).cloned().collect(),
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -211,7 +250,7 @@ fn cuda_runner_if_present(
 /// The first GPU if there is one (`None` otherwise, for the CPU).
 #[cfg(feature = "cuda")]
 fn cuda_runner_if_present(config: &ModelConfig, weights: &WeightSource, args: &EngineArgs) -> Result<Option<Placed>> {
-    match ferrolm_backend::cuda::Gpu::new(0) {
+    match ferrolm_backend::cuda::Gpu::new(0, &args.gpu.options()) {
         Ok(gpu) => cuda_place(config.clone(), weights, gpu, args).map(Some),
         Err(err) if err.means_no_gpu() => {
             tracing::info!(reason = %err, "no usable GPU; running on the CPU");
@@ -224,7 +263,7 @@ fn cuda_runner_if_present(config: &ModelConfig, weights: &WeightSource, args: &E
 
 #[cfg(feature = "cuda")]
 fn cuda_runner(config: ModelConfig, weights: &WeightSource, args: &EngineArgs) -> Result<Placed> {
-    let gpu = ferrolm_backend::cuda::Gpu::new(0).context("--device cuda")?;
+    let gpu = ferrolm_backend::cuda::Gpu::new(0, &args.gpu.options()).context("--device cuda")?;
     cuda_place(config, weights, gpu, args)
 }
 
@@ -242,9 +281,9 @@ fn cuda_place(
     let started = std::time::Instant::now();
     let mut runner = CudaRunner::load(gpu, dtype, config, weights).context("cannot load the model onto the GPU")?;
     tracing::info!(seconds = started.elapsed().as_secs_f64(), "weights uploaded");
-    runner.set_cuda_graphs(args.cuda_graphs);
+    runner.set_cuda_graphs(args.gpu.cuda_graphs);
     // Before the free memory is read: tuning's operands are freed again.
-    if args.gemm_tune {
+    if args.gpu.gemm_tune {
         runner.tune_gemms(args.max_num_seqs).context("cannot tune the GEMMs")?;
     }
     let (free, total) = runner.gpu().memory_info()?;
@@ -345,4 +384,31 @@ pub fn start_engine(
         },
     )?;
     Ok(engine)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::GpuArgs;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        gpu: GpuArgs,
+    }
+
+    /// The kernel switches take the values their environment variables always took ("0", "1").
+    #[test]
+    fn gpu_switches_take_zero_and_one() -> Result<(), clap::Error> {
+        let args = ["ferrolm", "--pdl", "0", "--decode-warp-items", "false", "--decode-tensor-copies", "1"];
+        let more = ["--cuda-graphs", "0", "--gemm-tune", "no", "--kernel-defines", "DM_BULK=0 X=1"];
+        let cli = Cli::try_parse_from(args.into_iter().chain(more))?;
+        assert!(!cli.gpu.pdl && !cli.gpu.decode_warp_items && cli.gpu.decode_tensor_copies);
+        assert!(!cli.gpu.cuda_graphs && !cli.gpu.gemm_tune);
+        let defaults = Cli::try_parse_from(["ferrolm"])?;
+        assert!(defaults.gpu.pdl && defaults.gpu.cuda_graphs && defaults.gpu.gemm_tune);
+        assert_eq!(cli.gpu.kernel_defines, ["DM_BULK=0", "X=1"]);
+        Ok(())
+    }
 }

@@ -4,13 +4,30 @@
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
-use ferrolm_backend::cuda::{self, AttentionKernel, AttentionWork, Gpu, GpuAttentionMetadata, GpuError, GpuTensor};
+use ferrolm_backend::cuda::{
+    self, AttentionKernel, AttentionWork, Gpu, GpuAttentionMetadata, GpuError, GpuOptions, GpuTensor,
+};
 use ferrolm_backend::{DType, WeightView};
 use half::bf16;
 
+/// The server's defaults, with the switches the server takes from its command line read from
+/// the same environment variables (`FERROLM_PDL=0`, `FERROLM_DECODE_WARP_ITEMS=0`,
+/// `FERROLM_DECODE_TENSOR_COPIES=1`, `FERROLM_KERNEL_DEFINES="NAME=VALUE ..."`), so that one
+/// bench binary compares the variants.
+pub fn gpu_options() -> GpuOptions {
+    let set = |name: &str, default: bool| std::env::var(name).map_or(default, |v| !matches!(v.as_str(), "0" | "false"));
+    let defines = std::env::var("FERROLM_KERNEL_DEFINES").unwrap_or_default();
+    GpuOptions {
+        programmatic_launch: set("FERROLM_PDL", true),
+        decode_warp_items: set("FERROLM_DECODE_WARP_ITEMS", true),
+        decode_tensor_copies: set("FERROLM_DECODE_TENSOR_COPIES", false),
+        kernel_defines: defines.split_whitespace().map(str::to_string).collect(),
+    }
+}
+
 /// Device 0, its name and compute capability printed; `None` (said on stderr) without a GPU.
 pub fn open_gpu() -> Option<Gpu> {
-    match Gpu::new(0) {
+    match Gpu::new(0, &gpu_options()) {
         Ok(gpu) => {
             println!("{} (compute capability {:?})", gpu.name(), gpu.compute_capability());
             Some(gpu)

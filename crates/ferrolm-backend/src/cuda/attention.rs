@@ -28,6 +28,41 @@ use super::ops::same_dtype;
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
 use crate::DType;
 
+use super::compile::{self, KernelFamilies};
+
+/// The entry points of the paged KV cache ops: the tensor-core decode kernels exist for the half
+/// types only.
+pub(crate) const KERNELS: &[KernelFamilies] = &[
+    KernelFamilies { source: &compile::ATTENTION, names: &["reshape_and_cache"], large_shared: false },
+    KernelFamilies {
+        source: &compile::ATTENTION,
+        names: &[
+            "paged_attention",
+            "paged_attention_decode_g1",
+            "paged_attention_decode_g2",
+            "paged_attention_decode_g4",
+            "paged_attention_decode_g8",
+        ],
+        large_shared: true,
+    },
+    KernelFamilies {
+        source: &compile::DECODE_ATTENTION,
+        names: &[
+            DECODE_MMA_KERNELS[0].1,
+            DECODE_MMA_KERNELS[1].1,
+            DECODE_MMA_KERNELS[2].1,
+            DECODE_MMA_KERNELS[3].1,
+            DECODE_MMA_KERNELS[0].2,
+            DECODE_MMA_KERNELS[1].2,
+            DECODE_MMA_KERNELS[2].2,
+            DECODE_MMA_KERNELS[3].2,
+            DECODE_MMA_TENSOR_KERNELS[0].1,
+            DECODE_MMA_TENSOR_KERNELS[1].1,
+        ],
+        large_shared: true,
+    },
+];
+
 /// Keys per shared-memory tile (`ATTN_TILE` in attention.cu).
 const KEY_TILE: usize = 32;
 /// Accumulator elements per thread (`ATTN_ACC` in attention.cu).
@@ -223,7 +258,7 @@ pub fn paged_attention_on(
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum TensorCopies {
     Never,
-    /// Wherever the per-warp kernel runs (the `Gpu`'s choice: `FERROLM_DECODE_TENSOR_COPIES`).
+    /// Wherever the per-warp kernel runs (`GpuOptions::decode_tensor_copies`).
     WherePerWarp(&'static str),
     /// For the whole batch, unsplit ([`AttentionKernel::TensorCopies`]).
     Always(&'static str),
@@ -238,7 +273,7 @@ pub enum AttentionKernel {
     /// The general kernel, whatever the batch, dtype and head size.
     General,
     /// The per-warp tensor-core decode kernel in its tensor-copy form, whatever the batch size
-    /// and whether or not the `Gpu` takes that form itself (`FERROLM_DECODE_TENSOR_COPIES`); an
+    /// and whether or not the `Gpu` takes that form itself (`GpuOptions::decode_tensor_copies`); an
     /// error where it does not apply (see `tensor_copy_kernel`).
     TensorCopies,
 }

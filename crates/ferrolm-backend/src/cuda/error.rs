@@ -15,8 +15,8 @@ pub enum GpuError {
     NoDevice { ordinal: usize, count: i32 },
     #[error("CUDA setup failed: {0}")]
     Setup(String),
-    #[error("NVRTC failed to compile the kernels for {arch}: {log}")]
-    Compile { arch: String, log: String },
+    #[error("NVRTC failed to compile kernel module {module} for {arch}: {log}")]
+    Compile { module: String, arch: String, log: String },
     #[error("CUDA driver call failed: {0}")]
     Driver(#[from] DriverError),
     #[error("cuBLAS call failed: {0}")]

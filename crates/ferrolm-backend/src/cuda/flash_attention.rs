@@ -13,6 +13,7 @@ use std::fmt;
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
+use super::compile::{self, KernelFamilies};
 use super::gpu::to_u32;
 use super::{Gpu, GpuAttentionMetadata, GpuError, GpuView, GpuViewMut};
 use crate::DType;
@@ -22,8 +23,11 @@ const TILE_ROWS: usize = 64;
 /// Threads per block (`FA_THREADS`).
 const THREADS: usize = 128;
 
-/// The kernel of each head size, loaded for bf16 and f16 only.
-pub(crate) const KERNELS: [&str; 5] = [
+/// The kernel of each head size (the file has them for bf16 and f16 only).
+pub(crate) const KERNELS: &[KernelFamilies] =
+    &[KernelFamilies { source: &compile::FLASH_ATTENTION, names: &NAMES, large_shared: true }];
+
+const NAMES: [&str; 5] = [
     "flash_attention_d64",
     "flash_attention_d80",
     "flash_attention_d96",
@@ -42,12 +46,12 @@ pub(crate) struct FlashKernel {
 }
 
 const VARIANTS: [FlashKernel; 5] = [
-    FlashKernel { name: KERNELS[0], head_dim: 64, key_tile: 64, q_in_regs: true },
-    FlashKernel { name: KERNELS[1], head_dim: 80, key_tile: 64, q_in_regs: true },
-    FlashKernel { name: KERNELS[2], head_dim: 96, key_tile: 64, q_in_regs: true },
-    FlashKernel { name: KERNELS[3], head_dim: 128, key_tile: 64, q_in_regs: true },
+    FlashKernel { name: NAMES[0], head_dim: 64, key_tile: 64, q_in_regs: true },
+    FlashKernel { name: NAMES[1], head_dim: 80, key_tile: 64, q_in_regs: true },
+    FlashKernel { name: NAMES[2], head_dim: 96, key_tile: 64, q_in_regs: true },
+    FlashKernel { name: NAMES[3], head_dim: 128, key_tile: 64, q_in_regs: true },
     // 128 f32 accumulators per thread leave no room for Q fragments or wider key tiles.
-    FlashKernel { name: KERNELS[4], head_dim: 256, key_tile: 32, q_in_regs: false },
+    FlashKernel { name: NAMES[4], head_dim: 256, key_tile: 32, q_in_regs: false },
 ];
 
 impl FlashKernel {

@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Arc;
+use std::time::Instant;
 
 use cudarc::cublas::{sys as blas_sys, CudaBlas};
 use cudarc::driver::sys::{
@@ -14,78 +15,12 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
 };
-use cudarc::nvrtc::Ptx;
 
 use super::attention;
-use super::compile;
-use super::flash_attention;
+use super::compile::{self, entry_name, Compiled, Output, Target, Unit};
 use super::gemm_tune::TunedGemms;
 use super::GpuError;
 use crate::DType;
-
-/// Every kernel family; each is compiled as `{name}_f32`, `{name}_bf16` and `{name}_f16`.
-const KERNELS: &[&str] = &[
-    "embedding_to_f32",
-    "rms_norm_from_f32",
-    "add_rms_norm_f32_residual",
-    "embedding",
-    "rms_norm",
-    "add_rms_norm",
-    "rms_norm_vec8",
-    "rms_norm_from_f32_vec8",
-    "add_rms_norm_vec8",
-    "add_rms_norm_f32_residual_vec8",
-    "split_qkv",
-    "rope",
-    "qkv_rope_cache",
-    "qkv_rope_cache_vec8",
-    "silu_and_mul",
-    "gelu_tanh_and_mul",
-    "bias_add",
-    "gather_rows",
-    "stream_read_xor",
-    "fill_word_pattern",
-    "reshape_and_cache",
-    "paged_attention",
-    "paged_attention_decode_g1",
-    "paged_attention_decode_g2",
-    "paged_attention_decode_g4",
-    "paged_attention_decode_g8",
-    "logit_stats",
-    "sample_weights",
-    "sample_rows",
-    "sampled_tokens",
-    "gemv_m1",
-    "gemv_m2",
-    "gemv_m3",
-    "gemv_m4",
-    "gemv_m1_to_f32",
-    "gemv_m2_to_f32",
-    "gemv_m3_to_f32",
-    "gemv_m4_to_f32",
-    "gemv_silu_m1",
-    "gemv_silu_m2",
-    "gemv_silu_m3",
-    "gemv_silu_m4",
-    "gemv_gelu_tanh_m1",
-    "gemv_gelu_tanh_m2",
-    "gemv_gelu_tanh_m3",
-    "gemv_gelu_tanh_m4",
-    "gemv_rope_cache_m1",
-    "gemv_rope_cache_m2",
-    "gemv_rope_cache_m3",
-    "gemv_rope_cache_m4",
-];
-
-/// Kernels that may need more than the default 48 KiB of dynamic shared memory.
-const LARGE_SHARED_KERNELS: &[&str] = &[
-    "paged_attention",
-    "paged_attention_decode_g1",
-    "paged_attention_decode_g2",
-    "paged_attention_decode_g4",
-    "paged_attention_decode_g8",
-    "sample_rows",
-];
 
 /// cuBLAS's workspace, set once so that GEMMs inside a captured graph allocate nothing.
 const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
@@ -102,6 +37,35 @@ fn allow_dynamic_shared(f: &CudaFunction, max_shared_per_block: i32) -> Result<(
         max_shared_per_block - static_bytes,
     )?;
     Ok(())
+}
+
+/// How a [`Gpu`] compiles and launches its kernels. `Default` is what a server runs with; the
+/// switches exist to compare variants on one binary. Filled in one place (the command line).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GpuOptions {
+    /// Launch kernels with programmatic dependent launch on compute capability 9.0 and later
+    /// (see [`Launch`]); off launches plainly.
+    pub programmatic_launch: bool,
+    /// Unsplit tensor-core decodes may take the kernel with a head block per warp; off keeps the
+    /// block-per-head-block kernel.
+    pub decode_warp_items: bool,
+    /// The per-warp decode kernel copies its K/V tiles as tensor-map boxes where it can
+    /// (compute capability 9.0 and later).
+    pub decode_tensor_copies: bool,
+    /// `NAME=VALUE` preprocessor definitions every kernel module is compiled with (kernel
+    /// variants for experiments; part of the compile cache's key).
+    pub kernel_defines: Vec<String>,
+}
+
+impl Default for GpuOptions {
+    fn default() -> GpuOptions {
+        GpuOptions {
+            programmatic_launch: true,
+            decode_warp_items: true,
+            decode_tensor_copies: false,
+            kernel_defines: Vec::new(),
+        }
+    }
 }
 
 /// The priority of a [`Gpu`]'s stream among the device's streams.
@@ -130,17 +94,15 @@ pub struct Gpu {
     /// Dynamic shared memory a block may opt into, in bytes.
     max_shared_per_block: usize,
     /// Kernels are launched with programmatic stream serialization (compute capability 9.0 and
-    /// later, unless `FERROLM_PDL=0`); see [`Launch`].
+    /// later, unless [`GpuOptions::programmatic_launch`] is off); see [`Launch`].
     programmatic_launch: bool,
     /// The cuBLASLt plans of [`Gpu::tune_gemms`], by GEMM shape.
     tuned_gemms: TunedGemms,
     /// The cuBLAS workspace's address (see [`BLAS_WORKSPACE_BYTES`]), which cuBLASLt shares.
     blas_workspace_ptr: u64,
-    /// Unsplit tensor-core decodes take the kernel with a head block per warp (unless
-    /// `FERROLM_DECODE_WARP_ITEMS=0`, which keeps the block-per-head-block kernel).
+    /// [`GpuOptions::decode_warp_items`].
     decode_warp_items: bool,
-    /// The per-warp decode kernel copies its K/V tiles as tensor-map boxes where it can
-    /// (`FERROLM_DECODE_TENSOR_COPIES=1`, compute capability 9.0 and later; off by default).
+    /// [`GpuOptions::decode_tensor_copies`], on compute capability 9.0 and later only.
     decode_tensor_copies: bool,
     /// Streaming multiprocessors, and the shared memory each has for blocks.
     multiprocessors: usize,
@@ -156,18 +118,18 @@ impl Gpu {
     /// before any CUDA call (so that a machine without them gets an error, not a panic), then
     /// creates the context, the stream and the cuBLAS handle, and compiles (or loads from the
     /// disk cache) the kernels for the device's architecture.
-    pub fn new(ordinal: usize) -> Result<Gpu, GpuError> {
-        Gpu::new_with_priority(ordinal, StreamPriority::Default)
+    pub fn new(ordinal: usize, options: &GpuOptions) -> Result<Gpu, GpuError> {
+        Gpu::new_with_priority(ordinal, StreamPriority::Default, options)
     }
 
     /// [`Gpu::new`] with its stream at `priority`. Two `Gpu`s of one device share its primary
     /// context, so each may read the other's buffers; where both have work queued, the block
     /// scheduler starts the blocks of the higher-priority stream first.
-    pub fn new_with_priority(ordinal: usize, priority: StreamPriority) -> Result<Gpu, GpuError> {
+    pub fn new_with_priority(ordinal: usize, priority: StreamPriority, options: &GpuOptions) -> Result<Gpu, GpuError> {
         check_libraries()?;
         // cudarc panics when a library lacks a symbol it binds (an older driver, say): report
         // that as an error too.
-        std::panic::catch_unwind(|| Gpu::open(ordinal, priority)).unwrap_or_else(|payload| {
+        std::panic::catch_unwind(|| Gpu::open(ordinal, priority, options)).unwrap_or_else(|payload| {
             let msg = payload
                 .downcast_ref::<String>()
                 .cloned()
@@ -177,7 +139,7 @@ impl Gpu {
         })
     }
 
-    fn open(ordinal: usize, priority: StreamPriority) -> Result<Gpu, GpuError> {
+    fn open(ordinal: usize, priority: StreamPriority, options: &GpuOptions) -> Result<Gpu, GpuError> {
         let mut version = 0;
         // SAFETY: the pointer is valid for a write; the driver library was found above.
         unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) }.result()?;
@@ -218,24 +180,16 @@ impl Gpu {
             .result()?;
 
         let (major, minor) = ctx.compute_capability()?;
-        let arch = format!("compute_{major}{minor}");
-        let module = load_kernels(&ctx, &arch)?;
         let max_shared_per_block =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
-        let mut kernels = HashMap::new();
-        for (name, dtype, large_shared) in kernel_entries() {
-            let f = module.load_function(&entry_name(name, dtype))?;
-            if large_shared {
-                allow_dynamic_shared(&f, max_shared_per_block)?;
-            }
-            kernels.insert((name, dtype), f);
-        }
+        let target = Target { capability: (major as u32, minor as u32), defines: options.kernel_defines.clone() };
+        let kernels = load_kernels(&ctx, &target, max_shared_per_block)?;
         let decode_counters = stream.alloc_zeros::<u32>(attention::DECODE_TARGET_BLOCKS)?;
         // SAFETY: a decode kernel writes every element of the workspace that it reads.
         let decode_workspace = unsafe { stream.alloc::<f32>(attention::DECODE_WORKSPACE_FLOATS) }?;
-        let programmatic_launch = major >= 9 && std::env::var("FERROLM_PDL").map_or(true, |v| v != "0");
-        let decode_warp_items = std::env::var("FERROLM_DECODE_WARP_ITEMS").map_or(true, |v| v != "0");
-        let decode_tensor_copies = major >= 9 && std::env::var("FERROLM_DECODE_TENSOR_COPIES").is_ok_and(|v| v == "1");
+        let programmatic_launch = major >= 9 && options.programmatic_launch;
+        let decode_warp_items = options.decode_warp_items;
+        let decode_tensor_copies = major >= 9 && options.decode_tensor_copies;
         let multiprocessors = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let max_shared_per_multiprocessor =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
@@ -491,35 +445,6 @@ pub(crate) fn rows_config(rows: usize, width: usize) -> LaunchConfig {
     LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
 }
 
-pub(crate) fn dtype_suffix(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-    }
-}
-
-/// Every kernel a [`Gpu`] loads: (family, dtype, whether it may take more than the default
-/// 48 KiB of dynamic shared memory). The families of [`KERNELS`] come in the three dtypes; the
-/// tensor-core kernels exist for half types only, each with its own shared memory.
-pub(super) fn kernel_entries() -> impl Iterator<Item = (&'static str, DType, bool)> {
-    let every_dtype = KERNELS.iter().flat_map(|&name| {
-        [DType::F32, DType::BF16, DType::F16].map(|dtype| (name, dtype, LARGE_SHARED_KERNELS.contains(&name)))
-    });
-    let decode_mma = attention::DECODE_MMA_KERNELS.iter().flat_map(|&(_, block, warp)| [block, warp]);
-    let decode_mma = decode_mma.chain(attention::DECODE_MMA_TENSOR_KERNELS.iter().map(|&(_, name)| name));
-    let half_only = flash_attention::KERNELS
-        .into_iter()
-        .chain(decode_mma)
-        .flat_map(|name| [DType::BF16, DType::F16].map(|dtype| (name, dtype, true)));
-    every_dtype.chain(half_only)
-}
-
-/// The module's entry point of a kernel family in `dtype`, e.g. `rms_norm_bf16`.
-pub(super) fn entry_name(family: &str, dtype: DType) -> String {
-    format!("{family}_{}", dtype_suffix(dtype))
-}
-
 /// Asserts that `value` fits the kernels' 32-bit sizes.
 pub(crate) fn to_u32(op: &str, what: &str, value: usize) -> u32 {
     u32::try_from(value).unwrap_or_else(|_| panic!("{op}: {what} {value} exceeds the kernels' 32-bit range"))
@@ -544,16 +469,74 @@ fn check_libraries() -> Result<(), GpuError> {
     Ok(())
 }
 
-/// Loads the kernel module, from the disk cache when it has one; a cached PTX the driver rejects
-/// is replaced by a fresh compile.
-fn load_kernels(ctx: &Arc<CudaContext>, arch: &str) -> Result<Arc<CudaModule>, GpuError> {
-    let ptx = compile::kernels_ptx(arch, true)?;
-    match ctx.load_module(Ptx::from_src(ptx.text)) {
-        Ok(module) => Ok(module),
-        Err(_) if ptx.from_cache => {
-            let fresh = compile::kernels_ptx(arch, false)?;
-            Ok(ctx.load_module(Ptx::from_src(fresh.text))?)
+/// Compiles (or reads from the disk cache) every kernel module for `target`, loads each, and
+/// returns the entry points of every op family by (name, dtype).
+fn load_kernels(
+    ctx: &Arc<CudaContext>,
+    target: &Target,
+    max_shared_per_block: i32,
+) -> Result<HashMap<(&'static str, DType), CudaFunction>, GpuError> {
+    let units = Unit::all();
+    let start = Instant::now();
+    let compiled = compile::compile_all(&units, target, Output::Cubin, true);
+    let compile_time = start.elapsed();
+    let cached = compiled.iter().filter(|c| c.as_ref().is_ok_and(|c| c.from_cache)).count();
+    for (unit, c) in units.iter().zip(&compiled) {
+        if let Some(c) = c.as_ref().ok().filter(|c| !c.from_cache) {
+            tracing::info!(module = %unit, seconds = c.took.as_secs_f64(), "kernel module compiled");
         }
-        Err(e) => Err(e.into()),
     }
+    let start = Instant::now();
+    let mut kernels = HashMap::new();
+    for (&unit, compiled) in units.iter().zip(compiled) {
+        let module = load_unit(ctx, unit, target, compiled)?;
+        let families = super::KERNELS.iter().flat_map(|f| f.iter()).filter(|f| f.source == unit.source);
+        for family in families {
+            for &name in family.names {
+                let f = module.load_function(&entry_name(name, unit.dtype))?;
+                if family.large_shared {
+                    allow_dynamic_shared(&f, max_shared_per_block)?;
+                }
+                kernels.insert((name, unit.dtype), f);
+            }
+        }
+    }
+    tracing::info!(
+        modules = units.len(),
+        from_cache = cached,
+        compile_seconds = compile_time.as_secs_f64(),
+        load_seconds = start.elapsed().as_secs_f64(),
+        arch = %target.arch(Output::Cubin),
+        "kernels ready"
+    );
+    Ok(kernels)
+}
+
+/// Loads one module: the CUBIN compiled or read from the cache; a cached one the driver rejects
+/// is compiled afresh; where NVRTC made no CUBIN or the driver takes none, PTX, which the driver
+/// compiles itself.
+fn load_unit(
+    ctx: &Arc<CudaContext>,
+    unit: Unit,
+    target: &Target,
+    compiled: Result<Compiled, GpuError>,
+) -> Result<Arc<CudaModule>, GpuError> {
+    let load = |c: Compiled| ctx.load_module(c.image.into_ptx()).map_err(GpuError::from);
+    let failed = match compiled {
+        Ok(c) if c.from_cache => {
+            load(c).or_else(|_| compile::compile(unit, target, Output::Cubin, false).and_then(load))
+        }
+        Ok(c) => load(c),
+        Err(e) => Err(e),
+    };
+    let cubin_error = match failed {
+        Ok(module) => return Ok(module),
+        Err(e) => e,
+    };
+    tracing::warn!(module = %unit, error = %cubin_error, "no machine code: loading PTX for the driver to compile");
+    let ptx = compile::compile(unit, target, Output::Ptx, true)?;
+    if ptx.from_cache {
+        return load(ptx).or_else(|_| compile::compile(unit, target, Output::Ptx, false).and_then(load));
+    }
+    load(ptx)
 }

@@ -13,6 +13,35 @@ use super::gpu::{rows_config, to_u32};
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
 use crate::{DType, GatedActivation};
 
+use super::compile::{self, KernelFamilies};
+
+/// The entry points of `linear` and `linear_gated`.
+pub(crate) const KERNELS: &[KernelFamilies] = &[
+    KernelFamilies {
+        source: &compile::GEMV,
+        names: &[
+            "gemv_m1",
+            "gemv_m2",
+            "gemv_m3",
+            "gemv_m4",
+            "gemv_m1_to_f32",
+            "gemv_m2_to_f32",
+            "gemv_m3_to_f32",
+            "gemv_m4_to_f32",
+            "gemv_silu_m1",
+            "gemv_silu_m2",
+            "gemv_silu_m3",
+            "gemv_silu_m4",
+            "gemv_gelu_tanh_m1",
+            "gemv_gelu_tanh_m2",
+            "gemv_gelu_tanh_m3",
+            "gemv_gelu_tanh_m4",
+        ],
+        large_shared: false,
+    },
+    KernelFamilies { source: &compile::ELEMENTWISE, names: &["bias_add"], large_shared: false },
+];
+
 /// Most rows of `x` the GEMV kernel takes (it is instantiated for 1 to 4); more go to cuBLAS.
 pub const GEMV_MAX_M: usize = 4;
 /// Warps (output columns) per GEMV block (`GEMV_WARPS`).

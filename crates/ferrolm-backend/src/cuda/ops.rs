@@ -8,6 +8,31 @@ use super::gpu::{rows_config, to_u32};
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
 use crate::DType;
 
+use super::compile::{self, KernelFamilies};
+
+/// The entry points of the norm and elementwise ops.
+pub(crate) const KERNELS: &[KernelFamilies] = &[
+    KernelFamilies {
+        source: &compile::NORM,
+        names: &[
+            "rms_norm",
+            "rms_norm_from_f32",
+            "rms_norm_vec8",
+            "rms_norm_from_f32_vec8",
+            "add_rms_norm",
+            "add_rms_norm_f32_residual",
+            "add_rms_norm_vec8",
+            "add_rms_norm_f32_residual_vec8",
+        ],
+        large_shared: false,
+    },
+    KernelFamilies {
+        source: &compile::ELEMENTWISE,
+        names: &["embedding", "embedding_to_f32", "split_qkv", "silu_and_mul", "gelu_tanh_and_mul", "gather_rows"],
+        large_shared: false,
+    },
+];
+
 /// `out[t, :] = table[ids[t], :] * scale`; `table` is `[vocab, hidden]`, `out` is `[ids.len(), hidden]`,
 /// in the activation dtype or f32 (an f32 residual stream). Ids must be below `vocab` (an id past
 /// it gives a zero row).

@@ -13,6 +13,14 @@ use cudarc::driver::{CudaSlice, LaunchConfig};
 use super::{Gpu, GpuError};
 use crate::DType;
 
+use super::compile::{self, KernelFamilies};
+
+pub(crate) const KERNELS: &[KernelFamilies] = &[KernelFamilies {
+    source: &compile::ELEMENTWISE,
+    names: &["stream_read_xor", "fill_word_pattern"],
+    large_shared: false,
+}];
+
 /// Blocks per multiprocessor and threads per block of the read: two waves of 64 warps per SM,
 /// as many loads in flight as the device allows (on an H200 ~1 % faster than one wave).
 const BLOCKS_PER_SM: usize = 16;

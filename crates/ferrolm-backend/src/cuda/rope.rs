@@ -6,6 +6,22 @@ use super::gpu::{rows_config, to_u32};
 use super::ops::same_dtype;
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
 
+use super::compile::{self, KernelFamilies};
+
+/// The entry points of the RoPE ops; the GEMV with RoPE in its epilogue is gemv.cu's.
+pub(crate) const KERNELS: &[KernelFamilies] = &[
+    KernelFamilies {
+        source: &compile::ROPE,
+        names: &["rope", "qkv_rope_cache", "qkv_rope_cache_vec8"],
+        large_shared: false,
+    },
+    KernelFamilies {
+        source: &compile::GEMV,
+        names: &["gemv_rope_cache_m1", "gemv_rope_cache_m2", "gemv_rope_cache_m3", "gemv_rope_cache_m4"],
+        large_shared: false,
+    },
+];
+
 /// The inverse frequencies of one model, on the device: `[2, half]`, the table for short
 /// positions then the one for positions from `long_start` on (LongRoPE; without it both rows
 /// are the one table and `long_start` is never reached).

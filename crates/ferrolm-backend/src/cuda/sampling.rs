@@ -27,6 +27,18 @@ use super::gpu::to_u32;
 use super::staging::StagedBuffer;
 use super::{Gpu, GpuError, GpuView};
 
+use super::compile::{self, KernelFamilies};
+
+/// The sampler's entry points; `sample_rows` keeps its candidates in shared memory.
+pub(crate) const KERNELS: &[KernelFamilies] = &[
+    KernelFamilies {
+        source: &compile::SAMPLING,
+        names: &["logit_stats", "sample_weights", "sampled_tokens"],
+        large_shared: false,
+    },
+    KernelFamilies { source: &compile::SAMPLING, names: &["sample_rows"], large_shared: true },
+];
+
 /// Threads per row (`SAMPLE_THREADS`).
 const THREADS: u32 = 1024;
 /// The radix select's per-warp histograms: `[warps, 256]` u32 counts, then `[warps, 256]` f64.

@@ -55,7 +55,9 @@ impl Device {
             Flag::Cpu => Device::Cpu,
             Flag::Cuda => Device::Cuda,
             #[cfg(feature = "cuda")]
-            Flag::Auto if !matches!(ferrolm_backend::cuda::Gpu::new(0), Err(e) if e.means_no_gpu()) => Device::Cuda,
+            Flag::Auto if !matches!(ferrolm_backend::cuda::Gpu::new(0, &Default::default()), Err(e) if e.means_no_gpu()) => {
+                Device::Cuda
+            }
             Flag::Auto => Device::Cpu,
         }
     }
@@ -109,7 +111,7 @@ fn measure_gpu_read(buffer_bytes: usize, repetitions: usize) -> anyhow::Result<B
     use anyhow::Context;
     use ferrolm_backend::cuda;
 
-    let gpu = cuda::Gpu::new(0).context("cannot measure the GPU's bandwidth")?;
+    let gpu = cuda::Gpu::new(0, &Default::default()).context("cannot measure the GPU's bandwidth")?;
     let len = buffer_bytes.max(64 << 20) / 16 * 16;
     Ok(Bandwidth {
         bytes_per_s: cuda::read_rate(&gpu, len, repetitions)?,

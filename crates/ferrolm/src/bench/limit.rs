@@ -217,7 +217,7 @@ fn gpu_projection_seconds(config: &ModelConfig, dtype: DType, rows: usize) -> Re
     if dtype == DType::F32 {
         anyhow::bail!("the GPU's GEMM rate is measured in half precision only, and this run computes in float32");
     }
-    let gpu = Gpu::new(0).context("cannot measure the GPU's GEMM rate")?;
+    let gpu = Gpu::new(0, &Default::default()).context("cannot measure the GPU's GEMM rate")?;
     let projections = layer_projections(config);
     let weights = projections
         .iter()

@@ -224,3 +224,7 @@ template <typename T> __device__ __forceinline__ void store8(T* p, const float (
 // Applies `M(type, suffix)` to each activation dtype; each op defines `M` to declare its
 // `extern "C"` kernel `name_suffix` for that dtype.
 #define FOR_EACH_DTYPE(M) M(float, f32) M(__nv_bfloat16, bf16) M(__half, f16)
+// The same for the tensor-core kernels, which exist for the half types only. The host compiles
+// each kernel file once per dtype and redefines both after this header (compile.rs), so that a
+// module holds one dtype's entry points and a file whose device functions another uses adds none.
+#define FOR_EACH_HALF_DTYPE(M) M(__nv_bfloat16, bf16) M(__half, f16)

@@ -583,5 +583,4 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
     PAGED_DECODE_MMA_WARP(T, S, 128) \
     PAGED_DECODE_MMA_TENSOR(T, S, 64) \
     PAGED_DECODE_MMA_TENSOR(T, S, 128)
-PAGED_DECODE_MMA_HEAD_DIMS(__nv_bfloat16, bf16)
-PAGED_DECODE_MMA_HEAD_DIMS(__half, f16)
+FOR_EACH_HALF_DTYPE(PAGED_DECODE_MMA_HEAD_DIMS)

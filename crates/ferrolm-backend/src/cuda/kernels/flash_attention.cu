@@ -390,5 +390,4 @@ __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, co
     FLASH_ATTENTION(T, S, 96, 64, true) \
     FLASH_ATTENTION(T, S, 128, 64, true) \
     FLASH_ATTENTION(T, S, 256, 32, false)
-FLASH_ATTENTION_HEAD_DIMS(__nv_bfloat16, bf16)
-FLASH_ATTENTION_HEAD_DIMS(__half, f16)
+FOR_EACH_HALF_DTYPE(FLASH_ATTENTION_HEAD_DIMS)
