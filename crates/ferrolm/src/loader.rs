@@ -4,9 +4,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, ValueEnum};
+use clap::builder::BoolishValueParser;
+use clap::{ArgAction, Args, ValueEnum};
 use ferrolm_backend::DType;
-use ferrolm_engine::{EngineConfig, EngineHandle, SchedulerConfig};
+use ferrolm_engine::{EngineConfig, EngineHandle, SchedulerConfig, BLOCK_SIZE};
 use ferrolm_model::config::parse_dtype;
 use ferrolm_model::{CpuRunner, GenerationConfig, KvCache, Model, ModelConfig, ModelRunner};
 use ferrolm_sampling::GenerationDefaults;
@@ -50,6 +51,12 @@ pub struct EngineArgs {
     /// (0, 1]. On the CPU the cache is sized by --kv-cache-memory-gb (or --num-kv-blocks).
     #[arg(long, default_value_t = 0.9)]
     pub kv_cache_fraction: f64,
+    /// Launch each engine step while the one before still runs, where it can be scheduled
+    /// ahead; `false` (or 0) collects each step before launching the next, to measure what the
+    /// overlap gains. The outputs are the same either way.
+    #[arg(long, env = "FERROLM_OVERLAP_STEPS", default_value_t = true, action = ArgAction::Set,
+          value_parser = BoolishValueParser::new())]
+    pub overlap_steps: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -73,8 +80,6 @@ impl EngineArgs {
         self.dtype.as_deref().and_then(parse_dtype)
     }
 }
-
-pub const BLOCK_SIZE: usize = 16;
 
 /// Everything loaded from a model directory.
 pub struct LoadedModel {
@@ -299,9 +304,36 @@ pub fn start_engine(
             scheduler,
             max_pending_requests: args.max_pending_requests,
             eos_token_ids,
-            // On unless the environment says otherwise (to measure what the overlap gains).
-            overlap_steps: std::env::var("FERROLM_OVERLAP_STEPS").map_or(true, |v| v != "0"),
+            overlap_steps: args.overlap_steps,
         },
     )?;
     Ok(engine)
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::EngineArgs;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        engine: EngineArgs,
+    }
+
+    /// `--overlap-steps` (and `FERROLM_OVERLAP_STEPS`, through the same parser) is on by default
+    /// and takes the README's `0` as well as `false`.
+    #[test]
+    fn overlap_steps_is_on_unless_turned_off() -> Result<(), clap::Error> {
+        let overlap = |args: &[&str]| {
+            Cli::try_parse_from(std::iter::once("ferrolm").chain(args.iter().copied())).map(|c| c.engine.overlap_steps)
+        };
+        assert!(overlap(&[])?);
+        assert!(!overlap(&["--overlap-steps", "0"])?);
+        assert!(!overlap(&["--overlap-steps", "false"])?);
+        assert!(overlap(&["--overlap-steps", "1"])?);
+        assert!(overlap(&["--overlap-steps=x"]).is_err());
+        Ok(())
+    }
 }
