@@ -1,9 +1,10 @@
 //! ferrolm's continuous-batching core: the paged KV block pool with its prefix cache, the
 //! per-request block tables, and the token-budget scheduler.
 //!
-//! The engine thread drives one step at a time:
-//! `schedule()` → build the flattened batch from the [`SchedulerOutput`] → forward → sample →
-//! `update_from_output()` → emit tokens, hand back finished requests.
+//! The engine thread drives one step at a time: `schedule()` → launch the flattened batch built
+//! from the [`SchedulerOutput`] → collect the sampled tokens → `update_from_output()`, sending
+//! token ids to each request's output stage, which detokenizes and matches stop strings on the
+//! caller's side.
 
 pub mod engine;
 pub mod kv;
@@ -11,11 +12,12 @@ pub mod request;
 pub mod scheduler;
 
 pub use engine::{
-    EngineConfig, EngineError, EngineHandle, EngineStats, EngineStatsSnapshot, GenerateRequest, PromptLogprob,
-    RequestOutput, RequestStream, StepTimesSnapshot, STEP_BUCKET_SEQS,
+    resolve_max_tokens, EngineConfig, EngineError, EngineHandle, EngineStats, EngineStatsSnapshot, GenerateRequest,
+    PromptLogprob, RequestOutput, RequestStream, StepTimesSnapshot, STEP_BUCKET_SEQS,
 };
 pub use kv::{BlockHash, BlockId, BlockPool, ComputedBlocks, KvCacheManager, PrefixCacheStats};
 pub use request::{FinishReason, Request, RequestId, RequestStatus};
 pub use scheduler::{
-    ScheduledRequest, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput, SchedulerStats, UNKNOWN_TOKEN,
+    ScheduledRequest, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput, SchedulerStats, BLOCK_SIZE,
+    UNKNOWN_TOKEN,
 };

@@ -22,16 +22,9 @@ impl fmt::Display for RequestId {
     }
 }
 
-/// Why a request finished (OpenAI's `finish_reason`: `stop`, `length`, or none for aborts).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum FinishReason {
-    /// A stop token (EOS included) was sampled, or the engine matched a stop string.
-    Stop,
-    /// `max_tokens` outputs, or the sequence reached `max_model_len`.
-    Length,
-    /// The client went away or asked to cancel.
-    Abort,
-}
+/// Why a request finished: the sampling crate's, so the engine, the stop-string matcher and the
+/// server speak of one type.
+pub use ferrolm_sampling::FinishReason;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum RequestStatus {

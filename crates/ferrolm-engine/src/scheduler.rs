@@ -52,6 +52,9 @@ pub use output::{ScheduledRequest, SchedulerOutput, UNKNOWN_TOKEN};
 use crate::kv::{BlockId, ComputedBlocks, KvCacheManager, PrefixCacheStats};
 use crate::request::{FinishReason, Request, RequestId, RequestStatus};
 
+/// Tokens per KV block unless measured otherwise; the binary sizes its KV cache with it.
+pub const BLOCK_SIZE: usize = 16;
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SchedulerConfig {
     /// Most requests running at once.
@@ -93,13 +96,35 @@ impl SchedulerConfig {
         SchedulerConfig {
             max_num_seqs: 256,
             max_num_batched_tokens: 2048,
-            block_size: 16,
+            block_size: BLOCK_SIZE,
             num_blocks,
             max_model_len,
             long_prefill_token_threshold: None,
             max_prompt_logprob_rows: 256,
             enable_prefix_caching: true,
         }
+    }
+
+    /// KV blocks a request of this length may hold at its longest. The last sampled token is
+    /// never run, so at most `num_prompt_tokens + max_tokens - 1` tokens hold K and V.
+    pub fn max_blocks_of(&self, num_prompt_tokens: usize, max_tokens: usize) -> usize {
+        (num_prompt_tokens + max_tokens).saturating_sub(1).div_ceil(self.block_size)
+    }
+
+    /// Refuses a request that could never run alone in the whole pool. Checking the worst case
+    /// keeps the guarantee that a lone request always finishes, rather than preempting itself
+    /// forever. The one admission rule: the engine's handle and the scheduler both ask it.
+    pub fn check_fits_kv_cache(
+        &self,
+        request_id: RequestId,
+        num_prompt_tokens: usize,
+        max_tokens: usize,
+    ) -> Result<(), SchedulerError> {
+        let num_blocks_needed = self.max_blocks_of(num_prompt_tokens, max_tokens);
+        if num_blocks_needed > self.num_blocks {
+            return Err(SchedulerError::ExceedsKvCache { request_id, num_blocks_needed, num_blocks: self.num_blocks });
+        }
+        Ok(())
     }
 
     pub fn validate(&self) -> Result<(), SchedulerError> {
@@ -228,17 +253,7 @@ impl Scheduler {
                 max_model_len: self.config.max_model_len,
             });
         }
-        // The last sampled token is never run, so at most max_len - 1 tokens hold K and V.
-        // Checking the worst case keeps the guarantee that a lone request always finishes,
-        // rather than preempting itself forever.
-        let num_blocks_needed = (max_len - 1).div_ceil(self.config.block_size);
-        if num_blocks_needed > self.config.num_blocks {
-            return Err(SchedulerError::ExceedsKvCache {
-                request_id,
-                num_blocks_needed,
-                num_blocks: self.config.num_blocks,
-            });
-        }
+        self.config.check_fits_kv_cache(request_id, request.num_prompt_tokens(), request.max_tokens())?;
         request.status = RequestStatus::Waiting;
         request.num_computed_tokens = 0;
         request.arrival_index = self.next_arrival_index;

@@ -280,6 +280,12 @@ fn stop_string_cuts_text_and_finishes() {
     let got: String = out[0].iter().map(|o| o.text.as_str()).collect();
     assert_eq!(got, expected);
     assert_eq!(out[0].last().and_then(|o| o.finish_reason), Some(FinishReason::Stop));
+    // The tokens shown end with the one that completed the stop string; any the engine sampled
+    // before it heard of the stop are not.
+    let shown = tokens(&out[0]);
+    assert_eq!(shown, want[..shown.len()]);
+    let decode = |ids: &[u32]| tokenizer.decode(ids, true).expect("decode");
+    assert!(decode(&shown).contains(&stop) && !decode(&shown[..shown.len() - 1]).contains(&stop));
     wait_idle(&engine);
 }
 
@@ -327,6 +333,23 @@ fn bad_requests_are_refused_with_clear_errors() {
     // 8 blocks of 16 hold 128 tokens: 200 can never fit.
     let err = submit(vec![5; 100], greedy(100)).err().expect("never fits");
     assert!(err.to_string().contains("blocks"), "{err}");
+}
+
+/// The handle and the scheduler admit by one rule: a request whose longest run fills its last
+/// block exactly (the last sampled token is never run) is taken, runs alone to the end and
+/// frees its blocks; one more token is refused by both.
+#[test]
+fn a_request_at_a_block_boundary_is_admitted_by_the_handle_and_the_scheduler() {
+    let (engine, _) = start("llama", Setup { num_blocks: 2, ..Setup::default() });
+    // 16 + 17 tokens, the last never run: 32 tokens fill 2 blocks of 16.
+    let stream = engine.submit(GenerateRequest { prompt_token_ids: vec![5; 16], params: greedy(17) });
+    let out = collect(stream.expect("fits 2 blocks exactly"));
+    assert_eq!(tokens(&out[0]).len(), 17);
+    assert_eq!(out[0].last().and_then(|o| o.finish_reason), Some(FinishReason::Length));
+    let err = engine.submit(GenerateRequest { prompt_token_ids: vec![5; 16], params: greedy(18) }).err();
+    let err = err.expect("one token more needs a 3rd block").to_string();
+    assert!(err.contains("may need 3 KV cache blocks but the pool has only 2"), "{err}");
+    wait_idle(&engine);
 }
 
 #[test]

@@ -8,6 +8,7 @@
 use std::path::Path;
 
 use ferrolm_backend::{DType, GatedActivation, Heads, LayerAttention};
+use ferrolm_sampling::GenerationDefaults;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -309,22 +310,25 @@ impl ModelConfig {
     }
 }
 
-/// What ferrolm reads from `generation_config.json` at this layer: the end-of-sequence ids.
-/// Its sampling defaults are read by `ferrolm_sampling::GenerationDefaults`.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// What ferrolm reads from `generation_config.json`, read once: the end-of-sequence ids and
+/// the sampling defaults a request's own values override.
+#[derive(Clone, Debug, Default)]
 pub struct GenerationConfig {
     pub eos_token_ids: Vec<u32>,
+    pub defaults: GenerationDefaults,
 }
 
 impl GenerationConfig {
-    /// Reads `dir/generation_config.json`; a missing file gives no ids.
+    /// Reads `dir/generation_config.json`; a missing file gives no ids and no defaults.
     pub fn from_dir(dir: &Path) -> Result<GenerationConfig, ModelError> {
         let path = dir.join("generation_config.json");
         if !path.exists() {
             return Ok(GenerationConfig::default());
         }
         let value = read_json(&path)?;
-        Ok(GenerationConfig { eos_token_ids: token_ids(&value.get("eos_token_id").cloned()) })
+        let defaults = GenerationDefaults::deserialize(&value)
+            .map_err(|e| ModelError::InvalidJson { path: path.clone(), message: e.to_string() })?;
+        Ok(GenerationConfig { eos_token_ids: token_ids(&value.get("eos_token_id").cloned()), defaults })
     }
 }
 

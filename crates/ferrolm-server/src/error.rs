@@ -78,7 +78,8 @@ impl ApiError {
                 | EngineError::TooLong { .. }
                 | EngineError::PromptTooLong { .. }
                 | EngineError::InvalidParams(_)
-                | EngineError::Scheduler(_) => StatusCode::BAD_REQUEST,
+                | EngineError::Scheduler(_)
+                | EngineError::Tokenizer(_) => StatusCode::BAD_REQUEST,
             },
             E::Tokenizer(err) => match err {
                 // What a client sends can make these fail: its text, its ids, its messages.
@@ -102,9 +103,9 @@ impl ApiError {
                 Some((*param).to_string())
             }
             ApiError::Engine(EngineError::TooLong { .. }) => Some("max_tokens".into()),
-            ApiError::Engine(EngineError::PromptTooLong { .. } | EngineError::TokenOutOfVocab { .. }) => {
-                Some("prompt".into())
-            }
+            ApiError::Engine(
+                EngineError::PromptTooLong { .. } | EngineError::TokenOutOfVocab { .. } | EngineError::Tokenizer(_),
+            ) => Some("prompt".into()),
             _ => None,
         }
     }

@@ -49,17 +49,9 @@ pub struct Generation {
     first_token_at: Option<Instant>,
 }
 
-fn finish_str(reason: FinishReason) -> &'static str {
-    match reason {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-        FinishReason::Abort => "abort",
-    }
-}
-
 /// The `finish_reason` a client sees; aborts never reach a client that is still there.
 pub fn client_finish_reason(reason: Option<FinishReason>) -> Option<&'static str> {
-    reason.filter(|&r| r != FinishReason::Abort).map(finish_str)
+    reason.filter(|&r| r != FinishReason::Abort).map(FinishReason::as_str)
 }
 
 impl Generation {

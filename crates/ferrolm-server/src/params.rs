@@ -5,40 +5,78 @@
 //! Range checks are the engine's ([`SamplingParams::validate`] via `EngineHandle::submit`), so
 //! the two routes and the CLI refuse the same values with the same messages.
 
+use ferrolm_engine::resolve_max_tokens;
 use ferrolm_sampling::{GenerationDefaults, SamplingParams};
 
 use crate::error::ApiError;
-use crate::protocol::Stop;
 
-/// The sampling fields both completion routes accept, as the client sent them.
-#[derive(Debug, Default)]
-pub struct RequestSampling {
-    pub max_tokens: Option<u32>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<i32>,
-    pub min_p: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub n: Option<u32>,
-    pub seed: Option<i64>,
-    pub stop: Option<Stop>,
-    pub ignore_eos: Option<bool>,
-    pub min_tokens: Option<u32>,
-    pub stop_token_ids: Option<Vec<u32>>,
-    pub skip_special_tokens: Option<bool>,
-    pub logprobs: Option<u32>,
-    pub prompt_logprobs: Option<u32>,
-    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+/// Declares a request type with, after its own fields, the sampling fields that both completion
+/// routes take, listed here once, and a `take_sampling` that moves them into a
+/// [`RequestSampling`].
+///
+/// NOTE: not a `#[serde(flatten)]` struct: serde buffers flattened fields, so a bad value
+/// there would lose the field name that the 400 names (`param`), and `deny_unknown_fields`
+/// (how an unknown parameter is refused by name) does not hold across a flatten.
+macro_rules! sampling_request {
+    ($(#[$meta:meta])* pub struct $name:ident { $($(#[$fmeta:meta])* pub $field:ident: $ty:ty,)* }) => {
+        $crate::params::sampling_request!(@ [$(#[$meta])*] $name [$($(#[$fmeta])* pub $field: $ty,)*]
+            max_tokens: Option<u32>,
+            temperature: Option<f32>,
+            top_p: Option<f32>,
+            top_k: Option<i32>,
+            min_p: Option<f32>,
+            repetition_penalty: Option<f32>,
+            presence_penalty: Option<f32>,
+            frequency_penalty: Option<f32>,
+            n: Option<u32>,
+            seed: Option<i64>,
+            stop: Option<$crate::protocol::Stop>,
+            ignore_eos: Option<bool>,
+            min_tokens: Option<u32>,
+            stop_token_ids: Option<Vec<u32>>,
+            skip_special_tokens: Option<bool>,
+            logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+        );
+    };
+    (@ [$($meta:tt)*] $name:ident [$($own:tt)*] $($field:ident: $ty:ty,)*) => {
+        $($meta)*
+        pub struct $name {
+            $($own)*
+            $(pub $field: $ty,)*
+        }
+
+        impl $name {
+            /// The sampling fields, moved out (those of the route's own, such as `logprobs`,
+            /// are the route's to fill in).
+            pub fn take_sampling(&mut self) -> $crate::params::RequestSampling {
+                $crate::params::RequestSampling {
+                    $($field: self.$field.take(),)*
+                    ..Default::default()
+                }
+            }
+        }
+    };
+}
+pub(crate) use sampling_request;
+
+sampling_request! {
+    /// The sampling knobs of a request, as the client sent them.
+    #[derive(Debug, Default)]
+    pub struct RequestSampling {
+        /// Top logprobs per sampled token (each route spells it its own way).
+        pub logprobs: Option<u32>,
+        /// Top logprobs per prompt token (completions' `echo` with `logprobs`).
+        pub prompt_logprobs: Option<u32>,
+    }
 }
 
-/// Sampling parameters for every prompt of a request, before the per-prompt `max_tokens` fit.
+/// Sampling parameters for every prompt of a request, before each prompt's length is settled.
 #[derive(Debug, Clone)]
 pub struct ResolvedSampling {
+    /// `max_tokens` is the client's, if it chose one.
     pub params: SamplingParams,
-    /// Whether the client chose `max_tokens` (then it is never shortened to fit the context).
-    pub client_max_tokens: bool,
+    /// The model's length, else the route's: used where the client chose none.
+    pub default_max_tokens: Option<u32>,
 }
 
 impl RequestSampling {
@@ -51,7 +89,7 @@ impl RequestSampling {
         if self.logit_bias.as_ref().is_some_and(|b| !b.is_empty()) {
             return Err(ApiError::invalid("logit_bias is not supported", Some("logit_bias")));
         }
-        let client_max_tokens = self.max_tokens.is_some();
+        let default_max_tokens = model.max_tokens.or(route_max_tokens);
         let from_client = GenerationDefaults {
             temperature: self.temperature,
             top_p: self.top_p,
@@ -78,28 +116,20 @@ impl RequestSampling {
             ..base
         }
         .with_defaults(&from_client.or(model));
-        if params.max_tokens.is_none() {
-            params.max_tokens = route_max_tokens;
-        }
-        Ok(ResolvedSampling { params, client_max_tokens })
+        params.max_tokens = self.max_tokens;
+        Ok(ResolvedSampling { params, default_max_tokens })
     }
 }
 
 impl ResolvedSampling {
-    /// The parameters for one prompt: a length the client did not choose is shortened to the
-    /// room left in the context (as vLLM does), so that a model default of, say, 512 new tokens
-    /// does not refuse long prompts.
+    /// The parameters for one prompt, its length settled by the engine's one rule
+    /// ([`resolve_max_tokens`]): a default length is shortened to the room left in the context
+    /// (as vLLM does), so that a model default of, say, 512 new tokens does not refuse long
+    /// prompts; the client's is never changed.
     pub fn for_prompt(&self, num_prompt_tokens: usize, max_model_len: usize) -> SamplingParams {
-        let mut params = self.params.clone();
-        if !self.client_max_tokens {
-            let room = max_model_len.saturating_sub(num_prompt_tokens);
-            if let Some(m) = params.max_tokens {
-                if m as usize > room && room > 0 {
-                    params.max_tokens = Some(room as u32);
-                }
-            }
-        }
-        params
+        let max_tokens =
+            resolve_max_tokens(self.params.max_tokens, self.default_max_tokens, num_prompt_tokens, max_model_len);
+        SamplingParams { max_tokens: Some(max_tokens), ..self.params.clone() }
     }
 }
 
@@ -115,12 +145,12 @@ mod tests {
         assert_eq!(r.params.temperature, 0.0);
         assert_eq!(r.params.top_k, 20);
         assert_eq!(r.params.n, 2);
-        assert_eq!(r.params.max_tokens, Some(16));
-        assert!(!r.client_max_tokens);
+        assert_eq!(r.for_prompt(10, 128).max_tokens, Some(16));
+        assert_eq!(r.params.max_tokens, None, "the client chose no length");
 
         let model = GenerationDefaults { max_tokens: Some(512), ..Default::default() };
         let r = RequestSampling::default().resolve(&model, Some(16))?;
-        assert_eq!(r.params.max_tokens, Some(512), "the model's max_new_tokens beats the route default");
+        assert_eq!(r.for_prompt(10, 1024).max_tokens, Some(512), "the model's max_new_tokens beats the route default");
         assert_eq!(r.for_prompt(100, 128).max_tokens, Some(28), "a default length fits the context");
 
         let r = RequestSampling { max_tokens: Some(600), ..Default::default() }.resolve(&model, Some(16))?;

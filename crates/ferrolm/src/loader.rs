@@ -8,7 +8,7 @@ use clap::builder::BoolishValueParser;
 use clap::{ArgAction, Args, ValueEnum};
 use ferrolm_backend::cpu::Cpu;
 use ferrolm_backend::DType;
-use ferrolm_engine::{EngineConfig, EngineHandle, SchedulerConfig};
+use ferrolm_engine::{EngineConfig, EngineHandle, SchedulerConfig, BLOCK_SIZE};
 use ferrolm_model::config::parse_dtype;
 use ferrolm_model::{CpuRunner, GenerationConfig, Model, ModelConfig, ModelRunner, WeightSource};
 use ferrolm_sampling::GenerationDefaults;
@@ -52,6 +52,12 @@ pub struct EngineArgs {
     /// (0, 1]. On the CPU the cache is sized by --kv-cache-memory-gb (or --num-kv-blocks).
     #[arg(long, default_value_t = 0.9)]
     pub kv_cache_fraction: f64,
+    /// Launch each engine step while the one before still runs, where it can be scheduled
+    /// ahead; `false` (or 0) collects each step before launching the next, to measure what the
+    /// overlap gains. The outputs are the same either way.
+    #[arg(long, env = "FERROLM_OVERLAP_STEPS", default_value_t = true, action = ArgAction::Set,
+          value_parser = BoolishValueParser::new())]
+    pub overlap_steps: bool,
     #[command(flatten)]
     pub gpu: GpuArgs,
 }
@@ -122,8 +128,6 @@ impl EngineArgs {
     }
 }
 
-pub const BLOCK_SIZE: usize = 16;
-
 /// Everything loaded from a model directory.
 pub struct LoadedModel {
     /// The model directory actually loaded (`--model`, or the bundled demo model).
@@ -148,16 +152,6 @@ fn model_dir(args: &EngineArgs) -> Result<PathBuf> {
     })
 }
 
-/// The sampling defaults of `generation_config.json` (empty when absent).
-fn generation_defaults(dir: &Path) -> Result<GenerationDefaults> {
-    let path = dir.join("generation_config.json");
-    if !path.exists() {
-        return Ok(GenerationDefaults::default());
-    }
-    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-    serde_json::from_str(&text).with_context(|| format!("{} is not a valid generation config", path.display()))
-}
-
 pub fn load(args: &EngineArgs) -> Result<LoadedModel> {
     let dir = model_dir(args)?;
     let config = ModelConfig::from_dir(&dir)?;
@@ -169,7 +163,7 @@ pub fn load(args: &EngineArgs) -> Result<LoadedModel> {
     tracing::info!(model = %dir.display(), architecture = config.architecture.hf_name(), "model found");
     let runner = make_runner(config, &weights, args)?;
     let engine = start_engine(runner, Some(Arc::clone(&tokenizer)), eos_token_ids, args)?;
-    Ok(LoadedModel { dir: dir.clone(), engine, tokenizer, defaults: generation_defaults(&dir)? })
+    Ok(LoadedModel { dir: dir.clone(), engine, tokenizer, defaults: generation.defaults })
 }
 
 /// EOS ids of a model: `generation_config.json`, else `config.json`, else the tokenizer's.
@@ -379,8 +373,7 @@ pub fn start_engine(
             scheduler,
             max_pending_requests: args.max_pending_requests,
             eos_token_ids,
-            // On unless the environment says otherwise (to measure what the overlap gains).
-            overlap_steps: std::env::var("FERROLM_OVERLAP_STEPS").map_or(true, |v| v != "0"),
+            overlap_steps: args.overlap_steps,
         },
     )?;
     Ok(engine)
@@ -390,12 +383,12 @@ pub fn start_engine(
 mod tests {
     use clap::Parser;
 
-    use super::GpuArgs;
+    use super::EngineArgs;
 
     #[derive(Parser)]
     struct Cli {
         #[command(flatten)]
-        gpu: GpuArgs,
+        engine: EngineArgs,
     }
 
     /// The kernel switches take the values their environment variables always took ("0", "1").
@@ -403,12 +396,27 @@ mod tests {
     fn gpu_switches_take_zero_and_one() -> Result<(), clap::Error> {
         let args = ["ferrolm", "--pdl", "0", "--decode-warp-items", "false", "--decode-tensor-copies", "1"];
         let more = ["--cuda-graphs", "0", "--gemm-tune", "no", "--kernel-defines", "DM_BULK=0 X=1"];
-        let cli = Cli::try_parse_from(args.into_iter().chain(more))?;
-        assert!(!cli.gpu.pdl && !cli.gpu.decode_warp_items && cli.gpu.decode_tensor_copies);
-        assert!(!cli.gpu.cuda_graphs && !cli.gpu.gemm_tune);
-        let defaults = Cli::try_parse_from(["ferrolm"])?;
-        assert!(defaults.gpu.pdl && defaults.gpu.cuda_graphs && defaults.gpu.gemm_tune);
-        assert_eq!(cli.gpu.kernel_defines, ["DM_BULK=0", "X=1"]);
+        let gpu = Cli::try_parse_from(args.into_iter().chain(more))?.engine.gpu;
+        assert!(!gpu.pdl && !gpu.decode_warp_items && gpu.decode_tensor_copies);
+        assert!(!gpu.cuda_graphs && !gpu.gemm_tune);
+        assert_eq!(gpu.kernel_defines, ["DM_BULK=0", "X=1"]);
+        let defaults = Cli::try_parse_from(["ferrolm"])?.engine.gpu;
+        assert!(defaults.pdl && defaults.cuda_graphs && defaults.gemm_tune && !defaults.decode_tensor_copies);
+        Ok(())
+    }
+
+    /// `--overlap-steps` (and `FERROLM_OVERLAP_STEPS`, through the same parser) is on by default
+    /// and takes the README's `0` as well as `false`.
+    #[test]
+    fn overlap_steps_is_on_unless_turned_off() -> Result<(), clap::Error> {
+        let overlap = |args: &[&str]| {
+            Cli::try_parse_from(std::iter::once("ferrolm").chain(args.iter().copied())).map(|c| c.engine.overlap_steps)
+        };
+        assert!(overlap(&[])?);
+        assert!(!overlap(&["--overlap-steps", "0"])?);
+        assert!(!overlap(&["--overlap-steps", "false"])?);
+        assert!(overlap(&["--overlap-steps", "1"])?);
+        assert!(overlap(&["--overlap-steps=x"]).is_err());
         Ok(())
     }
 }

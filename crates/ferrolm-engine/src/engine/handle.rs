@@ -1,5 +1,6 @@
 //! The caller's side of the engine: validation, submission and per-request output streams.
 
+use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -8,11 +9,12 @@ use std::time::{Duration, Instant};
 
 use ferrolm_model::ModelRunner;
 use ferrolm_sampling::{SamplingError, SamplingParams};
-use ferrolm_tokenizer::Tokenizer;
+use ferrolm_tokenizer::{Tokenizer, TokenizerError};
 use tokio::sync::mpsc as tokio_mpsc;
 
+use super::core::Engine;
+use super::output::{OutputProcessor, Processed};
 use super::state::{EngineStats, EngineStatsSnapshot, RequestOutput};
-use super::step::Engine;
 use crate::scheduler::{SchedulerConfig, SchedulerError};
 
 #[derive(Clone, Debug)]
@@ -27,6 +29,19 @@ pub struct EngineConfig {
     /// it already (every request decoding one more token; see `Scheduler::schedule_ahead`), so
     /// that a device never waits for the host between steps. The outputs are the same either way.
     pub overlap_steps: bool,
+}
+
+/// The one rule for a request's length: the client's `max_tokens` as given; else `default` (the
+/// model's or the route's) where it fits in the context; else all the room left in the context,
+/// as vLLM does. A prompt that fills the context leaves no room (0; the engine refuses it).
+pub fn resolve_max_tokens(
+    requested: Option<u32>,
+    default: Option<u32>,
+    num_prompt_tokens: usize,
+    max_model_len: usize,
+) -> u32 {
+    let room = u32::try_from(max_model_len.saturating_sub(num_prompt_tokens)).unwrap_or(u32::MAX);
+    requested.unwrap_or_else(|| default.map_or(room, |d| d.min(room)))
 }
 
 /// A request as a caller submits it.
@@ -56,6 +71,9 @@ pub enum EngineError {
     InvalidParams(#[from] SamplingError),
     #[error(transparent)]
     Scheduler(#[from] SchedulerError),
+    /// The prompt cannot be read back as text (an id the tokenizer does not know).
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
     #[error("the server is overloaded: {pending} requests pending; retry later")]
     Overloaded { pending: usize },
     #[error("the engine has stopped")]
@@ -65,8 +83,21 @@ pub enum EngineError {
 }
 
 pub(crate) enum Command {
-    Add { client_id: u64, request: GenerateRequest, tx: tokio_mpsc::UnboundedSender<RequestOutput> },
-    Abort { client_id: u64 },
+    /// `max_tokens`: the request's length as [`resolve_max_tokens`] settled it.
+    Add {
+        client_id: u64,
+        request: GenerateRequest,
+        max_tokens: usize,
+        tx: tokio_mpsc::UnboundedSender<RequestOutput>,
+    },
+    Abort {
+        client_id: u64,
+    },
+    /// A stop string ended sequence `index` in the output stage, which has sent its last output.
+    StopSequence {
+        client_id: u64,
+        index: u32,
+    },
 }
 
 /// Cheap to clone; the engine thread stops once every handle and stream is gone.
@@ -82,6 +113,8 @@ struct HandleInner {
     next_id: AtomicU64,
     config: EngineConfig,
     vocab_size: usize,
+    /// For the output stage of each stream; `None`: outputs carry token ids only.
+    tokenizer: Option<Arc<Tokenizer>>,
     /// The engine thread ends by itself once every sender (handles and streams) is gone.
     thread: JoinHandle<()>,
 }
@@ -102,7 +135,7 @@ impl EngineHandle {
         let pending = Arc::new(AtomicUsize::new(0));
         let runner = runner.into();
         let vocab_size = runner.config().vocab_size;
-        let engine = Engine::new(runner, tokenizer.into(), &config, rx, Arc::clone(&stats), Arc::clone(&pending))?;
+        let engine = Engine::new(runner, &config, rx, Arc::clone(&stats), Arc::clone(&pending))?;
         let thread = std::thread::Builder::new()
             .name("ferrolm-engine".into())
             // NOTE: the step loop runs on a worker of its own rayon pool, so the ops' parallel
@@ -113,7 +146,16 @@ impl EngineHandle {
             })
             .map_err(|_| EngineError::Stopped)?;
         Ok(EngineHandle {
-            inner: Arc::new(HandleInner { tx, stats, pending, next_id: AtomicU64::new(1), config, vocab_size, thread }),
+            inner: Arc::new(HandleInner {
+                tx,
+                stats,
+                pending,
+                next_id: AtomicU64::new(1),
+                config,
+                vocab_size,
+                tokenizer: tokenizer.into(),
+                thread,
+            }),
         })
     }
 
@@ -156,6 +198,11 @@ impl EngineHandle {
     /// Checks a request against the model and the engine's limits, and fills in `max_tokens`
     /// when unset (all the room left in the context, as vLLM does).
     pub fn validate(&self, request: &mut GenerateRequest) -> Result<(), EngineError> {
+        self.admit(request).map(|_| ())
+    }
+
+    /// [`EngineHandle::validate`], answering the request's length.
+    fn admit(&self, request: &mut GenerateRequest) -> Result<usize, EngineError> {
         let max_model_len = self.max_model_len();
         let num_prompt_tokens = request.prompt_token_ids.len();
         if num_prompt_tokens == 0 {
@@ -167,10 +214,7 @@ impl EngineHandle {
         if num_prompt_tokens >= max_model_len {
             return Err(EngineError::PromptTooLong { num_prompt_tokens, max_model_len });
         }
-        let max_tokens = match request.params.max_tokens {
-            Some(m) => m as usize,
-            None => max_model_len - num_prompt_tokens,
-        };
+        let max_tokens = resolve_max_tokens(request.params.max_tokens, None, num_prompt_tokens, max_model_len) as usize;
         if num_prompt_tokens + max_tokens > max_model_len {
             return Err(EngineError::TooLong {
                 num_prompt_tokens,
@@ -181,22 +225,15 @@ impl EngineHandle {
         }
         request.params.max_tokens = Some(max_tokens as u32);
         request.params.validate()?;
-        let sched = &self.inner.config.scheduler;
-        let num_blocks_needed = (num_prompt_tokens + max_tokens).div_ceil(sched.block_size);
-        if num_blocks_needed > sched.num_blocks {
-            return Err(SchedulerError::ExceedsKvCache {
-                request_id: crate::RequestId(0),
-                num_blocks_needed,
-                num_blocks: sched.num_blocks,
-            }
-            .into());
-        }
-        Ok(())
+        // The request has no id yet; the scheduler names it when it says the same.
+        self.inner.config.scheduler.check_fits_kv_cache(crate::RequestId(0), num_prompt_tokens, max_tokens)?;
+        Ok(max_tokens)
     }
 
     /// Validates and queues a request; its outputs arrive on the returned stream.
     pub fn submit(&self, mut request: GenerateRequest) -> Result<RequestStream, EngineError> {
-        self.validate(&mut request)?;
+        let max_tokens = self.admit(&mut request)?;
+        let outputs = OutputProcessor::new(self.inner.tokenizer.as_ref(), &request.prompt_token_ids, &request.params)?;
         let pending = self.inner.pending.fetch_add(1, Ordering::AcqRel);
         if pending >= self.inner.config.max_pending_requests {
             self.inner.pending.fetch_sub(1, Ordering::AcqRel);
@@ -205,22 +242,24 @@ impl EngineHandle {
         let client_id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         let n = request.params.n;
         let (tx, rx) = tokio_mpsc::unbounded_channel();
-        if self.inner.tx.send(Command::Add { client_id, request, tx }).is_err() {
+        if self.inner.tx.send(Command::Add { client_id, request, max_tokens, tx }).is_err() {
             self.inner.pending.fetch_sub(1, Ordering::AcqRel);
             return Err(EngineError::Stopped);
         }
-        Ok(RequestStream { client_id, rx, remaining: n, abort_tx: self.inner.tx.clone() })
+        Ok(RequestStream { client_id, rx, remaining: n, abort_tx: self.inner.tx.clone(), outputs })
     }
 }
 
-/// The outputs of one submitted request. Dropping it before every sequence finished aborts the
-/// request and frees its KV blocks.
+/// The outputs of one submitted request, through its output stage (text, stop strings) on the
+/// reading side. Dropping it before every sequence finished aborts the request and frees its KV
+/// blocks.
 pub struct RequestStream {
     client_id: u64,
     rx: tokio_mpsc::UnboundedReceiver<RequestOutput>,
     /// Sequences not finished yet.
     remaining: u32,
     abort_tx: mpsc::Sender<Command>,
+    outputs: OutputProcessor,
 }
 
 impl RequestStream {
@@ -228,31 +267,45 @@ impl RequestStream {
         self.client_id
     }
 
-    fn note(&mut self, out: Option<RequestOutput>) -> Option<RequestOutput> {
-        match &out {
-            Some(o) if o.finish_reason.is_some() => self.remaining = self.remaining.saturating_sub(1),
-            None => self.remaining = 0,
-            _ => {}
+    /// Passes what the engine thread sent through the output stage: `Break` with the output to
+    /// return (`None` once the engine is gone), `Continue` when it was dropped.
+    fn process(&mut self, sent: Option<RequestOutput>) -> ControlFlow<Option<RequestOutput>> {
+        let Some(sent) = sent else {
+            self.remaining = 0;
+            return ControlFlow::Break(None);
+        };
+        let Some(Processed { output, stopped_here }) = self.outputs.process(sent) else {
+            return ControlFlow::Continue(());
+        };
+        if stopped_here {
+            let _ = self.abort_tx.send(Command::StopSequence { client_id: self.client_id, index: output.index });
         }
-        out
+        if output.finish_reason.is_some() {
+            self.remaining = self.remaining.saturating_sub(1);
+        }
+        ControlFlow::Break(Some(output))
     }
 
     /// Next output, or `None` once every sequence finished.
     pub async fn recv(&mut self) -> Option<RequestOutput> {
-        if self.remaining == 0 {
-            return None;
+        while self.remaining > 0 {
+            let sent = self.rx.recv().await;
+            if let ControlFlow::Break(output) = self.process(sent) {
+                return output;
+            }
         }
-        let out = self.rx.recv().await;
-        self.note(out)
+        None
     }
 
     /// As [`RequestStream::recv`], blocking the calling (non-async) thread.
     pub fn blocking_recv(&mut self) -> Option<RequestOutput> {
-        if self.remaining == 0 {
-            return None;
+        while self.remaining > 0 {
+            let sent = self.rx.blocking_recv();
+            if let ControlFlow::Break(output) = self.process(sent) {
+                return output;
+            }
         }
-        let out = self.rx.blocking_recv();
-        self.note(out)
+        None
     }
 
     /// Aborts the request now.

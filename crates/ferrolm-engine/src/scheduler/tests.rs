@@ -333,6 +333,19 @@ fn abort_frees_blocks_at_once() -> TestResult {
 }
 
 #[test]
+fn admission_counts_the_blocks_of_all_but_the_last_token() -> TestResult {
+    let cfg = config(4, 4, 64);
+    // 10 + 7 tokens, the last never run: 16 tokens fill the 4 blocks of 4 exactly.
+    assert_eq!(cfg.max_blocks_of(10, 7), 4);
+    cfg.check_fits_kv_cache(RequestId(1), 10, 7)?;
+    assert_eq!(
+        cfg.check_fits_kv_cache(RequestId(2), 10, 8),
+        Err(SchedulerError::ExceedsKvCache { request_id: RequestId(2), num_blocks_needed: 5, num_blocks: 4 })
+    );
+    Ok(())
+}
+
+#[test]
 fn rejects_requests_that_can_never_run() -> TestResult {
     let mut cfg = config(4, 4, 64);
     cfg.max_model_len = 32;

@@ -4,51 +4,39 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::completions::UsageField;
-use super::{Stop, StreamOptions, Usage};
+use super::{StreamOptions, Usage};
+use crate::params::sampling_request;
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ChatCompletionRequest {
-    pub model: Option<String>,
-    /// Kept as JSON: the chat template sees every field the client sent (`name`, `tool_calls`).
-    pub messages: Vec<Value>,
-    /// Deprecated by OpenAI in favour of `max_completion_tokens`, which wins when both are set.
-    pub max_tokens: Option<u32>,
-    pub max_completion_tokens: Option<u32>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<i32>,
-    pub min_p: Option<f32>,
-    pub n: Option<u32>,
-    pub seed: Option<i64>,
-    pub stop: Option<Stop>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    pub logprobs: Option<bool>,
-    pub top_logprobs: Option<u32>,
-    pub stream: Option<bool>,
-    pub stream_options: Option<StreamOptions>,
-    pub ignore_eos: Option<bool>,
-    pub min_tokens: Option<u32>,
-    pub stop_token_ids: Option<Vec<u32>>,
-    pub skip_special_tokens: Option<bool>,
-    pub return_token_ids: Option<bool>,
-    /// End the prompt with the assistant header (default true).
-    pub add_generation_prompt: Option<bool>,
-    /// Let the model continue the last message instead of starting a new one.
-    pub continue_final_message: Option<bool>,
-    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
-    pub tools: Option<Value>,
-    /// Only `"none"` and `"auto"`: tools reach the chat template, and the model's reply is text.
-    pub tool_choice: Option<Value>,
-    /// Accepted, without effect (tool calls are not parsed out of the reply).
-    pub parallel_tool_calls: Option<bool>,
-    /// Only `{"type": "text"}`: no constrained decoding (JSON mode, schemas).
-    pub response_format: Option<Value>,
-    pub logit_bias: Option<serde_json::Map<String, Value>>,
-    /// OpenAI's identifier of the end user: accepted, not used.
-    pub user: Option<String>,
+sampling_request! {
+    /// With the sampling fields of `sampling_request!`; `max_tokens` is deprecated by OpenAI in
+    /// favour of `max_completion_tokens`, which wins when both are set.
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct ChatCompletionRequest {
+        pub model: Option<String>,
+        /// Kept as JSON: the chat template sees every field the client sent (`name`, `tool_calls`).
+        pub messages: Vec<Value>,
+        pub max_completion_tokens: Option<u32>,
+        pub logprobs: Option<bool>,
+        pub top_logprobs: Option<u32>,
+        pub stream: Option<bool>,
+        pub stream_options: Option<StreamOptions>,
+        pub return_token_ids: Option<bool>,
+        /// End the prompt with the assistant header (default true).
+        pub add_generation_prompt: Option<bool>,
+        /// Let the model continue the last message instead of starting a new one.
+        pub continue_final_message: Option<bool>,
+        pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+        pub tools: Option<Value>,
+        /// Only `"none"` and `"auto"`: tools reach the chat template, and the model's reply is text.
+        pub tool_choice: Option<Value>,
+        /// Accepted, without effect (tool calls are not parsed out of the reply).
+        pub parallel_tool_calls: Option<bool>,
+        /// Only `{"type": "text"}`: no constrained decoding (JSON mode, schemas).
+        pub response_format: Option<Value>,
+        /// OpenAI's identifier of the end user: accepted, not used.
+        pub user: Option<String>,
+    }
 }
 
 #[derive(Debug, Serialize)]

@@ -3,42 +3,30 @@
 use serde::ser::{SerializeMap, Serializer};
 use serde::{Deserialize, Serialize};
 
-use super::{Prompts, Stop, StreamOptions, Usage};
+use super::{Prompts, StreamOptions, Usage};
+use crate::params::sampling_request;
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CompletionRequest {
-    pub model: Option<String>,
-    pub prompt: Prompts,
-    /// OpenAI's default for this route is 16.
-    pub max_tokens: Option<u32>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
-    pub top_k: Option<i32>,
-    pub min_p: Option<f32>,
-    pub n: Option<u32>,
-    pub seed: Option<i64>,
-    pub stop: Option<Stop>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub repetition_penalty: Option<f32>,
-    /// Top logprobs per token, 0..=20 (the chosen token's logprob is always given).
-    pub logprobs: Option<u32>,
-    /// Prepend the prompt to the text (with its logprobs when `logprobs` is set).
-    pub echo: Option<bool>,
-    pub stream: Option<bool>,
-    pub stream_options: Option<StreamOptions>,
-    pub ignore_eos: Option<bool>,
-    pub min_tokens: Option<u32>,
-    pub stop_token_ids: Option<Vec<u32>>,
-    pub skip_special_tokens: Option<bool>,
-    /// vLLM: add `prompt_token_ids` and `token_ids` to each choice.
-    pub return_token_ids: Option<bool>,
-    pub best_of: Option<u32>,
-    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
-    pub suffix: Option<String>,
-    /// OpenAI's identifier of the end user: accepted, not used.
-    pub user: Option<String>,
+sampling_request! {
+    /// OpenAI's default length for this route is 16 (`max_tokens`, with the other sampling fields
+    /// in `sampling_request!`).
+    #[derive(Debug, Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub struct CompletionRequest {
+        pub model: Option<String>,
+        pub prompt: Prompts,
+        /// Top logprobs per token, 0..=20 (the chosen token's logprob is always given).
+        pub logprobs: Option<u32>,
+        /// Prepend the prompt to the text (with its logprobs when `logprobs` is set).
+        pub echo: Option<bool>,
+        pub stream: Option<bool>,
+        pub stream_options: Option<StreamOptions>,
+        /// vLLM: add `prompt_token_ids` and `token_ids` to each choice.
+        pub return_token_ids: Option<bool>,
+        pub best_of: Option<u32>,
+        pub suffix: Option<String>,
+        /// OpenAI's identifier of the end user: accepted, not used.
+        pub user: Option<String>,
+    }
 }
 
 #[derive(Debug, Serialize)]

@@ -16,7 +16,6 @@ use crate::error::ApiError;
 use crate::generation::{client_finish_reason, Generation};
 use crate::json::ApiJson;
 use crate::logprobs::chat_token_logprob;
-use crate::params::RequestSampling;
 use crate::protocol::chat::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
     ChatLogprobs, ChatResponseMessage,
@@ -38,7 +37,7 @@ struct Shape {
 
 pub async fn create(
     State(state): State<SharedState>,
-    ApiJson(req): ApiJson<ChatCompletionRequest>,
+    ApiJson(mut req): ApiJson<ChatCompletionRequest>,
 ) -> Result<Response, ApiError> {
     check_model(req.model.as_deref(), &state.config.served_model_name)?;
     let logprobs = req.logprobs.unwrap_or(false);
@@ -55,28 +54,11 @@ pub async fn create(
         chat_template_kwargs: req.chat_template_kwargs.as_ref(),
     };
     let prompt = chat_prompt::prompt_ids(&state.tokenizer, &req.messages, options)?;
-    let sampling = RequestSampling {
-        max_tokens: req.max_completion_tokens.or(req.max_tokens),
-        temperature: req.temperature,
-        top_p: req.top_p,
-        top_k: req.top_k,
-        min_p: req.min_p,
-        repetition_penalty: req.repetition_penalty,
-        presence_penalty: req.presence_penalty,
-        frequency_penalty: req.frequency_penalty,
-        n: req.n,
-        seed: req.seed,
-        stop: req.stop,
-        ignore_eos: req.ignore_eos,
-        min_tokens: req.min_tokens,
-        stop_token_ids: req.stop_token_ids,
-        skip_special_tokens: req.skip_special_tokens,
-        logprobs: logprobs.then(|| req.top_logprobs.unwrap_or(0)),
-        prompt_logprobs: None,
-        logit_bias: req.logit_bias,
-    }
+    let mut sampling = req.take_sampling();
+    sampling.max_tokens = req.max_completion_tokens.or(sampling.max_tokens);
+    sampling.logprobs = logprobs.then(|| req.top_logprobs.unwrap_or(0));
     // No route default: an unset length runs to the end of the context, as vLLM does.
-    .resolve(&state.defaults, None)?;
+    let sampling = sampling.resolve(&state.defaults, None)?;
     let shape = Shape {
         id: request_id("chatcmpl"),
         created: unix_now(),

@@ -14,7 +14,6 @@ use crate::error::ApiError;
 use crate::generation::{client_finish_reason, Generation};
 use crate::json::ApiJson;
 use crate::logprobs::CompletionLogprobsBuilder;
-use crate::params::RequestSampling;
 use crate::protocol::completions::{
     CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, UsageField,
 };
@@ -40,7 +39,7 @@ struct Shape {
 
 pub async fn create(
     State(state): State<SharedState>,
-    ApiJson(req): ApiJson<CompletionRequest>,
+    ApiJson(mut req): ApiJson<CompletionRequest>,
 ) -> Result<Response, ApiError> {
     check_model(req.model.as_deref(), &state.config.served_model_name)?;
     if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
@@ -52,27 +51,10 @@ pub async fn create(
     let echo = req.echo.unwrap_or(false);
     let stream = req.stream.unwrap_or(false);
     let include_usage = StreamOptions::include_usage(req.stream_options.as_ref(), stream)?;
-    let sampling = RequestSampling {
-        max_tokens: req.max_tokens,
-        temperature: req.temperature,
-        top_p: req.top_p,
-        top_k: req.top_k,
-        min_p: req.min_p,
-        repetition_penalty: req.repetition_penalty,
-        presence_penalty: req.presence_penalty,
-        frequency_penalty: req.frequency_penalty,
-        n: req.n,
-        seed: req.seed,
-        stop: req.stop,
-        ignore_eos: req.ignore_eos,
-        min_tokens: req.min_tokens,
-        stop_token_ids: req.stop_token_ids,
-        skip_special_tokens: req.skip_special_tokens,
-        logprobs: req.logprobs,
-        prompt_logprobs: if echo { req.logprobs } else { None },
-        logit_bias: req.logit_bias,
-    }
-    .resolve(&state.defaults, Some(DEFAULT_MAX_TOKENS))?;
+    let mut sampling = req.take_sampling();
+    sampling.logprobs = req.logprobs;
+    sampling.prompt_logprobs = if echo { req.logprobs } else { None };
+    let sampling = sampling.resolve(&state.defaults, Some(DEFAULT_MAX_TOKENS))?;
 
     let tokenizer = Arc::clone(&state.tokenizer);
     let mut prompts = Vec::with_capacity(req.prompt.0.len());

@@ -98,11 +98,7 @@ pub fn load(dir: &Path, opts: &Options) -> (EngineHandle, Arc<Tokenizer>, Genera
     let config =
         EngineConfig { scheduler, max_pending_requests: opts.max_pending_requests, eos_token_ids, overlap_steps: true };
     let engine = EngineHandle::start(model, Arc::clone(&tokenizer), config).expect("engine");
-    let defaults = match std::fs::read_to_string(dir.join("generation_config.json")) {
-        Ok(text) => serde_json::from_str(&text).expect("generation defaults"),
-        Err(_) => GenerationDefaults::default(),
-    };
-    (engine, tokenizer, defaults)
+    (engine, tokenizer, generation.defaults)
 }
 
 pub async fn start(opts: Options) -> TestServer {
