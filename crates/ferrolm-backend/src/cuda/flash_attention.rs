@@ -140,7 +140,7 @@ impl WorkList {
 }
 
 /// The tensor-core kernel's work list for one step, built and uploaded by the first
-/// [`super::paged_attention`] call that needs it and reused by the step's other layers. It
+/// [`super::PagedAttention::run`] call that needs it and reused by the step's other layers. It
 /// belongs to the [`GpuAttentionMetadata`] it sits in: make a new one with each step's metadata.
 #[derive(Default)]
 pub struct AttentionWork {
@@ -175,7 +175,7 @@ pub(crate) fn kernel_for(
     FlashKernel::find(q.dtype(), head_dim).filter(|k| aligned && k.shared_bytes() <= gpu.max_shared_per_block())
 }
 
-/// [`super::paged_attention`] on `kernel`; the arguments are already checked.
+/// [`super::PagedAttention::run`] on `kernel`; the arguments are already checked.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn paged_flash(
     gpu: &Gpu,
