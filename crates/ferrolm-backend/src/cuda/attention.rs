@@ -272,7 +272,7 @@ impl PagedAttention {
         heads: Heads,
         out: GpuViewMut<'_>,
     ) -> Result<(), GpuError> {
-        self.attention(gpu, q, k_cache, v_cache, meta, heads, out, AttentionKernel::Picked)
+        self.attention(gpu, &Operands { q, k_cache, v_cache, meta, heads }, out, AttentionKernel::Picked)
     }
 
     /// [`Self::run`] on a kernel of the caller's choice, for benchmarks and tests that compare
@@ -290,8 +290,20 @@ impl PagedAttention {
         heads: Heads,
         out: GpuViewMut<'_>,
     ) -> Result<(), GpuError> {
-        self.attention(gpu, q, k_cache, v_cache, meta, heads, out, kernel)
+        self.attention(gpu, &Operands { q, k_cache, v_cache, meta, heads }, out, kernel)
     }
+}
+
+/// One call's inputs, as every attention kernel path takes them (checked in `attention`).
+#[derive(Clone, Copy)]
+pub(crate) struct Operands<'a> {
+    /// `[T, num_heads, head_dim]`
+    pub(crate) q: GpuView<'a>,
+    /// `[num_blocks * block_size, num_kv_heads * head_dim]` each.
+    pub(crate) k_cache: GpuView<'a>,
+    pub(crate) v_cache: GpuView<'a>,
+    pub(crate) meta: &'a GpuAttentionMetadata<'a>,
+    pub(crate) heads: Heads,
 }
 
 /// Where a decode call takes the per-warp kernel's tensor-copy form (the kernel named).
@@ -320,18 +332,15 @@ pub enum AttentionKernel {
 }
 
 impl PagedAttention {
-    #[allow(clippy::too_many_arguments)]
+    /// Checks the call, then takes the kernel `route` asks for or picks one.
     fn attention(
         &self,
         gpu: &Gpu,
-        q: GpuView<'_>,
-        k_cache: GpuView<'_>,
-        v_cache: GpuView<'_>,
-        meta: &GpuAttentionMetadata<'_>,
-        heads: Heads,
+        operands: &Operands<'_>,
         out: GpuViewMut<'_>,
         route: AttentionKernel,
     ) -> Result<(), GpuError> {
+        let Operands { q, k_cache, v_cache, meta, heads } = *operands;
         let Heads { num_heads, num_kv_heads, head_dim } = heads;
         let op = "paged_attention";
         assert!(
@@ -388,20 +397,20 @@ impl PagedAttention {
                 });
             };
             let tensor = TensorCopies::Always(tensor);
-            self.paged_decode(gpu, kernel, tensor, q, k_cache, v_cache, meta, heads, out)
+            self.paged_decode(gpu, kernel, tensor, operands, out)
         } else if route == AttentionKernel::General {
-            paged_general(gpu, q, k_cache, v_cache, meta, heads, out)
+            paged_general(gpu, operands, out)
         } else if let Some(kernel) = decode {
             let tensor = match self.decode_tensor_copies {
                 true => tensor_copy_kernel(gpu, meta, head_dim, q.dtype(), k_cache, v_cache),
                 false => None,
             };
             let tensor = tensor.map_or(TensorCopies::Never, TensorCopies::WherePerWarp);
-            self.paged_decode(gpu, kernel, tensor, q, k_cache, v_cache, meta, heads, out)
+            self.paged_decode(gpu, kernel, tensor, operands, out)
         } else if let Some(kernel) = flash_attention::kernel_for(gpu, head_dim, q, k_cache, v_cache, &out) {
-            flash_attention::paged_flash(gpu, kernel, q, k_cache, v_cache, meta, num_heads, num_kv_heads, out)
+            flash_attention::paged_flash(gpu, kernel, operands, out)
         } else {
-            paged_general(gpu, q, k_cache, v_cache, meta, heads, out)
+            paged_general(gpu, operands, out)
         }
     }
 }
@@ -588,19 +597,15 @@ fn shape_args(
 }
 
 impl PagedAttention {
-    #[allow(clippy::too_many_arguments)]
     fn paged_decode(
         &self,
         gpu: &Gpu,
         kernel: DecodeKernel,
         tensor_copies: TensorCopies,
-        q: GpuView<'_>,
-        k_cache: GpuView<'_>,
-        v_cache: GpuView<'_>,
-        meta: &GpuAttentionMetadata<'_>,
-        heads: Heads,
+        operands: &Operands<'_>,
         out: GpuViewMut<'_>,
     ) -> Result<(), GpuError> {
+        let Operands { q, k_cache, v_cache, meta, heads } = *operands;
         let Heads { num_heads, num_kv_heads, head_dim } = heads;
         let op = "paged_attention";
         let num_tokens = q.len() / (num_heads * head_dim);
@@ -766,15 +771,8 @@ impl DecodeSplit {
     }
 }
 
-fn paged_general(
-    gpu: &Gpu,
-    q: GpuView<'_>,
-    k_cache: GpuView<'_>,
-    v_cache: GpuView<'_>,
-    meta: &GpuAttentionMetadata<'_>,
-    heads: Heads,
-    out: GpuViewMut<'_>,
-) -> Result<(), GpuError> {
+fn paged_general(gpu: &Gpu, operands: &Operands<'_>, out: GpuViewMut<'_>) -> Result<(), GpuError> {
+    let Operands { q, k_cache, v_cache, meta, heads } = *operands;
     let Heads { num_heads, num_kv_heads, head_dim } = heads;
     let op = "paged_attention";
     let num_tokens = q.len() / (num_heads * head_dim);
