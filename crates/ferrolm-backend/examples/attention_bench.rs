@@ -1,9 +1,9 @@
-//! Times `cuda::paged_attention` in the Llama-3.1-8B shape (32 query heads, 8 KV heads,
+//! Times `PagedAttention::run` in the Llama-3.1-8B shape (32 query heads, 8 KV heads,
 //! head_dim 128, block_size 16, bf16; one case with one KV head) on random inputs, next to the general kernel
-//! (`cuda::paged_attention_on(AttentionKernel::General, ..)`) on the same inputs.
+//! (`PagedAttention::run_on(AttentionKernel::General, ..)`) on the same inputs.
 //!
 //! ```text
-//! cargo build --release -p ferrolm-backend --features cuda --example attention_bench
+//! cargo build --release -p ferrolm-backend --features cuda,bench-internals --example attention_bench
 //! target/release/examples/attention_bench ["decode batch 384"]   # only the cases named so
 //! ```
 //!

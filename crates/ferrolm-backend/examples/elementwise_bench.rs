@@ -3,7 +3,7 @@
 //! residual add with RMSNorm.
 //!
 //! ```text
-//! cargo build --release -p ferrolm-backend --features cuda --example elementwise_bench
+//! cargo build --release -p ferrolm-backend --features cuda,bench-internals --example elementwise_bench
 //! target/release/examples/elementwise_bench
 //! ```
 //!

@@ -2,7 +2,7 @@
 //! same inputs, on the projections of the Llama-3.1-8B and Llama-3.2-1B shapes in bf16.
 //!
 //! ```text
-//! cargo build --release -p ferrolm-backend --features cuda --example gemv_bench
+//! cargo build --release -p ferrolm-backend --features cuda,bench-internals --example gemv_bench
 //! target/release/examples/gemv_bench
 //! ```
 //!
@@ -10,12 +10,12 @@
 //! 50 MB L2 cache, so the reads come from device memory as in a decode step. A line gives the
 //! mean time per call over 64 back-to-back calls (best of 5 such runs) and the weight bytes read
 //! per call over that time. Last, the 8B projections and LM head at 192, 384, 512 and 8192 rows,
-//! as TFLOP/s, on cuBLAS's default kernels and again after `Gpu::tune_gemms`.
+//! as TFLOP/s, on cuBLAS's default kernels and again after `Gemms::tune`.
 
 mod bench_support;
 
 use bench_support::{best_mean, open_gpu, random_tensor};
-use ferrolm_backend::cuda::{self, Gpu, GpuError, GpuTensor};
+use ferrolm_backend::cuda::{self, Gemms, Gpu, GpuError, GpuTensor};
 use ferrolm_backend::DType;
 
 /// Bytes of weights cycled through per shape.
@@ -23,6 +23,10 @@ const WORKING_SET: usize = 512 << 20;
 
 fn main() {
     let Some(gpu) = open_gpu() else { return };
+    let gemms = match Gemms::new() {
+        Ok(gemms) => gemms,
+        Err(e) => return eprintln!("cuBLASLt: {e}"),
+    };
     println!("{:<34} {:>3} {:>10} {:>10} {:>10} {:>10}", "shape (n x k)", "m", "gemv us", "GB/s", "cublas us", "GB/s");
     let shapes = [
         ("8b qkv", 6144, 4096),
@@ -38,7 +42,7 @@ fn main() {
     ];
     for (name, n, k) in shapes {
         for m in [1, 2, 4] {
-            if let Err(e) = run(&gpu, name, m, n, k) {
+            if let Err(e) = run(&gpu, &gemms, name, m, n, k) {
                 eprintln!("{name} m={m}: {e}");
             }
         }
@@ -48,7 +52,7 @@ fn main() {
     println!();
     println!("{:<34} {:>10} {:>10} {:>10} {:>10}", "one row, us per call (n x k)", "ksplit 1", "2", "4", "8");
     for (name, n, k) in shapes.into_iter().filter(|&(_, n, _)| n != 128256) {
-        match ksplit_times(&gpu, n, k) {
+        match ksplit_times(&gpu, &gemms, n, k) {
             Ok(t) => println!(
                 "{:<34} {:>10.2} {:>10.2} {:>10.2} {:>10.2}",
                 format!("{name} ({n} x {k})"),
@@ -65,7 +69,7 @@ fn main() {
     println!("{:<34} {:>10} {:>10} {:>10} {:>10}", "TFLOP/s (n x k), cuBLAS", "m 192", "384", "512", "8192");
     for (name, n, k) in shapes.into_iter().filter(|&(name, _, _)| name.starts_with("8b")) {
         let rates: Result<Vec<f64>, GpuError> =
-            [192, 384, 512, 8192].into_iter().map(|m| gemm_rate(&gpu, m, n, k)).collect();
+            [192, 384, 512, 8192].into_iter().map(|m| gemm_rate(&gpu, &gemms, m, n, k)).collect();
         match rates {
             Ok(r) => println!(
                 "{:<34} {:>10.0} {:>10.0} {:>10.0} {:>10.0}",
@@ -78,7 +82,7 @@ fn main() {
             Err(e) => eprintln!("{name} GEMM: {e}"),
         }
     }
-    // The same after `Gpu::tune_gemms` (cuBLASLt where it beat cuBLAS by 3 % on one copy of the
+    // The same after `Gemms::tune` (cuBLASLt where it beat cuBLAS by 3 % on one copy of the
     // weights); per row count, whether it kept a plan, the candidates it timed and cuBLAS's time
     // over the best candidate's.
     println!();
@@ -87,8 +91,8 @@ fn main() {
         let ms = [192, 384, 512, 8192];
         let output = if n == 128256 { DType::F32 } else { DType::BF16 };
         let tuned = random_tensor(&gpu, DType::BF16, n * k, &mut 0x9e37_79b9_7f4a_7c15_u64)
-            .and_then(|w| gpu.tune_gemms(&ms, &[(w.view(), n, output)]));
-        let rates: Result<Vec<f64>, GpuError> = ms.into_iter().map(|m| gemm_rate(&gpu, m, n, k)).collect();
+            .and_then(|w| gemms.tune(&gpu, &ms, &[(w.view(), n, output)]));
+        let rates: Result<Vec<f64>, GpuError> = ms.into_iter().map(|m| gemm_rate(&gpu, &gemms, m, n, k)).collect();
         match (tuned, rates) {
             (Ok(t), Ok(r)) => println!(
                 "{:<34} {:>10.0} {:>10.0} {:>10.0} {:>10.0}  {:?}",
@@ -107,11 +111,11 @@ fn main() {
 }
 
 /// TFLOP/s of `linear` at `m` rows (cuBLAS past a few rows).
-fn gemm_rate(gpu: &Gpu, m: usize, n: usize, k: usize) -> Result<f64, GpuError> {
+fn gemm_rate(gpu: &Gpu, gemms: &Gemms, m: usize, n: usize, k: usize) -> Result<f64, GpuError> {
     let Operands { weights, x, mut y } = Operands::new(gpu, m, n, k)?;
     let copies = weights.len();
     let t = best_mean(gpu, copies, |i| {
-        cuda::linear(gpu, x.view(), m, k, weights[i % copies].view(), n, None, y.view_mut())
+        cuda::linear(gpu, gemms, x.view(), m, k, weights[i % copies].view(), n, None, y.view_mut())
     })?;
     Ok(2.0 * (m * n * k) as f64 / t / 1e12)
 }
@@ -138,26 +142,27 @@ impl Operands {
 }
 
 /// One row through the GEMV kernel with k split over 1, 2, 4 and 8 warps per column.
-fn ksplit_times(gpu: &Gpu, n: usize, k: usize) -> Result<[f64; 4], GpuError> {
+fn ksplit_times(gpu: &Gpu, gemms: &Gemms, n: usize, k: usize) -> Result<[f64; 4], GpuError> {
     let Operands { weights, x, mut y } = Operands::new(gpu, 1, n, k)?;
     let copies = weights.len();
     let mut times = [0.0; 4];
     for (slot, ksplit) in [1, 2, 4, 8].into_iter().enumerate() {
         times[slot] = best_mean(gpu, copies, |i| {
-            cuda::linear_gemv_ksplit(gpu, x.view(), 1, k, weights[i % copies].view(), n, ksplit, y.view_mut())
+            cuda::linear_gemv_ksplit(gpu, gemms, x.view(), 1, k, weights[i % copies].view(), n, ksplit, y.view_mut())
         })?;
     }
     Ok(times)
 }
 
-fn run(gpu: &Gpu, name: &str, m: usize, n: usize, k: usize) -> Result<(), GpuError> {
+fn run(gpu: &Gpu, gemms: &Gemms, name: &str, m: usize, n: usize, k: usize) -> Result<(), GpuError> {
     let bytes = n * k * 2;
     let Operands { weights, x, mut y } = Operands::new(gpu, m, n, k)?;
     let copies = weights.len();
     let mut times = [0.0f64; 2];
     for (slot, lin) in [cuda::linear, cuda::linear_cublas].into_iter().enumerate() {
-        times[slot] =
-            best_mean(gpu, copies, |i| lin(gpu, x.view(), m, k, weights[i % copies].view(), n, None, y.view_mut()))?;
+        times[slot] = best_mean(gpu, copies, |i| {
+            lin(gpu, gemms, x.view(), m, k, weights[i % copies].view(), n, None, y.view_mut())
+        })?;
     }
     let gbs = |s: f64| bytes as f64 / s / 1e9;
     println!(

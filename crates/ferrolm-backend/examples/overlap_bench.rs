@@ -1,11 +1,11 @@
 //! Whether a step's work split in two parts on two streams runs faster than on one stream: the
 //! memory-bound decode attention of one part beside the compute-bound GEMMs of the other. Each
 //! case is 32 layers of the Llama-3.1-8B's projections (qkv, o_proj, gate_up, down: cuBLAS, as
-//! `Gpu::tune_gemms` leaves it at the rows used) and its paged attention, in the model's order;
+//! `Gemms::tune` leaves it at the rows used) and its paged attention, in the model's order;
 //! the element-wise kernels are left out.
 //!
 //! ```text
-//! cargo build --release -p ferrolm-backend --features cuda --example overlap_bench
+//! cargo build --release -p ferrolm-backend --features cuda,bench-internals --example overlap_bench
 //! target/release/examples/overlap_bench
 //! ```
 //!
@@ -24,7 +24,7 @@ mod bench_support;
 use bench_support::{gpu_options, open_gpu, random_tensor, AttentionCase, COMPACT_ZEROS, LAYERS, LLAMA_8B};
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaEvent;
-use ferrolm_backend::cuda::{self, AttentionKernel, Gpu, GpuError, GpuTensor, StreamPriority};
+use ferrolm_backend::cuda::{self, AttentionKernel, Gemms, Gpu, GpuError, GpuTensor, StreamPriority};
 use ferrolm_backend::DType;
 
 /// The 8B's projections of one layer, `(n, k)`, in the order a layer runs them; attention
@@ -47,7 +47,11 @@ fn main() {
         Ok(gpus) => gpus,
         Err(e) => return eprintln!("second stream: {e}"),
     };
-    let weights = match layer_weights(&a) {
+    let (a, b, high) = match (Stream::new(a), Stream::new(b), Stream::new(high)) {
+        (Ok(a), Ok(b), Ok(high)) => (a, b, high),
+        (Err(e), ..) | (_, Err(e), _) | (.., Err(e)) => return eprintln!("cuBLASLt: {e}"),
+    };
+    let weights = match layer_weights(&a.gpu) {
         Ok(w) => w,
         Err(e) => return eprintln!("weights: {e}"),
     };
@@ -68,6 +72,19 @@ fn main() {
         if let Err(e) = run_case([&a, &b, &high], &weights, name, first, second) {
             eprintln!("{name}: {e}");
         }
+    }
+}
+
+/// A `Gpu` and the GEMM plans tuned on it (each stream keeps its own, as each would in a
+/// server).
+struct Stream {
+    gpu: Gpu,
+    gemms: Gemms,
+}
+
+impl Stream {
+    fn new(gpu: Gpu) -> Result<Stream, GpuError> {
+        Ok(Stream { gpu, gemms: Gemms::new()? })
     }
 }
 
@@ -103,21 +120,22 @@ impl Part {
         })
     }
 
-    /// Tunes the GEMMs at this part's rows on `gpu`, as the engine does at load for its batches.
-    fn tune(&self, gpu: &Gpu, weights: &[Vec<GpuTensor>]) -> Result<(), GpuError> {
+    /// Tunes the GEMMs at this part's rows on `s`, as the engine does at load for its batches.
+    fn tune(&self, s: &Stream, weights: &[Vec<GpuTensor>]) -> Result<(), GpuError> {
         let shapes: Vec<_> = weights[0].iter().zip(PROJECTIONS).map(|(w, (n, _))| (w.view(), n, DType::BF16)).collect();
-        gpu.tune_gemms(&[self.rows], &shapes).map(|_| ())
+        s.gemms.tune(&s.gpu, &[self.rows], &shapes).map(|_| ())
     }
 
-    /// Issues 32 layers on `gpu`'s stream: qkv, attention, o_proj, gate_up, down.
-    fn issue_step(&mut self, gpu: &Gpu, weights: &[Vec<GpuTensor>]) -> Result<(), GpuError> {
+    /// Issues 32 layers on `s`'s stream: qkv, attention, o_proj, gate_up, down.
+    fn issue_step(&mut self, s: &Stream, weights: &[Vec<GpuTensor>]) -> Result<(), GpuError> {
+        let Stream { gpu, gemms } = s;
         let Part { rows, x, y, attention } = self;
         let m = *rows;
         let meta = attention.step.metadata();
         for layer in 0..LAYERS {
             let w = &weights[layer % weights.len()];
             for (p, &(n, k)) in PROJECTIONS.iter().enumerate() {
-                cuda::linear(gpu, x.slice(0..m * k), m, k, w[p].view(), n, None, y.slice_mut(0..m * n))?;
+                cuda::linear(gpu, gemms, x.slice(0..m * k), m, k, w[p].view(), n, None, y.slice_mut(0..m * n))?;
                 if p == 0 {
                     attention.buffers.attend(gpu, &meta, layer, AttentionKernel::Picked)?;
                 }
@@ -151,7 +169,7 @@ fn event(gpu: &Gpu) -> Result<CudaEvent, GpuError> {
 /// `gpus`: the stream of the whole step and of the second part, the first part's stream of
 /// equal priority, and one of the highest priority.
 fn run_case(
-    gpus: [&Gpu; 3],
+    gpus: [&Stream; 3],
     weights: &[Vec<GpuTensor>],
     name: &str,
     first: &[(usize, usize)],
@@ -160,17 +178,17 @@ fn run_case(
     let [a, b, high] = gpus;
     let whole_requests: Vec<_> = first.iter().chain(second).copied().collect();
     let one_stream = {
-        let mut whole = Part::new(a, &whole_requests)?;
+        let mut whole = Part::new(&a.gpu, &whole_requests)?;
         whole.tune(a, weights)?;
-        let t = best_time(a, || whole.issue_step(a, weights))?;
-        a.clear_tuned_gemms();
+        let t = best_time(&a.gpu, || whole.issue_step(a, weights))?;
+        a.gemms.clear();
         t
     };
-    let mut first = Part::new(a, first)?;
-    let mut second = Part::new(a, second)?;
+    let mut first = Part::new(&a.gpu, first)?;
+    let mut second = Part::new(&a.gpu, second)?;
     first.tune(a, weights)?;
     second.tune(a, weights)?;
-    let in_turn = best_time(a, || {
+    let in_turn = best_time(&a.gpu, || {
         first.issue_step(a, weights)?;
         second.issue_step(a, weights)
     })?;
@@ -178,25 +196,25 @@ fn run_case(
     for (slot, side) in [b, high, high].into_iter().enumerate() {
         first.tune(side, weights)?;
         if slot == 2 {
-            a.clear_tuned_gemms();
-            a.set_gemm_sm_count_target(Some(a.multiprocessors() * 3 / 4))?;
+            a.gemms.clear();
+            a.gpu.set_gemm_sm_count_target(Some(a.gpu.multiprocessors() * 3 / 4))?;
         }
         // The side stream starts when `a` reaches the fork event, and `a` waits for its last
         // layer.
-        let (fork, join) = (event(a)?, event(side)?);
-        two_streams[slot] = best_time(a, || {
-            fork.record(a.stream())?;
-            side.stream().wait(&fork)?;
+        let (fork, join) = (event(&a.gpu)?, event(&side.gpu)?);
+        two_streams[slot] = best_time(&a.gpu, || {
+            fork.record(a.gpu.stream())?;
+            side.gpu.stream().wait(&fork)?;
             first.issue_step(side, weights)?;
             second.issue_step(a, weights)?;
-            join.record(side.stream())?;
-            a.stream().wait(&join)?;
+            join.record(side.gpu.stream())?;
+            a.gpu.stream().wait(&join)?;
             Ok(())
         })?;
-        side.clear_tuned_gemms();
+        side.gemms.clear();
     }
-    a.set_gemm_sm_count_target(None)?;
-    a.clear_tuned_gemms();
+    a.gpu.set_gemm_sm_count_target(None)?;
+    a.gemms.clear();
     println!(
         "{name:<44} {:>10.2} {:>14.2} {:>12.2} {:>12.2} {:>12.2} {:>9.3}",
         one_stream * 1e3,

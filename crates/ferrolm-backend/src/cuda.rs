@@ -15,9 +15,13 @@
 //!   seq_lens) are device slices or views; a step's are written in one copy through a
 //!   [`StagedBuffer`].
 //!
-//! Layout: `gpu` (device, context, kernels) and `compile` (NVRTC and its disk cache) set up;
-//! `tensor` holds device buffers; the ops are split by kind, with their CUDA C++ source in
-//! `kernels/`.
+//! Layout: `gpu` (the device handle: context, stream, cuBLAS handle, kernels and their launch)
+//! and `compile` (NVRTC and its disk cache) set up; `tensor` holds device buffers; the ops are
+//! split by kind, with their CUDA C++ source in `kernels/`. An op family that keeps state
+//! between calls owns it: [`PagedAttention`] (the decode kernels' counters and workspace) and
+//! [`Gemms`] (the cuBLASLt handle and tuned plans), each created on a `Gpu` and passed beside
+//! it. [`Cuda`] holds the three for the model. Items only benchmarks and tests call
+//! ([`PagedAttention::run_on`], `linear_cublas`, ...) need the `bench-internals` feature.
 
 mod attention;
 mod compile;
@@ -47,14 +51,18 @@ const KERNELS: [&[compile::KernelFamilies]; 7] = [
     read_rate::KERNELS,
 ];
 
-pub use attention::{paged_attention, paged_attention_on, reshape_and_cache, AttentionKernel, GpuAttentionMetadata};
+#[cfg(feature = "bench-internals")]
+pub use attention::AttentionKernel;
+pub use attention::{reshape_and_cache, GpuAttentionMetadata, PagedAttention};
 pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 pub use device::{Cuda, CudaBatch, CudaKvLayer, CudaTensor};
 pub use error::GpuError;
 pub use flash_attention::AttentionWork;
-pub use gemm_tune::{GemmShape, GemmTuning};
+pub use gemm_tune::{GemmShape, GemmTuning, Gemms};
 pub use gpu::{Gpu, GpuGraph, GpuOptions, StreamPriority};
-pub use linear::{linear, linear_cublas, linear_gated, linear_gemv_ksplit, GEMV_MAX_M};
+pub use linear::{linear, linear_gated};
+#[cfg(feature = "bench-internals")]
+pub use linear::{linear_cublas, linear_gemv_ksplit, GEMV_MAX_M};
 pub use ops::{
     add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, split_qkv,
 };

@@ -9,9 +9,10 @@
 
 use ferrolm_backend::cpu;
 use ferrolm_backend::cuda::{
-    self, AttentionKernel, Gpu, GpuAttentionMetadata, GpuError, GpuOptions, GpuRopeTable, GpuTensor,
+    self, AttentionKernel, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuOptions, GpuRopeTable, GpuTensor,
+    PagedAttention,
 };
-use ferrolm_backend::{DType, WeightView};
+use ferrolm_backend::{DType, Heads, WeightView};
 use half::{bf16, f16};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -548,6 +549,7 @@ fn qkv_rope_cache_equals_the_ops_it_fuses() -> Result<(), GpuError> {
 #[test]
 fn linear_qkv_rope_cache_equals_linear_then_qkv_rope_cache() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let gemms = Gemms::new()?;
     let mut rng = rng(22);
     // (heads, kv_heads, head_dim, rotary_dim, k): 4, 2 and 1 rotary pairs per GEMV block (k
     // splits of 1, 2 and 4 warps), a head size that is no power of two, and a partial rotary
@@ -582,7 +584,7 @@ fn linear_qkv_rope_cache_equals_linear_then_qkv_rope_cache() -> Result<(), GpuEr
                 let sentinel = |v: f32| GpuTensor::from_f32(&gpu, &vec![v; num_slots * kv_size], dtype);
                 // Unfused.
                 let mut qkv = nan_tensor(&gpu, dtype, m * n)?;
-                cuda::linear(&gpu, x_dev.view(), m, k, w_dev.view(), n, None, qkv.view_mut())?;
+                cuda::linear(&gpu, &gemms, x_dev.view(), m, k, w_dev.view(), n, None, qkv.view_mut())?;
                 let mut q_want = nan_tensor(&gpu, dtype, m * q_size)?;
                 let (mut kc_want, mut vc_want) = (sentinel(-5.0)?, sentinel(-6.0)?);
                 cuda::qkv_rope_cache(
@@ -604,6 +606,7 @@ fn linear_qkv_rope_cache_equals_linear_then_qkv_rope_cache() -> Result<(), GpuEr
                 let (mut kc_got, mut vc_got) = (sentinel(-5.0)?, sentinel(-6.0)?);
                 cuda::linear_qkv_rope_cache(
                     &gpu,
+                    &gemms,
                     x_dev.view(),
                     k,
                     w_dev.view(),
@@ -628,14 +631,6 @@ fn linear_qkv_rope_cache_equals_linear_then_qkv_rope_cache() -> Result<(), GpuEr
         }
     }
     Ok(())
-}
-
-/// Query heads, KV heads, head_dim.
-#[derive(Clone, Copy, Debug)]
-struct Heads {
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
 }
 
 /// A flattened batch laid out in a paged cache, on the host (values as stored in `dtype`).
@@ -690,7 +685,7 @@ impl Batch {
     }
 }
 
-/// The kernel `cuda::paged_attention` picks.
+/// The kernel `PagedAttention::run` picks.
 const PICKED: AttentionKernel = AttentionKernel::Picked;
 
 /// Runs the CPU op and the GPU op on `kernel` on `batch` and compares; `max_query_len`
@@ -763,18 +758,8 @@ fn gpu_attention(
     let k_cache = GpuTensor::from_f32(gpu, &batch.k_cache, dtype)?;
     let v_cache = GpuTensor::from_f32(gpu, &batch.v_cache, dtype)?;
     let mut out = nan_tensor(gpu, dtype, batch.q.len())?;
-    cuda::paged_attention_on(
-        kernel,
-        gpu,
-        q.view(),
-        k_cache.view(),
-        v_cache.view(),
-        &gpu_meta,
-        heads.num_heads,
-        heads.num_kv_heads,
-        heads.head_dim,
-        out.view_mut(),
-    )?;
+    let attention = PagedAttention::new(gpu)?;
+    attention.run_on(kernel, gpu, q.view(), k_cache.view(), v_cache.view(), &gpu_meta, heads, out.view_mut())?;
     out.to_f32_vec(gpu)
 }
 
@@ -1099,6 +1084,7 @@ fn paged_attention_tensor_core_long_prompts() -> Result<(), GpuError> {
 #[test]
 fn paged_attention_work_list_is_shared_by_a_steps_layers() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let attention = PagedAttention::new(&gpu)?;
     let requests = [(300, 37), (1, 1), (19, 19), (1000, 1), (64, 33)];
     let (block_size, dtype, tol) = (16, DType::BF16, 1e-2);
     let shapes = [
@@ -1146,7 +1132,7 @@ fn paged_attention_work_list_is_shared_by_a_steps_layers() -> Result<(), GpuErro
             let kernel = if general { AttentionKernel::General } else { AttentionKernel::Picked };
             let mut out = nan_tensor(&gpu, dtype, batch.q.len())?;
             let (q, k, v) = (q.view(), k_cache.view(), v_cache.view());
-            cuda::paged_attention_on(kernel, &gpu, q, k, v, &meta, h, kv, d, out.view_mut())?;
+            attention.run_on(kernel, &gpu, q, k, v, &meta, *heads, out.view_mut())?;
             check(&format!("layer {i} {heads:?} general {general}"), &out.to_f32_vec(&gpu)?, &want, tol);
         }
     }
@@ -1162,6 +1148,7 @@ fn paged_attention_work_list_is_shared_by_a_steps_layers() -> Result<(), GpuErro
 #[test]
 fn a_gpu_of_highest_priority_works_on_another_gpus_buffers() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let gemms = Gemms::new()?;
     let high = cuda::Gpu::new_with_priority(0, cuda::StreamPriority::Highest, &GpuOptions::default())?;
     let mut rng = rng(31);
     let (k, n) = (256, 384);
@@ -1173,7 +1160,7 @@ fn a_gpu_of_highest_priority_works_on_another_gpus_buffers() -> Result<(), GpuEr
         let (w_dev, w_r) = upload(&gpu, &w, DType::BF16)?;
         let mut y = nan_tensor(&gpu, DType::F32, m * n)?;
         gpu.synchronize()?;
-        cuda::linear(&high, x_dev.view(), m, k, w_dev.view(), n, None, y.view_mut())?;
+        cuda::linear(&high, &gemms, x_dev.view(), m, k, w_dev.view(), n, None, y.view_mut())?;
         high.synchronize()?;
         let mut want = vec![0.0; m * n];
         cpu::linear(&x_r, m, k, WeightView::F32(&w_r), n, None, &mut want);
@@ -1186,6 +1173,7 @@ fn a_gpu_of_highest_priority_works_on_another_gpus_buffers() -> Result<(), GpuEr
 #[test]
 fn linear_matches_cpu() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let gemms = Gemms::new()?;
     let mut rng = rng(13);
     // m up to GEMV_MAX_M takes the GEMV kernel where k is a multiple of 8 (not k = 100), one
     // or several of its unrolled steps (k = 1000: 125 chunks for 32 lanes) and its tail;
@@ -1212,7 +1200,7 @@ fn linear_matches_cpu() -> Result<(), GpuError> {
                                 let lin = if cublas { cuda::linear_cublas } else { cuda::linear };
                                 let mut y = nan_tensor(&gpu, y_dtype, m * n)?;
                                 let b_dev = with_bias.then(|| bias_dev.view());
-                                lin(&gpu, x_dev.view(), m, k, w_dev.view(), n, b_dev, y.view_mut())?;
+                                lin(&gpu, &gemms, x_dev.view(), m, k, w_dev.view(), n, b_dev, y.view_mut())?;
                                 let what = format!(
                                     "linear {dtype:?}->{y_dtype:?} m={m} k={k} n={n} bias={with_bias} cublas={cublas}"
                                 );
@@ -1229,11 +1217,12 @@ fn linear_matches_cpu() -> Result<(), GpuError> {
 
 /// GEMMs through the cuBLASLt plans that tuning keeps give cuBLAS's products (within the sum
 /// order), with and without bias, into the activation dtype and into f32, as do cuBLAS's own
-/// GEMMs once the plans are forgotten. Every plan is kept here (`tune_gemms_always`), so that the
+/// GEMMs once the plans are forgotten. Every plan is kept here (`Gemms::tune_always`), so that the
 /// cuBLASLt path runs whatever the timings say.
 #[test]
 fn tuned_gemms_match_cublas() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let gemms = Gemms::new()?;
     let mut rng = rng(31);
     let (k, n) = (1024, 1536);
     let ms = [8, 48, 130, 384];
@@ -1245,7 +1234,7 @@ fn tuned_gemms_match_cublas() -> Result<(), GpuError> {
         for (y_dtype, with_bias) in [(dtype, false), (DType::F32, false), (dtype, true)] {
             // `linear` with a bias into a half type computes an f32 product first.
             let gemm_out = if with_bias { DType::F32 } else { y_dtype };
-            let report = gpu.tune_gemms_always(&ms, &[(w_dev.view(), n, gemm_out)])?;
+            let report = gemms.tune_always(&gpu, &ms, &[(w_dev.view(), n, gemm_out)])?;
             assert_eq!(report.len(), ms.len(), "{dtype:?}: one tuning per row count");
             for t in &report {
                 assert!(t.candidates >= 1 && t.taken, "{dtype:?}: cuBLASLt offered nothing that ran: {t:?}");
@@ -1260,17 +1249,17 @@ fn tuned_gemms_match_cublas() -> Result<(), GpuError> {
                 let run = |gpu: &Gpu| -> Result<Vec<f32>, GpuError> {
                     let mut y = nan_tensor(gpu, y_dtype, m * n)?;
                     let b_dev = with_bias.then(|| bias_dev.view());
-                    cuda::linear(gpu, x_dev.view(), m, k, w_dev.view(), n, b_dev, y.view_mut())?;
+                    cuda::linear(gpu, &gemms, x_dev.view(), m, k, w_dev.view(), n, b_dev, y.view_mut())?;
                     y.to_f32_vec(gpu)
                 };
                 let what = format!("tuned linear {dtype:?}->{y_dtype:?} m={m} bias={with_bias}");
                 let tol = if y_dtype == DType::F32 { 1e-3 } else { tol };
                 check(&what, &run(&gpu)?, &want, tol);
-                gpu.clear_tuned_gemms();
+                gemms.clear();
                 check(&format!("{what}, plans forgotten"), &run(&gpu)?, &want, tol);
-                gpu.tune_gemms_always(&[m], &[(w_dev.view(), n, gemm_out)])?;
+                gemms.tune_always(&gpu, &[m], &[(w_dev.view(), n, gemm_out)])?;
             }
-            gpu.clear_tuned_gemms();
+            gemms.clear();
         }
     }
     Ok(())
@@ -1282,6 +1271,7 @@ fn tuned_gemms_match_cublas() -> Result<(), GpuError> {
 #[test]
 fn linear_of_few_rows_splits_long_rows_across_warps() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let gemms = Gemms::new()?;
     let mut rng = rng(15);
     for m in 1..=cuda::GEMV_MAX_M {
         for &k in &[2048, 8200, 16384, 32768] {
@@ -1292,7 +1282,7 @@ fn linear_of_few_rows_splits_long_rows_across_warps() -> Result<(), GpuError> {
                     let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
                     let (w_dev, w_r) = upload(&gpu, &w, dtype)?;
                     let mut y = nan_tensor(&gpu, DType::F32, m * n)?;
-                    cuda::linear(&gpu, x_dev.view(), m, k, w_dev.view(), n, None, y.view_mut())?;
+                    cuda::linear(&gpu, &gemms, x_dev.view(), m, k, w_dev.view(), n, None, y.view_mut())?;
                     let mut want = vec![0.0; m * n];
                     cpu::linear(&x_r, m, k, WeightView::F32(&w_r), n, None, &mut want);
                     let f32_tol = if dtype == DType::F32 { 1e-4 } else { tol.min(1e-3) };
@@ -1310,6 +1300,7 @@ fn linear_of_few_rows_splits_long_rows_across_warps() -> Result<(), GpuError> {
 #[test]
 fn linear_gated_matches_linear_then_activation() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let gemms = Gemms::new()?;
     let mut rng = rng(18);
     for act in [cuda::GatedActivation::Silu, cuda::GatedActivation::GeluTanh] {
         for m in 1..=cuda::GEMV_MAX_M + 1 {
@@ -1328,6 +1319,7 @@ fn linear_gated_matches_linear_then_activation() -> Result<(), GpuError> {
                         let mut got = nan_tensor(&gpu, dtype, m * inter)?;
                         cuda::linear_gated(
                             &gpu,
+                            &gemms,
                             x_dev.view(),
                             m,
                             k,
@@ -1339,7 +1331,17 @@ fn linear_gated_matches_linear_then_activation() -> Result<(), GpuError> {
                             got.view_mut(),
                         )?;
                         let mut want = nan_tensor(&gpu, dtype, m * inter)?;
-                        cuda::linear(&gpu, x_dev.view(), m, k, w_dev.view(), 2 * inter, bias, gate_up.view_mut())?;
+                        cuda::linear(
+                            &gpu,
+                            &gemms,
+                            x_dev.view(),
+                            m,
+                            k,
+                            w_dev.view(),
+                            2 * inter,
+                            bias,
+                            gate_up.view_mut(),
+                        )?;
                         match act {
                             cuda::GatedActivation::Silu => {
                                 cuda::silu_and_mul(&gpu, gate_up.view(), inter, want.view_mut())?
@@ -1374,6 +1376,7 @@ fn linear_gated_matches_linear_then_activation() -> Result<(), GpuError> {
 #[test]
 fn linear_of_a_row_range_writes_only_those_rows() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let gemms = Gemms::new()?;
     let mut rng = rng(14);
     let (m, k, n) = (9, 96, 40);
     let x = random_vec(&mut rng, m * k, 1.0);
@@ -1384,7 +1387,17 @@ fn linear_of_a_row_range_writes_only_those_rows() -> Result<(), GpuError> {
         let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
         let (w_dev, w_r) = upload(&gpu, &w, dtype)?;
         let mut y = nan_tensor(&gpu, dtype, m * n)?;
-        cuda::linear(&gpu, x_dev.rows(2..5, k), 3, k, w_dev.view(), n, Some(bias_dev.view()), y.rows_mut(2..5, n))?;
+        cuda::linear(
+            &gpu,
+            &gemms,
+            x_dev.rows(2..5, k),
+            3,
+            k,
+            w_dev.view(),
+            n,
+            Some(bias_dev.view()),
+            y.rows_mut(2..5, n),
+        )?;
         let got = y.to_f32_vec(&gpu)?;
         let mut want = vec![0.0; 3 * n];
         cpu::linear(&x_r[2 * k..5 * k], 3, k, WeightView::F32(&w_r), n, Some(&bias), &mut want);

@@ -81,7 +81,7 @@ impl CudaRunner {
     /// KV cache comes later, from [`ModelRunner::allocate_kv_cache`], once its size is known.
     /// Decode steps replay CUDA graphs unless [`Self::set_cuda_graphs`] turns them off.
     pub fn load(gpu: Gpu, dtype: DType, config: ModelConfig, src: &WeightSource) -> Result<CudaRunner, ModelError> {
-        let dev = Cuda::new(gpu, dtype);
+        let dev = Cuda::new(gpu, dtype)?;
         let decoder = Decoder::load(&dev, config, src)?;
         dev.gpu().synchronize()?;
         Ok(CudaRunner {
@@ -102,7 +102,7 @@ impl CudaRunner {
     }
 
     /// Times cuBLAS against cuBLASLt's algorithms on the GEMMs of this runner's decode steps, so
-    /// that each takes the faster (`Gpu::tune_gemms`): the projections and the LM head at each
+    /// that each takes the faster (`Gemms::tune`): the projections and the LM head at each
     /// decode graph batch from 128 rows up to the one holding `max_decode_batch`. The first layer
     /// stands for all: every layer has the same shapes. Other shapes (prompt chunks among them:
     /// at 8192 rows tuning gained 0.4 %) keep `cublasGemmEx`.
@@ -125,7 +125,7 @@ impl CudaRunner {
         if ms.is_empty() {
             return Ok(());
         }
-        let report = self.gpu().tune_gemms(&ms, &weights)?;
+        let report = self.dev.tune_gemms(&ms, &weights)?;
         for t in &report {
             tracing::debug!(
                 m = t.shape.m,

@@ -5,7 +5,7 @@
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
 use ferrolm_backend::cuda::{
-    self, AttentionKernel, AttentionWork, Gpu, GpuAttentionMetadata, GpuError, GpuOptions, GpuTensor,
+    AttentionKernel, AttentionWork, Gpu, GpuAttentionMetadata, GpuError, GpuOptions, GpuTensor, PagedAttention,
 };
 use ferrolm_backend::{DType, WeightView};
 use half::bf16;
@@ -125,8 +125,10 @@ pub struct AttentionCase {
 }
 
 /// A case's query of bf16 random values, its output, and `caches.len()` layers' K/V caches, all
-/// addressed by one block table as a model's layers are.
+/// addressed by one block table as a model's layers are; with the op's own decode workspace, so
+/// that cases issued on different streams at once share none.
 pub struct AttentionBuffers {
+    pub attention: PagedAttention,
     pub heads: Heads,
     pub q: GpuTensor,
     pub out: GpuTensor,
@@ -190,7 +192,7 @@ impl AttentionCase {
         }
         let seq_lens: Vec<u32> = requests.iter().map(|&(s, _)| s as u32).collect();
         Ok(AttentionCase {
-            buffers: AttentionBuffers { heads, q, out, caches },
+            buffers: AttentionBuffers { attention: PagedAttention::new(gpu)?, heads, q, out, caches },
             step: StepBuffers {
                 query_start_loc: gpu.upload(&query_start_loc_host)?,
                 query_start_loc_host,
@@ -235,7 +237,8 @@ impl AttentionBuffers {
     ) -> Result<(), GpuError> {
         let (k_cache, v_cache) = &self.caches[layer % self.caches.len()];
         let Heads { query, kv } = self.heads;
+        let heads = ferrolm_backend::Heads { num_heads: query, num_kv_heads: kv, head_dim: HEAD_DIM };
         let (q, out) = (self.q.view(), self.out.view_mut());
-        cuda::paged_attention_on(kernel, gpu, q, k_cache.view(), v_cache.view(), meta, query, kv, HEAD_DIM, out)
+        self.attention.run_on(kernel, gpu, q, k_cache.view(), v_cache.view(), meta, heads, out)
     }
 }

@@ -1,5 +1,8 @@
 //! The paged KV cache on the device: writing new tokens' K/V ([`reshape_and_cache`]) and causal
-//! attention over it ([`paged_attention`]), with the semantics of the CPU ops of the same names.
+//! attention over it ([`PagedAttention::run`]), with the semantics of the CPU ops of the same
+//! names. [`PagedAttention`] owns what the decode kernels keep between launches (their merge
+//! counters and split workspace, allocated once so that captured graphs keep valid addresses)
+//! and the decode switches of [`super::GpuOptions`].
 //!
 //! Each layer's cache is a K and a V tensor of `[num_blocks * block_size, num_kv_heads * head_dim]`
 //! in the activation dtype; `slot = block_id * block_size + offset`.
@@ -20,12 +23,13 @@ use cudarc::driver::sys::{
     cuTensorMapEncodeTiled, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
     CUtensorMapL2promotion, CUtensorMapSwizzle,
 };
-use cudarc::driver::{CudaView, DevicePtr, DeviceRepr, LaunchConfig};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 
 use super::flash_attention::{self, AttentionWork};
 use super::gpu::{rows_config, to_u32};
 use super::ops::same_dtype;
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
+use crate::device::Heads;
 use crate::DType;
 
 use super::compile::{self, KernelFamilies};
@@ -80,13 +84,13 @@ const DECODE_TILE_ELEMS: usize = 4096;
 const DECODE_STAGES: usize = 4;
 /// Decode blocks wanted per launch: a few per SM of a large GPU (132 on an H200), so that short
 /// batches still fill the device. The context is split only for fewer (token, head block)
-/// pairs than this, so it is also the number of merge counters the `Gpu` keeps.
-pub(crate) const DECODE_TARGET_BLOCKS: usize = 512;
-/// Floats of the decode workspace the `Gpu` keeps. A split launch aiming at `target_blocks` has
+/// pairs than this, so it is also the number of merge counters [`PagedAttention`] keeps.
+const DECODE_TARGET_BLOCKS: usize = 512;
+/// Floats of the decode workspace [`PagedAttention`] keeps. A split launch aiming at `target_blocks` has
 /// at most `2 * target_blocks` (block, partition) pairs (parts = ceil(target / blocks) for at most
 /// `target` blocks), each of at most `max_heads` query heads with `head_dim + 2` floats: the
 /// larger of the two kernels' products, at head_dim 256 (8.5 MB).
-pub(crate) const DECODE_WORKSPACE_FLOATS: usize = 2 * split_heads_bound() * (256 + 2);
+const DECODE_WORKSPACE_FLOATS: usize = 2 * split_heads_bound() * (256 + 2);
 
 const fn split_heads_bound() -> usize {
     let cuda = CUDA_CORE_SPLIT.target_blocks * CUDA_CORE_SPLIT.max_heads;
@@ -143,7 +147,7 @@ const TENSOR_CORE_SPLIT: SplitPolicy =
 /// Most partitions per (token, head); bounds the workspace and the combine step.
 const DECODE_MAX_PARTS: usize = 128;
 
-/// Describes the flattened batch for [`paged_attention`], as [`crate::cpu::AttentionMetadata`]
+/// Describes the flattened batch for [`PagedAttention::run`], as [`crate::cpu::AttentionMetadata`]
 /// does, with the index buffers on the device. Build one per step: its `work` keeps what the
 /// step's first layer works out for the others.
 #[derive(Debug)]
@@ -216,42 +220,90 @@ pub fn reshape_and_cache(
     Ok(())
 }
 
-/// Causal attention of every query row over its request's paged K/V (which must already hold the
-/// new tokens: call [`reshape_and_cache`] first), as [`crate::cpu::paged_attention`]. GQA: query
-/// head `h` reads KV head `h / (num_heads / num_kv_heads)`. `q`, `out`: `[T, num_heads, head_dim]`;
-/// caches as in [`reshape_and_cache`]; all in one dtype. Block ids past the cache read as zeros.
-#[allow(clippy::too_many_arguments)]
-pub fn paged_attention(
-    gpu: &Gpu,
-    q: GpuView<'_>,
-    k_cache: GpuView<'_>,
-    v_cache: GpuView<'_>,
-    meta: &GpuAttentionMetadata<'_>,
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-    out: GpuViewMut<'_>,
-) -> Result<(), GpuError> {
-    attention(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out, AttentionKernel::Picked)
+/// Paged attention on one [`Gpu`], with the state its decode kernels keep between launches.
+/// Create one per `Gpu` (it takes the decode switches of the `Gpu`'s [`super::GpuOptions`]) and
+/// keep it as long as graphs that captured its launches are replayed.
+pub struct PagedAttention {
+    /// The decode attention kernel's partition-merge counters, one per (token, head block) of a
+    /// split launch ([`DECODE_TARGET_BLOCKS`], more than a split launch has), zero between
+    /// launches: allocated once, so that captured graphs keep a valid address.
+    decode_counters: CudaSlice<u32>,
+    /// The decode attention kernels' partial results when they split a context
+    /// ([`DECODE_WORKSPACE_FLOATS`], the most a split launch needs): allocated once so that a
+    /// captured decode step holds no allocation and its kernels follow one another.
+    decode_workspace: CudaSlice<f32>,
+    /// [`super::GpuOptions::decode_warp_items`]: unsplit tensor-core decodes may take the
+    /// head-block-per-warp kernel.
+    decode_warp_items: bool,
+    /// [`super::GpuOptions::decode_tensor_copies`], on compute capability 9.0 and later only:
+    /// the per-warp decode kernel copies K/V as tensor-map boxes where it can.
+    decode_tensor_copies: bool,
 }
 
-/// [`paged_attention`] on a kernel of the caller's choice, for benchmarks and tests that
-/// compare the kernels. An error where the kernel does not apply (see [`AttentionKernel`]).
-#[doc(hidden)]
-#[allow(clippy::too_many_arguments)]
-pub fn paged_attention_on(
-    kernel: AttentionKernel,
-    gpu: &Gpu,
-    q: GpuView<'_>,
-    k_cache: GpuView<'_>,
-    v_cache: GpuView<'_>,
-    meta: &GpuAttentionMetadata<'_>,
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-    out: GpuViewMut<'_>,
-) -> Result<(), GpuError> {
-    attention(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out, kernel)
+impl PagedAttention {
+    /// Allocates the decode kernels' counters and workspace on `gpu` and takes its switches.
+    pub fn new(gpu: &Gpu) -> Result<PagedAttention, GpuError> {
+        let stream = gpu.stream();
+        let decode_counters = stream.alloc_zeros::<u32>(DECODE_TARGET_BLOCKS)?;
+        // SAFETY: a decode kernel writes every element of the workspace that it reads.
+        let decode_workspace = unsafe { stream.alloc::<f32>(DECODE_WORKSPACE_FLOATS) }?;
+        let options = gpu.options();
+        Ok(PagedAttention {
+            decode_counters,
+            decode_workspace,
+            decode_warp_items: options.decode_warp_items,
+            decode_tensor_copies: gpu.compute_capability().0 >= 9 && options.decode_tensor_copies,
+        })
+    }
+
+    /// Causal attention of every query row over its request's paged K/V (which must already
+    /// hold the new tokens: call [`reshape_and_cache`] first), as [`crate::cpu::paged_attention`].
+    /// GQA: query head `h` reads KV head `h / (num_heads / num_kv_heads)`. `q`, `out`: `[T,
+    /// num_heads, head_dim]`; caches as in [`reshape_and_cache`]; all in one dtype. Block ids
+    /// past the cache read as zeros. `gpu` must be the one `self` was created on.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run(
+        &self,
+        gpu: &Gpu,
+        q: GpuView<'_>,
+        k_cache: GpuView<'_>,
+        v_cache: GpuView<'_>,
+        meta: &GpuAttentionMetadata<'_>,
+        heads: Heads,
+        out: GpuViewMut<'_>,
+    ) -> Result<(), GpuError> {
+        self.attention(gpu, &Operands { q, k_cache, v_cache, meta, heads }, out, AttentionKernel::Picked)
+    }
+
+    /// [`Self::run`] on a kernel of the caller's choice, for benchmarks and tests that compare
+    /// the kernels. An error where the kernel does not apply (see [`AttentionKernel`]).
+    #[cfg(feature = "bench-internals")]
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_on(
+        &self,
+        kernel: AttentionKernel,
+        gpu: &Gpu,
+        q: GpuView<'_>,
+        k_cache: GpuView<'_>,
+        v_cache: GpuView<'_>,
+        meta: &GpuAttentionMetadata<'_>,
+        heads: Heads,
+        out: GpuViewMut<'_>,
+    ) -> Result<(), GpuError> {
+        self.attention(gpu, &Operands { q, k_cache, v_cache, meta, heads }, out, kernel)
+    }
+}
+
+/// One call's inputs, as every attention kernel path takes them (checked in `attention`).
+#[derive(Clone, Copy)]
+pub(crate) struct Operands<'a> {
+    /// `[T, num_heads, head_dim]`
+    pub(crate) q: GpuView<'a>,
+    /// `[num_blocks * block_size, num_kv_heads * head_dim]` each.
+    pub(crate) k_cache: GpuView<'a>,
+    pub(crate) v_cache: GpuView<'a>,
+    pub(crate) meta: &'a GpuAttentionMetadata<'a>,
+    pub(crate) heads: Heads,
 }
 
 /// Where a decode call takes the per-warp kernel's tensor-copy form (the kernel named).
@@ -264,76 +316,76 @@ enum TensorCopies {
     Always(&'static str),
 }
 
-/// Which kernel a [`paged_attention_on`] call takes.
-#[doc(hidden)]
+/// Which kernel a [`PagedAttention::run_on`] call takes (`bench-internals` feature); without
+/// the feature every call takes `Picked`.
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(not(feature = "bench-internals"), allow(dead_code))]
 pub enum AttentionKernel {
-    /// The one [`paged_attention`] picks for the batch.
+    /// The one [`PagedAttention::run`] picks for the batch.
     Picked,
     /// The general kernel, whatever the batch, dtype and head size.
     General,
     /// The per-warp tensor-core decode kernel in its tensor-copy form, whatever the batch size
-    /// and whether or not the `Gpu` takes that form itself (`GpuOptions::decode_tensor_copies`); an
+    /// and whether or not [`PagedAttention`] takes that form itself (`GpuOptions::decode_tensor_copies`); an
     /// error where it does not apply (see `tensor_copy_kernel`).
     TensorCopies,
 }
 
-#[allow(clippy::too_many_arguments)]
-fn attention(
-    gpu: &Gpu,
-    q: GpuView<'_>,
-    k_cache: GpuView<'_>,
-    v_cache: GpuView<'_>,
-    meta: &GpuAttentionMetadata<'_>,
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-    out: GpuViewMut<'_>,
-    route: AttentionKernel,
-) -> Result<(), GpuError> {
-    let op = "paged_attention";
-    assert!(
-        num_heads > 0 && num_kv_heads > 0 && head_dim > 0,
-        "{op}: num_heads, num_kv_heads and head_dim must be positive"
-    );
-    assert_eq!(
-        num_heads % num_kv_heads,
-        0,
-        "{op}: {num_heads} query heads do not share {num_kv_heads} KV heads evenly"
-    );
-    let token_width = num_heads * head_dim;
-    assert_eq!(q.len() % token_width, 0, "{op}: q is not [T, {num_heads}, {head_dim}]");
-    assert_eq!(out.len(), q.len(), "{op}: out and q differ in size");
-    let num_reqs = meta.seq_lens.len();
-    assert_eq!(meta.query_start_loc.len(), num_reqs + 1, "{op}: query_start_loc must have num_reqs + 1 entries");
-    assert_eq!(
-        meta.block_tables.len(),
-        num_reqs * meta.max_blocks_per_seq,
-        "{op}: block_tables is not [num_reqs, max_blocks_per_seq]"
-    );
-    assert!(meta.block_size > 0, "{op}: block_size is 0");
-    assert!(meta.sliding_window != Some(0), "{op}: sliding window of 0 sees nothing");
-    let kv_width = num_kv_heads * head_dim;
-    assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
-    assert_eq!(k_cache.len() % kv_width, 0, "{op}: cache is not whole slots");
-    for dtype in [k_cache.dtype(), v_cache.dtype(), out.dtype()] {
-        same_dtype(op, q.dtype(), dtype);
-    }
-    let num_tokens = q.len() / token_width;
-    if num_tokens == 0 {
-        return Ok(());
-    }
+impl PagedAttention {
+    /// Checks the call, then takes the kernel `route` asks for or picks one.
+    fn attention(
+        &self,
+        gpu: &Gpu,
+        operands: &Operands<'_>,
+        out: GpuViewMut<'_>,
+        route: AttentionKernel,
+    ) -> Result<(), GpuError> {
+        let Operands { q, k_cache, v_cache, meta, heads } = *operands;
+        let Heads { num_heads, num_kv_heads, head_dim } = heads;
+        let op = "paged_attention";
+        assert!(
+            num_heads > 0 && num_kv_heads > 0 && head_dim > 0,
+            "{op}: num_heads, num_kv_heads and head_dim must be positive"
+        );
+        assert_eq!(
+            num_heads % num_kv_heads,
+            0,
+            "{op}: {num_heads} query heads do not share {num_kv_heads} KV heads evenly"
+        );
+        let token_width = num_heads * head_dim;
+        assert_eq!(q.len() % token_width, 0, "{op}: q is not [T, {num_heads}, {head_dim}]");
+        assert_eq!(out.len(), q.len(), "{op}: out and q differ in size");
+        let num_reqs = meta.seq_lens.len();
+        assert_eq!(meta.query_start_loc.len(), num_reqs + 1, "{op}: query_start_loc must have num_reqs + 1 entries");
+        assert_eq!(
+            meta.block_tables.len(),
+            num_reqs * meta.max_blocks_per_seq,
+            "{op}: block_tables is not [num_reqs, max_blocks_per_seq]"
+        );
+        assert!(meta.block_size > 0, "{op}: block_size is 0");
+        assert!(meta.sliding_window != Some(0), "{op}: sliding window of 0 sees nothing");
+        let kv_width = num_kv_heads * head_dim;
+        assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
+        assert_eq!(k_cache.len() % kv_width, 0, "{op}: cache is not whole slots");
+        for dtype in [k_cache.dtype(), v_cache.dtype(), out.dtype()] {
+            same_dtype(op, q.dtype(), dtype);
+        }
+        let num_tokens = q.len() / token_width;
+        if num_tokens == 0 {
+            return Ok(());
+        }
 
-    let decode = if meta.max_query_len <= 1 { decode_kernel(gpu, head_dim, q, k_cache, v_cache, &out) } else { None };
-    if route == AttentionKernel::TensorCopies {
-        // The tensor-copy form is a form of the tensor-core decode kernel.
-        let tensor = decode.filter(|k| matches!(k, DecodeKernel::TensorCore(..))).and_then(|kernel| {
-            tensor_copy_kernel(gpu, meta, head_dim, q.dtype(), k_cache, v_cache).map(|name| (kernel, name))
-        });
-        let Some((kernel, tensor)) = tensor else {
-            return Err(GpuError::Unsupported {
-                op: "paged_attention_on(TensorCopies)",
-                reason: format!(
+        let decode =
+            if meta.max_query_len <= 1 { decode_kernel(gpu, head_dim, q, k_cache, v_cache, &out) } else { None };
+        if route == AttentionKernel::TensorCopies {
+            // The tensor-copy form is a form of the tensor-core decode kernel.
+            let tensor = decode.filter(|k| matches!(k, DecodeKernel::TensorCore(..))).and_then(|kernel| {
+                tensor_copy_kernel(gpu, meta, head_dim, q.dtype(), k_cache, v_cache).map(|name| (kernel, name))
+            });
+            let Some((kernel, tensor)) = tensor else {
+                return Err(GpuError::Unsupported {
+                    op: "PagedAttention::run_on(TensorCopies)",
+                    reason: format!(
                     "needs decodes (max_query_len {}), bf16 or f16 (not {:?}), head_dim 64 or 128 (not {head_dim}), \
                      block_size 16 (not {}), no sliding window ({:?}) and compute capability 9.0 or later ({:?})",
                     meta.max_query_len,
@@ -342,23 +394,24 @@ fn attention(
                     meta.sliding_window,
                     gpu.compute_capability()
                 ),
-            });
-        };
-        let tensor = TensorCopies::Always(tensor);
-        paged_decode(gpu, kernel, tensor, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
-    } else if route == AttentionKernel::General {
-        paged_general(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
-    } else if let Some(kernel) = decode {
-        let tensor = match gpu.decode_tensor_copies() {
-            true => tensor_copy_kernel(gpu, meta, head_dim, q.dtype(), k_cache, v_cache),
-            false => None,
-        };
-        let tensor = tensor.map_or(TensorCopies::Never, TensorCopies::WherePerWarp);
-        paged_decode(gpu, kernel, tensor, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
-    } else if let Some(kernel) = flash_attention::kernel_for(gpu, head_dim, q, k_cache, v_cache, &out) {
-        flash_attention::paged_flash(gpu, kernel, q, k_cache, v_cache, meta, num_heads, num_kv_heads, out)
-    } else {
-        paged_general(gpu, q, k_cache, v_cache, meta, num_heads, num_kv_heads, head_dim, out)
+                });
+            };
+            let tensor = TensorCopies::Always(tensor);
+            self.paged_decode(gpu, kernel, tensor, operands, out)
+        } else if route == AttentionKernel::General {
+            paged_general(gpu, operands, out)
+        } else if let Some(kernel) = decode {
+            let tensor = match self.decode_tensor_copies {
+                true => tensor_copy_kernel(gpu, meta, head_dim, q.dtype(), k_cache, v_cache),
+                false => None,
+            };
+            let tensor = tensor.map_or(TensorCopies::Never, TensorCopies::WherePerWarp);
+            self.paged_decode(gpu, kernel, tensor, operands, out)
+        } else if let Some(kernel) = flash_attention::kernel_for(gpu, head_dim, q, k_cache, v_cache, &out) {
+            flash_attention::paged_flash(gpu, kernel, operands, out)
+        } else {
+            paged_general(gpu, operands, out)
+        }
     }
 }
 
@@ -543,142 +596,140 @@ fn shape_args(
     ]
 }
 
-#[allow(clippy::too_many_arguments)]
-fn paged_decode(
-    gpu: &Gpu,
-    kernel: DecodeKernel,
-    tensor_copies: TensorCopies,
-    q: GpuView<'_>,
-    k_cache: GpuView<'_>,
-    v_cache: GpuView<'_>,
-    meta: &GpuAttentionMetadata<'_>,
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-    out: GpuViewMut<'_>,
-) -> Result<(), GpuError> {
-    let op = "paged_attention";
-    let num_tokens = q.len() / (num_heads * head_dim);
-    let num_reqs = meta.seq_lens.len();
-    // The longest context any row can see, from the block tables' width (no read of seq_lens).
-    let mut max_context = meta.max_blocks_per_seq * meta.block_size;
-    if let Some(w) = meta.sliding_window {
-        max_context = max_context.min(w);
-    }
-    let group = num_heads / num_kv_heads;
-    let policy = match kernel {
-        DecodeKernel::Cuda => CUDA_CORE_SPLIT,
-        DecodeKernel::TensorCore(..) => TENSOR_CORE_SPLIT,
-    };
-    let mut split = DecodeSplit::new(policy, group, num_tokens * num_kv_heads, max_context);
-    if let TensorCopies::Always(_) = tensor_copies {
-        // The per-warp kernel takes whole contexts.
-        split.num_parts = 1;
-        split.part_len = max_context.next_multiple_of(16);
-    }
-    let num_parts = split.num_parts;
+impl PagedAttention {
+    fn paged_decode(
+        &self,
+        gpu: &Gpu,
+        kernel: DecodeKernel,
+        tensor_copies: TensorCopies,
+        operands: &Operands<'_>,
+        out: GpuViewMut<'_>,
+    ) -> Result<(), GpuError> {
+        let Operands { q, k_cache, v_cache, meta, heads } = *operands;
+        let Heads { num_heads, num_kv_heads, head_dim } = heads;
+        let op = "paged_attention";
+        let num_tokens = q.len() / (num_heads * head_dim);
+        let num_reqs = meta.seq_lens.len();
+        // The longest context any row can see, from the block tables' width (no read of seq_lens).
+        let mut max_context = meta.max_blocks_per_seq * meta.block_size;
+        if let Some(w) = meta.sliding_window {
+            max_context = max_context.min(w);
+        }
+        let group = num_heads / num_kv_heads;
+        let policy = match kernel {
+            DecodeKernel::Cuda => CUDA_CORE_SPLIT,
+            DecodeKernel::TensorCore(..) => TENSOR_CORE_SPLIT,
+        };
+        let mut split = DecodeSplit::new(policy, group, num_tokens * num_kv_heads, max_context);
+        if let TensorCopies::Always(_) = tensor_copies {
+            // The per-warp kernel takes whole contexts.
+            split.num_parts = 1;
+            split.part_len = max_context.next_multiple_of(16);
+        }
+        let num_parts = split.num_parts;
 
-    // Partial results of each (token, head, partition): out then (max, sum), f32; none when the
-    // context is not split.
-    let partial_len = num_tokens * num_heads * num_parts * head_dim;
-    let stats_len = num_tokens * num_heads * num_parts * 2;
-    // The `Gpu`'s workspace holds any split the kernels make (see DECODE_WORKSPACE_FLOATS);
-    // a larger one (a head size past 256) is allocated for the call, stream-ordered.
-    let fits = partial_len + stats_len <= DECODE_WORKSPACE_FLOATS;
-    let workspace = if num_parts > 1 && !fits {
-        // SAFETY: the decode kernel writes every element the merge reads.
-        Some(unsafe { gpu.stream().alloc::<f32>(partial_len + stats_len) }?)
-    } else {
-        None
-    };
-    let base = match &workspace {
-        Some(ws) => gpu.index_ptr(ws),
-        None => gpu.index_ptr(gpu.decode_workspace()),
-    };
-    let (part_out, part_ml) =
-        if num_parts > 1 { (base, base + (partial_len * std::mem::size_of::<f32>()) as u64) } else { (0u64, 0u64) };
+        // Partial results of each (token, head, partition): out then (max, sum), f32; none when the
+        // context is not split.
+        let partial_len = num_tokens * num_heads * num_parts * head_dim;
+        let stats_len = num_tokens * num_heads * num_parts * 2;
+        // The kept workspace holds any split the kernels make (see DECODE_WORKSPACE_FLOATS);
+        // a larger one (a head size past 256) is allocated for the call, stream-ordered.
+        let fits = partial_len + stats_len <= DECODE_WORKSPACE_FLOATS;
+        let workspace = if num_parts > 1 && !fits {
+            // SAFETY: the decode kernel writes every element the merge reads.
+            Some(unsafe { gpu.stream().alloc::<f32>(partial_len + stats_len) }?)
+        } else {
+            None
+        };
+        let base = match &workspace {
+            Some(ws) => gpu.index_ptr(ws),
+            None => gpu.index_ptr(&self.decode_workspace),
+        };
+        let (part_out, part_ml) =
+            if num_parts > 1 { (base, base + (partial_len * std::mem::size_of::<f32>()) as u64) } else { (0u64, 0u64) };
 
-    let kv_width = num_kv_heads * head_dim;
-    let num_blocks = k_cache.len() / kv_width / meta.block_size;
-    let g = split.heads_per_block;
-    let shared = match kernel {
-        DecodeKernel::Cuda => decode_shared_bytes(q.dtype().size_in_bytes(), g, head_dim),
-        DecodeKernel::TensorCore(..) => decode_mma_shared_bytes(head_dim),
-    };
-    let head_blocks = num_tokens * num_kv_heads * split.head_chunks;
-    assert!(
+        let kv_width = num_kv_heads * head_dim;
+        let num_blocks = k_cache.len() / kv_width / meta.block_size;
+        let g = split.heads_per_block;
+        let shared = match kernel {
+            DecodeKernel::Cuda => decode_shared_bytes(q.dtype().size_in_bytes(), g, head_dim),
+            DecodeKernel::TensorCore(..) => decode_mma_shared_bytes(head_dim),
+        };
+        let head_blocks = num_tokens * num_kv_heads * split.head_chunks;
+        assert!(
         num_parts == 1 || head_blocks <= DECODE_TARGET_BLOCKS,
         "paged_attention: {head_blocks} head blocks split into partitions, more than the {DECODE_TARGET_BLOCKS} counters"
     );
-    // Unsplit, the tensor-core kernel may give each warp a head block of its own (in its
-    // tensor-copy form where the call asks for it).
-    let forced = matches!(tensor_copies, TensorCopies::Always(_));
-    let per_warp = matches!(kernel, DecodeKernel::TensorCore(..))
-        && (forced
-            || num_parts == 1 && gpu.decode_warp_items() && {
-                // Two blocks of the tensor-core kernel per SM at most, by their registers.
-                let sm_blocks = gpu.blocks_per_multiprocessor(shared).min(2) * gpu.multiprocessors();
-                warp_items_fill_as_well(head_blocks, DECODE_THREADS / 32, sm_blocks)
-            });
-    let tensor_copies = match tensor_copies {
-        TensorCopies::Always(name) | TensorCopies::WherePerWarp(name) if per_warp => Some(name),
-        _ => None,
-    };
-    let shared = if tensor_copies.is_some() { tensor_copy_shared_bytes(head_dim) } else { shared };
-    let blocks = if per_warp { head_blocks.div_ceil(DECODE_THREADS / 32) } else { head_blocks };
-    let cfg = LaunchConfig {
-        grid_dim: (
-            to_u32(op, "tokens times KV heads times head chunks", blocks),
-            to_u32(op, "partitions", num_parts),
-            1,
-        ),
-        block_dim: (DECODE_THREADS as u32, 1, 1),
-        shared_mem_bytes: shared as u32,
-    };
-    let (q_ptr, kc_ptr, vc_ptr, out_ptr) = (q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr());
-    let counters_ptr = gpu.index_ptr(gpu.decode_counters());
-    let qsl_ptr = gpu.index_ptr(&meta.query_start_loc);
-    let lens_ptr = gpu.index_ptr(&meta.seq_lens);
-    let tables_ptr = gpu.index_ptr(&meta.block_tables);
-    let reqs = to_u32(op, "num_reqs", num_reqs);
-    let args = shape_args(op, meta, num_heads, num_kv_heads, head_dim, num_blocks);
-    let part_len = to_u32(op, "partition length", split.part_len);
-    let name = tensor_copies.unwrap_or(match (kernel, g) {
-        (DecodeKernel::TensorCore(_, warp_name), _) if per_warp => warp_name,
-        (DecodeKernel::TensorCore(name, _), _) => name,
-        (DecodeKernel::Cuda, 1) => "paged_attention_decode_g1",
-        (DecodeKernel::Cuda, 2) => "paged_attention_decode_g2",
-        (DecodeKernel::Cuda, 4) => "paged_attention_decode_g4",
-        (DecodeKernel::Cuda, _) => "paged_attention_decode_g8",
-    });
-    let mut launch = gpu.launch_builder(name, q.dtype());
-    launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&out_ptr).arg(&part_out).arg(&part_ml).arg(&counters_ptr);
-    launch.arg(&qsl_ptr).arg(&lens_ptr).arg(&tables_ptr).arg(&reqs);
-    for a in &args {
-        launch.arg(a);
-    }
-    launch.arg(&meta.scale).arg(&part_len);
-    // The tensor-copy form takes the caches' tensor maps after the others.
-    let maps = match tensor_copies {
-        Some(_) => Some((
-            cache_tensor_map(k_cache, num_kv_heads, head_dim)?,
-            cache_tensor_map(v_cache, num_kv_heads, head_dim)?,
-        )),
-        None => None,
-    };
-    if let Some((k_map, v_map)) = &maps {
-        launch.arg(k_map).arg(v_map);
-    }
-    // SAFETY: the arguments match the kernel's parameters in order (the decode kernels take the
-    // same, the tensor-copy form two tensor maps more); head_dim, dtype and alignment suit the
-    // kernel (`decode_kernel`, `tensor_copy_kernel`), the workspace holds `num_parts` partitions of every (token, head),
-    // there is a zeroed counter per block of a partition (checked above), and the shared memory
-    // is as the kernel lays it out.
-    unsafe { launch.launch(cfg) }?;
+        // Unsplit, the tensor-core kernel may give each warp a head block of its own (in its
+        // tensor-copy form where the call asks for it).
+        let forced = matches!(tensor_copies, TensorCopies::Always(_));
+        let per_warp = matches!(kernel, DecodeKernel::TensorCore(..))
+            && (forced
+                || num_parts == 1 && self.decode_warp_items && {
+                    // Two blocks of the tensor-core kernel per SM at most, by their registers.
+                    let sm_blocks = gpu.blocks_per_multiprocessor(shared).min(2) * gpu.multiprocessors();
+                    warp_items_fill_as_well(head_blocks, DECODE_THREADS / 32, sm_blocks)
+                });
+        let tensor_copies = match tensor_copies {
+            TensorCopies::Always(name) | TensorCopies::WherePerWarp(name) if per_warp => Some(name),
+            _ => None,
+        };
+        let shared = if tensor_copies.is_some() { tensor_copy_shared_bytes(head_dim) } else { shared };
+        let blocks = if per_warp { head_blocks.div_ceil(DECODE_THREADS / 32) } else { head_blocks };
+        let cfg = LaunchConfig {
+            grid_dim: (
+                to_u32(op, "tokens times KV heads times head chunks", blocks),
+                to_u32(op, "partitions", num_parts),
+                1,
+            ),
+            block_dim: (DECODE_THREADS as u32, 1, 1),
+            shared_mem_bytes: shared as u32,
+        };
+        let (q_ptr, kc_ptr, vc_ptr, out_ptr) = (q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr());
+        let counters_ptr = gpu.index_ptr(&self.decode_counters);
+        let qsl_ptr = gpu.index_ptr(&meta.query_start_loc);
+        let lens_ptr = gpu.index_ptr(&meta.seq_lens);
+        let tables_ptr = gpu.index_ptr(&meta.block_tables);
+        let reqs = to_u32(op, "num_reqs", num_reqs);
+        let args = shape_args(op, meta, num_heads, num_kv_heads, head_dim, num_blocks);
+        let part_len = to_u32(op, "partition length", split.part_len);
+        let name = tensor_copies.unwrap_or(match (kernel, g) {
+            (DecodeKernel::TensorCore(_, warp_name), _) if per_warp => warp_name,
+            (DecodeKernel::TensorCore(name, _), _) => name,
+            (DecodeKernel::Cuda, 1) => "paged_attention_decode_g1",
+            (DecodeKernel::Cuda, 2) => "paged_attention_decode_g2",
+            (DecodeKernel::Cuda, 4) => "paged_attention_decode_g4",
+            (DecodeKernel::Cuda, _) => "paged_attention_decode_g8",
+        });
+        let mut launch = gpu.launch_builder(name, q.dtype());
+        launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&out_ptr).arg(&part_out).arg(&part_ml).arg(&counters_ptr);
+        launch.arg(&qsl_ptr).arg(&lens_ptr).arg(&tables_ptr).arg(&reqs);
+        for a in &args {
+            launch.arg(a);
+        }
+        launch.arg(&meta.scale).arg(&part_len);
+        // The tensor-copy form takes the caches' tensor maps after the others.
+        let maps = match tensor_copies {
+            Some(_) => Some((
+                cache_tensor_map(k_cache, num_kv_heads, head_dim)?,
+                cache_tensor_map(v_cache, num_kv_heads, head_dim)?,
+            )),
+            None => None,
+        };
+        if let Some((k_map, v_map)) = &maps {
+            launch.arg(k_map).arg(v_map);
+        }
+        // SAFETY: the arguments match the kernel's parameters in order (the decode kernels take the
+        // same, the tensor-copy form two tensor maps more); head_dim, dtype and alignment suit the
+        // kernel (`decode_kernel`, `tensor_copy_kernel`), the workspace holds `num_parts` partitions of every (token, head),
+        // there is a zeroed counter per block of a partition (checked above), and the shared memory
+        // is as the kernel lays it out.
+        unsafe { launch.launch(cfg) }?;
 
-    // The workspace's free is queued on the stream after the kernel.
-    drop(workspace);
-    Ok(())
+        // The workspace's free is queued on the stream after the kernel.
+        drop(workspace);
+        Ok(())
+    }
 }
 
 /// Whether `items` head blocks, each a whole context, keep the device as busy when each of a
@@ -720,18 +771,9 @@ impl DecodeSplit {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn paged_general(
-    gpu: &Gpu,
-    q: GpuView<'_>,
-    k_cache: GpuView<'_>,
-    v_cache: GpuView<'_>,
-    meta: &GpuAttentionMetadata<'_>,
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-    out: GpuViewMut<'_>,
-) -> Result<(), GpuError> {
+fn paged_general(gpu: &Gpu, operands: &Operands<'_>, out: GpuViewMut<'_>) -> Result<(), GpuError> {
+    let Operands { q, k_cache, v_cache, meta, heads } = *operands;
+    let Heads { num_heads, num_kv_heads, head_dim } = heads;
     let op = "paged_attention";
     let num_tokens = q.len() / (num_heads * head_dim);
     let num_reqs = meta.seq_lens.len();
@@ -777,7 +819,7 @@ fn paged_general(
     Ok(())
 }
 
-/// How [`paged_attention`] splits the work: each block takes `q_tile` tokens and
+/// How the general kernel splits the work: each block takes `q_tile` tokens and
 /// `heads_per_block` query heads of one KV head, so that its rows share every K/V tile.
 #[derive(Debug, PartialEq)]
 struct TileShape {

@@ -1,6 +1,8 @@
 //! [`Cuda`]: the device interface over the CUDA ops, with weights, activations and the paged
 //! KV cache in device memory in one compute dtype (bf16 by default; f32 to compare closely with
-//! the CPU). Norm weights, biases and the residual stream stay f32.
+//! the CPU). Norm weights, biases and the residual stream stay f32. It owns the [`Gpu`] and the
+//! state the ops keep beside it: the decode attention's workspace ([`PagedAttention`]) and the
+//! tuned GEMM plans ([`Gemms`]).
 //!
 //! The fused forms of the interface take today's fused kernels where they apply: the qkv
 //! projection, rotation and cache write in one GEMV kernel (or the projection, then one kernel
@@ -10,8 +12,8 @@ use cudarc::driver::CudaView;
 
 use super::{
     add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, linear, linear_gated, linear_qkv_rope_cache,
-    paged_attention, qkv_rope_cache, reshape_and_cache, rms_norm, rms_norm_inplace, rope, silu_and_mul, split_qkv, Gpu,
-    GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor, GpuView, GpuViewMut,
+    qkv_rope_cache, reshape_and_cache, rms_norm, rms_norm_inplace, rope, silu_and_mul, split_qkv, GemmTuning, Gemms,
+    Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor, GpuView, GpuViewMut, PagedAttention,
 };
 use crate::device::{
     unfused_attention_input, AttentionInput, Device, GatedActivation, LayerAttention, Linear, Precision,
@@ -22,17 +24,36 @@ use crate::{DType, HostTensor};
 /// One GPU as a [`Device`], computing in `dtype`.
 pub struct Cuda {
     gpu: Gpu,
+    attention: PagedAttention,
+    gemms: Gemms,
     dtype: DType,
 }
 
 impl Cuda {
-    /// `gpu` computing in `dtype` (f32, bf16 or f16).
-    pub fn new(gpu: Gpu, dtype: DType) -> Cuda {
-        Cuda { gpu, dtype }
+    /// `gpu` computing in `dtype` (f32, bf16 or f16), with its attention workspace and no tuned
+    /// GEMM plans yet.
+    pub fn new(gpu: Gpu, dtype: DType) -> Result<Cuda, GpuError> {
+        let attention = PagedAttention::new(&gpu)?;
+        Ok(Cuda { gpu, attention, gemms: Gemms::new()?, dtype })
     }
 
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// The GEMMs every projection of this device runs through.
+    pub fn gemms(&self) -> &Gemms {
+        &self.gemms
+    }
+
+    /// [`Gemms::tune`] on this device's GPU: the projections of `weights` at each row count of
+    /// `ms` take a cuBLASLt plan where one is faster than `cublasGemmEx`.
+    pub fn tune_gemms(
+        &self,
+        ms: &[usize],
+        weights: &[(GpuView<'_>, usize, DType)],
+    ) -> Result<Vec<GemmTuning>, GpuError> {
+        self.gemms.tune(&self.gpu, ms, weights)
     }
 
     fn dtype_of(&self, precision: Precision) -> DType {
@@ -218,7 +239,7 @@ impl Device for Cuda {
 
     fn linear(&self, x: &CudaTensor, w: &Linear<Cuda>, y: &mut CudaTensor) -> Result<(), GpuError> {
         let (m, k, n) = (x.rows, w.in_features, w.out_features);
-        linear(&self.gpu, x.view(), m, k, w.weight.view(), n, bias_view(w), y.view_mut())
+        linear(&self.gpu, &self.gemms, x.view(), m, k, w.weight.view(), n, bias_view(w), y.view_mut())
     }
 
     fn split_qkv(
@@ -263,19 +284,8 @@ impl Device for Cuda {
         out: &mut CudaTensor,
     ) -> Result<(), GpuError> {
         let meta = b.layer_metadata(layer);
-        let h = layer.heads;
         let (k_cache, v_cache) = (kv.k.view(), kv.v.view());
-        paged_attention(
-            &self.gpu,
-            q.view(),
-            k_cache,
-            v_cache,
-            &meta,
-            h.num_heads,
-            h.num_kv_heads,
-            h.head_dim,
-            out.view_mut(),
-        )
+        self.attention.run(&self.gpu, q.view(), k_cache, v_cache, &meta, layer.heads, out.view_mut())
     }
 
     fn gated_activation(
@@ -307,6 +317,7 @@ impl Device for Cuda {
             // Projection, rotation and cache write in one kernel where the GEMV takes the product.
             return linear_qkv_rope_cache(
                 gpu,
+                &self.gemms,
                 a.x.view(),
                 w.in_features,
                 w.weight.view(),
@@ -349,6 +360,7 @@ impl Device for Cuda {
         let (m, k, inter) = (x.rows, w.in_features, out.cols);
         linear_gated(
             &self.gpu,
+            &self.gemms,
             x.view(),
             m,
             k,

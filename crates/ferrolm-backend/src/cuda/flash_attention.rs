@@ -13,9 +13,10 @@ use std::fmt;
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
+use super::attention::Operands;
 use super::compile::{self, KernelFamilies};
 use super::gpu::to_u32;
-use super::{Gpu, GpuAttentionMetadata, GpuError, GpuView, GpuViewMut};
+use super::{Gpu, GpuError, GpuView, GpuViewMut};
 use crate::DType;
 
 /// Query rows per block (`FA_ROWS` in flash_attention.cu): 16 per warp.
@@ -140,8 +141,8 @@ impl WorkList {
 }
 
 /// The tensor-core kernel's work list for one step, built and uploaded by the first
-/// [`super::paged_attention`] call that needs it and reused by the step's other layers. It
-/// belongs to the [`GpuAttentionMetadata`] it sits in: make a new one with each step's metadata.
+/// [`super::PagedAttention::run`] call that needs it and reused by the step's other layers. It
+/// belongs to the [`super::GpuAttentionMetadata`] it sits in: make a new one with each step's metadata.
 #[derive(Default)]
 pub struct AttentionWork {
     list: OnceCell<WorkList>,
@@ -175,19 +176,15 @@ pub(crate) fn kernel_for(
     FlashKernel::find(q.dtype(), head_dim).filter(|k| aligned && k.shared_bytes() <= gpu.max_shared_per_block())
 }
 
-/// [`super::paged_attention`] on `kernel`; the arguments are already checked.
-#[allow(clippy::too_many_arguments)]
+/// [`super::PagedAttention::run`] on `kernel`; the arguments are already checked.
 pub(crate) fn paged_flash(
     gpu: &Gpu,
     kernel: &FlashKernel,
-    q: GpuView<'_>,
-    k_cache: GpuView<'_>,
-    v_cache: GpuView<'_>,
-    meta: &GpuAttentionMetadata<'_>,
-    num_heads: usize,
-    num_kv_heads: usize,
+    operands: &Operands<'_>,
     out: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
+    let Operands { q, k_cache, v_cache, meta, heads } = *operands;
+    let (num_heads, num_kv_heads) = (heads.num_heads, heads.num_kv_heads);
     let op = "paged_attention";
     let head_dim = kernel.head_dim;
     let num_reqs = meta.seq_lens.len();

@@ -1,8 +1,11 @@
-//! cuBLASLt algorithms chosen by timing, for the GEMM shapes a model's decode steps run.
+//! [`Gemms`]: the GEMMs of [`super::linear`], through `cublasGemmEx` or through cuBLASLt
+//! algorithms chosen by timing for the shapes a model's decode steps run. `Gemms` owns the
+//! cuBLASLt handle and the plans tuning kept; the `Gpu` lends its stream, cuBLAS handle and
+//! workspace.
 //!
 //! `cublasGemmEx` picks its kernel by heuristic alone. At a decode batch of a few hundred rows
 //! the grid of a GEMM is a few waves of the SMs, and which tile shape (or split of k) fills them
-//! best is a question of measurement: [`Gpu::tune_gemms`] times cuBLAS's own choice and up to
+//! best is a question of measurement: [`Gemms::tune`] times cuBLAS's own choice and up to
 //! [`CANDIDATES`] cuBLASLt algorithms on each shape it is given, with the model's real weights,
 //! and keeps a cuBLASLt plan where one is faster. [`super::linear`]'s GEMMs then take the plan
 //! of their exact shape when there is one, and `cublasGemmEx` otherwise, so an untuned shape
@@ -16,19 +19,17 @@ use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Mutex;
 
+use cudarc::cublas::{result as blas, sys as blas_sys};
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
-use cudarc::driver::sys::CUevent_flags;
 
 use super::gpu::Gpu;
-use super::tensor::GpuView;
+use super::tensor::{GpuTensor, GpuView};
 use super::GpuError;
 use crate::DType;
 
 /// cuBLASLt algorithms timed per shape, in cuBLASLt's order of preference.
 pub(crate) const CANDIDATES: usize = 8;
-/// Timed runs of each candidate (after one untimed run).
-const REPS: usize = 5;
 /// A plan is kept only when it beats `cublasGemmEx` by this factor: closer than that is noise.
 const MIN_GAIN: f32 = 0.97;
 
@@ -214,27 +215,31 @@ fn data_type(dtype: DType) -> sys::cudaDataType {
     }
 }
 
-/// The cuBLASLt handle and the plans tuning kept, by shape.
-pub(crate) struct TunedGemms {
+/// The GEMMs of one device's ops: the cuBLASLt handle and the plans tuning kept, by shape.
+/// Create one per [`Gpu`] and pass it to every [`super::linear`] on that `Gpu`; a shape without
+/// a plan goes through the `Gpu`'s cuBLAS handle.
+pub struct Gemms {
     handle: sys::cublasLtHandle_t,
     plans: Mutex<HashMap<GemmShape, Plan>>,
 }
 
 // SAFETY: the handle and the plans' descriptors are only read after creation (cuBLASLt allows
 // a handle and descriptors to be used from any thread); the map is behind a mutex.
-unsafe impl Send for TunedGemms {}
+unsafe impl Send for Gemms {}
 // SAFETY: as above.
-unsafe impl Sync for TunedGemms {}
+unsafe impl Sync for Gemms {}
 
-impl TunedGemms {
-    pub(crate) fn new() -> Result<TunedGemms, GpuError> {
-        Ok(TunedGemms { handle: lt::create_handle()?, plans: Mutex::new(HashMap::new()) })
+impl Gemms {
+    /// A cuBLASLt handle and no plans: every GEMM goes through `cublasGemmEx` until [`Self::tune`].
+    pub fn new() -> Result<Gemms, GpuError> {
+        Ok(Gemms { handle: lt::create_handle()?, plans: Mutex::new(HashMap::new()) })
     }
 
-    /// Runs `shape` through its tuned plan if it has one; `Ok(false)` if not (nothing issued).
+    /// `shape`'s GEMM on `gpu`'s stream: through its tuned plan if it has one, else
+    /// `cublasGemmEx` (k > 0).
     ///
     /// # Safety
-    /// As [`Plan::run`].
+    /// `w_ptr`, `x_ptr` and `out_ptr` must hold `shape`'s operands in its dtypes.
     pub(crate) unsafe fn run(
         &self,
         gpu: &Gpu,
@@ -242,59 +247,57 @@ impl TunedGemms {
         w_ptr: u64,
         x_ptr: u64,
         out_ptr: u64,
-    ) -> Result<bool, GpuError> {
-        let plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(plan) = plans.get(&shape) else { return Ok(false) };
-        let Some(algo) = plan.algo.as_ref() else { return Ok(false) };
+    ) -> Result<(), GpuError> {
+        {
+            let plans = self.plans.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(plan) = plans.get(&shape) {
+                if let Some(algo) = plan.algo.as_ref() {
+                    // SAFETY: as the caller vouches.
+                    return unsafe { plan.run(gpu, self.handle, algo, w_ptr, x_ptr, out_ptr) };
+                }
+            }
+        }
         // SAFETY: as the caller vouches.
-        unsafe { plan.run(gpu, self.handle, algo, w_ptr, x_ptr, out_ptr) }?;
-        Ok(true)
+        unsafe { cublas_gemm(gpu, shape, w_ptr, x_ptr, out_ptr) }
     }
 
-    /// Drops every plan: GEMMs go back to `cublasGemmEx`.
-    pub(crate) fn clear(&self) {
+    /// Forgets every tuned plan: GEMMs go back to `cublasGemmEx` (to compare the two).
+    pub fn clear(&self) {
         self.plans.lock().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
     fn keep(&self, shape: GemmShape, plan: Plan) {
         self.plans.lock().unwrap_or_else(|e| e.into_inner()).insert(shape, plan);
     }
-}
 
-impl Drop for TunedGemms {
-    fn drop(&mut self) {
-        self.clear();
-        // SAFETY: created in `new`, freed once, after its plans.
-        let _ = unsafe { lt::destroy_handle(self.handle) };
-    }
-}
-
-impl Gpu {
-    /// Times `cublasGemmEx` and up to [`CANDIDATES`] cuBLASLt algorithms on each weight of
-    /// `weights` (`(w [n, k], n, output dtype)`) at each row count of `ms`, and keeps, per
+    /// Times `cublasGemmEx` and up to [`CANDIDATES`] cuBLASLt algorithms on `gpu` on each weight
+    /// of `weights` (`(w [n, k], n, output dtype)`) at each row count of `ms`, and keeps, per
     /// shape, a cuBLASLt algorithm that is at least 3 % faster. Half-precision weights only (an
     /// f32 GEMM stays on `cublasGemmEx`, which keeps TF32 off). Synchronizes the stream: call it
     /// outside graph capture. Returns what it measured, shape by shape.
-    pub fn tune_gemms(
+    pub fn tune(
         &self,
+        gpu: &Gpu,
         ms: &[usize],
         weights: &[(GpuView<'_>, usize, DType)],
     ) -> Result<Vec<GemmTuning>, GpuError> {
-        self.tune_gemms_keeping(ms, weights, MIN_GAIN)
+        self.tune_keeping(gpu, ms, weights, MIN_GAIN)
     }
 
-    /// [`Gpu::tune_gemms`] keeping the fastest cuBLASLt candidate of every shape whatever its
-    /// time against `cublasGemmEx`: to test the cuBLASLt path.
-    pub fn tune_gemms_always(
+    /// [`Gemms::tune`] keeping the fastest cuBLASLt candidate of every shape whatever its time
+    /// against `cublasGemmEx`: to test the cuBLASLt path.
+    pub fn tune_always(
         &self,
+        gpu: &Gpu,
         ms: &[usize],
         weights: &[(GpuView<'_>, usize, DType)],
     ) -> Result<Vec<GemmTuning>, GpuError> {
-        self.tune_gemms_keeping(ms, weights, f32::INFINITY)
+        self.tune_keeping(gpu, ms, weights, f32::INFINITY)
     }
 
-    fn tune_gemms_keeping(
+    fn tune_keeping(
         &self,
+        gpu: &Gpu,
         ms: &[usize],
         weights: &[(GpuView<'_>, usize, DType)],
         min_gain: f32,
@@ -306,15 +309,16 @@ impl Gpu {
                 continue;
             }
             for &m in ms.iter().filter(|&&m| m > 0) {
-                report.push(self.tune_one(w, m, n, output, min_gain)?);
+                report.push(self.tune_one(gpu, w, m, n, output, min_gain)?);
             }
         }
-        self.synchronize()?;
+        gpu.synchronize()?;
         Ok(report)
     }
 
     fn tune_one(
         &self,
+        gpu: &Gpu,
         w: GpuView<'_>,
         m: usize,
         n: usize,
@@ -326,18 +330,18 @@ impl Gpu {
         // Inputs of small values spread over [-1, 1] (zeros would time faster than real data).
         let x_host: Vec<f32> =
             (0..m * k).map(|i| ((i.wrapping_mul(2_654_435_761) % 2001) as f32 - 1000.0) * 1e-3).collect();
-        let x = super::GpuTensor::from_f32(self, &x_host, w.dtype())?;
-        let out = super::GpuTensor::zeros(self, output, m * n)?;
+        let x = GpuTensor::from_f32(gpu, &x_host, w.dtype())?;
+        let out = GpuTensor::zeros(gpu, output, m * n)?;
         let (w_ptr, x_ptr, out_ptr) = (w.ptr(), x.view().ptr(), out.view().ptr());
         // SAFETY (both timings): `w`, `x` and `out` hold the shape in its dtypes.
-        let default_us = self.time_us(|| unsafe { super::linear::gemm_raw(self, shape, w_ptr, x_ptr, out_ptr) })?;
+        let default_us = gpu.time_us(|| unsafe { cublas_gemm(gpu, shape, w_ptr, x_ptr, out_ptr) })?;
         let mut plan = Plan::new(shape)?;
-        let (_, workspace_bytes) = self.blas_workspace();
-        let handle = self.tuned_gemms().handle;
+        let (_, workspace_bytes) = gpu.blas_workspace();
+        let handle = self.handle;
         let mut best: Option<(f32, sys::cublasLtMatmulAlgo_t)> = None;
         let mut ran = 0;
         for algo in plan.candidates(handle, CANDIDATES, workspace_bytes)? {
-            let timed = self.time_us(|| unsafe { plan.run(self, handle, &algo, w_ptr, x_ptr, out_ptr) });
+            let timed = gpu.time_us(|| unsafe { plan.run(gpu, handle, &algo, w_ptr, x_ptr, out_ptr) });
             // A candidate that fails to launch is passed over, not fatal.
             let Ok(us) = timed else { continue };
             ran += 1;
@@ -348,23 +352,66 @@ impl Gpu {
         let taken = best.is_some_and(|(us, _)| us < min_gain * default_us);
         if let (true, Some((_, algo))) = (taken, best) {
             plan.algo = Some(algo);
-            self.tuned_gemms().keep(shape, plan);
+            self.keep(shape, plan);
         }
         Ok(GemmTuning { shape, default_us, best_us: best.map(|(us, _)| us), candidates: ran, taken })
     }
+}
 
-    /// Mean microseconds of `issue` over [`REPS`] runs after one untimed run, by device events
-    /// (the untimed run keeps the device busy while the host queues the timed ones).
-    pub(crate) fn time_us(&self, mut issue: impl FnMut() -> Result<(), GpuError>) -> Result<f32, GpuError> {
-        issue()?;
-        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
-        let ctx = self.stream().context();
-        let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);
-        start.record(self.stream())?;
-        for _ in 0..REPS {
-            issue()?;
-        }
-        end.record(self.stream())?;
-        Ok(start.elapsed_ms(&end)? * 1000.0 / REPS as f32)
+impl Drop for Gemms {
+    fn drop(&mut self) {
+        self.clear();
+        // SAFETY: created in `new`, freed once, after its plans.
+        let _ = unsafe { lt::destroy_handle(self.handle) };
     }
+}
+
+/// `shape`'s GEMM through `cublasGemmEx` (k > 0).
+///
+/// # Safety
+/// `w_ptr`, `x_ptr` and `out_ptr` must hold `shape`'s operands in its dtypes.
+unsafe fn cublas_gemm(gpu: &Gpu, shape: GemmShape, w_ptr: u64, x_ptr: u64, out_ptr: u64) -> Result<(), GpuError> {
+    let GemmShape { m, n, k, input, output } = shape;
+    let (m_i, n_i, k_i) = (gemm_dim("m", m), gemm_dim("n", n), gemm_dim("k", k));
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let handle = gpu.blas_handle()?;
+    // Column-major view of the row-major buffers: out^T [n, m] = w [k, n]^T · x^T [k, m].
+    // SAFETY: the caller vouches for the pointers; alpha and beta are host f32 as the f32
+    // compute type expects.
+    unsafe {
+        blas::gemm_ex(
+            handle,
+            blas_sys::cublasOperation_t::CUBLAS_OP_T,
+            blas_sys::cublasOperation_t::CUBLAS_OP_N,
+            n_i,
+            m_i,
+            k_i,
+            &alpha as *const f32 as *const c_void,
+            w_ptr as *const c_void,
+            blas_type(input),
+            k_i,
+            x_ptr as *const c_void,
+            blas_type(input),
+            k_i,
+            &beta as *const f32 as *const c_void,
+            out_ptr as *mut c_void,
+            blas_type(output),
+            n_i,
+            blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    }?;
+    Ok(())
+}
+
+fn blas_type(dtype: DType) -> blas_sys::cudaDataType_t {
+    match dtype {
+        DType::F32 => blas_sys::cudaDataType_t::CUDA_R_32F,
+        DType::BF16 => blas_sys::cudaDataType_t::CUDA_R_16BF,
+        DType::F16 => blas_sys::cudaDataType_t::CUDA_R_16F,
+    }
+}
+
+fn gemm_dim(what: &str, value: usize) -> i32 {
+    i32::try_from(value).unwrap_or_else(|_| panic!("linear: {what} = {value} exceeds cuBLAS's 32-bit sizes"))
 }

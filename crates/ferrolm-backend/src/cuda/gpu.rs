@@ -1,5 +1,8 @@
-//! The device: its context, the one stream every op runs on, a cuBLAS handle and the compiled
-//! kernels.
+//! The device handle: its context, the one stream every op runs on, a cuBLAS handle, the
+//! compiled kernels and the helpers that launch them, the device's attributes and the
+//! [`GpuOptions`] it was opened with. State of one op family lives with that family (the decode
+//! attention's workspace in `PagedAttention`, the tuned GEMM plans in `Gemms`), so this module
+//! imports no op module.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -11,19 +14,20 @@ use cudarc::driver::sys::{
     cuLaunchKernelEx, CUfunction, CUgraphInstantiate_flags, CUlaunchAttribute, CUlaunchAttributeID,
     CUlaunchAttributeValue, CUlaunchConfig, CUstreamCaptureMode,
 };
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::{CUdevice_attribute, CUevent_flags, CUfunction_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaGraph, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig,
 };
 
-use super::attention;
 use super::compile::{self, entry_name, Compiled, Output, Target, Unit};
-use super::gemm_tune::TunedGemms;
 use super::GpuError;
 use crate::DType;
 
 /// cuBLAS's workspace, set once so that GEMMs inside a captured graph allocate nothing.
 const BLAS_WORKSPACE_BYTES: usize = 32 << 20;
+
+/// Timed runs of [`Gpu::time_us`] (after one untimed run).
+const TIMED_REPS: usize = 5;
 
 /// Oldest driver API the cudarc bindings were generated for (`cuda-13000`).
 const MIN_DRIVER_VERSION: i32 = 13000;
@@ -77,17 +81,13 @@ pub enum StreamPriority {
     Highest,
 }
 
-/// One CUDA device with everything the ops need.
+/// One CUDA device: the handle every op is issued through.
 pub struct Gpu {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     blas: CudaBlas,
     /// Held for the handle's lifetime (see [`BLAS_WORKSPACE_BYTES`]).
     _blas_workspace: CudaSlice<u8>,
-    /// The decode attention kernel's partition-merge counters, one per (token, head block) of a
-    /// split launch (`attention::DECODE_TARGET_BLOCKS`, more than a split launch has), zero
-    /// between launches: allocated once, so that captured graphs keep a valid address.
-    decode_counters: CudaSlice<u32>,
     kernels: HashMap<(&'static str, DType), CudaFunction>,
     name: String,
     compute_capability: (u32, u32),
@@ -96,21 +96,13 @@ pub struct Gpu {
     /// Kernels are launched with programmatic stream serialization (compute capability 9.0 and
     /// later, unless [`GpuOptions::programmatic_launch`] is off); see [`Launch`].
     programmatic_launch: bool,
-    /// The cuBLASLt plans of [`Gpu::tune_gemms`], by GEMM shape.
-    tuned_gemms: TunedGemms,
     /// The cuBLAS workspace's address (see [`BLAS_WORKSPACE_BYTES`]), which cuBLASLt shares.
     blas_workspace_ptr: u64,
-    /// [`GpuOptions::decode_warp_items`].
-    decode_warp_items: bool,
-    /// [`GpuOptions::decode_tensor_copies`], on compute capability 9.0 and later only.
-    decode_tensor_copies: bool,
     /// Streaming multiprocessors, and the shared memory each has for blocks.
     multiprocessors: usize,
     max_shared_per_multiprocessor: usize,
-    /// The decode attention kernels' partial results when they split a context
-    /// (`attention::DECODE_WORKSPACE_FLOATS`, the most a split launch needs): allocated once so
-    /// that a captured decode step holds no allocation and its kernels follow one another.
-    decode_workspace: CudaSlice<f32>,
+    /// What the `Gpu` was opened with; op families read their switches here.
+    options: GpuOptions,
 }
 
 impl Gpu {
@@ -184,25 +176,16 @@ impl Gpu {
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?;
         let target = Target { capability: (major as u32, minor as u32), defines: options.kernel_defines.clone() };
         let kernels = load_kernels(&ctx, &target, max_shared_per_block)?;
-        let decode_counters = stream.alloc_zeros::<u32>(attention::DECODE_TARGET_BLOCKS)?;
-        // SAFETY: a decode kernel writes every element of the workspace that it reads.
-        let decode_workspace = unsafe { stream.alloc::<f32>(attention::DECODE_WORKSPACE_FLOATS) }?;
         let programmatic_launch = major >= 9 && options.programmatic_launch;
-        let decode_warp_items = options.decode_warp_items;
-        let decode_tensor_copies = major >= 9 && options.decode_tensor_copies;
         let multiprocessors = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let max_shared_per_multiprocessor =
             ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?;
-        let tuned_gemms = TunedGemms::new()?;
         Ok(Gpu {
             programmatic_launch,
-            decode_warp_items,
-            decode_tensor_copies,
-            tuned_gemms,
             blas_workspace_ptr: workspace_ptr,
             multiprocessors: multiprocessors.max(1) as usize,
             max_shared_per_multiprocessor: max_shared_per_multiprocessor.max(0) as usize,
-            decode_workspace,
+            options: options.clone(),
             name: ctx.name()?,
             compute_capability: (major as u32, minor as u32),
             max_shared_per_block: max_shared_per_block.max(0) as usize,
@@ -210,7 +193,6 @@ impl Gpu {
             stream,
             blas,
             _blas_workspace: blas_workspace,
-            decode_counters,
             kernels,
         })
     }
@@ -298,28 +280,8 @@ impl Gpu {
         Ok(*self.blas.handle())
     }
 
-    /// The decode attention kernel's merge counters (zero between launches).
-    pub(crate) fn decode_counters(&self) -> &CudaSlice<u32> {
-        &self.decode_counters
-    }
-
-    /// The decode attention kernels' workspace for split contexts.
-    pub(crate) fn decode_workspace(&self) -> &CudaSlice<f32> {
-        &self.decode_workspace
-    }
-
     pub(crate) fn max_shared_per_block(&self) -> usize {
         self.max_shared_per_block
-    }
-
-    /// The cuBLASLt plans GEMMs take where tuning kept one.
-    pub(crate) fn tuned_gemms(&self) -> &TunedGemms {
-        &self.tuned_gemms
-    }
-
-    /// Forgets every tuned GEMM plan: GEMMs go back to `cublasGemmEx` (to compare the two).
-    pub fn clear_tuned_gemms(&self) {
-        self.tuned_gemms.clear();
     }
 
     /// Has `cublasGemmEx` choose kernels for `count` streaming multiprocessors (all of them with
@@ -337,14 +299,24 @@ impl Gpu {
         (self.blas_workspace_ptr, BLAS_WORKSPACE_BYTES)
     }
 
-    /// Whether unsplit tensor-core decodes may take the head-block-per-warp kernel.
-    pub(crate) fn decode_warp_items(&self) -> bool {
-        self.decode_warp_items
+    /// The options this `Gpu` was opened with.
+    pub fn options(&self) -> &GpuOptions {
+        &self.options
     }
 
-    /// Whether the per-warp decode kernel copies K/V as tensor-map boxes where it can.
-    pub(crate) fn decode_tensor_copies(&self) -> bool {
-        self.decode_tensor_copies
+    /// Mean microseconds of `issue` over [`TIMED_REPS`] runs after one untimed run, by device
+    /// events (the untimed run keeps the device busy while the host queues the timed ones).
+    pub(crate) fn time_us(&self, mut issue: impl FnMut() -> Result<(), GpuError>) -> Result<f32, GpuError> {
+        issue()?;
+        let flags = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let ctx = self.stream.context();
+        let (start, end) = (ctx.new_event(flags)?, ctx.new_event(flags)?);
+        start.record(&self.stream)?;
+        for _ in 0..TIMED_REPS {
+            issue()?;
+        }
+        end.record(&self.stream)?;
+        Ok(start.elapsed_ms(&end)? * 1000.0 / TIMED_REPS as f32)
     }
 
     /// Blocks of `shared_bytes` dynamic shared memory that fit on one SM at once, by shared

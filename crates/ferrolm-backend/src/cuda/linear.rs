@@ -2,13 +2,9 @@
 //! (`kernels/gemv.cu`) for one row, or up to [`GEMV_MAX_M`] rows of a small matrix, and through
 //! cuBLAS otherwise.
 
-use std::ffi::c_void;
-
-use cudarc::cublas::result::gemm_ex;
-use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cudaDataType_t};
 use cudarc::driver::{result as driver, LaunchConfig};
 
-use super::gemm_tune::GemmShape;
+use super::gemm_tune::{GemmShape, Gemms};
 use super::gpu::{rows_config, to_u32};
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
 use crate::{DType, GatedActivation};
@@ -54,6 +50,7 @@ pub(super) const GEMV_WARPS: usize = 8;
 #[allow(clippy::too_many_arguments)]
 pub fn linear(
     gpu: &Gpu,
+    gemms: &Gemms,
     x: GpuView<'_>,
     m: usize,
     k: usize,
@@ -62,13 +59,15 @@ pub fn linear(
     bias: Option<GpuView<'_>>,
     y: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
-    linear_with(gpu, x, m, k, w, n, bias, y, Route::Auto)
+    linear_with(gpu, gemms, x, m, k, w, n, bias, y, Route::Auto)
 }
 
 /// [`linear`] through cuBLAS whatever `m` is: the point of comparison of the GEMV kernel.
+#[cfg(feature = "bench-internals")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_cublas(
     gpu: &Gpu,
+    gemms: &Gemms,
     x: GpuView<'_>,
     m: usize,
     k: usize,
@@ -77,11 +76,13 @@ pub fn linear_cublas(
     bias: Option<GpuView<'_>>,
     y: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
-    linear_with(gpu, x, m, k, w, n, bias, y, Route::Cublas)
+    linear_with(gpu, gemms, x, m, k, w, n, bias, y, Route::Cublas)
 }
 
-/// Which kernel `linear_with` takes.
+/// Which kernel `linear_with` takes (`linear` always takes `Auto`; the others are for the
+/// `bench-internals` comparisons).
 #[derive(Clone, Copy)]
+#[cfg_attr(not(feature = "bench-internals"), allow(dead_code))]
 enum Route {
     /// The GEMV kernel where it takes the product (with `gemv_ksplit`'s split), else cuBLAS.
     Auto,
@@ -93,6 +94,7 @@ enum Route {
 #[allow(clippy::too_many_arguments)]
 fn linear_with(
     gpu: &Gpu,
+    gemms: &Gemms,
     x: GpuView<'_>,
     m: usize,
     k: usize,
@@ -135,7 +137,7 @@ fn linear_with(
             assert!(m <= GEMV_MAX_M && gemv_fits(x, m, k, w), "linear: the GEMV kernel does not take this product");
             gemv(gpu, x, m, k, w, n, ksplit, acc_ptr, acc_dtype)?
         }
-        Route::Auto | Route::Cublas => gemm(gpu, x, m, k, w, n, acc_ptr, acc_dtype)?,
+        Route::Auto | Route::Cublas => gemm(gpu, gemms, x, m, k, w, n, acc_ptr, acc_dtype)?,
     }
     if let Some(bias) = bias {
         let (y_ptr, bias_ptr, n_u32) = (y.ptr(), bias.ptr(), to_u32("linear", "n", n));
@@ -193,10 +195,11 @@ pub(super) fn gemv_ksplit(n: usize, k: usize) -> usize {
 /// [`linear`] through the GEMV kernel with `ksplit` warps per column (a power of two up to 8)
 /// instead of [`gemv_ksplit`]'s choice, for benchmarks that look for that choice
 /// (examples/gemv_bench.rs). Panics where the GEMV kernel does not take the product.
-#[doc(hidden)]
+#[cfg(feature = "bench-internals")]
 #[allow(clippy::too_many_arguments)]
 pub fn linear_gemv_ksplit(
     gpu: &Gpu,
+    gemms: &Gemms,
     x: GpuView<'_>,
     m: usize,
     k: usize,
@@ -205,7 +208,7 @@ pub fn linear_gemv_ksplit(
     ksplit: usize,
     y: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
-    linear_with(gpu, x, m, k, w, n, None, y, Route::GemvSplit(ksplit))
+    linear_with(gpu, gemms, x, m, k, w, n, None, y, Route::GemvSplit(ksplit))
 }
 
 /// `out[m, n] = x[m, k] · w[n, k]^T` through the GEMV kernel (`gemv_fits` holds) with `ksplit`
@@ -274,6 +277,7 @@ fn launch_gemv(
 #[allow(clippy::too_many_arguments)]
 pub fn linear_gated(
     gpu: &Gpu,
+    gemms: &Gemms,
     x: GpuView<'_>,
     m: usize,
     k: usize,
@@ -308,7 +312,7 @@ pub fn linear_gated(
     let rows = gate_up.len() / (2 * inter);
     assert!(rows >= m, "linear_gated: gate_up holds {rows} rows of 2 * {inter}, not {m}");
     let mut gate_up = gate_up.rows(0..m, 2 * inter);
-    linear(gpu, x, m, k, w, 2 * inter, bias, gate_up.reborrow())?;
+    linear(gpu, gemms, x, m, k, w, 2 * inter, bias, gate_up.reborrow())?;
     match act {
         GatedActivation::Silu => super::ops::silu_and_mul(gpu, gate_up.as_view(), inter, out),
         GatedActivation::GeluTanh => super::ops::gelu_tanh_and_mul(gpu, gate_up.as_view(), inter, out),
@@ -316,10 +320,11 @@ pub fn linear_gated(
 }
 
 /// `out[m, n] = x[m, k] · w[n, k]^T`, `out` of `out_dtype` at `out_ptr`: through the cuBLASLt
-/// plan [`Gpu::tune_gemms`] kept for this shape, else `cublasGemmEx`.
+/// plan [`Gemms::tune`] kept for this shape, else `cublasGemmEx`.
 #[allow(clippy::too_many_arguments)]
 fn gemm(
     gpu: &Gpu,
+    gemms: &Gemms,
     x: GpuView<'_>,
     m: usize,
     k: usize,
@@ -336,65 +341,5 @@ fn gemm(
     }
     let shape = GemmShape { m, n, k, input: w.dtype(), output: out_dtype };
     // SAFETY: the caller checked that x, w and out hold the shape in these dtypes.
-    if unsafe { gpu.tuned_gemms().run(gpu, shape, w.ptr(), x.ptr(), out_ptr) }? {
-        return Ok(());
-    }
-    // SAFETY: as above.
-    unsafe { gemm_raw(gpu, shape, w.ptr(), x.ptr(), out_ptr) }
-}
-
-/// `shape`'s GEMM through `cublasGemmEx` (k > 0).
-///
-/// # Safety
-/// `w_ptr`, `x_ptr` and `out_ptr` must hold `shape`'s operands in its dtypes.
-pub(super) unsafe fn gemm_raw(
-    gpu: &Gpu,
-    shape: GemmShape,
-    w_ptr: u64,
-    x_ptr: u64,
-    out_ptr: u64,
-) -> Result<(), GpuError> {
-    let GemmShape { m, n, k, input, output } = shape;
-    let (m_i, n_i, k_i) = (gemm_dim("m", m), gemm_dim("n", n), gemm_dim("k", k));
-    let (alpha, beta) = (1.0f32, 0.0f32);
-    let handle = gpu.blas_handle()?;
-    // Column-major view of the row-major buffers: out^T [n, m] = w [k, n]^T · x^T [k, m].
-    // SAFETY: the caller vouches for the pointers; alpha and beta are host f32 as the f32
-    // compute type expects.
-    unsafe {
-        gemm_ex(
-            handle,
-            cublasOperation_t::CUBLAS_OP_T,
-            cublasOperation_t::CUBLAS_OP_N,
-            n_i,
-            m_i,
-            k_i,
-            &alpha as *const f32 as *const c_void,
-            w_ptr as *const c_void,
-            data_type(input),
-            k_i,
-            x_ptr as *const c_void,
-            data_type(input),
-            k_i,
-            &beta as *const f32 as *const c_void,
-            out_ptr as *mut c_void,
-            data_type(output),
-            n_i,
-            cublasComputeType_t::CUBLAS_COMPUTE_32F,
-            cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-        )
-    }?;
-    Ok(())
-}
-
-fn data_type(dtype: DType) -> cudaDataType_t {
-    match dtype {
-        DType::F32 => cudaDataType_t::CUDA_R_32F,
-        DType::BF16 => cudaDataType_t::CUDA_R_16BF,
-        DType::F16 => cudaDataType_t::CUDA_R_16F,
-    }
-}
-
-fn gemm_dim(what: &str, value: usize) -> i32 {
-    i32::try_from(value).unwrap_or_else(|_| panic!("linear: {what} = {value} exceeds cuBLAS's 32-bit sizes"))
+    unsafe { gemms.run(gpu, shape, w.ptr(), x.ptr(), out_ptr) }
 }

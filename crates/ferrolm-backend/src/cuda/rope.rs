@@ -4,7 +4,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 use super::gpu::{rows_config, to_u32};
 use super::ops::same_dtype;
-use super::{Gpu, GpuError, GpuView, GpuViewMut};
+use super::{Gemms, Gpu, GpuError, GpuView, GpuViewMut};
 
 use super::compile::{self, KernelFamilies};
 
@@ -186,6 +186,7 @@ fn qkv_rope_cache_config(tokens: usize, work: usize) -> LaunchConfig {
 #[allow(clippy::too_many_arguments)]
 pub fn linear_qkv_rope_cache(
     gpu: &Gpu,
+    gemms: &Gemms,
     x: GpuView<'_>,
     k: usize,
     w: GpuView<'_>,
@@ -224,7 +225,7 @@ pub fn linear_qkv_rope_cache(
         let rows = qkv.len() / n.max(1);
         assert!(rows >= m, "{op}: qkv holds {rows} rows of {n}, not {m}");
         let mut qkv = qkv.rows(0..m, n);
-        super::linear(gpu, x, m, k, w, n, None, qkv.reborrow())?;
+        super::linear(gpu, gemms, x, m, k, w, n, None, qkv.reborrow())?;
         return qkv_rope_cache(
             gpu,
             qkv.as_view(),
@@ -244,7 +245,7 @@ pub fn linear_qkv_rope_cache(
         2 => "gemv_rope_cache_m2",
         3 => "gemv_rope_cache_m3",
         4 => "gemv_rope_cache_m4",
-        _ => unreachable!("gemv_fits admits 1..={} rows", super::GEMV_MAX_M),
+        _ => unreachable!("gemv_fits admits 1..={} rows", super::linear::GEMV_MAX_M),
     };
     let (x_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr) = (x.ptr(), w.ptr(), q_out.ptr(), k_cache.ptr(), v_cache.ptr());
     let (pos_ptr, slots_ptr, freq_ptr) =

@@ -207,13 +207,13 @@ fn gpu_projection_seconds(_config: &ModelConfig, _dtype: DType, _rows: usize) ->
 }
 
 /// The sum over one layer's projections of the fastest of `cublasGemmEx` and the cuBLASLt
-/// candidates (`Gpu::tune_gemms`, mean of its timed runs), in seconds.
+/// candidates (`Gemms::tune`, mean of its timed runs), in seconds.
 #[cfg(feature = "cuda")]
 fn gpu_projection_seconds(config: &ModelConfig, dtype: DType, rows: usize) -> Result<f64> {
     use anyhow::Context;
-    use ferrolm_backend::cuda::{Gpu, GpuTensor};
+    use ferrolm_backend::cuda::{Gemms, Gpu, GpuTensor};
 
-    // `tune_gemms` times half-precision GEMMs only.
+    // `Gemms::tune` times half-precision GEMMs only.
     if dtype == DType::F32 {
         anyhow::bail!("the GPU's GEMM rate is measured in half precision only, and this run computes in float32");
     }
@@ -225,7 +225,7 @@ fn gpu_projection_seconds(config: &ModelConfig, dtype: DType, rows: usize) -> Re
         .map(|(i, &(n, k))| GpuTensor::from_f32(&gpu, &probe_values(n * k, i).collect::<Vec<_>>(), dtype))
         .collect::<Result<Vec<_>, _>>()?;
     let shapes: Vec<_> = weights.iter().zip(&projections).map(|(w, &(n, _))| (w.view(), n, dtype)).collect();
-    let report = gpu.tune_gemms(&[rows], &shapes)?;
+    let report = Gemms::new()?.tune(&gpu, &[rows], &shapes)?;
     let micros: f32 = report.iter().map(|t| t.best_us.map_or(t.default_us, |best| best.min(t.default_us))).sum();
     Ok(micros as f64 / 1e6)
 }
