@@ -19,8 +19,6 @@ use crate::{DType, HostTensor};
 pub trait Shaped {
     fn rows(&self) -> usize;
     fn cols(&self) -> usize;
-    /// Rows the buffer has room for.
-    fn capacity(&self) -> usize;
     /// Sets the rows the next ops see; panics past the capacity.
     fn set_rows(&mut self, rows: usize);
 }
@@ -127,7 +125,7 @@ pub trait Device {
     /// One layer's paged K and V caches.
     type KvLayer;
     /// One step's flattened batch on the device: token ids, positions, slot mapping, logits
-    /// rows and the attention metadata (see DESIGN.md, "The batch the backend sees").
+    /// rows and the attention metadata (see docs/ARCHITECTURE.md, "The batch the backend sees").
     type Batch<'a>
     where
         Self: 'a;
@@ -147,6 +145,13 @@ pub trait Device {
     fn kv_layer(&self, num_slots: usize, kv_width: usize) -> Result<Self::KvLayer, Self::Error>;
     /// The dtype activations (and the KV cache) are computed in.
     fn compute_dtype(&self) -> DType;
+    /// Whether [`Self::attention_input`] needs its split scratch (`k`, `v`: `[T, kv_size]`)
+    /// for a model with (or without) q/k norms: the unfused default always does; a fused form
+    /// that writes K and V from the projection does not.
+    fn splits_kv(&self, qk_norm: bool) -> bool {
+        let _ = qk_norm;
+        true
+    }
 
     // Ops.
 

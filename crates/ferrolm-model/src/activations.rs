@@ -28,7 +28,8 @@ pub struct Activations<D: Device> {
     pub qkv: D::Tensor,
     /// `[tokens, q_size]`
     pub q: D::Tensor,
-    /// `[tokens, kv_size]` each: the unfused attention input's split K and V.
+    /// `[tokens, kv_size]` each: the unfused attention input's split K and V (zero columns
+    /// where the device's fused form writes K and V straight from `qkv`).
     pub k: D::Tensor,
     pub v: D::Tensor,
     /// `[tokens, q_size]`
@@ -79,18 +80,20 @@ struct Specs {
 }
 
 impl Specs {
-    fn of(cfg: &ModelConfig) -> Specs {
+    fn of(cfg: &ModelConfig, splits_kv: bool) -> Specs {
         use Per::{Row, Token};
         use Precision::{Compute, F32};
-        let (h, q, kv, inter) = (cfg.hidden_size, cfg.q_size(), cfg.kv_size(), cfg.intermediate_size);
+        let (h, q, inter) = (cfg.hidden_size, cfg.q_size(), cfg.intermediate_size);
+        let kv = cfg.kv_size();
+        let split = if splits_kv { kv } else { 0 };
         Specs {
             residual: Spec(F32, h, Token),
             normed: Spec(Compute, h, Token),
             pending: Spec(Compute, h, Token),
             qkv: Spec(Compute, q + 2 * kv, Token),
             q: Spec(Compute, q, Token),
-            k: Spec(Compute, kv, Token),
-            v: Spec(Compute, kv, Token),
+            k: Spec(Compute, split, Token),
+            v: Spec(Compute, split, Token),
             attn: Spec(Compute, q, Token),
             o: Spec(Compute, h, Token),
             gate_up: Spec(Compute, 2 * inter, Token),
@@ -133,7 +136,7 @@ impl<D: Device> Activations<D> {
     /// of two).
     pub fn new(dev: &D, cfg: &ModelConfig, tokens: usize, rows: usize) -> Result<Activations<D>, D::Error> {
         let (tokens, rows) = capacity(tokens, rows);
-        let s = Specs::of(cfg);
+        let s = Specs::of(cfg, dev.splits_kv(cfg.qk_norm));
         let make = |Spec(precision, cols, per): Spec| {
             let n = match per {
                 Per::Token => tokens,
@@ -172,7 +175,7 @@ impl<D: Device> Activations<D> {
             };
             dev.tensor_bytes(precision, n, cols)
         };
-        Specs::of(cfg).all().into_iter().map(size).sum()
+        Specs::of(cfg, dev.splits_kv(cfg.qk_norm)).all().into_iter().map(size).sum()
     }
 
     /// Makes room for a step of `tokens` tokens and `rows` logits rows. Returns whether the

@@ -121,6 +121,8 @@ impl<D: Device> Decoder<D> {
     ) -> Result<(), D::Error> {
         let cfg = &self.config;
         let eps = cfg.rms_norm_eps;
+        let layers = self.layers.len();
+        assert_eq!(kv.len(), layers, "Decoder::run: a KV cache of {} layers for {layers}", kv.len());
         a.set_rows(rows.tokens, rows.logits);
         dev.embedding(batch, &self.embed_tokens.weight, cfg.embedding_multiplier, &mut a.residual)?;
         for (i, (layer, kv)) in self.layers.iter().zip(kv.iter_mut()).enumerate() {
@@ -227,6 +229,10 @@ where
             .iter()
             .map(|(p, out)| self.src.get(&format!("{p}.weight"), &[*out, inp]))
             .collect::<Result<_, _>>()?;
+        if weights.iter().any(|w| w.dtype() != weights[0].dtype()) {
+            let names: Vec<&str> = parts.iter().map(|(p, _)| p.as_str()).collect();
+            return Err(ModelError::Config(format!("the projections {names:?} are stored in different dtypes")));
+        }
         let bias = if bias {
             let mut values = Vec::new();
             for (p, out) in parts {

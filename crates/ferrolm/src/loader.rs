@@ -209,22 +209,9 @@ fn cpu_runner(config: ModelConfig, weights: &WeightSource) -> Result<Placed> {
     let started = std::time::Instant::now();
     let model = Model::load(&Cpu, config, weights)?;
     tracing::info!(device = "cpu", seconds = started.elapsed().as_secs_f64(), "model placed");
-    let (weight_bytes, weight_dtype) = (model.weight_bytes(), stored_dtype(&model.config, model.weight_bytes()));
+    // The dtype the checkpoint (or --dummy-weights) stores the matrices in.
+    let (weight_bytes, weight_dtype) = (model.weight_bytes(), model.lm_head().weight.dtype());
     Ok(Placed { runner: Box::new(CpuRunner::new(model)), device_kv_blocks: None, weight_bytes, weight_dtype })
-}
-
-/// The dtype a checkpoint's matrices are stored in, from their size (`config.json`'s dtype can
-/// disagree with the files).
-fn stored_dtype(config: &ModelConfig, weight_bytes: usize) -> DType {
-    let c = config;
-    let table = c.vocab_size * c.hidden_size;
-    let embeddings = if c.tie_word_embeddings { table } else { 2 * table };
-    let elements = c.num_hidden_layers * c.layer_matrix_elements() + embeddings;
-    match weight_bytes / elements.max(1) {
-        4 => DType::F32,
-        _ if c.dtype != DType::F32 => c.dtype,
-        _ => DType::BF16,
-    }
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -281,8 +268,9 @@ fn cuda_place(
         runner.tune_gemms(args.max_num_seqs).context("cannot tune the GEMMs")?;
     }
     let (free, total) = runner.gpu().memory_info()?;
-    // The activations of the largest step, twice (a step launched ahead overlaps the one before
-    // it being read), and cuBLAS workspaces, stay outside the cache.
+    // Outside the cache: the activations of the largest step, as much again for the sampler's
+    // scratch over the step's logits rows (f32 [rows, vocab] and its per-row buffers), and
+    // cuBLAS's workspaces with a margin.
     let activations = runner.activation_bytes(args.max_num_batched_tokens, step_logits_rows(args));
     let reserve = 2 * activations + (512 << 20);
     let budget = (free.saturating_sub(reserve) as f64 * args.kv_cache_fraction) as usize;

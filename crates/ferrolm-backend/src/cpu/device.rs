@@ -49,10 +49,6 @@ impl Shaped for CpuTensor {
         self.cols
     }
 
-    fn capacity(&self) -> usize {
-        self.data.len().checked_div(self.cols).unwrap_or(self.rows)
-    }
-
     fn set_rows(&mut self, rows: usize) {
         assert!(rows * self.cols <= self.data.len(), "set_rows: {rows} rows of {} past the capacity", self.cols);
         self.rows = rows;

@@ -98,10 +98,6 @@ impl Shaped for CudaTensor {
         self.cols
     }
 
-    fn capacity(&self) -> usize {
-        self.buf.len().checked_div(self.cols).unwrap_or(self.rows)
-    }
-
     fn set_rows(&mut self, rows: usize) {
         assert!(rows * self.cols <= self.buf.len(), "set_rows: {rows} rows of {} past the capacity", self.cols);
         self.rows = rows;
@@ -205,6 +201,11 @@ impl Device for Cuda {
 
     fn compute_dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Only models with q/k norms take the unfused attention input (see `attention_input`).
+    fn splits_kv(&self, qk_norm: bool) -> bool {
+        qk_norm
     }
 
     fn embedding(
