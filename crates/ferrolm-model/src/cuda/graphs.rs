@@ -45,10 +45,8 @@ impl GraphShape {
     /// every request schedules one token and samples it.
     pub(super) fn of(input: &ModelInput) -> Option<GraphShape> {
         let n = input.num_reqs();
-        let all_decodes = n > 0
-            && input.num_tokens() == n
-            && input.logits_indices.len() == n
-            && input.logits_indices.iter().enumerate().all(|(i, &r)| r as usize == i);
+        // One token per request, each sampled: its logits rows are all rows, in order.
+        let all_decodes = n > 0 && input.num_tokens() == n && input.step_rows().identity;
         if !all_decodes {
             return None;
         }
