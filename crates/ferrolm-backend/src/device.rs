@@ -90,6 +90,17 @@ pub struct RopeFrequencies<'a> {
     pub attention_scaling: f32,
 }
 
+impl<'a> RopeFrequencies<'a> {
+    /// The inverse frequencies for a token at `position`: the long table from its first
+    /// position on, the short one before.
+    pub fn for_position(&self, position: u32) -> &'a [f32] {
+        match self.long {
+            Some((start, long)) if position >= start => long,
+            _ => self.inv_freq,
+        }
+    }
+}
+
 /// The attention block's input step: project the normed hidden states to q, k and v, apply the
 /// q/k norms, rotate q and k, write k and v to the layer's cache, and leave q in `q`.
 pub struct AttentionInput<'a, D: Device + ?Sized> {

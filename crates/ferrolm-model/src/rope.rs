@@ -61,10 +61,7 @@ impl RopeTables {
 
     /// The inverse frequencies for a token at `position`.
     pub fn inv_freq_for(&self, position: u32) -> &[f32] {
-        match &self.long {
-            Some((start, long)) if position >= *start => long,
-            _ => &self.inv_freq,
-        }
+        self.frequencies().for_position(position)
     }
 }
 

@@ -66,10 +66,11 @@ pub struct CpuRope {
 }
 
 impl CpuRope {
-    fn table_for(&self, position: u32) -> &[f32] {
-        match &self.long {
-            Some((start, table)) if position >= *start => table,
-            _ => &self.inv_freq,
+    fn frequencies(&self) -> RopeFrequencies<'_> {
+        RopeFrequencies {
+            inv_freq: &self.inv_freq,
+            long: self.long.as_ref().map(|(start, table)| (*start, table.as_slice())),
+            attention_scaling: self.attention_scaling,
         }
     }
 }
@@ -204,13 +205,13 @@ impl Device for Cpu {
     fn rotate(&self, b: &CpuBatch<'_>, table: &CpuRope, head_dim: usize, x: &mut CpuTensor) -> Result<(), Infallible> {
         let (width, scaling) = (x.cols, table.attention_scaling);
         let heads = width / head_dim;
-        let (x, positions) = (x.as_mut_slice(), b.positions);
+        let (x, positions, frequencies) = (x.as_mut_slice(), b.positions, table.frequencies());
         // Runs of tokens that share one frequency table (LongRoPE switches tables by position).
         let mut start = 0;
         while start < positions.len() {
-            let freq = table.table_for(positions[start]);
+            let freq = frequencies.for_position(positions[start]);
             let mut end = start + 1;
-            while end < positions.len() && std::ptr::eq(table.table_for(positions[end]), freq) {
+            while end < positions.len() && std::ptr::eq(frequencies.for_position(positions[end]), freq) {
                 end += 1;
             }
             rope(&mut x[start * width..end * width], &positions[start..end], heads, head_dim, freq, scaling);
