@@ -59,14 +59,18 @@ pub use device::{Cuda, CudaBatch, CudaKvLayer, CudaTensor};
 pub use error::GpuError;
 pub use flash_attention::AttentionWork;
 pub use gemm_tune::{GemmShape, GemmTuning, Gemms};
-pub use gpu::{Gpu, GpuGraph, GpuOptions, StreamPriority};
+#[cfg(feature = "bench-internals")]
+pub use gpu::StreamPriority;
+pub use gpu::{Gpu, GpuGraph, GpuOptions};
 pub use linear::{linear, linear_gated};
 #[cfg(feature = "bench-internals")]
 pub use linear::{linear_cublas, linear_gemv_ksplit, GEMV_MAX_M};
 pub use ops::{
     add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, split_qkv,
 };
-pub use read_rate::{read_rate, word_pattern, xor_words};
+pub use read_rate::read_rate;
+#[cfg(feature = "bench-internals")]
+pub use read_rate::{word_pattern, xor_words};
 pub use rope::{linear_qkv_rope_cache, qkv_rope_cache, rope, GpuRopeTable};
 pub use sampling::GpuSampler;
 pub use staging::{StagedBuffer, StagedPart};

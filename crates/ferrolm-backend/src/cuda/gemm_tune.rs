@@ -286,6 +286,7 @@ impl Gemms {
 
     /// [`Gemms::tune`] keeping the fastest cuBLASLt candidate of every shape whatever its time
     /// against `cublasGemmEx`: to test the cuBLASLt path.
+    #[cfg(feature = "bench-internals")]
     pub fn tune_always(
         &self,
         gpu: &Gpu,

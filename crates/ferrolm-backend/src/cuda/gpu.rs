@@ -72,8 +72,10 @@ impl Default for GpuOptions {
     }
 }
 
-/// The priority of a [`Gpu`]'s stream among the device's streams.
+/// The priority of a [`Gpu`]'s stream among the device's streams (benchmarks and tests ask for
+/// another than the default: `bench-internals`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(feature = "bench-internals"), allow(dead_code))]
 pub enum StreamPriority {
     /// What a stream gets unless asked otherwise.
     Default,
@@ -111,13 +113,19 @@ impl Gpu {
     /// creates the context, the stream and the cuBLAS handle, and compiles (or loads from the
     /// disk cache) the kernels for the device's architecture.
     pub fn new(ordinal: usize, options: &GpuOptions) -> Result<Gpu, GpuError> {
-        Gpu::new_with_priority(ordinal, StreamPriority::Default, options)
+        Gpu::open_checked(ordinal, StreamPriority::Default, options)
     }
 
     /// [`Gpu::new`] with its stream at `priority`. Two `Gpu`s of one device share its primary
     /// context, so each may read the other's buffers; where both have work queued, the block
     /// scheduler starts the blocks of the higher-priority stream first.
+    #[cfg(feature = "bench-internals")]
     pub fn new_with_priority(ordinal: usize, priority: StreamPriority, options: &GpuOptions) -> Result<Gpu, GpuError> {
+        Gpu::open_checked(ordinal, priority, options)
+    }
+
+    /// [`Gpu::open`] once the libraries are known to load, with cudarc's panics as errors.
+    fn open_checked(ordinal: usize, priority: StreamPriority, options: &GpuOptions) -> Result<Gpu, GpuError> {
         check_libraries()?;
         // cudarc panics when a library lacks a symbol it binds (an older driver, say): report
         // that as an error too.
@@ -287,6 +295,7 @@ impl Gpu {
     /// Has `cublasGemmEx` choose kernels for `count` streaming multiprocessors (all of them with
     /// `None`, the default): a GEMM running beside another stream's kernels leaves them the
     /// rest. Tuned cuBLASLt plans keep the kernels they were chosen with.
+    #[cfg(feature = "bench-internals")]
     pub fn set_gemm_sm_count_target(&self, count: Option<usize>) -> Result<(), GpuError> {
         let count = count.map_or(0, |c| c.clamp(1, self.multiprocessors)) as i32;
         // SAFETY: the handle is live.

@@ -27,7 +27,9 @@ const BLOCKS_PER_SM: usize = 16;
 const THREADS: u32 = 256;
 
 /// The XOR of every 16-byte word of `src` (a multiple of 4 elements) as four u32 lanes, read on
-/// the device by the kernel [`read_rate`] times. Waits for the result.
+/// the device by the kernel [`read_rate`] times. Waits for the result. (The read-rate test's
+/// check that every word is read: `bench-internals`.)
+#[cfg(feature = "bench-internals")]
 pub fn xor_words(gpu: &Gpu, src: &CudaSlice<u32>) -> Result<[u32; 4], GpuError> {
     let mut sink = gpu.upload(&[0u32; 4])?;
     launch_read(gpu, src, &mut sink)?;
