@@ -13,7 +13,7 @@ pub mod scheduler;
 
 pub use engine::{
     resolve_max_tokens, EngineConfig, EngineError, EngineHandle, EngineStats, EngineStatsSnapshot, GenerateRequest,
-    PromptLogprob, RequestOutput, RequestStream, StepTimesSnapshot, STEP_BUCKET_SEQS,
+    Load, PromptLogprob, RequestOutput, RequestStream, StepTimesSnapshot, STEP_BUCKET_SEQS,
 };
 pub use kv::{BlockHash, BlockId, BlockPool, ComputedBlocks, KvCacheManager, PrefixCacheStats};
 pub use request::{FinishReason, Request, RequestId, RequestStatus};

@@ -58,6 +58,9 @@ pub struct Request {
     /// Prompt tokens found in the prefix cache when first admitted.
     pub(crate) num_cached_tokens: Option<usize>,
     pub(crate) num_preemptions: u32,
+    /// The client request it belongs to (its prompts times `n`), which the waiting queue takes
+    /// turns by; a request of its own by default.
+    group: u64,
 }
 
 impl Request {
@@ -76,7 +79,19 @@ impl Request {
             arrival_index: 0,
             num_cached_tokens: None,
             num_preemptions: 0,
+            group: request_id.0,
         }
+    }
+
+    /// Makes the request one of a group (one client request), which the scheduler admits in
+    /// turn with other groups.
+    pub fn with_group(mut self, group: u64) -> Self {
+        self.group = group;
+        self
+    }
+
+    pub fn group(&self) -> u64 {
+        self.group
     }
 
     /// Tokens that finish the request with [`FinishReason::Stop`] once sampled.

@@ -254,7 +254,11 @@ async fn json_of(resp: reqwest::Response) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_pushes_back_with_503() {
-    let server = start(Options { max_pending_requests: 1, ..Options::default() }).await;
+    let server = start(Options {
+        max_pending: ferrolm_engine::Load { sequences: 64, prompt_tokens: 1 << 20 },
+        ..Options::default()
+    })
+    .await;
     let (prompt, _) = cases("llama")[0].clone();
     // A long request holds the only slot: 64 sequences of 480 tokens, streamed and unread.
     let long = json!({"prompt": prompt, "n": 64, "max_tokens": 480, "ignore_eos": true, "stream": true});

@@ -5,7 +5,7 @@
 //! callers' side.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, TryRecvError};
 use std::sync::Arc;
 use std::time::Instant;
@@ -14,6 +14,7 @@ use ferrolm_model::ModelRunner;
 use ferrolm_sampling::RequestSampler;
 use tokio::sync::mpsc as tokio_mpsc;
 
+use super::admission::{Load, PendingLoad};
 use super::handle::{Command, EngineConfig, EngineError, GenerateRequest};
 use super::launch::Launched;
 use super::state::{EngineStats, PromptLogprob, RequestOutput};
@@ -49,17 +50,31 @@ pub(super) struct PromptLogprobs {
     pub(super) values: Vec<PromptLogprob>,
 }
 
+/// What `Command::Add` says of a client request besides the request itself.
+struct NewClient {
+    client_id: u64,
+    group: u64,
+    max_tokens: usize,
+    tx: tokio_mpsc::UnboundedSender<RequestOutput>,
+}
+
+/// One client request's sequences still live, and the load it reserved until they end.
+struct Client {
+    ids: Vec<RequestId>,
+    load: Load,
+}
+
 pub(crate) struct Engine {
     pub(super) scheduler: Scheduler,
     pub(super) runner: Box<dyn ModelRunner>,
     pub(super) block_size: usize,
     pub(super) eos_token_ids: Vec<u32>,
     pub(super) sequences: HashMap<RequestId, Sequence>,
-    /// Client id -> its live sequence ids.
-    clients: HashMap<u64, Vec<RequestId>>,
+    /// Client id -> its live sequences.
+    clients: HashMap<u64, Client>,
     rx: mpsc::Receiver<Command>,
     pub(super) stats: Arc<EngineStats>,
-    pending: Arc<AtomicUsize>,
+    pending: Arc<PendingLoad>,
     /// Launch each step that can be scheduled ahead while the one before runs.
     overlap_steps: bool,
     /// The step launched ahead of the one being applied, collected by the next `step()`.
@@ -77,7 +92,7 @@ impl Engine {
         config: &EngineConfig,
         rx: mpsc::Receiver<Command>,
         stats: Arc<EngineStats>,
-        pending: Arc<AtomicUsize>,
+        pending: Arc<PendingLoad>,
     ) -> Result<Engine, EngineError> {
         let scheduler = Scheduler::new(config.scheduler.clone())?;
         runner
@@ -128,20 +143,18 @@ impl Engine {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Add { client_id, request, max_tokens, tx } => self.add(client_id, request, max_tokens, tx),
+            Command::Add { client_id, group, request, max_tokens, tx } => {
+                self.add(NewClient { client_id, group, max_tokens, tx }, request)
+            }
             Command::Abort { client_id } => self.finish_client(client_id, None),
             Command::StopSequence { client_id, index } => self.stop_sequence(sequence_id(client_id, index)),
         }
     }
 
-    fn add(
-        &mut self,
-        client_id: u64,
-        request: GenerateRequest,
-        max_tokens: usize,
-        tx: tokio_mpsc::UnboundedSender<RequestOutput>,
-    ) {
+    fn add(&mut self, new: NewClient, request: GenerateRequest) {
+        let NewClient { client_id, group, max_tokens, tx } = new;
         let GenerateRequest { prompt_token_ids, params } = request;
+        let load = Load::of_prompt(prompt_token_ids.len(), params.n);
         let mut stop_ids = params.stop_token_ids.clone();
         if !params.ignore_eos {
             stop_ids.extend(&self.eos_token_ids);
@@ -171,7 +184,8 @@ impl Engine {
             let req = Request::new(id, prompt_token_ids.clone(), max_tokens)
                 .with_stop_token_ids(stop_ids.clone())
                 .with_min_tokens(params.min_tokens as usize)
-                .with_prompt_logprobs(params.prompt_logprobs.is_some() && index == 0);
+                .with_prompt_logprobs(params.prompt_logprobs.is_some() && index == 0)
+                .with_group(group);
             match seq.and_then(|seq| self.scheduler.add_request(req).map(|()| seq).map_err(EngineError::from)) {
                 Ok(seq) => {
                     self.sequences.insert(id, seq);
@@ -180,20 +194,20 @@ impl Engine {
                 Err(err) => {
                     // Validated by the handle; reaching this is an engine fault. End the stream.
                     tracing_error(&err);
-                    self.clients.insert(client_id, ids);
+                    self.clients.insert(client_id, Client { ids, load });
                     self.finish_client(client_id, Some(FinishReason::Abort));
                     let _ = tx.send(RequestOutput { finish_reason: Some(FinishReason::Abort), ..Default::default() });
                     return;
                 }
             }
         }
-        self.clients.insert(client_id, ids);
+        self.clients.insert(client_id, Client { ids, load });
     }
 
     /// Ends every sequence of a client (an abort when `reason` is `None`: nothing is sent).
     pub(super) fn finish_client(&mut self, client_id: u64, reason: Option<FinishReason>) {
-        let Some(ids) = self.clients.remove(&client_id) else { return };
-        for id in ids {
+        let Some(client) = self.clients.remove(&client_id) else { return };
+        for id in client.ids {
             self.scheduler.abort(id);
             if let Some(seq) = self.sequences.remove(&id) {
                 if let Some(reason) = reason {
@@ -205,7 +219,7 @@ impl Engine {
                 }
             }
         }
-        self.pending.fetch_sub(1, Ordering::AcqRel);
+        self.pending.release(client.load);
     }
 
     /// A stop string ended a sequence in the output stage, which has sent its last output: end
@@ -218,11 +232,11 @@ impl Engine {
     /// A sequence finished: forget it, and the client once all of its sequences did.
     pub(super) fn retire(&mut self, id: RequestId) {
         let Some(seq) = self.sequences.remove(&id) else { return };
-        if let Some(ids) = self.clients.get_mut(&seq.client_id) {
-            ids.retain(|&s| s != id);
-            if ids.is_empty() {
+        if let Some(client) = self.clients.get_mut(&seq.client_id) {
+            client.ids.retain(|&s| s != id);
+            if client.ids.is_empty() {
+                self.pending.release(client.load);
                 self.clients.remove(&seq.client_id);
-                self.pending.fetch_sub(1, Ordering::AcqRel);
             }
         }
     }

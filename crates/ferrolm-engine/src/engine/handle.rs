@@ -1,7 +1,7 @@
 //! The caller's side of the engine: validation, submission and per-request output streams.
 
 use std::ops::ControlFlow;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -12,6 +12,7 @@ use ferrolm_sampling::{SamplingError, SamplingParams};
 use ferrolm_tokenizer::{Tokenizer, TokenizerError};
 use tokio::sync::mpsc as tokio_mpsc;
 
+use super::admission::{Load, PendingLoad};
 use super::core::Engine;
 use super::output::{OutputProcessor, Processed};
 use super::state::{EngineStats, EngineStatsSnapshot, RequestOutput};
@@ -20,9 +21,10 @@ use crate::scheduler::{SchedulerConfig, SchedulerError};
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
-    /// Client requests accepted but not finished, beyond which `submit` answers
-    /// [`EngineError::Overloaded`] (backpressure rather than an unbounded queue).
-    pub max_pending_requests: usize,
+    /// What the requests accepted and not finished may weigh (sequences, prompt tokens); a
+    /// submission past either answers [`EngineError::Overloaded`] (backpressure rather than an
+    /// unbounded queue).
+    pub max_pending: Load,
     /// EOS ids of the model (`generation_config.json`, else `config.json`, else the tokenizer).
     pub eos_token_ids: Vec<u32>,
     /// Launch the next step while the runner still runs this one, where the scheduler can tell
@@ -74,8 +76,12 @@ pub enum EngineError {
     /// The prompt cannot be read back as text (an id the tokenizer does not know).
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
-    #[error("the server is overloaded: {pending} requests pending; retry later")]
-    Overloaded { pending: usize },
+    #[error(
+        "the server is overloaded: {} sequences and {} prompt tokens pending; retry later",
+        pending.sequences,
+        pending.prompt_tokens
+    )]
+    Overloaded { pending: Load },
     #[error("the engine has stopped")]
     Stopped,
     #[error("device failure: {0}")]
@@ -86,6 +92,9 @@ pub(crate) enum Command {
     /// `max_tokens`: the request's length as [`resolve_max_tokens`] settled it.
     Add {
         client_id: u64,
+        /// The client request (a `submit_all` call) it belongs to: the scheduler admits groups
+        /// in turn.
+        group: u64,
         request: GenerateRequest,
         max_tokens: usize,
         tx: tokio_mpsc::UnboundedSender<RequestOutput>,
@@ -109,7 +118,7 @@ pub struct EngineHandle {
 struct HandleInner {
     tx: mpsc::Sender<Command>,
     stats: Arc<EngineStats>,
-    pending: Arc<AtomicUsize>,
+    pending: Arc<PendingLoad>,
     next_id: AtomicU64,
     config: EngineConfig,
     vocab_size: usize,
@@ -132,7 +141,7 @@ impl EngineHandle {
     ) -> Result<EngineHandle, EngineError> {
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(EngineStats::default());
-        let pending = Arc::new(AtomicUsize::new(0));
+        let pending = Arc::new(PendingLoad::default());
         let runner = runner.into();
         let vocab_size = runner.config().vocab_size;
         let engine = Engine::new(runner, &config, rx, Arc::clone(&stats), Arc::clone(&pending))?;
@@ -190,9 +199,9 @@ impl EngineHandle {
         self.inner.stats.snapshot()
     }
 
-    /// Client requests accepted and not yet finished.
-    pub fn num_pending(&self) -> usize {
-        self.inner.pending.load(Ordering::Relaxed)
+    /// What the requests accepted and not yet finished weigh.
+    pub fn pending(&self) -> Load {
+        self.inner.pending.get()
     }
 
     /// Checks a request against the model and the engine's limits, and fills in `max_tokens`
@@ -231,22 +240,47 @@ impl EngineHandle {
     }
 
     /// Validates and queues a request; its outputs arrive on the returned stream.
-    pub fn submit(&self, mut request: GenerateRequest) -> Result<RequestStream, EngineError> {
-        let max_tokens = self.admit(&mut request)?;
-        let outputs = OutputProcessor::new(self.inner.tokenizer.as_ref(), &request.prompt_token_ids, &request.params)?;
-        let pending = self.inner.pending.fetch_add(1, Ordering::AcqRel);
-        if pending >= self.inner.config.max_pending_requests {
-            self.inner.pending.fetch_sub(1, Ordering::AcqRel);
-            return Err(EngineError::Overloaded { pending });
+    pub fn submit(&self, request: GenerateRequest) -> Result<RequestStream, EngineError> {
+        let mut streams = self.submit_all(vec![request])?;
+        streams.pop().ok_or(EngineError::Stopped)
+    }
+
+    /// Validates every request, then queues them all as one client request (the scheduler
+    /// admits client requests in turn, so a big one cannot starve those after it): all are
+    /// accepted or none, and a refusal costs no work on the engine thread. Their outputs arrive
+    /// on the returned streams, in order.
+    pub fn submit_all(&self, mut requests: Vec<GenerateRequest>) -> Result<Vec<RequestStream>, EngineError> {
+        let mut admitted = Vec::with_capacity(requests.len());
+        let mut load = Load::default();
+        for request in &mut requests {
+            let max_tokens = self.admit(request)?;
+            let outputs =
+                OutputProcessor::new(self.inner.tokenizer.as_ref(), &request.prompt_token_ids, &request.params)?;
+            load = load.plus(Load::of_prompt(request.prompt_token_ids.len(), request.params.n));
+            admitted.push((max_tokens, outputs));
         }
-        let client_id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let n = request.params.n;
-        let (tx, rx) = tokio_mpsc::unbounded_channel();
-        if self.inner.tx.send(Command::Add { client_id, request, max_tokens, tx }).is_err() {
-            self.inner.pending.fetch_sub(1, Ordering::AcqRel);
-            return Err(EngineError::Stopped);
+        let pending = &self.inner.pending;
+        pending
+            .try_reserve(load, self.inner.config.max_pending)
+            .map_err(|pending| EngineError::Overloaded { pending })?;
+        let group = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut unsent = load;
+        let mut streams = Vec::with_capacity(requests.len());
+        for (request, (max_tokens, outputs)) in requests.into_iter().zip(admitted) {
+            let client_load = Load::of_prompt(request.prompt_token_ids.len(), request.params.n);
+            let client_id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+            let n = request.params.n;
+            let (tx, rx) = tokio_mpsc::unbounded_channel();
+            if self.inner.tx.send(Command::Add { client_id, group, request, max_tokens, tx }).is_err() {
+                // This one and those after it never reached the engine; those before are aborted
+                // (and released there) as their streams drop.
+                pending.release(unsent);
+                return Err(EngineError::Stopped);
+            }
+            unsent = unsent.minus(client_load);
+            streams.push(RequestStream { client_id, rx, remaining: n, abort_tx: self.inner.tx.clone(), outputs });
         }
-        Ok(RequestStream { client_id, rx, remaining: n, abort_tx: self.inner.tx.clone(), outputs })
+        Ok(streams)
     }
 }
 

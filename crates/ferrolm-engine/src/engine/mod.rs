@@ -3,10 +3,13 @@
 //! output stage that turns its token ids into text on the callers' side.
 //!
 //! Callers reach it only through channels: [`EngineHandle::submit`] validates a request and
-//! returns a [`RequestStream`] of [`RequestOutput`]s; dropping the stream (a client gone) aborts
+//! returns a [`RequestStream`] ([`EngineHandle::submit_all`]: several, as one client request
+//! that the scheduler admits in turn with the others, and that weighs its sequences and prompt
+//! tokens against the backpressure limits) of [`RequestOutput`]s; dropping the stream (a client gone) aborts
 //! the request, and its blocks are freed in the next step. Nothing here is shared behind a lock
 //! except the read-only [`EngineStats`] counters.
 
+mod admission;
 mod core;
 mod handle;
 mod launch;
@@ -15,5 +18,6 @@ mod output;
 mod state;
 mod update;
 
+pub use admission::Load;
 pub use handle::{resolve_max_tokens, EngineConfig, EngineError, EngineHandle, GenerateRequest, RequestStream};
 pub use state::{EngineStats, EngineStatsSnapshot, PromptLogprob, RequestOutput, StepTimesSnapshot, STEP_BUCKET_SEQS};

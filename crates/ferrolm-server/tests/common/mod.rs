@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferrolm_engine::{EngineConfig, EngineHandle, EngineStatsSnapshot, SchedulerConfig};
+use ferrolm_engine::{EngineConfig, EngineHandle, EngineStatsSnapshot, Load, SchedulerConfig};
 use ferrolm_model::{GenerationConfig, Model};
 use ferrolm_sampling::GenerationDefaults;
 use ferrolm_server::{Server, ServerConfig, ServerError};
@@ -43,7 +43,7 @@ pub struct Options {
     pub max_model_len: usize,
     pub num_blocks: usize,
     pub max_num_seqs: usize,
-    pub max_pending_requests: usize,
+    pub max_pending: Load,
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
     pub shutdown_grace_period: Duration,
@@ -57,7 +57,7 @@ impl Default for Options {
             max_model_len: 512,
             num_blocks: 1024,
             max_num_seqs: 64,
-            max_pending_requests: 64,
+            max_pending: Load { sequences: 64, prompt_tokens: 1 << 20 },
             api_key: None,
             max_body_bytes: 32 << 20,
             shutdown_grace_period: Duration::from_secs(30),
@@ -95,8 +95,7 @@ pub fn load(dir: &Path, opts: &Options) -> (EngineHandle, Arc<Tokenizer>, Genera
         max_prompt_logprob_rows: 256,
         enable_prefix_caching: true,
     };
-    let config =
-        EngineConfig { scheduler, max_pending_requests: opts.max_pending_requests, eos_token_ids, overlap_steps: true };
+    let config = EngineConfig { scheduler, max_pending: opts.max_pending, eos_token_ids, overlap_steps: true };
     let engine = EngineHandle::start(model, Arc::clone(&tokenizer), config).expect("engine");
     (engine, tokenizer, generation.defaults)
 }
@@ -189,10 +188,10 @@ pub async fn wait_idle(engine: &EngineHandle) -> EngineStatsSnapshot {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let s = engine.stats();
-        if s.num_running == 0 && s.num_waiting == 0 && s.kv_usage == 0.0 && engine.num_pending() == 0 {
+        if s.num_running == 0 && s.num_waiting == 0 && s.kv_usage == 0.0 && engine.pending() == Load::default() {
             return s;
         }
-        assert!(Instant::now() < deadline, "engine did not go idle: {s:?}, pending {}", engine.num_pending());
+        assert!(Instant::now() < deadline, "engine did not go idle: {s:?}, pending {:?}", engine.pending());
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
