@@ -8,6 +8,8 @@
 //! - [`params`]: from a request's optional knobs to the engine's `SamplingParams`.
 //! - `generation`: one API request on the engine (its prompts, merged output streams, choices).
 //! - `sse`: streamed responses; `logprobs`: the two logprob shapes; `chat_prompt`: templates.
+//! - [`limits`]: what one request may ask for (sequences, prompt tokens, logprob rows);
+//!   `work_pool`: the threads that tokenize, off the async ones.
 //! - [`error`]: the one mapping from every error to a status and an OpenAI-shaped body.
 //! - [`metrics`]: Prometheus metrics with vLLM's names.
 //!
@@ -19,6 +21,7 @@ mod chat_prompt;
 pub mod error;
 mod generation;
 mod json;
+pub mod limits;
 mod logprobs;
 pub mod metrics;
 pub mod params;
@@ -26,6 +29,7 @@ pub mod protocol;
 pub mod routes;
 mod sse;
 mod state;
+mod work_pool;
 
 use std::future::{Future, IntoFuture};
 use std::net::SocketAddr;
@@ -39,7 +43,9 @@ use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 
 pub use error::ApiError;
+use limits::RequestLimits;
 use state::AppState;
+use work_pool::WorkPool;
 
 /// How the server listens and whom it serves.
 #[derive(Debug, Clone)]
@@ -56,6 +62,10 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// After a shutdown signal, how long in-flight requests may run before they are aborted.
     pub shutdown_grace_period: Duration,
+    /// What one request may ask for.
+    pub limits: RequestLimits,
+    /// Threads that tokenize prompts and render chat templates.
+    pub tokenizer_threads: usize,
 }
 
 impl ServerConfig {
@@ -67,6 +77,8 @@ impl ServerConfig {
             served_model_name: served_model_name.into(),
             max_body_bytes: 32 << 20,
             shutdown_grace_period: Duration::from_secs(30),
+            limits: RequestLimits::default(),
+            tokenizer_threads: WorkPool::default_threads(),
         }
     }
 }
@@ -77,6 +89,8 @@ pub enum ServerError {
     Bind { addr: String, source: std::io::Error },
     #[error("server I/O error: {0}")]
     Io(#[from] std::io::Error),
+    #[error("cannot start the tokenizer threads: {0}")]
+    Threads(#[from] rayon::ThreadPoolBuildError),
 }
 
 /// A server bound to its address and not yet serving.
@@ -100,7 +114,8 @@ impl Server {
         let (abort_tx, abort_rx) = watch::channel(false);
         let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let metrics = metrics::ServerMetrics::new(&config.served_model_name);
-        let state = Arc::new(AppState { engine, tokenizer, defaults, config, metrics, created, abort: abort_rx });
+        let work = WorkPool::new(config.tokenizer_threads)?;
+        let state = Arc::new(AppState { engine, tokenizer, defaults, config, metrics, created, abort: abort_rx, work });
         Ok(Server { listener, state, abort_tx })
     }
 

@@ -10,7 +10,7 @@ use std::convert::Infallible;
 
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use ferrolm_engine::RequestOutput;
+use ferrolm_engine::{FinishReason, RequestOutput};
 use serde::Serialize;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -108,7 +108,11 @@ async fn stream_chunks(
             item = generation.next() => item,
         };
         let Some(item) = item else { break };
-        let (choice, out) = item?;
+        let (choice, out) = match item {
+            Ok(item) => item,
+            Err(ApiError::ShuttingDown) => return end_aborted(generation, format, tx, &mut started).await,
+            Err(err) => return Err(err.into()),
+        };
         deferred.push((choice, out));
         let mut i = 0;
         while i < deferred.len() {
@@ -127,6 +131,34 @@ async fn stream_chunks(
         }
     }
     generation.check_finished()?;
+    if let Some(chunk) = format.usage_chunk(generation.usage()) {
+        send(tx, chunk?).await?;
+    }
+    Ok(())
+}
+
+/// The server aborted the request (its shutdown grace period is over): every choice still going
+/// ends with `finish_reason: "abort"`, then comes the usage chunk if one was asked for, so that
+/// the client learns how its stream ended and what it was billed.
+async fn end_aborted(
+    generation: &mut Generation,
+    format: &mut impl ChunkFormat,
+    tx: &mpsc::Sender<Result<Event, Infallible>>,
+    started: &mut [bool],
+) -> Result<(), StreamEnd> {
+    tracing::warn!(request_id = %generation.request_id, "stream aborted at shutdown");
+    let going: Vec<usize> = (0..generation.choices.len()).filter(|&c| generation.choices[c].finish.is_none()).collect();
+    for choice in going {
+        let out = RequestOutput {
+            index: (choice % generation.n) as u32,
+            finish_reason: Some(FinishReason::Abort),
+            ..RequestOutput::default()
+        };
+        let first = !std::mem::replace(&mut started[choice], true);
+        for chunk in format.chunks(generation, choice, &out, first)? {
+            send(tx, chunk).await?;
+        }
+    }
     if let Some(chunk) = format.usage_chunk(generation.usage()) {
         send(tx, chunk?).await?;
     }

@@ -187,6 +187,12 @@ impl EngineHandle {
         thread.join().is_ok()
     }
 
+    /// Whether the engine thread still runs: false once it has died (a panic in a step) and
+    /// nothing submitted will ever be answered.
+    pub fn is_running(&self) -> bool {
+        !self.inner.thread.is_finished()
+    }
+
     pub fn config(&self) -> &EngineConfig {
         &self.inner.config
     }

@@ -8,8 +8,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferrolm_engine::{EngineConfig, EngineHandle, EngineStatsSnapshot, Load, SchedulerConfig};
-use ferrolm_model::{GenerationConfig, Model};
+use ferrolm_model::{CpuRunner, GenerationConfig, Model, ModelConfig, ModelError, ModelInput, ModelRunner};
 use ferrolm_sampling::GenerationDefaults;
+use ferrolm_sampling::{RowRequest, TokenLogprobs};
+use ferrolm_server::limits::RequestLimits;
 use ferrolm_server::{Server, ServerConfig, ServerError};
 use ferrolm_tokenizer::Tokenizer;
 use serde_json::Value;
@@ -47,6 +49,9 @@ pub struct Options {
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
     pub shutdown_grace_period: Duration,
+    pub limits: RequestLimits,
+    /// The engine thread panics in this step (1 is the first), to check how a dead engine shows.
+    pub panic_at_step: Option<usize>,
 }
 
 impl Default for Options {
@@ -61,6 +66,8 @@ impl Default for Options {
             api_key: None,
             max_body_bytes: 32 << 20,
             shutdown_grace_period: Duration::from_secs(30),
+            limits: RequestLimits::default(),
+            panic_at_step: None,
         }
     }
 }
@@ -96,7 +103,11 @@ pub fn load(dir: &Path, opts: &Options) -> (EngineHandle, Arc<Tokenizer>, Genera
         enable_prefix_caching: true,
     };
     let config = EngineConfig { scheduler, max_pending: opts.max_pending, eos_token_ids, overlap_steps: true };
-    let engine = EngineHandle::start(model, Arc::clone(&tokenizer), config).expect("engine");
+    let runner: Box<dyn ModelRunner> = match opts.panic_at_step {
+        Some(at) => Box::new(PanickingRunner { inner: CpuRunner::new(model), steps: 0, at }),
+        None => model.into(),
+    };
+    let engine = EngineHandle::start(runner, Arc::clone(&tokenizer), config).expect("engine");
     (engine, tokenizer, generation.defaults)
 }
 
@@ -110,6 +121,8 @@ pub async fn start(opts: Options) -> TestServer {
         served_model_name: MODEL_NAME.into(),
         max_body_bytes: opts.max_body_bytes,
         shutdown_grace_period: opts.shutdown_grace_period,
+        limits: opts.limits,
+        ..ServerConfig::new(MODEL_NAME)
     };
     let server = Server::bind(engine.clone(), Arc::clone(&tokenizer), defaults, config).await.expect("bind");
     let addr = server.local_addr().expect("local address");
@@ -212,4 +225,35 @@ pub fn error_of(body: &Value) -> &Value {
 
 pub fn u32s(v: &Value) -> Vec<u32> {
     ids(v)
+}
+
+/// A CPU runner whose step `at` panics, killing the engine thread.
+struct PanickingRunner {
+    inner: CpuRunner,
+    steps: usize,
+    at: usize,
+}
+
+impl ModelRunner for PanickingRunner {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+
+    fn device(&self) -> String {
+        "a runner that panics".into()
+    }
+
+    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), ModelError> {
+        self.inner.allocate_kv_cache(num_blocks, block_size)
+    }
+
+    fn launch(&mut self, input: &ModelInput, rows: &[RowRequest<'_>]) -> Result<(), ModelError> {
+        self.steps += 1;
+        assert!(self.steps != self.at, "step {} panics on purpose", self.at);
+        self.inner.launch(input, rows)
+    }
+
+    fn collect(&mut self) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
+        self.inner.collect()
+    }
 }
