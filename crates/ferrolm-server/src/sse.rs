@@ -8,6 +8,7 @@
 
 use std::convert::Infallible;
 
+use axum::http::header;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use ferrolm_engine::{FinishReason, RequestOutput};
@@ -40,6 +41,11 @@ pub trait ChunkFormat: Send + 'static {
 
 pub fn to_json(value: &impl Serialize) -> Result<String, ApiError> {
     serde_json::to_string(value).map_err(|e| ApiError::Internal(format!("cannot serialize a response: {e}")))
+}
+
+/// A 200 with a JSON body already serialized.
+pub fn json_response(body: String) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
 pub fn respond(generation: Generation, format: impl ChunkFormat) -> Response {

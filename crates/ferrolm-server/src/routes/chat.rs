@@ -5,8 +5,7 @@
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::response::Response;
 use ferrolm_engine::RequestOutput;
 use ferrolm_sampling::MAX_LOGPROBS;
 use ferrolm_tokenizer::Tokenizer;
@@ -24,7 +23,7 @@ use crate::protocol::chat::{
 };
 use crate::protocol::completions::UsageField;
 use crate::protocol::{check_model, StreamOptions, Usage};
-use crate::sse::{self, to_json, ChunkFormat};
+use crate::sse::{self, json_response, to_json, ChunkFormat};
 use crate::state::SharedState;
 
 struct Shape {
@@ -86,7 +85,8 @@ pub async fn create(
         return Ok(sse::respond(generation, ChatStream { shape, include_usage }));
     }
     generation.run_to_end().await?;
-    Ok(Json(shape.response(&generation)).into_response())
+    // Text and logprobs of every choice, decoded and serialized: off the async threads.
+    state.work.run(move || Ok(json_response(to_json(&shape.response(&generation))?))).await
 }
 
 impl Shape {

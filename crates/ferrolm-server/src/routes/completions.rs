@@ -4,8 +4,7 @@
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::response::Response;
 use ferrolm_engine::RequestOutput;
 use ferrolm_tokenizer::Tokenizer;
 
@@ -19,7 +18,7 @@ use crate::protocol::completions::{
     CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, UsageField,
 };
 use crate::protocol::{check_model, PromptInput, StreamOptions, Usage};
-use crate::sse::{self, to_json, ChunkFormat};
+use crate::sse::{self, json_response, to_json, ChunkFormat};
 use crate::state::SharedState;
 
 /// OpenAI's default length for this route, when neither the client nor the model chose one.
@@ -101,7 +100,8 @@ pub async fn create(
         return Ok(sse::respond(generation, CompletionStream { shape, include_usage, builders }));
     }
     generation.run_to_end().await?;
-    Ok(Json(shape.response(&generation)).into_response())
+    // Text and logprobs of every choice, decoded and serialized: off the async threads.
+    state.work.run(move || Ok(json_response(to_json(&shape.response(&generation))?))).await
 }
 
 /// Each prompt's ids and the text an echo shows (decoded from ids with `decode_echo`'s
