@@ -12,7 +12,7 @@
 //!   from a row.
 //! - `penalties`, `filters`: the processing steps, in vLLM's order.
 //! - [`logprobs`]: `log_softmax`, `top_n`, per-token logprobs.
-//! - [`stop`]: `StopChecker` and `FinishReason`.
+//! - [`stop`]: `StopStrings` (one automaton per request), `StopChecker` and `FinishReason`.
 
 mod error;
 mod filters;
@@ -31,4 +31,4 @@ pub use params::{
 };
 pub use plan::{RowRequest, SamplePlan, TokenAdjust};
 pub use sampler::{RequestSampler, SampleOutput};
-pub use stop::{FinishReason, StopChecker, StopResult};
+pub use stop::{FinishReason, StopChecker, StopResult, StopStrings};

@@ -14,9 +14,10 @@
 
 use std::sync::Arc;
 
-use ferrolm_sampling::{SamplingParams, StopChecker};
-use ferrolm_tokenizer::{IncrementalDetokenizer, Tokenizer, TokenizerError};
+use ferrolm_sampling::{SamplingParams, StopChecker, StopStrings};
+use ferrolm_tokenizer::{IncrementalDetokenizer, Tokenizer};
 
+use super::handle::EngineError;
 use super::state::RequestOutput;
 use crate::request::FinishReason;
 
@@ -47,15 +48,17 @@ impl OutputProcessor {
         tokenizer: Option<&Arc<Tokenizer>>,
         prompt_token_ids: &[u32],
         params: &SamplingParams,
-    ) -> Result<OutputProcessor, TokenizerError> {
+    ) -> Result<OutputProcessor, EngineError> {
+        // Without text there is nothing to match: no automaton either.
+        let stops = if tokenizer.is_some() { StopStrings::new(&params.stop)? } else { StopStrings::default() };
         let sequences = (0..params.n)
             .map(|_| {
                 let detokenizer = tokenizer
                     .map(|t| IncrementalDetokenizer::new(Arc::clone(t), prompt_token_ids, params.skip_special_tokens))
                     .transpose()?;
-                Ok(SequenceText { detokenizer, stop: StopChecker::new(&params.stop), finished: false })
+                Ok(SequenceText { detokenizer, stop: StopChecker::new(stops.clone()), finished: false })
             })
-            .collect::<Result<_, TokenizerError>>()?;
+            .collect::<Result<_, EngineError>>()?;
         Ok(OutputProcessor { sequences })
     }
 
@@ -95,6 +98,8 @@ impl OutputProcessor {
 
 #[cfg(test)]
 mod tests {
+    use ferrolm_tokenizer::TokenizerError;
+
     use super::*;
 
     fn tokenizer() -> Result<Arc<Tokenizer>, TokenizerError> {
@@ -122,7 +127,7 @@ mod tests {
     }
 
     #[test]
-    fn text_is_cut_at_a_stop_string_and_later_tokens_are_dropped() -> Result<(), TokenizerError> {
+    fn text_is_cut_at_a_stop_string_and_later_tokens_are_dropped() -> Result<(), EngineError> {
         let tok = tokenizer()?;
         let ids = tok.encode("hello world, hello moon", false)?;
         let full = tok.decode(&ids, true)?;
@@ -140,7 +145,7 @@ mod tests {
     }
 
     #[test]
-    fn without_a_stop_the_whole_text_comes_through() -> Result<(), TokenizerError> {
+    fn without_a_stop_the_whole_text_comes_through() -> Result<(), EngineError> {
         let tok = tokenizer()?;
         let ids = tok.encode("hello world", false)?;
         let params = SamplingParams { stop: vec!["world!".into()], ..SamplingParams::default() };
@@ -156,7 +161,7 @@ mod tests {
     }
 
     #[test]
-    fn sequences_are_apart_and_ends_without_tokens_pass_through() -> Result<(), TokenizerError> {
+    fn sequences_are_apart_and_ends_without_tokens_pass_through() -> Result<(), EngineError> {
         let tok = tokenizer()?;
         let ids = tok.encode("a b", false)?;
         let params = SamplingParams { n: 2, stop: vec![" b".into()], ..SamplingParams::default() };
