@@ -1,16 +1,15 @@
-//! The output stage, off the engine thread (as vLLM v1's `OutputProcessor`): turns the token ids
-//! the engine thread sends for a request's sequences into text, detokenized incrementally and
-//! cut at stop strings. It runs on the caller's side of each [`RequestStream`], so the engine
-//! thread only schedules, launches, collects and updates, and detokenizing spreads over the
-//! callers' threads.
+//! The text of a request's outputs (as vLLM v1's `OutputProcessor`): turns the token ids the
+//! engine thread sends for a request's sequences into text, detokenized incrementally and cut
+//! at stop strings. It runs on the output stage's thread (`output_stage.rs`), off the engine
+//! thread and the callers', one processor per request; its stop strings are compiled once and
+//! shared by the request's sequences.
 //!
 //! Invariants:
 //! - The text of a sequence's outputs, concatenated, is its detokenized output cut before the
 //!   first stop string (a stop string ends it with `FinishReason::Stop`).
 //! - Once a sequence has finished here, later outputs of it are dropped: the tokens the engine
 //!   sampled before it heard of a stop string are never shown nor counted.
-//!
-//! [`RequestStream`]: super::RequestStream
+//! - The request is finished here once each of its sequences is.
 
 use std::sync::Arc;
 
@@ -25,6 +24,8 @@ use crate::request::FinishReason;
 pub(crate) struct OutputProcessor {
     /// By sequence index.
     sequences: Vec<SequenceText>,
+    /// Sequences not finished here yet.
+    num_unfinished: usize,
 }
 
 struct SequenceText {
@@ -51,7 +52,7 @@ impl OutputProcessor {
     ) -> Result<OutputProcessor, EngineError> {
         // Without text there is nothing to match: no automaton either.
         let stops = if tokenizer.is_some() { StopStrings::new(&params.stop)? } else { StopStrings::default() };
-        let sequences = (0..params.n)
+        let sequences: Vec<SequenceText> = (0..params.n)
             .map(|_| {
                 let detokenizer = tokenizer
                     .map(|t| IncrementalDetokenizer::new(Arc::clone(t), prompt_token_ids, params.skip_special_tokens))
@@ -59,7 +60,12 @@ impl OutputProcessor {
                 Ok(SequenceText { detokenizer, stop: StopChecker::new(stops.clone()), finished: false })
             })
             .collect::<Result<_, EngineError>>()?;
-        Ok(OutputProcessor { sequences })
+        Ok(OutputProcessor { num_unfinished: sequences.len(), sequences })
+    }
+
+    /// Every sequence has finished here: nothing more will be let through.
+    pub(crate) fn is_finished(&self) -> bool {
+        self.num_unfinished == 0
     }
 
     /// Fills in the text of an output from the engine thread; `None` when the output's
@@ -70,7 +76,10 @@ impl OutputProcessor {
             return None;
         }
         let engine_finished = output.finish_reason.is_some();
-        seq.finished = engine_finished;
+        if engine_finished {
+            seq.finished = true;
+            self.num_unfinished -= 1;
+        }
         // An end without a token (an abort, a failed step) carries no text.
         if output.token_ids.is_empty() {
             return Some(Processed { output, stopped_here: false });
@@ -88,7 +97,10 @@ impl OutputProcessor {
         output.text = result.emit;
         if result.stopped {
             output.finish_reason = Some(FinishReason::Stop);
-            seq.finished = true;
+            if !engine_finished {
+                seq.finished = true;
+                self.num_unfinished -= 1;
+            }
         } else if engine_finished {
             output.text.push_str(&seq.stop.flush());
         }
@@ -173,6 +185,13 @@ mod tests {
         let out = processor.process(token(0, ids[0], None)).map(|p| p.output.finish_reason);
         assert_eq!(out, Some(None), "sequence 0 runs on");
         assert!(processor.process(token(7, ids[0], None)).is_none(), "no such sequence");
+        assert!(!processor.is_finished());
+        let stopped = ids
+            .iter()
+            .filter_map(|&id| processor.process(token(0, id, None)))
+            .any(|p| p.output.finish_reason == Some(FinishReason::Stop) && p.stopped_here);
+        assert!(stopped, "sequence 0 stops at \" b\"");
+        assert!(processor.is_finished(), "both sequences have ended");
         Ok(())
     }
 
