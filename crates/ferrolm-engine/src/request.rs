@@ -46,7 +46,8 @@ pub struct Request {
     max_tokens: usize,
     min_tokens: usize,
     /// Sampling any of these finishes the request with `Stop` (EOS belongs here unless
-    /// the client asked to ignore it).
+    /// the client asked to ignore it). Sorted, without duplicates: checked by binary search on
+    /// every sampled token.
     stop_token_ids: Vec<u32>,
     /// Prompt logprobs need logits for every prompt row, so no prompt token may come from
     /// the prefix cache.
@@ -95,7 +96,9 @@ impl Request {
     }
 
     /// Tokens that finish the request with [`FinishReason::Stop`] once sampled.
-    pub fn with_stop_token_ids(mut self, stop_token_ids: Vec<u32>) -> Self {
+    pub fn with_stop_token_ids(mut self, mut stop_token_ids: Vec<u32>) -> Self {
+        stop_token_ids.sort_unstable();
+        stop_token_ids.dedup();
         self.stop_token_ids = stop_token_ids;
         self
     }
@@ -153,6 +156,7 @@ impl Request {
         self.min_tokens
     }
 
+    /// Sorted, each id once.
     pub fn stop_token_ids(&self) -> &[u32] {
         &self.stop_token_ids
     }
@@ -194,7 +198,7 @@ impl Request {
         let num_outputs = self.num_output_tokens();
         if num_outputs >= self.min_tokens.max(1) {
             let last = self.all_token_ids[self.all_token_ids.len() - 1];
-            if self.stop_token_ids.contains(&last) {
+            if self.stop_token_ids.binary_search(&last).is_ok() {
                 return Some(FinishReason::Stop);
             }
         }
@@ -222,7 +226,8 @@ mod tests {
 
     #[test]
     fn stop_conditions() {
-        let mut r = Request::new(RequestId(1), vec![1], 3).with_stop_token_ids(vec![0]).with_min_tokens(2);
+        let mut r = Request::new(RequestId(1), vec![1], 3).with_stop_token_ids(vec![9, 0, 4, 0]).with_min_tokens(2);
+        assert_eq!(r.stop_token_ids(), &[0, 4, 9]);
         r.append_output_token(0);
         assert_eq!(r.check_stop(100), None, "stop token before min_tokens");
         r.append_output_token(5);

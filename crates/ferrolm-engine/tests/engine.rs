@@ -581,10 +581,20 @@ fn a_device_failure_aborts_the_step_and_the_engine_recovers() {
 
 /// What a client sees of one request: per sequence, each output's tokens, text, logprobs (to
 /// 1e-4: batches of other sizes round differently) and finish reason.
-type Seen = Vec<Vec<(Vec<u32>, String, Vec<(u32, i64, Vec<u32>)>, Option<FinishReason>)>>;
+/// A logprob compared within 1e-4: batches of other shapes may move it by a rounding error.
+#[derive(Clone, Copy, Debug)]
+struct Logprob(f32);
+
+impl PartialEq for Logprob {
+    fn eq(&self, other: &Self) -> bool {
+        (self.0 - other.0).abs() <= 1e-4
+    }
+}
+
+type Seen = Vec<Vec<(Vec<u32>, String, Vec<(u32, Logprob, Vec<u32>)>, Option<FinishReason>)>>;
 
 fn seen(outputs: Vec<Vec<RequestOutput>>) -> Seen {
-    let round = |l: f32| (f64::from(l) * 1e4).round() as i64;
+    let round = Logprob;
     outputs
         .into_iter()
         .map(|seq| {

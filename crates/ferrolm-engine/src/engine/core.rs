@@ -1,8 +1,12 @@
 //! The engine thread: owns the scheduler, the runner and every sequence's sampling state, and
 //! runs the step loop. A step reads as what it does: schedule (or take the step launched
 //! ahead), launch, collect, update. Building the batch lives in `launch.rs`, applying the
-//! answer in `update.rs`; text and stop strings are the output stage's (`output.rs`), on the
-//! callers' side.
+//! answer in `update.rs`; text and stop strings are the output stage's (`output_stage.rs`, a
+//! thread of its own), which every output goes to and which tells the engine of stop strings on
+//! a channel of its own.
+//!
+//! The thread ends once the command channel is closed (every handle and stream gone) and no
+//! request is unfinished; the output stage's channel keeps nothing alive.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -12,11 +16,11 @@ use std::time::Instant;
 
 use ferrolm_model::ModelRunner;
 use ferrolm_sampling::RequestSampler;
-use tokio::sync::mpsc as tokio_mpsc;
 
 use super::admission::{Load, PendingLoad};
 use super::handle::{Command, EngineConfig, EngineError, GenerateRequest};
 use super::launch::Launched;
+use super::output_stage::{OutputEvent, OutputSender};
 use super::state::{EngineStats, PromptLogprob, RequestOutput};
 use crate::request::{FinishReason, Request, RequestId};
 use crate::scheduler::Scheduler;
@@ -32,7 +36,8 @@ fn sequence_id(client_id: u64, index: u32) -> RequestId {
 pub(super) struct Sequence {
     pub(super) client_id: u64,
     pub(super) index: u32,
-    pub(super) tx: tokio_mpsc::UnboundedSender<RequestOutput>,
+    /// To the output stage.
+    pub(super) tx: OutputSender,
     pub(super) sampler: RequestSampler,
     pub(super) num_prompt_tokens: usize,
     pub(super) wants_logprobs: bool,
@@ -55,7 +60,6 @@ struct NewClient {
     client_id: u64,
     group: u64,
     max_tokens: usize,
-    tx: tokio_mpsc::UnboundedSender<RequestOutput>,
 }
 
 /// One client request's sequences still live, and the load it reserved until they end.
@@ -73,6 +77,10 @@ pub(crate) struct Engine {
     /// Client id -> its live sequences.
     clients: HashMap<u64, Client>,
     rx: mpsc::Receiver<Command>,
+    /// `Command::StopSequence` from the output stage.
+    stops: mpsc::Receiver<Command>,
+    /// To the output stage, for every request's outputs.
+    outputs: mpsc::Sender<OutputEvent>,
     pub(super) stats: Arc<EngineStats>,
     pending: Arc<PendingLoad>,
     /// Launch each step that can be scheduled ahead while the one before runs.
@@ -86,11 +94,20 @@ pub(crate) struct Engine {
     pub(super) last_collect: Option<Instant>,
 }
 
+/// The engine thread's channels.
+pub(crate) struct Channels {
+    /// From the handles and streams; closed when they are all gone.
+    pub(crate) commands: mpsc::Receiver<Command>,
+    /// From the output stage: stop strings that matched.
+    pub(crate) stops: mpsc::Receiver<Command>,
+    pub(crate) outputs: mpsc::Sender<OutputEvent>,
+}
+
 impl Engine {
     pub(crate) fn new(
         mut runner: Box<dyn ModelRunner>,
         config: &EngineConfig,
-        rx: mpsc::Receiver<Command>,
+        channels: Channels,
         stats: Arc<EngineStats>,
         pending: Arc<PendingLoad>,
     ) -> Result<Engine, EngineError> {
@@ -106,7 +123,9 @@ impl Engine {
             eos_token_ids: config.eos_token_ids.clone(),
             sequences: HashMap::new(),
             clients: HashMap::new(),
-            rx,
+            rx: channels.commands,
+            stops: channels.stops,
+            outputs: channels.outputs,
             stats,
             pending,
             overlap_steps: config.overlap_steps,
@@ -137,14 +156,18 @@ impl Engine {
                     Err(TryRecvError::Disconnected) => return,
                 }
             }
+            // NOTE: only while requests run: when idle, every sequence a stop could name is over.
+            while let Ok(cmd) = self.stops.try_recv() {
+                self.handle(cmd);
+            }
             self.step();
         }
     }
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Add { client_id, group, request, max_tokens, tx } => {
-                self.add(NewClient { client_id, group, max_tokens, tx }, request)
+            Command::Add { client_id, group, request, max_tokens } => {
+                self.add(NewClient { client_id, group, max_tokens }, request)
             }
             Command::Abort { client_id } => self.finish_client(client_id, None),
             Command::StopSequence { client_id, index } => self.stop_sequence(sequence_id(client_id, index)),
@@ -152,9 +175,10 @@ impl Engine {
     }
 
     fn add(&mut self, new: NewClient, request: GenerateRequest) {
-        let NewClient { client_id, group, max_tokens, tx } = new;
+        let NewClient { client_id, group, max_tokens } = new;
         let GenerateRequest { prompt_token_ids, params } = request;
         let load = Load::of_prompt(prompt_token_ids.len(), params.n);
+        let tx = OutputSender::new(client_id, self.outputs.clone());
         let mut stop_ids = params.stop_token_ids.clone();
         if !params.ignore_eos {
             stop_ids.extend(&self.eos_token_ids);
@@ -192,11 +216,18 @@ impl Engine {
                     ids.push(id);
                 }
                 Err(err) => {
-                    // Validated by the handle; reaching this is an engine fault. End the stream.
+                    // Validated by the handle; reaching this is an engine fault. End every
+                    // sequence of the stream, those not added yet too.
                     tracing_error(&err);
                     self.clients.insert(client_id, Client { ids, load });
-                    self.finish_client(client_id, Some(FinishReason::Abort));
-                    let _ = tx.send(RequestOutput { finish_reason: Some(FinishReason::Abort), ..Default::default() });
+                    self.finish_client(client_id, None);
+                    for index in 0..params.n {
+                        let _ = tx.send(RequestOutput {
+                            index,
+                            finish_reason: Some(FinishReason::Abort),
+                            ..Default::default()
+                        });
+                    }
                     return;
                 }
             }
