@@ -31,6 +31,7 @@ pub struct Tokenizer {
     /// Ids of the added tokens tokenizer.json marks special: the ones
     /// `decode(.., skip_special_tokens = true)` drops.
     special_ids: HashSet<u32>,
+    /// One past the highest id, added tokens included.
     vocab_size: usize,
 }
 
@@ -88,7 +89,9 @@ impl Tokenizer {
         let eos_token_id = config.special_tokens.eos_token.as_deref().and_then(|t| inner.token_to_id(t));
         let special_ids =
             inner.get_added_tokens_decoder().into_iter().filter(|(_, token)| token.special).map(|(id, _)| id).collect();
-        let vocab_size = inner.get_vocab_size(true);
+        // NOTE: one past the highest id, not the number of tokens: ids may skip some numbers, and
+        // an added token may reuse a base token's id.
+        let vocab_size = inner.get_vocab(true).into_values().max().map_or(0, |id| id as usize + 1);
         Ok(Tokenizer { inner, config, chat_template, bos_token_id, eos_token_id, special_ids, vocab_size })
     }
 
@@ -131,7 +134,9 @@ impl Tokenizer {
         }
     }
 
-    /// Number of tokens, added tokens included.
+    /// One past the highest id the tokenizer knows, added tokens included: every id it can
+    /// decode is below it. A model's embedding may have more rows (padding), which no text
+    /// encodes to and which must never be sampled.
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
     }
