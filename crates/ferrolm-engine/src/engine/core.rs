@@ -178,11 +178,19 @@ impl Engine {
                     ids.push(id);
                 }
                 Err(err) => {
-                    // Validated by the handle; reaching this is an engine fault. End the stream.
+                    // Validated by the handle; reaching this is an engine fault. End the stream:
+                    // every sequence gets its end, the ones added (by `finish_client`) and the
+                    // ones not, so that none looks like an engine that stopped.
                     tracing_error(&err);
                     self.clients.insert(client_id, ids);
                     self.finish_client(client_id, Some(FinishReason::Abort));
-                    let _ = tx.send(RequestOutput { finish_reason: Some(FinishReason::Abort), ..Default::default() });
+                    for index in index..params.n {
+                        let _ = tx.send(RequestOutput {
+                            index,
+                            finish_reason: Some(FinishReason::Abort),
+                            ..Default::default()
+                        });
+                    }
                     return;
                 }
             }

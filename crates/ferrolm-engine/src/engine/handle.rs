@@ -57,6 +57,10 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("token id {token_id} is outside the vocabulary (size {vocab_size})")]
     TokenOutOfVocab { token_id: u32, vocab_size: usize },
+    /// A prompt id inside the model's vocabulary that the tokenizer cannot decode (checkpoints
+    /// pad their embedding past the tokenizer).
+    #[error("token id {token_id} is out of vocabulary: the tokenizer has {num_tokens} tokens")]
+    UnknownToken { token_id: u32, num_tokens: usize },
     #[error(
         "this model's maximum context length is {max_model_len} tokens; the prompt has \
          {num_prompt_tokens} tokens and max_tokens is {max_tokens}, {total} in all"
@@ -112,7 +116,10 @@ struct HandleInner {
     pending: Arc<AtomicUsize>,
     next_id: AtomicU64,
     config: EngineConfig,
+    /// Rows of the model's embedding: ids a prompt may hold.
     vocab_size: usize,
+    /// Ids the runner computes logits for: the model's, limited to the tokenizer's.
+    output_vocab_size: usize,
     /// For the output stage of each stream; `None`: outputs carry token ids only.
     tokenizer: Option<Arc<Tokenizer>>,
     /// The engine thread ends by itself once every sender (handles and streams) is gone.
@@ -124,7 +131,9 @@ impl EngineHandle {
     /// `config.scheduler.num_blocks` blocks.
     ///
     /// Without a tokenizer (random-weight benchmarks) outputs carry token ids only: their `text`
-    /// stays empty and stop strings never match.
+    /// stays empty and stop strings never match. With one, the runner computes logits only for
+    /// the ids the tokenizer can decode, so that ids padding the model's vocabulary are never
+    /// sampled, and prompts holding such ids are refused.
     pub fn start(
         runner: impl Into<Box<dyn ModelRunner>>,
         tokenizer: impl Into<Option<Arc<Tokenizer>>>,
@@ -133,8 +142,12 @@ impl EngineHandle {
         let (tx, rx) = mpsc::channel();
         let stats = Arc::new(EngineStats::default());
         let pending = Arc::new(AtomicUsize::new(0));
-        let runner = runner.into();
-        let vocab_size = runner.config().vocab_size;
+        let mut runner = runner.into();
+        let tokenizer: Option<Arc<Tokenizer>> = tokenizer.into();
+        if let Some(tokenizer) = &tokenizer {
+            runner.limit_output_vocab(tokenizer.vocab_size());
+        }
+        let (vocab_size, output_vocab_size) = (runner.config().vocab_size, runner.config().output_vocab_size);
         let engine = Engine::new(runner, &config, rx, Arc::clone(&stats), Arc::clone(&pending))?;
         let thread = std::thread::Builder::new()
             .name("ferrolm-engine".into())
@@ -153,7 +166,8 @@ impl EngineHandle {
                 next_id: AtomicU64::new(1),
                 config,
                 vocab_size,
-                tokenizer: tokenizer.into(),
+                output_vocab_size,
+                tokenizer,
                 thread,
             }),
         })
@@ -208,6 +222,7 @@ impl EngineHandle {
         if num_prompt_tokens == 0 {
             return Err(EngineError::EmptyPrompt);
         }
+        self.check_token_ids(request)?;
         if let Some(&token_id) = request.prompt_token_ids.iter().find(|&&t| t as usize >= self.inner.vocab_size) {
             return Err(EngineError::TokenOutOfVocab { token_id, vocab_size: self.inner.vocab_size });
         }
@@ -228,6 +243,37 @@ impl EngineHandle {
         // The request has no id yet; the scheduler names it when it says the same.
         self.inner.config.scheduler.check_fits_kv_cache(crate::RequestId(0), num_prompt_tokens, max_tokens)?;
         Ok(max_tokens)
+    }
+
+    /// What the model's vocabulary alone does not settle: every prompt id is one the tokenizer
+    /// can decode (an id in the model's padding would have no text, and its embedding row no
+    /// meaning), and a `min_tokens` mask leaves some token to sample.
+    fn check_token_ids(&self, request: &GenerateRequest) -> Result<(), EngineError> {
+        if let Some(tokenizer) = &self.inner.tokenizer {
+            let num_tokens = tokenizer.vocab_size();
+            if let Some(&token_id) = request.prompt_token_ids.iter().find(|&&t| t as usize >= num_tokens) {
+                return Err(EngineError::UnknownToken { token_id, num_tokens });
+            }
+        }
+        let params = &request.params;
+        let eos = if params.ignore_eos { &[][..] } else { &self.inner.config.eos_token_ids[..] };
+        let vocab = self.inner.output_vocab_size;
+        // NOTE: until `min_tokens` tokens exist, EOS and the stop token ids are masked; masking
+        // every id would leave the engine no token to sample. Counted only when that is possible.
+        if params.min_tokens > 0 && params.stop_token_ids.len() + eos.len() >= vocab {
+            let masked: std::collections::HashSet<u32> =
+                params.stop_token_ids.iter().chain(eos).copied().filter(|&t| (t as usize) < vocab).collect();
+            if masked.len() >= vocab {
+                return Err(EngineError::InvalidParams(SamplingError::InvalidParam {
+                    param: "stop_token_ids",
+                    reason: format!(
+                        "must leave some token unmasked while min_tokens is set: with EOS they cover \
+                         all {vocab} tokens the model can sample"
+                    ),
+                }));
+            }
+        }
+        Ok(())
     }
 
     /// Validates and queues a request; its outputs arrive on the returned stream.
