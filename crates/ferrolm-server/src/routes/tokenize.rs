@@ -2,6 +2,7 @@
 
 use axum::extract::State;
 use axum::Json;
+use ferrolm_tokenizer::TokenizerError;
 
 use crate::chat_prompt::{self, ChatPromptOptions};
 use crate::error::ApiError;
@@ -40,5 +41,9 @@ pub async fn detokenize(
     ApiJson(req): ApiJson<DetokenizeRequest>,
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
     check_model(req.model.as_deref(), &state.config.served_model_name)?;
-    Ok(Json(DetokenizeResponse { prompt: state.tokenizer.decode(&req.tokens, false)? }))
+    let prompt = state.tokenizer.decode(&req.tokens, false).map_err(|err| match err {
+        TokenizerError::UnknownTokenId { .. } => ApiError::invalid(err.to_string(), Some("tokens")),
+        other => ApiError::Tokenizer(other),
+    })?;
+    Ok(Json(DetokenizeResponse { prompt }))
 }
