@@ -195,6 +195,11 @@ pub trait Device {
     /// `y = x W^T (+ b)`; `y` in its own precision (f32 logits from a compute-dtype `x`).
     fn linear(&self, x: &Self::Tensor, w: &Linear<Self>, y: &mut Self::Tensor) -> Result<(), Self::Error>;
 
+    /// [`Self::linear`] over the first `y.cols` output features of `w` only (`y.cols` at most
+    /// `w.out_features`): `y = x W[..y.cols]^T (+ b[..y.cols])`. An LM head whose last rows
+    /// pad the vocabulary past the tokenizer's computes no logits for them.
+    fn linear_prefix(&self, x: &Self::Tensor, w: &Linear<Self>, y: &mut Self::Tensor) -> Result<(), Self::Error>;
+
     /// Splits `qkv`: `[T, q + 2 kv]` into `q`: `[T, q]`, `k` and `v`: `[T, kv]`.
     fn split_qkv(
         &self,

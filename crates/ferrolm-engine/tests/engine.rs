@@ -455,6 +455,10 @@ impl ferrolm_model::ModelRunner for DeviceLikeRunner {
         self.inner.allocate_kv_cache(num_blocks, block_size)
     }
 
+    fn limit_output_vocab(&mut self, num_ids: usize) {
+        self.inner.limit_output_vocab(num_ids);
+    }
+
     fn launch(
         &mut self,
         input: &ferrolm_model::ModelInput,

@@ -45,7 +45,7 @@ pub struct Activations<D: Device> {
     pub last_out: D::Tensor,
     /// `[rows, hidden]`
     pub final_normed: D::Tensor,
-    /// f32 `[rows, vocab]`
+    /// f32 `[rows, output_vocab_size]`
     pub logits: D::Tensor,
 }
 
@@ -101,7 +101,7 @@ impl Specs {
             last_residual: Spec(F32, h, Row),
             last_out: Spec(Compute, h, Row),
             final_normed: Spec(Compute, h, Row),
-            logits: Spec(F32, cfg.vocab_size, Row),
+            logits: Spec(F32, cfg.output_vocab_size, Row),
         }
     }
 
@@ -188,7 +188,8 @@ impl<D: Device> Activations<D> {
         rows: usize,
     ) -> Result<bool, D::Error> {
         if let Some(a) = this {
-            if a.tokens >= tokens && a.rows >= rows {
+            // NOTE: the logits' width changes when a runner's output vocabulary is limited.
+            if a.tokens >= tokens && a.rows >= rows && a.logits.cols() == cfg.output_vocab_size {
                 return Ok(false);
             }
         }

@@ -52,7 +52,13 @@ impl Architecture {
 #[derive(Clone, Debug)]
 pub struct ModelConfig {
     pub architecture: Architecture,
+    /// Rows of the embedding (and of the LM head's weight): every id a prompt may hold.
     pub vocab_size: usize,
+    /// Ids the LM head computes logits for, its first rows: `vocab_size` as read, lowered by
+    /// [`ModelConfig::limit_output_vocab`] to the ids a tokenizer can decode, so that the rows
+    /// a checkpoint pads its embedding with (Qwen2.5: 152,064 for 151,665 tokens) are never
+    /// sampled nor reported as logprobs. Logits rows are `[rows, output_vocab_size]`.
+    pub output_vocab_size: usize,
     pub hidden_size: usize,
     pub intermediate_size: usize,
     pub num_hidden_layers: usize,
@@ -234,6 +240,7 @@ impl ModelConfig {
         Ok(ModelConfig {
             architecture,
             vocab_size: raw.vocab_size,
+            output_vocab_size: raw.vocab_size,
             hidden_size,
             intermediate_size: raw.intermediate_size,
             num_hidden_layers: raw.num_hidden_layers,
@@ -259,6 +266,13 @@ impl ModelConfig {
             bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
             eos_token_ids: token_ids(&raw.eos_token_id),
         })
+    }
+
+    /// Keeps the logits to the first `num_ids` ids (a tokenizer's size), where the model has
+    /// more: ids past a tokenizer have no text, so they must never be sampled. Never raises
+    /// `output_vocab_size` past `vocab_size`, nor lowers it below one id.
+    pub fn limit_output_vocab(&mut self, num_ids: usize) {
+        self.output_vocab_size = self.output_vocab_size.min(num_ids).max(1);
     }
 
     /// Number of dims of each head that RoPE rotates (even).
@@ -369,6 +383,19 @@ mod tests {
         let err = ModelConfig::from_value(v).unwrap_err().to_string();
         assert!(err.contains("FalconForCausalLM"), "{err}");
         assert!(err.contains("Qwen3ForCausalLM") && err.contains("GemmaForCausalLM"), "{err}");
+    }
+
+    #[test]
+    fn output_vocab_is_lowered_to_a_tokenizer_never_raised() -> Result<(), ModelError> {
+        let mut c = ModelConfig::from_value(base())?;
+        assert_eq!((c.vocab_size, c.output_vocab_size), (320, 320), "logits cover every row as read");
+        c.limit_output_vocab(300);
+        assert_eq!((c.vocab_size, c.output_vocab_size), (320, 300), "the embedding keeps its rows");
+        c.limit_output_vocab(400);
+        assert_eq!(c.output_vocab_size, 300, "a larger tokenizer raises nothing");
+        c.limit_output_vocab(0);
+        assert_eq!(c.output_vocab_size, 1);
+        Ok(())
     }
 
     #[test]

@@ -113,9 +113,10 @@ impl CudaRunner {
             let output = if l.bias.is_some() { DType::F32 } else { l.weight.dtype() };
             (l.weight.view(), l.out_features, output)
         }
-        let head = self.decoder.lm_head();
+        // The head computes only its first `output_vocab_size` rows (`Device::linear_prefix`).
+        let (head, vocab) = (self.decoder.lm_head(), self.decoder.config.output_vocab_size);
         let mut weights: Vec<_> = layer.projections().into_iter().map(projection).collect();
-        weights.push((head.weight.view(), head.out_features, DType::F32));
+        weights.push((head.weight.slice(0..vocab * head.in_features), vocab, DType::F32));
         let started = std::time::Instant::now();
         // Decode batches from 128 rows on, where the GEMMs approach their compute bound: tuning
         // times each on one copy of the weights, which the L2 may hold, and below that the
@@ -192,7 +193,8 @@ impl CudaRunner {
             self.ensure_activations(input.num_tokens(), rows)?;
             StepBuffers::upload_reusing(&mut self.eager_buffers, self.dev.gpu(), input)?;
             let buffers = self.eager_buffers.as_ref().expect("buffers were just written");
-            self.previous.write(self.dev.gpu(), &self.sampler, self.decoder.config.vocab_size, input, buffers)?;
+            let vocab = self.decoder.config.output_vocab_size;
+            self.previous.write(self.dev.gpu(), &self.sampler, vocab, input, buffers)?;
             let step = StepShape::of(input);
             let work = AttentionWork::default();
             let batch = buffers.batch(&step, self.block_size, &work);
@@ -201,7 +203,7 @@ impl CudaRunner {
         };
         let padded = shape.pad(input);
         self.ensure_activations(shape.batch, shape.batch)?;
-        let vocab = self.decoder.config.vocab_size;
+        let vocab = self.decoder.config.output_vocab_size;
         if let Some(entry) = self.graphs.graphs.get_mut(&shape) {
             entry.buffers.copy_from(self.dev.gpu(), &padded)?;
             self.previous.write(self.dev.gpu(), &self.sampler, vocab, input, &entry.buffers)?;
@@ -239,7 +241,7 @@ impl CudaRunner {
         Ok(())
     }
 
-    /// `[rows, vocab]` f32: the logits the last [`Self::forward`] computed.
+    /// `[rows, output_vocab_size]` f32: the logits the last [`Self::forward`] computed.
     fn logits(&self, rows: usize) -> GpuView<'_> {
         let acts = self.acts.as_ref().expect("forward ran");
         acts.logits.first_rows(rows)
@@ -265,6 +267,12 @@ impl ModelRunner for CudaRunner {
         Ok(())
     }
 
+    fn limit_output_vocab(&mut self, num_ids: usize) {
+        // The logits buffer (and the graphs that write it) follow the new width at the next
+        // step: `Activations::ensure` reallocates it.
+        self.decoder.config.limit_output_vocab(num_ids);
+    }
+
     fn launch(&mut self, input: &ModelInput, rows: &[RowRequest<'_>]) -> Result<(), ModelError> {
         let num_rows = input.logits_indices.len();
         assert_eq!(rows.len(), num_rows, "launch: {} requests for {num_rows} logits rows", rows.len());
@@ -276,7 +284,7 @@ impl ModelRunner for CudaRunner {
         }
         // Taken out for the call so that the logits can stay borrowed from `self`.
         let mut sampler = std::mem::take(&mut self.sampler);
-        let vocab = self.decoder.config.vocab_size;
+        let vocab = self.decoder.config.output_vocab_size;
         let launched = sampler.launch(self.gpu(), self.logits(num_rows), vocab, rows);
         self.sampler = sampler;
         Ok(launched?)

@@ -109,8 +109,8 @@ impl<D: Device> Decoder<D> {
     }
 
     /// Issues one step: every layer, then the final norm and the LM head on the step's logits
-    /// rows, whose f32 logits end in `a.logits` (`[rows.logits, vocab]`). `a` must have room
-    /// for the step (see [`Activations::ensure`]).
+    /// rows, whose f32 logits end in `a.logits` (`[rows.logits, output_vocab_size]`). `a` must
+    /// have room for the step (see [`Activations::ensure`]).
     pub fn run(
         &self,
         dev: &D,
@@ -168,7 +168,9 @@ impl<D: Device> Decoder<D> {
         } else {
             dev.add_rms_norm(last_residual, last_out, &self.norm, eps, &mut a.final_normed)?;
         }
-        dev.linear(&a.final_normed, self.lm_head(), &mut a.logits)
+        // Logits only for the ids the model may output (`output_vocab_size`): rows padding the
+        // vocabulary past the tokenizer are never computed, so never sampled.
+        dev.linear_prefix(&a.final_normed, self.lm_head(), &mut a.logits)
     }
 }
 

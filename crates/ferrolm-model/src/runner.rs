@@ -30,6 +30,11 @@ pub trait ModelRunner: Send {
     /// Allocates (or replaces) the KV cache: `num_blocks` blocks of `block_size` tokens.
     fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), ModelError>;
 
+    /// Computes logits, from the next launch on, only for ids below `num_ids` (a tokenizer's
+    /// size) where the model has more ([`ModelConfig::limit_output_vocab`]): ids a tokenizer
+    /// cannot decode are then never sampled, nor among the logprobs.
+    fn limit_output_vocab(&mut self, num_ids: usize);
+
     /// Starts one step, which writes the new tokens' K/V into the cache; [`Self::collect`] gives
     /// its answer. `rows` has one request per element of `input.logits_indices`. A step may be
     /// launched before the one launched just before it is collected (at most one ahead): its
@@ -109,6 +114,10 @@ impl ModelRunner for CpuRunner {
         Ok(())
     }
 
+    fn limit_output_vocab(&mut self, num_ids: usize) {
+        self.model.config.limit_output_vocab(num_ids);
+    }
+
     fn launch(&mut self, input: &ModelInput, rows: &[RowRequest<'_>]) -> Result<(), ModelError> {
         assert_eq!(rows.len(), input.logits_indices.len(), "launch: {} requests for the logits rows", rows.len());
         let kv = self.kv.as_mut().ok_or(ModelError::NoKvCache)?;
@@ -121,8 +130,8 @@ impl ModelRunner for CpuRunner {
             filled = copy;
             &filled
         };
-        let logits = self.model.forward_with(input, kv, &mut self.acts); // [rows, vocab]
-        let answers = apply_rows(logits, self.model.config.vocab_size, rows);
+        let logits = self.model.forward_with(input, kv, &mut self.acts); // [rows, output_vocab_size]
+        let answers = apply_rows(logits, self.model.config.output_vocab_size, rows);
         self.last_sampled = sampled_tokens(&answers);
         self.answers.push_back(answers);
         Ok(())

@@ -75,6 +75,7 @@ impl ApiError {
                 EngineError::Stopped | EngineError::Device(_) => StatusCode::INTERNAL_SERVER_ERROR,
                 EngineError::EmptyPrompt
                 | EngineError::TokenOutOfVocab { .. }
+                | EngineError::UnknownToken { .. }
                 | EngineError::TooLong { .. }
                 | EngineError::PromptTooLong { .. }
                 | EngineError::InvalidParams(_)
@@ -104,8 +105,13 @@ impl ApiError {
             }
             ApiError::Engine(EngineError::TooLong { .. }) => Some("max_tokens".into()),
             ApiError::Engine(
-                EngineError::PromptTooLong { .. } | EngineError::TokenOutOfVocab { .. } | EngineError::Tokenizer(_),
+                EngineError::PromptTooLong { .. }
+                | EngineError::TokenOutOfVocab { .. }
+                | EngineError::UnknownToken { .. }
+                | EngineError::Tokenizer(_),
             ) => Some("prompt".into()),
+            // Ids a client sent (a prompt of ids echoed back; /detokenize names its own field).
+            ApiError::Tokenizer(TokenizerError::UnknownTokenId { .. }) => Some("prompt".into()),
             _ => None,
         }
     }
@@ -176,6 +182,8 @@ mod tests {
             ),
             (ApiError::Engine(EngineError::Stopped), 500),
             (ApiError::Engine(EngineError::EmptyPrompt), 400),
+            (ApiError::Engine(EngineError::UnknownToken { token_id: 330, num_tokens: 320 }), 400),
+            (ApiError::Tokenizer(TokenizerError::UnknownTokenId { id: 330, vocab_size: 320 }), 400),
             (ApiError::Tokenizer(TokenizerError::ChatTemplateRaised("no system role".into())), 400),
             (ApiError::Internal("boom".into()), 500),
         ];

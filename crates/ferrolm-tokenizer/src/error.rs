@@ -31,7 +31,7 @@ pub enum TokenizerError {
     #[error("failed to decode token ids: {0}")]
     Decode(String),
 
-    #[error("token id {id} is not in the vocabulary (size {vocab_size})")]
+    #[error("token id {id} is out of vocabulary: the tokenizer has {vocab_size} tokens")]
     UnknownTokenId { id: u32, vocab_size: usize },
 
     #[error("chat template syntax error: {0}")]

@@ -31,6 +31,7 @@ pub struct Tokenizer {
     /// Ids of the added tokens tokenizer.json marks special: the ones
     /// `decode(.., skip_special_tokens = true)` drops.
     special_ids: HashSet<u32>,
+    /// One past the highest id, added tokens included.
     vocab_size: usize,
     /// Bytes of the longest token string, added tokens included: no token stands for more bytes
     /// of text (byte-level token strings spell each byte as one char, SentencePiece ones spell a
@@ -93,8 +94,11 @@ impl Tokenizer {
         let eos_token_id = config.special_tokens.eos_token.as_deref().and_then(|t| inner.token_to_id(t));
         let special_ids =
             inner.get_added_tokens_decoder().into_iter().filter(|(_, token)| token.special).map(|(id, _)| id).collect();
-        let vocab_size = inner.get_vocab_size(true);
-        let max_token_bytes = inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
+        // NOTE: one past the highest id, not the number of tokens: ids may skip some numbers, and
+        // an added token may reuse a base token's id.
+        let vocab = inner.get_vocab(true);
+        let vocab_size = vocab.values().max().map_or(0, |&id| id as usize + 1);
+        let max_token_bytes = vocab.keys().map(String::len).max().unwrap_or(1).max(1);
         Ok(Tokenizer {
             inner,
             config,
@@ -154,7 +158,9 @@ impl Tokenizer {
         text_bytes.div_ceil(self.max_token_bytes)
     }
 
-    /// Number of tokens, added tokens included.
+    /// One past the highest id the tokenizer knows, added tokens included: every id it can
+    /// decode is below it. A model's embedding may have more rows (padding), which no text
+    /// encodes to and which must never be sampled.
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
     }

@@ -150,7 +150,27 @@ fn decode_rejects_unknown_ids() -> TestResult {
     let tokenizer = Tokenizer::from_dir(&fixture("llama"))?;
     let err = tokenizer.decode(&[5, 320], false).err().ok_or("decode accepted id 320")?;
     assert!(matches!(err, TokenizerError::UnknownTokenId { id: 320, vocab_size: 320 }), "{err}");
-    assert_eq!(err.to_string(), "token id 320 is not in the vocabulary (size 320)");
+    assert_eq!(err.to_string(), "token id 320 is out of vocabulary: the tokenizer has 320 tokens");
+    Ok(())
+}
+
+/// Added tokens past the base vocabulary count: the tokenizer's size is one past its highest
+/// id (every id it can decode), not the base vocabulary's.
+#[test]
+fn vocab_size_covers_added_tokens_past_the_base_vocabulary() -> TestResult {
+    let dir = scratch_copy()?;
+    let path = dir.path().join("tokenizer.json");
+    let mut json: serde_json::Value = serde_json::from_str(&fs::read_to_string(&path)?)?;
+    let added = json["added_tokens"].as_array_mut().ok_or("tokenizer.json has no added_tokens")?;
+    added.push(serde_json::json!({"id": 320, "content": "<extra>", "single_word": false, "lstrip": false,
+        "rstrip": false, "normalized": false, "special": false}));
+    fs::write(&path, serde_json::to_string(&json)?)?;
+    let tokenizer = Tokenizer::from_dir(dir.path())?;
+    assert_eq!(tokenizer.vocab_size(), 321);
+    assert_eq!(tokenizer.decode(&[320], false)?, "<extra>");
+    assert_eq!(tokenizer.encode("<extra>", false)?, [320]);
+    let err = tokenizer.decode(&[321], false).err().ok_or("decode accepted id 321")?;
+    assert!(matches!(err, TokenizerError::UnknownTokenId { id: 321, vocab_size: 321 }), "{err}");
     Ok(())
 }
 

@@ -159,9 +159,13 @@ fn model_dir(args: &EngineArgs) -> Result<PathBuf> {
 
 pub fn load(args: &EngineArgs) -> Result<LoadedModel> {
     let dir = model_dir(args)?;
-    let config = ModelConfig::from_dir(&dir)?;
+    let mut config = ModelConfig::from_dir(&dir)?;
     let generation = GenerationConfig::from_dir(&dir)?;
     let tokenizer = Arc::new(Tokenizer::from_dir(&dir)?);
+    // Embedding rows past the tokenizer pad the vocabulary: the LM head computes no logits for
+    // them. Set before placing the model, so that the GPU's GEMM tuning and memory reserve see
+    // the head's real width (the engine would set it too, later).
+    config.limit_output_vocab(tokenizer.vocab_size());
     let weights = WeightSource::open_dir(&dir)?;
 
     let eos_token_ids = eos_token_ids(&config, &generation, Some(&tokenizer));

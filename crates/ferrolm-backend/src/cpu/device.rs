@@ -184,6 +184,18 @@ impl Device for Cpu {
         Ok(())
     }
 
+    fn linear_prefix(&self, x: &CpuTensor, w: &Linear<Cpu>, y: &mut CpuTensor) -> Result<(), Infallible> {
+        let (m, k, n) = (x.rows, w.in_features, y.cols);
+        assert_eq!(x.cols, k, "linear_prefix: x has {} columns, the weight takes {k}", x.cols);
+        assert!(n <= w.out_features, "linear_prefix: y has {n} columns, the weight gives only {}", w.out_features);
+        assert_eq!(y.rows, m, "linear_prefix: y has {} rows, x has {m}", y.rows);
+        // The first `n` rows of the row-major `[out, in]` weight are its first `n * k` elements.
+        let weight = w.weight.view().slice(0, n * k);
+        let bias = w.bias.as_deref().map(|b| &b[..n]);
+        linear(x.as_slice(), m, k, weight, n, bias, y.as_mut_slice());
+        Ok(())
+    }
+
     fn split_qkv(
         &self,
         qkv: &CpuTensor,

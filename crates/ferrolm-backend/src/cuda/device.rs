@@ -243,6 +243,15 @@ impl Device for Cuda {
         linear(&self.gpu, &self.gemms, x.view(), m, k, w.weight.view(), n, bias_view(w), y.view_mut())
     }
 
+    fn linear_prefix(&self, x: &CudaTensor, w: &Linear<Cuda>, y: &mut CudaTensor) -> Result<(), GpuError> {
+        let (m, k, n) = (x.rows, w.in_features, y.cols);
+        assert!(n <= w.out_features, "linear_prefix: y has {n} columns, the weight gives only {}", w.out_features);
+        // The first `n` rows of the row-major `[out, in]` weight are its first `n * k` elements.
+        let weight = w.weight.slice(0..n * k);
+        let bias = bias_view(w).map(|b| b.slice(0..n));
+        linear(&self.gpu, &self.gemms, x.view(), m, k, weight, n, bias, y.view_mut())
+    }
+
     fn split_qkv(
         &self,
         qkv: &CudaTensor,

@@ -216,12 +216,13 @@ impl Engine {
                     ids.push(id);
                 }
                 Err(err) => {
-                    // Validated by the handle; reaching this is an engine fault. End every
-                    // sequence of the stream, those not added yet too.
+                    // Validated by the handle; reaching this is an engine fault. End the stream:
+                    // every sequence gets its end, the ones added (by `finish_client`) and the
+                    // ones not, so that none looks like an engine that stopped.
                     tracing_error(&err);
                     self.clients.insert(client_id, Client { ids, load });
-                    self.finish_client(client_id, None);
-                    for index in 0..params.n {
+                    self.finish_client(client_id, Some(FinishReason::Abort));
+                    for index in index..params.n {
                         let _ = tx.send(RequestOutput {
                             index,
                             finish_reason: Some(FinishReason::Abort),

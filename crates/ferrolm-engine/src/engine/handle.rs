@@ -64,6 +64,10 @@ pub enum EngineError {
     EmptyPrompt,
     #[error("token id {token_id} is outside the vocabulary (size {vocab_size})")]
     TokenOutOfVocab { token_id: u32, vocab_size: usize },
+    /// A prompt id inside the model's vocabulary that the tokenizer cannot decode (checkpoints
+    /// pad their embedding past the tokenizer).
+    #[error("token id {token_id} is out of vocabulary: the tokenizer has {num_tokens} tokens")]
+    UnknownToken { token_id: u32, num_tokens: usize },
     #[error(
         "this model's maximum context length is {max_model_len} tokens; the prompt has \
          {num_prompt_tokens} tokens and max_tokens is {max_tokens}, {total} in all"
@@ -131,6 +135,7 @@ struct HandleInner {
     pending: Arc<PendingLoad>,
     next_id: AtomicU64,
     config: EngineConfig,
+    /// Rows of the model's embedding: ids a prompt may hold.
     vocab_size: usize,
     /// For the output stage of each request; `None`: outputs carry token ids only.
     tokenizer: Option<Arc<Tokenizer>>,
@@ -145,7 +150,9 @@ impl EngineHandle {
     /// `config.scheduler.num_blocks` blocks.
     ///
     /// Without a tokenizer (random-weight benchmarks) outputs carry token ids only: their `text`
-    /// stays empty and stop strings never match.
+    /// stays empty and stop strings never match. With one, the runner computes logits only for
+    /// the ids the tokenizer can decode, so that ids padding the model's vocabulary are never
+    /// sampled, and prompts holding such ids are refused.
     pub fn start(
         runner: impl Into<Box<dyn ModelRunner>>,
         tokenizer: impl Into<Option<Arc<Tokenizer>>>,
@@ -157,7 +164,11 @@ impl EngineHandle {
         let stats = Arc::new(EngineStats::default());
         let pending = Arc::new(PendingLoad::default());
         let num_output_requests = Arc::new(AtomicUsize::new(0));
-        let runner = runner.into();
+        let mut runner = runner.into();
+        let tokenizer: Option<Arc<Tokenizer>> = tokenizer.into();
+        if let Some(tokenizer) = &tokenizer {
+            runner.limit_output_vocab(tokenizer.vocab_size());
+        }
         let vocab_size = runner.config().vocab_size;
         let channels = super::core::Channels { commands: rx, stops: stops_rx, outputs: outputs.clone() };
         let engine = Engine::new(runner, &config, channels, Arc::clone(&stats), Arc::clone(&pending))?;
@@ -189,7 +200,7 @@ impl EngineHandle {
                 next_id: AtomicU64::new(1),
                 config,
                 vocab_size,
-                tokenizer: tokenizer.into(),
+                tokenizer,
                 thread,
                 output_thread,
             }),
@@ -257,6 +268,7 @@ impl EngineHandle {
         if num_prompt_tokens == 0 {
             return Err(EngineError::EmptyPrompt);
         }
+        self.check_token_ids(request)?;
         if let Some(&token_id) = request.prompt_token_ids.iter().find(|&&t| t as usize >= self.inner.vocab_size) {
             return Err(EngineError::TokenOutOfVocab { token_id, vocab_size: self.inner.vocab_size });
         }
@@ -277,6 +289,19 @@ impl EngineHandle {
         // The request has no id yet; the scheduler names it when it says the same.
         self.inner.config.scheduler.check_fits_kv_cache(crate::RequestId(0), num_prompt_tokens, max_tokens)?;
         Ok(max_tokens)
+    }
+
+    /// What the model's vocabulary alone does not settle: every prompt id is one the tokenizer
+    /// can decode (an id in the model's padding would have no text, and its embedding row no
+    /// meaning).
+    fn check_token_ids(&self, request: &GenerateRequest) -> Result<(), EngineError> {
+        if let Some(tokenizer) = &self.inner.tokenizer {
+            let num_tokens = tokenizer.vocab_size();
+            if let Some(&token_id) = request.prompt_token_ids.iter().find(|&&t| t as usize >= num_tokens) {
+                return Err(EngineError::UnknownToken { token_id, num_tokens });
+            }
+        }
+        Ok(())
     }
 
     /// Validates and queues a request; its outputs arrive on the returned stream.

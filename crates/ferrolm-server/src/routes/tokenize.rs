@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use axum::extract::State;
 use axum::Json;
+use ferrolm_tokenizer::TokenizerError;
 
 use crate::chat_prompt::{self, ChatPromptOptions};
 use crate::error::ApiError;
@@ -60,6 +61,14 @@ pub async fn detokenize(
 ) -> Result<Json<DetokenizeResponse>, ApiError> {
     check_model(req.model.as_deref(), &state.config.served_model_name)?;
     let tokenizer = Arc::clone(&state.tokenizer);
-    let prompt = state.work.run(move || Ok(tokenizer.decode(&req.tokens, false)?)).await?;
+    let prompt = state
+        .work
+        .run(move || {
+            tokenizer.decode(&req.tokens, false).map_err(|err| match err {
+                TokenizerError::UnknownTokenId { .. } => ApiError::invalid(err.to_string(), Some("tokens")),
+                other => ApiError::Tokenizer(other),
+            })
+        })
+        .await?;
     Ok(Json(DetokenizeResponse { prompt }))
 }

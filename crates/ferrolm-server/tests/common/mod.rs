@@ -247,6 +247,10 @@ impl ModelRunner for PanickingRunner {
         self.inner.allocate_kv_cache(num_blocks, block_size)
     }
 
+    fn limit_output_vocab(&mut self, num_ids: usize) {
+        self.inner.limit_output_vocab(num_ids);
+    }
+
     fn launch(&mut self, input: &ModelInput, rows: &[RowRequest<'_>]) -> Result<(), ModelError> {
         self.steps += 1;
         assert!(self.steps != self.at, "step {} panics on purpose", self.at);

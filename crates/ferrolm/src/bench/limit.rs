@@ -71,7 +71,7 @@ impl RunWork {
     ) -> RunWork {
         let layers = config.num_hidden_layers as f64;
         let flops_per_token = 2.0 * (config.layer_matrix_elements() as f64) * layers;
-        let head_flops_per_row = 2.0 * (config.vocab_size * config.hidden_size) as f64;
+        let head_flops_per_row = 2.0 * (config.output_vocab_size * config.hidden_size) as f64;
         // Per token of context attended to: Q K^T and P V over every query head.
         let attention_flops_per_pair = 4.0 * config.q_size() as f64 * layers;
         let window = config.sliding_window.unwrap_or(usize::MAX);

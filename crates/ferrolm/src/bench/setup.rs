@@ -53,14 +53,16 @@ pub struct BenchModel {
 
 impl BenchModel {
     /// Weight bytes one decode step reads: every matrix, except that an untied embedding table
-    /// is only gathered from (one row), while the LM head (or the tied table) is read whole.
+    /// is only gathered from (one row), while the LM head (or the tied table) is read but for
+    /// the rows padding the vocabulary past the tokenizer (no logits are computed for them).
     pub fn weight_bytes_per_token(&self) -> usize {
         let c = &self.config;
         let row = c.hidden_size * self.dtype.size_in_bytes();
+        let unread_head = (c.vocab_size - c.output_vocab_size) * row;
         if c.tie_word_embeddings {
-            self.weight_bytes
+            self.weight_bytes - unread_head
         } else {
-            self.weight_bytes - c.vocab_size * row + row
+            self.weight_bytes - c.vocab_size * row + row - unread_head
         }
     }
 
@@ -109,7 +111,7 @@ pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(Eng
     engine_args.max_pending_tokens = engine_args.max_pending_tokens.max(max_pending.saturating_mul(longest));
 
     let dir = args.engine.model.clone();
-    let (config, source) = match (&args.model_config, &dir) {
+    let (mut config, source) = match (&args.model_config, &dir) {
         (Some(path), _) => {
             if !args.dummy_weights {
                 bail!("--model-config builds a model with random weights: add --dummy-weights");
@@ -148,6 +150,8 @@ pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(Eng
     if let Some(tok) = &tokenizer {
         // Embedding rows past the tokenizer's vocabulary are padding: no real prompt holds them.
         vocab_size = vocab_size.min(tok.vocab_size());
+        // Nor are they sampled: the LM head computes no logits for them (as `loader::load`).
+        config.limit_output_vocab(tok.vocab_size());
         special.extend((0..vocab_size as u32).filter(|&id| tok.is_special(id)));
     }
     let prompts = PromptSampler::new(vocab_size, special)?;
