@@ -6,7 +6,7 @@ use ferrolm_tokenizer::{RenderOptions, Tokenizer};
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
-use crate::limits::check_text_fits;
+use crate::limits::encode_within;
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ChatPromptOptions<'a> {
@@ -82,13 +82,13 @@ impl Conversation {
             chat_template_kwargs: self.chat_template_kwargs.as_ref(),
         };
         let text = render(tokenizer, &self.messages, options)?;
-        check_text_fits(tokenizer, &text, max_model_len, "messages")?;
-        Ok(tokenizer.encode(&text, false)?)
+        encode_within(tokenizer, &text, false, max_model_len, "messages")
     }
 }
 
-/// Roles a message may have (OpenAI's, and `function` of its older API).
-const ROLES: [&str; 6] = ["system", "developer", "user", "assistant", "tool", "function"];
+/// Roles a message may have: OpenAI's, `function` of its older API, and `ipython`, which Llama 3
+/// templates give tool results.
+const ROLES: [&str; 7] = ["system", "developer", "user", "assistant", "tool", "function", "ipython"];
 
 /// A message as the template expects it: an object with one of OpenAI's roles, and `content` a
 /// string (text parts joined with newlines, as vLLM does for string-content templates). Only an

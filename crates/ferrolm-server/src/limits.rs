@@ -23,7 +23,7 @@ pub struct RequestLimits {
 }
 
 impl Default for RequestLimits {
-    /// 256 sequences (the most `n` the engine takes for one prompt), 1M prompt tokens, 64K
+    /// 256 sequences (twice the most `n` the engine takes for one prompt), 1M prompt tokens, 64K
     /// prompt logprob rows (about 40 MB of JSON at 20 top logprobs a row).
     fn default() -> Self {
         RequestLimits { max_sequences: 256, max_prompt_tokens: 1 << 20, max_prompt_logprob_rows: 1 << 16 }
@@ -109,6 +109,26 @@ pub fn check_text_fits(
         ));
     }
     Ok(at_least)
+}
+
+/// Text to ids, refusing a text that surely has more than `max_model_len` tokens with work
+/// bounded by that length rather than by the text: the bound from its bytes first, then a count
+/// over pieces of it that stops once it is surely past.
+pub fn encode_within(
+    tokenizer: &Tokenizer,
+    text: &str,
+    add_special_tokens: bool,
+    max_model_len: usize,
+    param: &str,
+) -> Result<Vec<u32>, ApiError> {
+    check_text_fits(tokenizer, text, max_model_len, param)?;
+    if let Some(at_least) = tokenizer.surely_past(text, max_model_len)? {
+        return Err(ApiError::invalid(
+            format!("the text has at least {at_least} tokens; this model's maximum context length is {max_model_len} tokens"),
+            Some(param),
+        ));
+    }
+    Ok(tokenizer.encode(text, add_special_tokens)?)
 }
 
 #[cfg(test)]

@@ -116,7 +116,9 @@ async fn stream_chunks(
         let Some(item) = item else { break };
         let (choice, out) = match item {
             Ok(item) => item,
-            Err(ApiError::ShuttingDown) => return end_aborted(generation, format, tx, &mut started).await,
+            Err(ApiError::ShuttingDown) => {
+                return end_aborted(generation, format, tx, Pending { started: &mut started, deferred }).await
+            }
             Err(err) => return Err(err.into()),
         };
         deferred.push((choice, out));
@@ -146,13 +148,29 @@ async fn stream_chunks(
 /// The server aborted the request (its shutdown grace period is over): every choice still going
 /// ends with `finish_reason: "abort"`, then comes the usage chunk if one was asked for, so that
 /// the client learns how its stream ended and what it was billed.
+/// Where a stream stands when the server aborts it: which choices have sent a chunk, and the
+/// outputs still held back for their prompt's logprobs.
+struct Pending<'a> {
+    started: &'a mut [bool],
+    deferred: Vec<(usize, RequestOutput)>,
+}
+
 async fn end_aborted(
     generation: &mut Generation,
     format: &mut impl ChunkFormat,
     tx: &mpsc::Sender<Result<Event, Infallible>>,
-    started: &mut [bool],
+    pending: Pending<'_>,
 ) -> Result<(), StreamEnd> {
     tracing::warn!(request_id = %generation.request_id, "stream aborted at shutdown");
+    let Pending { started, deferred } = pending;
+    // Held-back outputs go out without the prompt logprobs that never came, so that a choice
+    // that had finished still shows how.
+    for (choice, out) in deferred {
+        let first = !std::mem::replace(&mut started[choice], true);
+        for chunk in format.chunks(generation, choice, &out, first)? {
+            send(tx, chunk).await?;
+        }
+    }
     let going: Vec<usize> = (0..generation.choices.len()).filter(|&c| generation.choices[c].finish.is_none()).collect();
     for choice in going {
         let out = RequestOutput {

@@ -19,6 +19,13 @@ const TOKENIZER_JSON: &str = "tokenizer.json";
 const TOKENIZER_CONFIG_JSON: &str = "tokenizer_config.json";
 const CHAT_TEMPLATE_JINJA: &str = "chat_template.jinja";
 
+/// [`Tokenizer::surely_past`] tokenizes a long text in pieces of about this many bytes.
+const PIECE_BYTES: usize = 64 << 10;
+/// Tokens that one cut between pieces may add against tokenizing the whole: cuts fall before a
+/// whitespace byte, where pre-tokenizers split anyway, but merges across a run of whitespace
+/// may still differ by a few.
+const CUT_SLACK: usize = 8;
+
 /// A loaded tokenizer with its special tokens and chat template. `Send + Sync`: share one
 /// behind an `Arc` across requests.
 #[derive(Debug)]
@@ -158,6 +165,31 @@ impl Tokenizer {
         text_bytes.div_ceil(self.max_token_bytes)
     }
 
+    /// Whether `text` surely encodes to more than `limit` tokens (no special tokens added),
+    /// answering a lower bound on its tokens if so. A long text is tokenized in pieces, and the
+    /// count stops as soon as it is surely past `limit`, so the work is bounded by `limit`
+    /// tokens, not by the text. A text of one piece is not counted (`None`): tokenizing it whole
+    /// costs as little.
+    pub fn surely_past(&self, text: &str, limit: usize) -> Result<Option<usize>> {
+        if text.len() <= PIECE_BYTES {
+            return Ok(None);
+        }
+        let (mut count, mut cuts, mut rest) = (0usize, 0usize, text);
+        while !rest.is_empty() {
+            let (piece, tail) = rest.split_at(piece_end(rest, PIECE_BYTES));
+            let encoding =
+                self.inner.encode(piece, false).map_err(|e| TokenizerError::Encode(one_line(&e.to_string())))?;
+            count += encoding.len();
+            rest = tail;
+            cuts += usize::from(!rest.is_empty());
+            let at_least = count.saturating_sub(cuts * CUT_SLACK);
+            if at_least > limit {
+                return Ok(Some(at_least));
+            }
+        }
+        Ok(None)
+    }
+
     /// One past the highest id the tokenizer knows, added tokens included: every id it can
     /// decode is below it. A model's embedding may have more rows (padding), which no text
     /// encodes to and which must never be sampled.
@@ -210,6 +242,20 @@ fn read_optional(path: &Path) -> Result<Option<String>> {
 }
 
 /// Error messages stay on one line so they read well in logs and HTTP bodies.
+/// Where the piece of `text` that starts it ends: before the first ASCII whitespace at or after
+/// `target` bytes (within 4 KiB), else at the first char boundary from `target`; all of a short
+/// text.
+fn piece_end(text: &str, target: usize) -> usize {
+    if text.len() <= target {
+        return text.len();
+    }
+    let window = &text.as_bytes()[target..text.len().min(target + 4096)];
+    match window.iter().position(u8::is_ascii_whitespace) {
+        Some(at) => target + at,
+        None => (target..text.len()).find(|&i| text.is_char_boundary(i)).unwrap_or(text.len()),
+    }
+}
+
 fn one_line(message: &str) -> String {
     message.split_whitespace().collect::<Vec<_>>().join(" ")
 }

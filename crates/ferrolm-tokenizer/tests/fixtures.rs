@@ -81,6 +81,28 @@ fn the_token_lower_bound_holds_for_every_fixture() -> TestResult {
 }
 
 /// The texts of `dir/reference.json`'s `tokenize` list, if it has one.
+/// Counting a long text in pieces answers "surely past" only when it is, with a bound that holds,
+/// and stops early: a text far past the limit is refused from its first pieces.
+#[test]
+fn counting_in_pieces_bounds_the_true_count() -> TestResult {
+    let demo = Path::new(FIXTURES).join("../../models/ferrolm-demo-py");
+    for dir in [fixture("llama3_gqa"), fixture("llama"), demo] {
+        let tokenizer = Tokenizer::from_dir(&dir)?;
+        for text in ["def f(x):\n    return x + 1\n\n".repeat(8000), "word, ".repeat(40_000), "  \n\t ".repeat(30_000)]
+        {
+            let count = tokenizer.encode(&text, false)?.len();
+            assert_eq!(tokenizer.surely_past(&text, count)?, None, "{}: not past its own count", dir.display());
+            let at_least = tokenizer.surely_past(&text, count / 2)?.ok_or("half the count is surely past")?;
+            assert!(at_least > count / 2 && at_least <= count, "{}: {at_least} of {count}", dir.display());
+            let early = tokenizer.surely_past(&text, 10)?.ok_or("10 is surely past")?;
+            assert!(early < count / 2, "{}: counted {early} of {count}, not stopping early", dir.display());
+        }
+        assert_eq!(tokenizer.surely_past(&"x".repeat(1000), 1)?, None, "one piece is not counted");
+    }
+    Ok(())
+}
+
+/// The texts of `dir/reference.json`'s `tokenize` list, if it has one.
 fn reference_tokenization_or_empty(dir: &Path) -> Result<Vec<String>, BoxError> {
     let Ok(text) = fs::read_to_string(dir.join("reference.json")) else { return Ok(Vec::new()) };
     let reference: serde_json::Value = serde_json::from_str(&text)?;

@@ -55,6 +55,20 @@ pub fn run(args: ServeArgs) -> Result<()> {
     let grace = Duration::try_from_secs_f64(args.shutdown_timeout).with_context(|| {
         format!("--shutdown-timeout must be a number of seconds >= 0, got {}", args.shutdown_timeout)
     })?;
+    if args.max_request_sequences > args.engine.max_pending_sequences {
+        anyhow::bail!(
+            "--max-request-sequences ({}) is above --max-pending-sequences ({}): such a request could never be queued",
+            args.max_request_sequences,
+            args.engine.max_pending_sequences
+        );
+    }
+    if args.max_request_prompt_tokens > args.engine.max_pending_tokens {
+        anyhow::bail!(
+            "--max-request-prompt-tokens ({}) is above --max-pending-tokens ({}): such a request could never be queued",
+            args.max_request_prompt_tokens,
+            args.engine.max_pending_tokens
+        );
+    }
     let loaded = loader::load(&args.engine)?;
     let served_model_name =
         args.served_model_name.clone().or_else(|| dir_name(&loaded.dir)).unwrap_or_else(|| "ferrolm".to_string());

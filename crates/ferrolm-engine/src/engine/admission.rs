@@ -6,10 +6,10 @@
 //! - A client request's [`Load`] is reserved once, by the handle before its `Add` is sent, and
 //!   released once, by the engine thread when its last sequence ends (or by the handle when the
 //!   `Add` never reached the engine).
-//! - A reservation that would take either count past its limit is undone and refused, so the
-//!   counts never stay above the limits.
+//! - A reservation that would take either count past its limit is refused and changes nothing,
+//!   so the counts never exceed the limits.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// What a set of requests weighs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -48,37 +48,36 @@ impl Load {
 }
 
 /// The load of every client request accepted and not finished, shared by the handles and the
-/// engine thread.
+/// engine thread. A mutex, not two atomics: a reservation checks and adds both counts at once,
+/// so two requests that fit together are never both refused.
 #[derive(Debug, Default)]
 pub(crate) struct PendingLoad {
-    sequences: AtomicUsize,
-    prompt_tokens: AtomicUsize,
+    load: Mutex<Load>,
 }
 
 impl PendingLoad {
     pub(crate) fn get(&self) -> Load {
-        Load {
-            sequences: self.sequences.load(Ordering::Relaxed),
-            prompt_tokens: self.prompt_tokens.load(Ordering::Relaxed),
-        }
+        *self.lock()
     }
 
     /// Adds `load` unless that takes the total past `limit`; then answers the total it found.
     pub(crate) fn try_reserve(&self, load: Load, limit: Load) -> Result<(), Load> {
-        let before = Load {
-            sequences: self.sequences.fetch_add(load.sequences, Ordering::AcqRel),
-            prompt_tokens: self.prompt_tokens.fetch_add(load.prompt_tokens, Ordering::AcqRel),
-        };
-        if before.plus(load).exceeds(limit) {
-            self.release(load);
-            return Err(before);
+        let mut pending = self.lock();
+        if pending.plus(load).exceeds(limit) {
+            return Err(*pending);
         }
+        *pending = pending.plus(load);
         Ok(())
     }
 
     pub(crate) fn release(&self, load: Load) {
-        self.sequences.fetch_sub(load.sequences, Ordering::AcqRel);
-        self.prompt_tokens.fetch_sub(load.prompt_tokens, Ordering::AcqRel);
+        let mut pending = self.lock();
+        *pending = pending.minus(load);
+    }
+
+    /// The counts stay consistent even if a holder panicked: every update is one assignment.
+    fn lock(&self) -> MutexGuard<'_, Load> {
+        self.load.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 

@@ -226,10 +226,10 @@ impl EngineHandle {
         thread.join().is_ok() && output_thread.join().is_ok()
     }
 
-    /// Whether the engine thread still runs: false once it has died (a panic in a step) and
-    /// nothing submitted will ever be answered.
+    /// Whether the engine thread and the output stage still run: false once either has died
+    /// (a panic) and nothing submitted will ever be answered.
     pub fn is_running(&self) -> bool {
-        !self.inner.thread.is_finished()
+        !self.inner.thread.is_finished() && !self.inner.output_thread.is_finished()
     }
 
     pub fn config(&self) -> &EngineConfig {

@@ -86,8 +86,9 @@ impl Engine {
         self.stats.prompt_tokens.fetch_add(num_prompt_tokens(&out), Ordering::Relaxed);
         self.stats.generation_tokens.fetch_add(sampled.len() as u64, Ordering::Relaxed);
         for id in failed {
-            // Every logit NaN or -inf (a request's own masks always leave a token: see
-            // `EngineHandle::check_token_ids`): the model's fault, not the request's.
+            // Every logit NaN or -inf: the model's fault, not the request's (a request's own
+            // `min_tokens` mask covers at most 256 stop token ids and the EOS ids, fewer than
+            // any model's vocabulary).
             tracing::error!(request = %id, "engine fault: no token could be sampled from the logits");
             self.scheduler.finish_request(id, FinishReason::Abort);
             self.send_final(id, FinishReason::Abort);

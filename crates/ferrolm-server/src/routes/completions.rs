@@ -12,7 +12,7 @@ use super::{request_id, unix_now};
 use crate::error::ApiError;
 use crate::generation::{client_finish_reason, Generation};
 use crate::json::ApiJson;
-use crate::limits::{check_text_fits, PromptShape};
+use crate::limits::{check_text_fits, encode_within, PromptShape};
 use crate::logprobs::CompletionLogprobsBuilder;
 use crate::protocol::completions::{
     CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, UsageField,
@@ -80,7 +80,7 @@ pub async fn create(
         .work
         .run({
             let tokenizer = Arc::clone(&tokenizer);
-            move || tokenize_prompts(&tokenizer, req.prompt.0, echo.then_some(skip_special_tokens))
+            move || tokenize_prompts(&tokenizer, req.prompt.0, echo.then_some(skip_special_tokens), max_model_len)
         })
         .await?;
     limits.check_prompt_tokens(request_shape, &prompts.iter().map(Vec::len).collect::<Vec<_>>(), true)?;
@@ -104,19 +104,21 @@ pub async fn create(
     state.work.run(move || Ok(json_response(to_json(&shape.response(&generation))?))).await
 }
 
-/// Each prompt's ids and the text an echo shows (decoded from ids with `decode_echo`'s
+/// Each prompt's ids (a text surely longer than the context is refused with work bounded by
+/// the context) and the text an echo shows (decoded from ids with `decode_echo`'s
 /// `skip_special_tokens`; empty without an echo).
 fn tokenize_prompts(
     tokenizer: &Tokenizer,
     prompts: Vec<PromptInput>,
     decode_echo: Option<bool>,
+    max_model_len: usize,
 ) -> Result<(Vec<Vec<u32>>, Vec<String>), ApiError> {
     let mut ids = Vec::with_capacity(prompts.len());
     let mut texts = Vec::with_capacity(prompts.len());
     for prompt in prompts {
         match prompt {
             PromptInput::Text(text) => {
-                ids.push(tokenizer.encode(&text, true)?);
+                ids.push(encode_within(tokenizer, &text, true, max_model_len, "prompt")?);
                 texts.push(text);
             }
             PromptInput::Ids(prompt_ids) => {

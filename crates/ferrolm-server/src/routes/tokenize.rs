@@ -11,7 +11,7 @@ use ferrolm_tokenizer::TokenizerError;
 use crate::chat_prompt::{self, ChatPromptOptions};
 use crate::error::ApiError;
 use crate::json::ApiJson;
-use crate::limits::check_text_fits;
+use crate::limits::encode_within;
 use crate::logprobs::token_text;
 use crate::protocol::check_model;
 use crate::protocol::tokenize::{DetokenizeRequest, DetokenizeResponse, TokenizeRequest, TokenizeResponse};
@@ -35,8 +35,7 @@ fn tokenize_request(
 ) -> Result<TokenizeResponse, ApiError> {
     let tokens = match (&req.prompt, &req.messages) {
         (Some(prompt), None) => {
-            check_text_fits(tokenizer, prompt, max_model_len, "prompt")?;
-            tokenizer.encode(prompt, req.add_special_tokens.unwrap_or(true))?
+            encode_within(tokenizer, prompt, req.add_special_tokens.unwrap_or(true), max_model_len, "prompt")?
         }
         (None, Some(messages)) => {
             let options = ChatPromptOptions {
@@ -46,8 +45,7 @@ fn tokenize_request(
                 chat_template_kwargs: req.chat_template_kwargs.as_ref(),
             };
             let text = chat_prompt::render(tokenizer, messages, options)?;
-            check_text_fits(tokenizer, &text, max_model_len, "messages")?;
-            tokenizer.encode(&text, req.add_special_tokens.unwrap_or(false))?
+            encode_within(tokenizer, &text, req.add_special_tokens.unwrap_or(false), max_model_len, "messages")?
         }
         _ => return Err(ApiError::invalid("give exactly one of `prompt` and `messages`", Some("prompt"))),
     };
