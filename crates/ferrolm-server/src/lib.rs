@@ -10,6 +10,7 @@
 //! - `sse`: streamed responses; `logprobs`: the two logprob shapes; `chat_prompt`: templates.
 //! - [`error`]: the one mapping from every error to a status and an OpenAI-shaped body.
 //! - [`metrics`]: Prometheus metrics with vLLM's names.
+//! - [`signals`]: the first SIGINT/SIGTERM drains, the second exits at once.
 //!
 //! The server never touches engine state: it submits requests through an [`EngineHandle`] and
 //! reads their output streams. Dropping a stream aborts its request, so a client that goes
@@ -24,6 +25,7 @@ pub mod metrics;
 pub mod params;
 pub mod protocol;
 pub mod routes;
+pub mod signals;
 mod sse;
 mod state;
 
@@ -39,6 +41,7 @@ use tokio::net::TcpListener;
 use tokio::sync::{oneshot, watch};
 
 pub use error::ApiError;
+pub use signals::{shutdown_signal, StopSignal};
 use state::AppState;
 
 /// How the server listens and whom it serves.
@@ -162,30 +165,4 @@ pub async fn serve(
     println!("ferrolm: serving on http://{addr}");
     tracing::info!(%addr, "listening");
     server.run(shutdown).await
-}
-
-/// A future that resolves on SIGINT (Ctrl-C) or SIGTERM. The handlers are installed when this
-/// is called (inside a Tokio runtime), so a signal that arrives before the server polls the
-/// future is not lost and does not kill the process.
-#[cfg(unix)]
-pub fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let mut terminate = signal(SignalKind::terminate())?;
-    Ok(async move {
-        tokio::select! {
-            _ = interrupt.recv() => {},
-            _ = terminate.recv() => {},
-        }
-    })
-}
-
-/// A future that resolves on Ctrl-C.
-#[cfg(not(unix))]
-pub fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
-    Ok(async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    })
 }
