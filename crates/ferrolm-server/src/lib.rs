@@ -10,6 +10,8 @@
 //! - `sse`: streamed responses; `logprobs`: the two logprob shapes; `chat_prompt`: templates.
 //! - [`error`]: the one mapping from every error to a status and an OpenAI-shaped body.
 //! - [`metrics`]: Prometheus metrics with vLLM's names.
+//! - `conn`: the accept loop and each connection under the router: timeouts, the connection
+//!   cap, half-close, OpenAI-shaped transport errors, the drain at shutdown.
 //! - [`signals`]: the first SIGINT/SIGTERM drains, the second exits at once.
 //!
 //! The server never touches engine state: it submits requests through an [`EngineHandle`] and
@@ -17,6 +19,7 @@
 //! away (its handler future or response body dropped) frees its KV blocks.
 
 mod chat_prompt;
+mod conn;
 pub mod error;
 mod generation;
 mod json;
@@ -29,7 +32,7 @@ pub mod signals;
 mod sse;
 mod state;
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -38,8 +41,10 @@ use ferrolm_engine::EngineHandle;
 use ferrolm_sampling::GenerationDefaults;
 use ferrolm_tokenizer::Tokenizer;
 use tokio::net::TcpListener;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 
+pub use conn::fd_limit::{raise_open_files_limit, OpenFilesLimit};
+pub use conn::ConnectionLimits;
 pub use error::ApiError;
 pub use signals::{shutdown_signal, StopSignal};
 use state::AppState;
@@ -59,6 +64,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// After a shutdown signal, how long in-flight requests may run before they are aborted.
     pub shutdown_grace_period: Duration,
+    /// Timeouts and caps on client connections.
+    pub connections: ConnectionLimits,
 }
 
 impl ServerConfig {
@@ -70,6 +77,7 @@ impl ServerConfig {
             served_model_name: served_model_name.into(),
             max_body_bytes: 32 << 20,
             shutdown_grace_period: Duration::from_secs(30),
+            connections: ConnectionLimits::default(),
         }
     }
 }
@@ -80,6 +88,8 @@ pub enum ServerError {
     Bind { addr: String, source: std::io::Error },
     #[error("server I/O error: {0}")]
     Io(#[from] std::io::Error),
+    #[error("invalid connection limits: {0}")]
+    Limits(String),
 }
 
 /// A server bound to its address and not yet serving.
@@ -96,6 +106,7 @@ impl Server {
         defaults: GenerationDefaults,
         config: ServerConfig,
     ) -> Result<Server, ServerError> {
+        config.connections.validate().map_err(ServerError::Limits)?;
         let addr = format!("{}:{}", config.host, config.port);
         let listener = TcpListener::bind((config.host.as_str(), config.port))
             .await
@@ -111,8 +122,9 @@ impl Server {
         Ok(self.listener.local_addr()?)
     }
 
-    /// Serves until `shutdown` resolves; then stops accepting connections, lets in-flight
-    /// requests finish for the grace period, aborts those still running, and returns.
+    /// Serves until `shutdown` resolves; then stops accepting connections, closes those awaiting
+    /// a request, lets in-flight requests finish for the grace period, aborts those still
+    /// running, and returns.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServerError> {
         let Server { listener, state, abort_tx } = self;
         let grace = state.config.shutdown_grace_period;
@@ -126,29 +138,20 @@ impl Server {
                 }
             }
         });
-        let (began_tx, began_rx) = oneshot::channel();
-        let signal = async move {
-            shutdown.await;
-            tracing::info!("shutting down: no new connections; waiting for requests in flight");
-            let _ = began_tx.send(());
-        };
-        let app = routes::router(state);
-        let server = axum::serve(listener, app).with_graceful_shutdown(signal).into_future();
-        let mut server = std::pin::pin!(server);
-        let result = tokio::select! {
-            result = &mut server => result,
-            _ = began_rx => match tokio::time::timeout(grace, &mut server).await {
-                Ok(result) => result,
-                Err(_) => {
-                    tracing::warn!(grace_s = grace.as_secs_f64(), "grace period over: aborting requests in flight");
-                    let _ = abort_tx.send(true);
-                    // Aborted handlers end their responses at once; do not wait on a stuck client.
-                    tokio::time::timeout(Duration::from_secs(5), &mut server).await.unwrap_or(Ok(()))
-                }
-            },
-        };
+        let connections =
+            conn::accept::Connections::new(routes::router(Arc::clone(&state)), state.config.connections.clone());
+        connections.accept_until(listener, shutdown).await;
+        tracing::info!("shutting down: no new connections; waiting for requests in flight");
+        connections.drain();
+        if tokio::time::timeout(grace, connections.closed()).await.is_err() {
+            tracing::warn!(grace_s = grace.as_secs_f64(), "grace period over: aborting requests in flight");
+            let _ = abort_tx.send(true);
+            // Aborted handlers end their responses at once; do not wait on a stuck client.
+            let _ = tokio::time::timeout(Duration::from_secs(5), connections.closed()).await;
+        }
+        connections.close_all();
         upkeep.abort();
-        result.map_err(ServerError::Io)
+        Ok(())
     }
 }
 

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use ferrolm_engine::{EngineConfig, EngineHandle, EngineStatsSnapshot, SchedulerConfig};
 use ferrolm_model::{GenerationConfig, Model};
 use ferrolm_sampling::GenerationDefaults;
-use ferrolm_server::{Server, ServerConfig, ServerError};
+use ferrolm_server::{ConnectionLimits, Server, ServerConfig, ServerError};
 use ferrolm_tokenizer::Tokenizer;
 use serde_json::Value;
 use tokio::sync::oneshot;
@@ -47,6 +47,7 @@ pub struct Options {
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
     pub shutdown_grace_period: Duration,
+    pub connections: ConnectionLimits,
 }
 
 impl Default for Options {
@@ -61,6 +62,7 @@ impl Default for Options {
             api_key: None,
             max_body_bytes: 32 << 20,
             shutdown_grace_period: Duration::from_secs(30),
+            connections: ConnectionLimits::default(),
         }
     }
 }
@@ -111,6 +113,7 @@ pub async fn start(opts: Options) -> TestServer {
         served_model_name: MODEL_NAME.into(),
         max_body_bytes: opts.max_body_bytes,
         shutdown_grace_period: opts.shutdown_grace_period,
+        connections: opts.connections.clone(),
     };
     let server = Server::bind(engine.clone(), Arc::clone(&tokenizer), defaults, config).await.expect("bind");
     let addr = server.local_addr().expect("local address");
