@@ -3,8 +3,9 @@
 //!
 //! The engine thread drives one step at a time: `schedule()` → launch the flattened batch built
 //! from the [`SchedulerOutput`] → collect the sampled tokens → `update_from_output()`, sending
-//! token ids to each request's output stage, which detokenizes and matches stop strings on the
-//! caller's side.
+//! token ids to the output stage, a thread of its own, which detokenizes, matches stop strings
+//! (telling the engine when one ends a sequence) and forwards the outputs to each request's
+//! stream.
 
 pub mod engine;
 pub mod kv;
@@ -13,7 +14,7 @@ pub mod scheduler;
 
 pub use engine::{
     resolve_max_tokens, EngineConfig, EngineError, EngineHandle, EngineStats, EngineStatsSnapshot, GenerateRequest,
-    PromptLogprob, RequestOutput, RequestStream, StepTimesSnapshot, STEP_BUCKET_SEQS,
+    Load, PromptLogprob, RequestOutput, RequestStream, StepTimesSnapshot, STEP_BUCKET_SEQS,
 };
 pub use kv::{BlockHash, BlockId, BlockPool, ComputedBlocks, KvCacheManager, PrefixCacheStats};
 pub use request::{FinishReason, Request, RequestId, RequestStatus};

@@ -46,7 +46,8 @@ pub struct Request {
     max_tokens: usize,
     min_tokens: usize,
     /// Sampling any of these finishes the request with `Stop` (EOS belongs here unless
-    /// the client asked to ignore it).
+    /// the client asked to ignore it). Sorted, without duplicates: checked by binary search on
+    /// every sampled token.
     stop_token_ids: Vec<u32>,
     /// Prompt logprobs need logits for every prompt row, so no prompt token may come from
     /// the prefix cache.
@@ -58,6 +59,9 @@ pub struct Request {
     /// Prompt tokens found in the prefix cache when first admitted.
     pub(crate) num_cached_tokens: Option<usize>,
     pub(crate) num_preemptions: u32,
+    /// The client request it belongs to (its prompts times `n`), which the waiting queue takes
+    /// turns by; a request of its own by default.
+    group: u64,
 }
 
 impl Request {
@@ -76,11 +80,25 @@ impl Request {
             arrival_index: 0,
             num_cached_tokens: None,
             num_preemptions: 0,
+            group: request_id.0,
         }
     }
 
+    /// Makes the request one of a group (one client request), which the scheduler admits in
+    /// turn with other groups.
+    pub fn with_group(mut self, group: u64) -> Self {
+        self.group = group;
+        self
+    }
+
+    pub fn group(&self) -> u64 {
+        self.group
+    }
+
     /// Tokens that finish the request with [`FinishReason::Stop`] once sampled.
-    pub fn with_stop_token_ids(mut self, stop_token_ids: Vec<u32>) -> Self {
+    pub fn with_stop_token_ids(mut self, mut stop_token_ids: Vec<u32>) -> Self {
+        stop_token_ids.sort_unstable();
+        stop_token_ids.dedup();
         self.stop_token_ids = stop_token_ids;
         self
     }
@@ -138,6 +156,7 @@ impl Request {
         self.min_tokens
     }
 
+    /// Sorted, each id once.
     pub fn stop_token_ids(&self) -> &[u32] {
         &self.stop_token_ids
     }
@@ -179,7 +198,7 @@ impl Request {
         let num_outputs = self.num_output_tokens();
         if num_outputs >= self.min_tokens.max(1) {
             let last = self.all_token_ids[self.all_token_ids.len() - 1];
-            if self.stop_token_ids.contains(&last) {
+            if self.stop_token_ids.binary_search(&last).is_ok() {
                 return Some(FinishReason::Stop);
             }
         }
@@ -207,7 +226,8 @@ mod tests {
 
     #[test]
     fn stop_conditions() {
-        let mut r = Request::new(RequestId(1), vec![1], 3).with_stop_token_ids(vec![0]).with_min_tokens(2);
+        let mut r = Request::new(RequestId(1), vec![1], 3).with_stop_token_ids(vec![9, 0, 4, 0]).with_min_tokens(2);
+        assert_eq!(r.stop_token_ids(), &[0, 4, 9]);
         r.append_output_token(0);
         assert_eq!(r.check_stop(100), None, "stop token before min_tokens");
         r.append_output_token(5);

@@ -6,9 +6,11 @@
 //! A long prompt thus runs in chunks beside other requests' decodes, and a prefix-cache hit
 //! simply starts a request with tokens already computed.
 //!
-//! Order: running requests first, in the order they were admitted; then waiting ones in arrival
-//! order (preempted ones at the front) while the budget, `max_num_seqs` and the free blocks
-//! allow. A waiting request that does not fit stops admission: nobody behind it jumps the queue.
+//! Order: running requests first, in the order they were admitted; then waiting ones while the
+//! budget, `max_num_seqs` and the free blocks allow: preempted ones first, then the others taking
+//! turns by client request (a group: its prompts times `n`), each group in arrival order (see
+//! `waiting.rs`), so one huge client request cannot starve the ones that come after it. A
+//! waiting request that does not fit stops admission: nobody behind it jumps the queue.
 //!
 //! Logits rows: a request that asks for prompt logprobs needs every prompt row's logits, so its
 //! prompt chunks share a budget of [`SchedulerConfig::prompt_logprob_rows`] rows a step, and a
@@ -44,13 +46,15 @@ mod output;
 mod proptests;
 #[cfg(test)]
 mod tests;
+mod waiting;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
 pub use output::{ScheduledRequest, SchedulerOutput, UNKNOWN_TOKEN};
 
 use crate::kv::{BlockId, ComputedBlocks, KvCacheManager, PrefixCacheStats};
 use crate::request::{FinishReason, Request, RequestId, RequestStatus};
+use waiting::WaitingQueue;
 
 /// Tokens per KV block unless measured otherwise; the binary sizes its KV cache with it.
 pub const BLOCK_SIZE: usize = 16;
@@ -193,7 +197,7 @@ pub struct Scheduler {
     config: SchedulerConfig,
     kv: KvCacheManager,
     requests: HashMap<RequestId, Request>,
-    waiting: VecDeque<RequestId>,
+    waiting: WaitingQueue,
     /// In admission order: the last one is the newest, the first to be preempted.
     running: Vec<RequestId>,
     /// `(request, num_scheduled_tokens)` of the step in flight, applied by
@@ -214,7 +218,7 @@ impl Scheduler {
             config,
             kv,
             requests: HashMap::new(),
-            waiting: VecDeque::new(),
+            waiting: WaitingQueue::default(),
             running: Vec::new(),
             in_flight: Vec::new(),
             ahead: Vec::new(),
@@ -258,7 +262,7 @@ impl Scheduler {
         request.num_computed_tokens = 0;
         request.arrival_index = self.next_arrival_index;
         self.next_arrival_index += 1;
-        self.waiting.push_back(request_id);
+        self.waiting.push_back(request_id, request.group());
         self.requests.insert(request_id, request);
         Ok(())
     }
@@ -398,7 +402,7 @@ impl Scheduler {
     /// as free.
     fn admit_waiting(&mut self, budget: &mut StepBudget, out: &mut SchedulerOutput, leaving: usize) {
         while budget.tokens > 0 && self.running.len() < self.config.max_num_seqs + leaving {
-            let Some(&id) = self.waiting.front() else {
+            let Some(id) = self.waiting.front() else {
                 break;
             };
             let req = &self.requests[&id];
@@ -487,7 +491,7 @@ impl Scheduler {
         if req.status == RequestStatus::Running {
             self.running.retain(|&r| r != request_id);
         } else {
-            self.waiting.retain(|&r| r != request_id);
+            self.waiting.remove(request_id);
         }
         self.kv.free(request_id);
         self.in_flight.retain(|&(r, _)| r != request_id);
@@ -512,7 +516,7 @@ impl Scheduler {
 
     /// Waiting requests in the order they will be admitted.
     pub fn waiting(&self) -> impl Iterator<Item = RequestId> + '_ {
-        self.waiting.iter().copied()
+        self.waiting.iter()
     }
 
     pub fn has_unfinished_requests(&self) -> bool {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ferrolm_engine::{
-    EngineConfig, EngineError, EngineHandle, FinishReason, GenerateRequest, RequestOutput, SchedulerConfig,
+    EngineConfig, EngineError, EngineHandle, FinishReason, GenerateRequest, Load, RequestOutput, SchedulerConfig,
 };
 use ferrolm_model::Model;
 use ferrolm_sampling::SamplingParams;
@@ -24,7 +24,7 @@ struct Setup {
     max_num_batched_tokens: usize,
     max_num_seqs: usize,
     max_prompt_logprob_rows: usize,
-    max_pending_requests: usize,
+    max_pending: Load,
     overlap_steps: bool,
 }
 
@@ -36,7 +36,7 @@ impl Default for Setup {
             max_num_batched_tokens: 2048,
             max_num_seqs: 64,
             max_prompt_logprob_rows: 256,
-            max_pending_requests: 1024,
+            max_pending: Load { sequences: 1024, prompt_tokens: 1 << 20 },
             overlap_steps: true,
         }
     }
@@ -58,7 +58,7 @@ fn start(name: &str, setup: Setup) -> (EngineHandle, Arc<Tokenizer>) {
     };
     let config = EngineConfig {
         scheduler,
-        max_pending_requests: setup.max_pending_requests,
+        max_pending: setup.max_pending,
         eos_token_ids: vec![1],
         overlap_steps: setup.overlap_steps,
     };
@@ -108,10 +108,10 @@ fn wait_idle(engine: &EngineHandle) {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let s = engine.stats();
-        if s.num_running == 0 && s.num_waiting == 0 && s.kv_usage == 0.0 && engine.num_pending() == 0 {
+        if s.num_running == 0 && s.num_waiting == 0 && s.kv_usage == 0.0 && engine.pending() == Load::default() {
             return;
         }
-        assert!(Instant::now() < deadline, "engine did not go idle: {s:?}, pending {}", engine.num_pending());
+        assert!(Instant::now() < deadline, "engine did not go idle: {s:?}, pending {:?}", engine.pending());
         std::thread::sleep(Duration::from_millis(5));
     }
 }
@@ -354,14 +354,29 @@ fn a_request_at_a_block_boundary_is_admitted_by_the_handle_and_the_scheduler() {
 
 #[test]
 fn a_full_queue_pushes_back() {
-    let (engine, _) = start("llama", Setup { max_pending_requests: 2, ..Setup::default() });
-    let a = engine.submit(GenerateRequest { prompt_token_ids: vec![5, 6], params: greedy(300) }).expect("a");
-    let b = engine.submit(GenerateRequest { prompt_token_ids: vec![5, 7], params: greedy(300) }).expect("b");
-    let c = engine.submit(GenerateRequest { prompt_token_ids: vec![5, 8], params: greedy(3) });
-    assert!(matches!(c, Err(EngineError::Overloaded { .. })));
-    drop((a, b));
+    let limit = Load { sequences: 4, prompt_tokens: 8 };
+    let (engine, _) = start("llama", Setup { max_pending: limit, ..Setup::default() });
+    let request = |prompt: Vec<u32>, n: u32| GenerateRequest {
+        prompt_token_ids: prompt,
+        params: SamplingParams { n, temperature: 1.0, ..greedy(300) },
+    };
+    let a = engine.submit(request(vec![5, 6], 3)).expect("a: 3 sequences, 2 tokens");
+    assert_eq!(engine.pending(), Load { sequences: 3, prompt_tokens: 2 });
+    let b = engine.submit(request(vec![5, 7], 2));
+    assert!(matches!(b, Err(EngineError::Overloaded { .. })), "5 sequences are past 4");
+    let c = engine.submit(request(vec![5; 7], 1));
+    assert!(matches!(c, Err(EngineError::Overloaded { .. })), "9 prompt tokens are past 8");
+    let d = engine.submit_all(vec![request(vec![5, 8], 1), request(vec![5, 9], 1)]);
+    assert!(matches!(d, Err(EngineError::Overloaded { .. })), "all or none: 5 sequences in all");
+    assert_eq!(engine.pending(), Load { sequences: 3, prompt_tokens: 2 }, "refusals reserve nothing");
+    let e = engine.submit(request(vec![5; 6], 1)).expect("exactly at both limits");
+    drop((a, e));
     wait_idle(&engine);
-    assert!(engine.submit(GenerateRequest { prompt_token_ids: vec![5, 8], params: greedy(3) }).is_ok());
+    let f = engine.submit_all(vec![request(vec![5, 8], 2), request(vec![5, 9], 2)]).expect("room again");
+    assert_eq!(f.len(), 2);
+    assert_eq!(engine.pending(), Load { sequences: 4, prompt_tokens: 4 });
+    drop(f);
+    wait_idle(&engine);
 }
 
 /// 32 greedy requests of mixed lengths (deterministic pseudo-random prompts).
@@ -477,7 +492,12 @@ fn start_watched(name: &str, fail_at_call: Option<usize>) -> (EngineHandle, Arc<
         max_prompt_logprob_rows: 256,
         enable_prefix_caching: true,
     };
-    let config = EngineConfig { scheduler, max_pending_requests: 1024, eos_token_ids: vec![1], overlap_steps: true };
+    let config = EngineConfig {
+        scheduler,
+        max_pending: Load { sequences: 1024, prompt_tokens: 1 << 20 },
+        eos_token_ids: vec![1],
+        overlap_steps: true,
+    };
     let runner: Box<dyn ferrolm_model::ModelRunner> = Box::new(runner);
     (EngineHandle::start(runner, None::<Arc<Tokenizer>>, config).expect("engine"), freed)
 }
@@ -561,10 +581,20 @@ fn a_device_failure_aborts_the_step_and_the_engine_recovers() {
 
 /// What a client sees of one request: per sequence, each output's tokens, text, logprobs (to
 /// 1e-4: batches of other sizes round differently) and finish reason.
-type Seen = Vec<Vec<(Vec<u32>, String, Vec<(u32, i64, Vec<u32>)>, Option<FinishReason>)>>;
+/// A logprob compared within 1e-4: batches of other shapes may move it by a rounding error.
+#[derive(Clone, Copy, Debug)]
+struct Logprob(f32);
+
+impl PartialEq for Logprob {
+    fn eq(&self, other: &Self) -> bool {
+        (self.0 - other.0).abs() <= 1e-4
+    }
+}
+
+type Seen = Vec<Vec<(Vec<u32>, String, Vec<(u32, Logprob, Vec<u32>)>, Option<FinishReason>)>>;
 
 fn seen(outputs: Vec<Vec<RequestOutput>>) -> Seen {
-    let round = |l: f32| (f64::from(l) * 1e4).round() as i64;
+    let round = Logprob;
     outputs
         .into_iter()
         .map(|seq| {

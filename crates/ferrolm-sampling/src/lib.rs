@@ -12,7 +12,7 @@
 //!   from a row.
 //! - `penalties`, `filters`: the processing steps, in vLLM's order.
 //! - [`logprobs`]: `log_softmax`, `top_n`, per-token logprobs.
-//! - [`stop`]: `StopChecker` and `FinishReason`.
+//! - [`stop`]: `StopStrings` (one automaton per request), `StopChecker` and `FinishReason`.
 
 mod error;
 mod filters;
@@ -25,7 +25,10 @@ pub mod stop;
 
 pub use error::SamplingError;
 pub use logprobs::{log_softmax, logsumexp, token_logprobs, top_n, TokenLogprobs};
-pub use params::{GenerationDefaults, SamplingParams, GREEDY_TEMPERATURE_EPS, MAX_LOGPROBS, MAX_N};
+pub use params::{
+    GenerationDefaults, SamplingParams, GREEDY_TEMPERATURE_EPS, MAX_LOGPROBS, MAX_N, MAX_STOP_STRINGS,
+    MAX_STOP_STRING_BYTES, MAX_STOP_TOKEN_IDS,
+};
 pub use plan::{RowRequest, SamplePlan, TokenAdjust};
 pub use sampler::{RequestSampler, SampleOutput};
-pub use stop::{FinishReason, StopChecker, StopResult};
+pub use stop::{FinishReason, StopChecker, StopResult, StopStrings};

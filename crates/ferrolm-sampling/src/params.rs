@@ -28,6 +28,13 @@ use crate::error::SamplingError;
 pub const MAX_N: u32 = 128;
 /// Largest number of top logprobs per token (`logprobs`, `prompt_logprobs`), as OpenAI.
 pub const MAX_LOGPROBS: u32 = 20;
+/// Most stop strings a request may give (OpenAI allows 4): each costs the output stage
+/// nothing per token once compiled, but compiling and holding them is per request.
+pub const MAX_STOP_STRINGS: usize = 32;
+/// Longest stop string, in UTF-8 bytes: the text a sequence holds back is shorter than this.
+pub const MAX_STOP_STRING_BYTES: usize = 256;
+/// Most `stop_token_ids` a request may give.
+pub const MAX_STOP_TOKEN_IDS: usize = 256;
 /// Temperatures below this are greedy sampling (vLLM's `_SAMPLING_EPS`).
 pub const GREEDY_TEMPERATURE_EPS: f32 = 1e-5;
 
@@ -64,9 +71,11 @@ pub struct SamplingParams {
     pub min_tokens: u32,
     /// Keep generating after EOS (stop_token_ids still stop).
     pub ignore_eos: bool,
-    /// Strings that end generation; they are not part of the output.
+    /// Strings that end generation; they are not part of the output. At most
+    /// [`MAX_STOP_STRINGS`], each non-empty and at most [`MAX_STOP_STRING_BYTES`] bytes.
     pub stop: Vec<String>,
-    /// Token ids that end generation, besides the model's EOS ids.
+    /// Token ids that end generation, besides the model's EOS ids. At most
+    /// [`MAX_STOP_TOKEN_IDS`].
     pub stop_token_ids: Vec<u32>,
     /// Return the logprob of each chosen token and this many top logprobs, 0..=20.
     pub logprobs: Option<u32>,
@@ -203,8 +212,26 @@ impl SamplingParams {
                 ));
             }
         }
+        if self.stop.len() > MAX_STOP_STRINGS {
+            return Err(E::invalid(
+                "stop",
+                format!("must hold at most {MAX_STOP_STRINGS} strings, got {}", self.stop.len()),
+            ));
+        }
         if let Some(i) = self.stop.iter().position(String::is_empty) {
             return Err(E::invalid("stop", format!("must not contain an empty string, got one at index {i}")));
+        }
+        if let Some((i, s)) = self.stop.iter().enumerate().find(|(_, s)| s.len() > MAX_STOP_STRING_BYTES) {
+            return Err(E::invalid(
+                "stop",
+                format!("strings must be at most {MAX_STOP_STRING_BYTES} bytes, got {} at index {i}", s.len()),
+            ));
+        }
+        if self.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+            return Err(E::invalid(
+                "stop_token_ids",
+                format!("must hold at most {MAX_STOP_TOKEN_IDS} ids, got {}", self.stop_token_ids.len()),
+            ));
         }
         for (param, value) in [("logprobs", self.logprobs), ("prompt_logprobs", self.prompt_logprobs)] {
             if let Some(v) = value.filter(|&v| v > MAX_LOGPROBS) {
@@ -271,6 +298,17 @@ mod tests {
                 "stop",
                 "empty string, got one at index 1",
             ),
+            (SamplingParams { stop: vec!["x".into(); 33], ..d() }, "stop", "must hold at most 32 strings, got 33"),
+            (
+                SamplingParams { stop: vec!["x".into(), "é".repeat(129)], ..d() },
+                "stop",
+                "strings must be at most 256 bytes, got 258 at index 1",
+            ),
+            (
+                SamplingParams { stop_token_ids: vec![7; 257], ..d() },
+                "stop_token_ids",
+                "must hold at most 256 ids, got 257",
+            ),
             (SamplingParams { logprobs: Some(21), ..d() }, "logprobs", "must be in [0, 20], got 21"),
             (SamplingParams { prompt_logprobs: Some(100), ..d() }, "prompt_logprobs", "got 100"),
         ];
@@ -292,6 +330,11 @@ mod tests {
             SamplingParams { presence_penalty: -2.0, frequency_penalty: 2.0, ..d() },
             SamplingParams { max_tokens: Some(3), min_tokens: 3, ..d() },
             SamplingParams { min_tokens: 1000, logprobs: Some(20), prompt_logprobs: Some(0), ..d() },
+            SamplingParams {
+                stop: vec!["é".repeat(128); MAX_STOP_STRINGS],
+                stop_token_ids: vec![3; MAX_STOP_TOKEN_IDS],
+                ..d()
+            },
         ] {
             p.validate()?;
         }

@@ -45,6 +45,7 @@ pub struct RequestSampler {
     min_tokens: u32,
     max_tokens: Option<u32>,
     ignore_eos: bool,
+    /// Sorted, without duplicates: membership is a binary search.
     stop_token_ids: Vec<u32>,
     num_top_logprobs: usize,
     penalties: Penalties,
@@ -79,7 +80,7 @@ impl RequestSampler {
             min_tokens: params.min_tokens,
             max_tokens: params.max_tokens,
             ignore_eos: params.ignore_eos,
-            stop_token_ids: params.stop_token_ids.clone(),
+            stop_token_ids: sorted_unique(&params.stop_token_ids),
             num_top_logprobs: params.logprobs.unwrap_or(0) as usize,
             penalties: Penalties::new(
                 params.repetition_penalty,
@@ -139,12 +140,13 @@ impl RequestSampler {
         let mut adjusts = self.penalties.adjusts().to_vec();
         if self.num_output_tokens + pending < self.min_tokens {
             let eos = if self.ignore_eos { &[][..] } else { eos_token_ids };
-            let penalized = adjusts.len();
-            for &token in eos.iter().chain(&self.stop_token_ids) {
-                // One entry per token: a device applies the entries in parallel.
+            // One entry per token: a device applies the entries in parallel. The stop ids are
+            // unique already; the model's few EOS ids are checked against each other and them.
+            let unique_eos = eos.iter().enumerate().filter(|&(i, t)| !eos[..i].contains(t)).map(|(_, &t)| t);
+            let stops = self.stop_token_ids.iter().copied().filter(|t| !eos.contains(t));
+            for token in unique_eos.chain(stops) {
                 match self.penalties.position(token) {
                     Some(i) => adjusts[i].mask = true,
-                    None if adjusts[penalized..].iter().any(|a| a.token == token) => {}
                     None => adjusts.push(TokenAdjust { token, mask: true, ..TokenAdjust::default() }),
                 }
             }
@@ -178,7 +180,7 @@ impl RequestSampler {
         if self.num_output_tokens < self.min_tokens {
             return None;
         }
-        if (!self.ignore_eos && eos_token_ids.contains(&token)) || self.stop_token_ids.contains(&token) {
+        if (!self.ignore_eos && eos_token_ids.contains(&token)) || self.stop_token_ids.binary_search(&token).is_ok() {
             return Some(FinishReason::Stop);
         }
         if self.max_tokens.is_some_and(|m| self.num_output_tokens >= m) {
@@ -186,6 +188,14 @@ impl RequestSampler {
         }
         None
     }
+}
+
+/// `ids` sorted, each once.
+fn sorted_unique(ids: &[u32]) -> Vec<u32> {
+    let mut ids = ids.to_vec();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
 }
 
 #[cfg(test)]

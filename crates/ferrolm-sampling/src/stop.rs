@@ -2,9 +2,11 @@
 //!
 //! `StopChecker` is fed the text deltas of one sequence as the detokenizer produces them.
 //! It ends the sequence at the first stop string to be completed (the one whose first
-//! occurrence ends earliest in the text; among those ending at the same byte, the longest),
-//! which is where a streaming server has to stop. The stop string and all after it are
-//! dropped.
+//! occurrence ends earliest in the text; among those ending at the same byte, the longest;
+//! among equal ones, the first in the list), which is where a streaming server has to stop.
+//! The stop string and all after it are dropped. The strings are matched by one automaton
+//! ([`StopStrings`], compiled once per request), stepped over each delta's bytes and kept
+//! between deltas, so the cost of a delta does not grow with the number of stop strings.
 //!
 //! Invariants:
 //! - Text that could still turn out to be the start of a stop string is held back, so no
@@ -14,7 +16,12 @@
 //!   text), however the text was split into deltas.
 //! - Every cut falls on a char boundary: the output is valid UTF-8 by construction.
 
+mod strings;
+
 use serde::{Deserialize, Serialize};
+
+pub use strings::StopStrings;
+use strings::{MatchState, Scan};
 
 /// Why a sequence ended, as OpenAI spells it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -56,18 +63,20 @@ pub struct StopResult {
 /// Stop-string matcher for one sequence.
 #[derive(Debug, Clone)]
 pub struct StopChecker {
-    stops: Vec<String>,
+    stops: StopStrings,
+    /// Where the text seen so far stands in the automaton; `None` without stop strings.
+    state: Option<MatchState>,
     /// Text seen but not yet emitted: the longest suffix that is a proper prefix of a
     /// stop string, never a whole one.
     held: String,
-    /// Index into `stops` of the string that ended the sequence.
+    /// Index among the (non-empty) stop strings of the one that ended the sequence.
     matched: Option<usize>,
 }
 
 impl StopChecker {
-    /// Empty strings are ignored (validation rejects them anyway).
-    pub fn new(stops: &[String]) -> Self {
-        Self { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), held: String::new(), matched: None }
+    /// A checker over `stops`, compiled once per request and shared by its sequences.
+    pub fn new(stops: StopStrings) -> Self {
+        Self { state: stops.start(), stops, held: String::new(), matched: None }
     }
 
     /// Whether a stop string has ended the sequence.
@@ -77,57 +86,44 @@ impl StopChecker {
 
     /// The stop string that ended the sequence (vLLM's `stop_reason`).
     pub fn matched(&self) -> Option<&str> {
-        self.matched.map(|i| self.stops[i].as_str())
+        self.matched.and_then(|i| self.stops.get(i))
     }
 
     /// Feeds the next piece of text. After a stop, further deltas are ignored.
+    ///
+    /// Costs O(`delta`) steps of the automaton, plus the check of the held suffix when the text
+    /// ends in what may begin a stop string; never a pass per stop string.
     pub fn push(&mut self, delta: &str) -> StopResult {
         if self.is_stopped() {
             return StopResult { emit: String::new(), stopped: true };
         }
-        if self.stops.is_empty() {
+        let Some(state) = self.state else {
             return StopResult { emit: delta.to_owned(), stopped: false };
-        }
+        };
+        let base = self.held.len();
         self.held.push_str(delta);
-
-        // Earliest end, then earliest start (the longest string), then list order.
-        let first_completed = self
-            .stops
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| self.held.find(s.as_str()).map(|at| (at + s.len(), at, i)))
-            .min();
-        if let Some((_, at, i)) = first_completed {
-            self.held.truncate(at);
-            self.matched = Some(i);
-            return StopResult { emit: std::mem::take(&mut self.held), stopped: true };
+        match self.stops.scan(state, delta.as_bytes()) {
+            Scan::Matched { pattern, len, end } => {
+                // The stop string began within the held text at the earliest: held text is the
+                // longest suffix that could begin one.
+                self.held.truncate((base + end).saturating_sub(len));
+                self.matched = Some(pattern);
+                StopResult { emit: std::mem::take(&mut self.held), stopped: true }
+            }
+            Scan::Running(state) => {
+                self.state = Some(state);
+                let keep_from = self.stops.hold_start(state, &self.held);
+                let rest = self.held.split_off(keep_from);
+                let emit = std::mem::replace(&mut self.held, rest);
+                StopResult { emit, stopped: false }
+            }
         }
-
-        let keep_from = self.hold_start();
-        let rest = self.held.split_off(keep_from);
-        let emit = std::mem::replace(&mut self.held, rest);
-        StopResult { emit, stopped: false }
     }
 
     /// The text still held back, once the sequence ended for another reason; "" after a
     /// stop string.
     pub fn flush(&mut self) -> String {
         std::mem::take(&mut self.held)
-    }
-
-    /// Byte index where the longest suffix that may begin a stop string starts
-    /// (`held.len()` when none may).
-    fn hold_start(&self) -> usize {
-        let longest = self.stops.iter().map(String::len).max().unwrap_or(0);
-        // A proper prefix of a stop string is at most `longest - 1` bytes long.
-        let earliest = self.held.len().saturating_sub(longest.saturating_sub(1));
-        (earliest..self.held.len())
-            .filter(|&i| self.held.is_char_boundary(i))
-            .find(|&i| {
-                let tail = &self.held[i..];
-                self.stops.iter().any(|s| s.starts_with(tail))
-            })
-            .unwrap_or(self.held.len())
     }
 }
 

@@ -6,6 +6,7 @@ use ferrolm_tokenizer::{RenderOptions, Tokenizer};
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
+use crate::limits::check_text_fits;
 
 #[derive(Debug, Default, Clone, Copy)]
 pub struct ChatPromptOptions<'a> {
@@ -59,28 +60,61 @@ pub fn render(tokenizer: &Tokenizer, messages: &[Value], options: ChatPromptOpti
     Ok(rendered[..cut].to_string())
 }
 
-/// Renders and tokenizes.
-pub fn prompt_ids(
-    tokenizer: &Tokenizer,
-    messages: &[Value],
-    options: ChatPromptOptions<'_>,
-) -> Result<Vec<u32>, ApiError> {
-    let text = render(tokenizer, messages, options)?;
-    Ok(tokenizer.encode(&text, false)?)
+/// A chat request's conversation and template options, owned, to be rendered on the tokenizer
+/// threads.
+#[derive(Debug, Default)]
+pub struct Conversation {
+    pub messages: Vec<Value>,
+    pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<bool>,
+    pub tools: Option<Value>,
+    pub chat_template_kwargs: Option<Map<String, Value>>,
 }
 
-/// A message as the template expects it: an object with a string `role`, and `content` a string
-/// (text parts joined with newlines, as vLLM does for string-content templates).
+impl Conversation {
+    /// Renders and tokenizes; a rendered text too long for the context by its bytes alone is
+    /// refused before tokenizing.
+    pub fn prompt_ids(&self, tokenizer: &Tokenizer, max_model_len: usize) -> Result<Vec<u32>, ApiError> {
+        let options = ChatPromptOptions {
+            add_generation_prompt: self.add_generation_prompt,
+            continue_final_message: self.continue_final_message,
+            tools: self.tools.as_ref(),
+            chat_template_kwargs: self.chat_template_kwargs.as_ref(),
+        };
+        let text = render(tokenizer, &self.messages, options)?;
+        check_text_fits(tokenizer, &text, max_model_len, "messages")?;
+        Ok(tokenizer.encode(&text, false)?)
+    }
+}
+
+/// Roles a message may have (OpenAI's, and `function` of its older API).
+const ROLES: [&str; 6] = ["system", "developer", "user", "assistant", "tool", "function"];
+
+/// A message as the template expects it: an object with one of OpenAI's roles, and `content` a
+/// string (text parts joined with newlines, as vLLM does for string-content templates). Only an
+/// assistant message may leave `content` out or null (it may carry only `tool_calls`).
 fn normalize(i: usize, message: &Value) -> Result<Value, ApiError> {
     let param = |field: &str| format!("messages[{i}].{field}");
     let Value::Object(fields) = message else {
         return Err(ApiError::invalid(format!("messages[{i}] must be an object"), Some(&format!("messages[{i}]"))));
     };
-    if !fields.get("role").is_some_and(Value::is_string) {
+    let Some(role) = fields.get("role").and_then(Value::as_str) else {
         return Err(ApiError::invalid(format!("{} must be a string", param("role")), Some(&param("role"))));
+    };
+    if !ROLES.contains(&role) {
+        return Err(ApiError::invalid(
+            format!("{} must be one of {}, got {role:?}", param("role"), ROLES.join(", ")),
+            Some(&param("role")),
+        ));
     }
     let mut out = fields.clone();
     let content = match fields.get("content") {
+        None | Some(Value::Null) if role != "assistant" => {
+            return Err(ApiError::invalid(
+                format!("{} is required for a {role} message", param("content")),
+                Some(&param("content")),
+            ))
+        }
         None | Some(Value::Null) if fields.contains_key("tool_calls") => Value::Null,
         None | Some(Value::Null) => Value::String(String::new()),
         Some(Value::String(s)) => Value::String(s.clone()),
@@ -141,6 +175,9 @@ mod tests {
             (json!({"role": "user", "content": 5}), "messages[3].content"),
             (json!({"role": "user", "content": [{"type": "image_url"}]}), "messages[3].content[0]"),
             (json!({"role": "user", "content": [{"type": "text"}]}), "messages[3].content[0].text"),
+            (json!({"role": "hacker", "content": "x"}), "messages[3].role"),
+            (json!({"role": "user", "content": null}), "messages[3].content"),
+            (json!({"role": "system"}), "messages[3].content"),
         ];
         for (message, want) in cases {
             match normalize(3, &message) {

@@ -190,7 +190,12 @@ mod tests {
             (ApiError::ModelNotFound("m".into()), 404),
             (ApiError::PayloadTooLarge { limit: 1 }, 413),
             (ApiError::Unauthorized, 401),
-            (ApiError::Engine(EngineError::Overloaded { pending: 3 }), 503),
+            (
+                ApiError::Engine(EngineError::Overloaded {
+                    pending: ferrolm_engine::Load { sequences: 3, prompt_tokens: 9 },
+                }),
+                503,
+            ),
             (ApiError::Engine(EngineError::Stopped), 500),
             (ApiError::Engine(EngineError::EmptyPrompt), 400),
             (ApiError::Tokenizer(TokenizerError::ChatTemplateRaised("no system role".into())), 400),

@@ -49,14 +49,15 @@ pub struct Generation {
     first_token_at: Option<Instant>,
 }
 
-/// The `finish_reason` a client sees; aborts never reach a client that is still there.
+/// The `finish_reason` a client sees: `stop`, `length`, or `abort` (as vLLM says it) for a
+/// stream the server ended.
 pub fn client_finish_reason(reason: Option<FinishReason>) -> Option<&'static str> {
-    reason.filter(|&r| r != FinishReason::Abort).map(FinishReason::as_str)
+    reason.map(FinishReason::as_str)
 }
 
 impl Generation {
-    /// Validates and submits every prompt; any refusal refuses the whole request (streams of
-    /// prompts already submitted are dropped, which aborts them).
+    /// Validates and submits every prompt as one client request (the engine admits client
+    /// requests in turn); any refusal refuses the whole request, and nothing is queued.
     pub fn start(
         state: &SharedState,
         request_id: String,
@@ -65,19 +66,15 @@ impl Generation {
     ) -> Result<Generation, ApiError> {
         let engine = &state.engine;
         let max_model_len = engine.max_model_len();
-        let mut requests = Vec::with_capacity(prompts.len());
-        for prompt in &prompts {
-            let mut request = GenerateRequest {
+        let requests = prompts
+            .iter()
+            .map(|prompt| GenerateRequest {
                 prompt_token_ids: prompt.clone(),
                 params: sampling.for_prompt(prompt.len(), max_model_len),
-            };
-            // Validate all before submitting any, so a bad last prompt costs no work.
-            engine.validate(&mut request)?;
-            requests.push(request);
-        }
+            })
+            .collect();
         let mut outputs = SelectAll::new();
-        for (prompt_index, request) in requests.into_iter().enumerate() {
-            let stream = engine.submit(request)?;
+        for (prompt_index, stream) in engine.submit_all(requests)?.into_iter().enumerate() {
             outputs.push(tagged(prompt_index, stream));
         }
         let n = sampling.params.n as usize;

@@ -1,6 +1,7 @@
 //! The JSON body extractor of every route: a body that is too large, not JSON, not UTF-8, or
 //! JSON of the wrong shape becomes an OpenAI-shaped 413 or 400 (axum's own `Json` answers 415
-//! and 422 in plain text), naming the offending field where serde knows it.
+//! and 422 in plain text), naming the offending field where serde knows it. Large bodies are
+//! parsed on the tokenizer threads.
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, Request};
@@ -11,11 +12,15 @@ use serde_json::error::Category;
 use crate::error::ApiError;
 use crate::state::SharedState;
 
+/// Bodies larger than this are parsed on the tokenizer threads, off the async ones: a body of
+/// megabytes (millions of prompts) takes a large part of a second to parse.
+const PARSE_INLINE_BYTES: usize = 256 << 10;
+
 /// A request body parsed as `T`. The content type is not checked: clients that forget
 /// `application/json` are still understood.
 pub struct ApiJson<T>(pub T);
 
-impl<T: DeserializeOwned> FromRequest<SharedState> for ApiJson<T> {
+impl<T: DeserializeOwned + Send + 'static> FromRequest<SharedState> for ApiJson<T> {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &SharedState) -> Result<Self, ApiError> {
@@ -26,7 +31,10 @@ impl<T: DeserializeOwned> FromRequest<SharedState> for ApiJson<T> {
                 ApiError::InvalidJson { message: format!("cannot read the request body: {rejection}"), param: None }
             }
         })?;
-        parse(&bytes).map(ApiJson)
+        if bytes.len() <= PARSE_INLINE_BYTES {
+            return parse(&bytes).map(ApiJson);
+        }
+        state.work.run(move || parse(&bytes)).await.map(ApiJson)
     }
 }
 

@@ -8,6 +8,8 @@
 //! - [`params`]: from a request's optional knobs to the engine's `SamplingParams`.
 //! - `generation`: one API request on the engine (its prompts, merged output streams, choices).
 //! - `sse`: streamed responses; `logprobs`: the two logprob shapes; `chat_prompt`: templates.
+//! - [`limits`]: what one request may ask for (sequences, prompt tokens, logprob rows);
+//!   `work_pool`: the threads that tokenize, off the async ones.
 //! - [`error`]: the one mapping from every error to a status and an OpenAI-shaped body.
 //! - [`metrics`]: Prometheus metrics with vLLM's names.
 //! - `conn`: the accept loop and each connection under the router: timeouts, the connection
@@ -23,6 +25,7 @@ mod conn;
 pub mod error;
 mod generation;
 mod json;
+pub mod limits;
 mod logprobs;
 pub mod metrics;
 pub mod params;
@@ -31,6 +34,7 @@ pub mod routes;
 pub mod signals;
 mod sse;
 mod state;
+mod work_pool;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -46,8 +50,10 @@ use tokio::sync::watch;
 pub use conn::fd_limit::{raise_open_files_limit, OpenFilesLimit};
 pub use conn::ConnectionLimits;
 pub use error::ApiError;
+use limits::RequestLimits;
 pub use signals::{shutdown_signal, StopSignal};
 use state::AppState;
+use work_pool::WorkPool;
 
 /// How the server listens and whom it serves.
 #[derive(Debug, Clone)]
@@ -66,6 +72,10 @@ pub struct ServerConfig {
     pub shutdown_grace_period: Duration,
     /// Timeouts and caps on client connections.
     pub connections: ConnectionLimits,
+    /// What one request may ask for.
+    pub limits: RequestLimits,
+    /// Threads that tokenize prompts and render chat templates.
+    pub tokenizer_threads: usize,
 }
 
 impl ServerConfig {
@@ -78,6 +88,8 @@ impl ServerConfig {
             max_body_bytes: 32 << 20,
             shutdown_grace_period: Duration::from_secs(30),
             connections: ConnectionLimits::default(),
+            limits: RequestLimits::default(),
+            tokenizer_threads: WorkPool::default_threads(),
         }
     }
 }
@@ -90,6 +102,8 @@ pub enum ServerError {
     Io(#[from] std::io::Error),
     #[error("invalid connection limits: {0}")]
     Limits(String),
+    #[error("cannot start the tokenizer threads: {0}")]
+    Threads(#[from] rayon::ThreadPoolBuildError),
 }
 
 /// A server bound to its address and not yet serving.
@@ -114,7 +128,8 @@ impl Server {
         let (abort_tx, abort_rx) = watch::channel(false);
         let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let metrics = metrics::ServerMetrics::new(&config.served_model_name);
-        let state = Arc::new(AppState { engine, tokenizer, defaults, config, metrics, created, abort: abort_rx });
+        let work = WorkPool::new(config.tokenizer_threads)?;
+        let state = Arc::new(AppState { engine, tokenizer, defaults, config, metrics, created, abort: abort_rx, work });
         Ok(Server { listener, state, abort_tx })
     }
 

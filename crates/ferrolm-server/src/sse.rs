@@ -8,9 +8,10 @@
 
 use std::convert::Infallible;
 
+use axum::http::header;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use ferrolm_engine::RequestOutput;
+use ferrolm_engine::{FinishReason, RequestOutput};
 use serde::Serialize;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
@@ -40,6 +41,11 @@ pub trait ChunkFormat: Send + 'static {
 
 pub fn to_json(value: &impl Serialize) -> Result<String, ApiError> {
     serde_json::to_string(value).map_err(|e| ApiError::Internal(format!("cannot serialize a response: {e}")))
+}
+
+/// A 200 with a JSON body already serialized.
+pub fn json_response(body: String) -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
 pub fn respond(generation: Generation, format: impl ChunkFormat) -> Response {
@@ -108,7 +114,11 @@ async fn stream_chunks(
             item = generation.next() => item,
         };
         let Some(item) = item else { break };
-        let (choice, out) = item?;
+        let (choice, out) = match item {
+            Ok(item) => item,
+            Err(ApiError::ShuttingDown) => return end_aborted(generation, format, tx, &mut started).await,
+            Err(err) => return Err(err.into()),
+        };
         deferred.push((choice, out));
         let mut i = 0;
         while i < deferred.len() {
@@ -127,6 +137,34 @@ async fn stream_chunks(
         }
     }
     generation.check_finished()?;
+    if let Some(chunk) = format.usage_chunk(generation.usage()) {
+        send(tx, chunk?).await?;
+    }
+    Ok(())
+}
+
+/// The server aborted the request (its shutdown grace period is over): every choice still going
+/// ends with `finish_reason: "abort"`, then comes the usage chunk if one was asked for, so that
+/// the client learns how its stream ended and what it was billed.
+async fn end_aborted(
+    generation: &mut Generation,
+    format: &mut impl ChunkFormat,
+    tx: &mpsc::Sender<Result<Event, Infallible>>,
+    started: &mut [bool],
+) -> Result<(), StreamEnd> {
+    tracing::warn!(request_id = %generation.request_id, "stream aborted at shutdown");
+    let going: Vec<usize> = (0..generation.choices.len()).filter(|&c| generation.choices[c].finish.is_none()).collect();
+    for choice in going {
+        let out = RequestOutput {
+            index: (choice % generation.n) as u32,
+            finish_reason: Some(FinishReason::Abort),
+            ..RequestOutput::default()
+        };
+        let first = !std::mem::replace(&mut started[choice], true);
+        for chunk in format.chunks(generation, choice, &out, first)? {
+            send(tx, chunk).await?;
+        }
+    }
     if let Some(chunk) = format.usage_chunk(generation.usage()) {
         send(tx, chunk?).await?;
     }

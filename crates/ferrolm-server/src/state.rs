@@ -1,5 +1,5 @@
 //! What every handler shares: the engine handle, the tokenizer, the model's sampling defaults,
-//! the configuration and the metrics. Read-only after start, so no locks.
+//! the configuration, the metrics and the tokenizer threads. Read-only after start, so no locks.
 
 use std::sync::Arc;
 
@@ -9,6 +9,7 @@ use ferrolm_tokenizer::Tokenizer;
 use tokio::sync::watch;
 
 use crate::metrics::ServerMetrics;
+use crate::work_pool::WorkPool;
 use crate::ServerConfig;
 
 pub struct AppState {
@@ -21,6 +22,8 @@ pub struct AppState {
     pub created: u64,
     /// Turns true when the shutdown grace period is over: requests in flight end at once.
     pub abort: watch::Receiver<bool>,
+    /// Where tokenizing and chat templates run.
+    pub work: WorkPool,
 }
 
 pub type SharedState = Arc<AppState>;

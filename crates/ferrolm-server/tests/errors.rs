@@ -106,6 +106,39 @@ async fn values_out_of_range_are_400s_naming_the_field() {
 /// A parameter a route does not take is refused by name (a misspelt `max_tokens` must not pass
 /// as the default), on every route that takes a body; OpenAI's `user` is taken and ignored, and
 /// a chat may ask for a text reply and automatic tools explicitly.
+/// Stop strings are capped in count and length, stop token ids in count (see
+/// `ferrolm_sampling::MAX_STOP_STRINGS` and its neighbours); up to the caps they are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stop_strings_and_ids_past_their_caps_are_400s_naming_the_field() {
+    let server = start(Options::default()).await;
+    let many: Vec<String> = (0..10_000).map(|i| format!("{i:0>100}")).collect();
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let (too_many_ids, most_ids) = (vec![5u32; 257], vec![5u32; 256]);
+    let cases = [
+        ("/v1/completions", json!({"prompt": "a", "stop": many}), "stop", "at most 32 strings, got 10000"),
+        ("/v1/chat/completions", json!({"messages": user, "stop": many}), "stop", "at most 32 strings"),
+        ("/v1/completions", json!({"prompt": "a", "stop": "x".repeat(257)}), "stop", "at most 256 bytes, got 257"),
+        (
+            "/v1/completions",
+            json!({"prompt": "a", "stop_token_ids": too_many_ids}),
+            "stop_token_ids",
+            "at most 256 ids",
+        ),
+    ];
+    for (path, body, param, needle) in cases {
+        let (status, resp) = server.post(path, &body).await;
+        assert_eq!(status, 400, "{path}: {resp}");
+        let e = error_of(&resp);
+        assert_eq!(e["param"], param, "{resp}");
+        assert!(e["message"].as_str().is_some_and(|m| m.contains(needle)), "{resp} lacks {needle:?}");
+    }
+    let at_the_caps: Vec<String> = (0..32).map(|i| format!("{i:é>128}")).collect();
+    let body = json!({"prompt": "fn", "max_tokens": 2, "n": 2, "stop": at_the_caps, "stop_token_ids": most_ids});
+    let (status, resp) = server.post("/v1/completions", &body).await;
+    assert_eq!(status, 200, "{resp}");
+    assert_still_serves(&server).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_parameters_are_400s_naming_them() {
     let server = start(Options::default()).await;
@@ -254,7 +287,11 @@ async fn json_of(resp: reqwest::Response) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_queue_pushes_back_with_503() {
-    let server = start(Options { max_pending_requests: 1, ..Options::default() }).await;
+    let server = start(Options {
+        max_pending: ferrolm_engine::Load { sequences: 64, prompt_tokens: 1 << 20 },
+        ..Options::default()
+    })
+    .await;
     let (prompt, _) = cases("llama")[0].clone();
     // A long request holds the only slot: 64 sequences of 480 tokens, streamed and unread.
     let long = json!({"prompt": prompt, "n": 64, "max_tokens": 480, "ignore_eos": true, "stream": true});

@@ -41,7 +41,13 @@ fn streamed(events: &[String]) -> (String, Vec<u64>, Option<String>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hundred_concurrent_streams_all_finish_correctly() {
     let server = Arc::new(
-        start(Options { max_num_seqs: 256, max_pending_requests: 512, num_blocks: 2048, ..Options::default() }).await,
+        start(Options {
+            max_num_seqs: 256,
+            max_pending: ferrolm_engine::Load { sequences: 512, prompt_tokens: 1 << 20 },
+            num_blocks: 2048,
+            ..Options::default()
+        })
+        .await,
     );
     let cases = cases("llama");
     let mut tasks = Vec::new();
@@ -77,8 +83,13 @@ async fn two_hundred_concurrent_streams_all_finish_correctly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_clients_dropping_mid_stream_leave_nothing_behind() {
-    let server =
-        start(Options { max_num_seqs: 128, max_pending_requests: 256, num_blocks: 4096, ..Options::default() }).await;
+    let server = start(Options {
+        max_num_seqs: 128,
+        max_pending: ferrolm_engine::Load { sequences: 256, prompt_tokens: 1 << 20 },
+        num_blocks: 4096,
+        ..Options::default()
+    })
+    .await;
     let (prompt, _) = cases("llama")[2].clone();
     let mut responses = Vec::new();
     for _ in 0..32 {

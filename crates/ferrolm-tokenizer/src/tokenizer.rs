@@ -32,6 +32,11 @@ pub struct Tokenizer {
     /// `decode(.., skip_special_tokens = true)` drops.
     special_ids: HashSet<u32>,
     vocab_size: usize,
+    /// Bytes of the longest token string, added tokens included: no token stands for more bytes
+    /// of text (byte-level token strings spell each byte as one char, SentencePiece ones spell a
+    /// space as the 3-byte `▁` and a fallback byte as `<0xAB>`, so neither is shorter in UTF-8
+    /// than the text it stands for).
+    max_token_bytes: usize,
 }
 
 impl Tokenizer {
@@ -89,7 +94,17 @@ impl Tokenizer {
         let special_ids =
             inner.get_added_tokens_decoder().into_iter().filter(|(_, token)| token.special).map(|(id, _)| id).collect();
         let vocab_size = inner.get_vocab_size(true);
-        Ok(Tokenizer { inner, config, chat_template, bos_token_id, eos_token_id, special_ids, vocab_size })
+        let max_token_bytes = inner.get_vocab(true).keys().map(String::len).max().unwrap_or(1).max(1);
+        Ok(Tokenizer {
+            inner,
+            config,
+            chat_template,
+            bos_token_id,
+            eos_token_id,
+            special_ids,
+            vocab_size,
+            max_token_bytes,
+        })
     }
 
     /// Text to ids. With `add_special_tokens`, tokenizer.json's post-processor adds what it
@@ -129,6 +144,14 @@ impl Tokenizer {
             Some(_) => Ok(()),
             None => Err(TokenizerError::UnknownTokenId { id, vocab_size: self.vocab_size }),
         }
+    }
+
+    /// A lower bound on the tokens `encode` gives for `text_bytes` bytes of text, without
+    /// tokenizing: no token covers more than the longest token string's bytes. It holds for
+    /// normalizers that do not delete or compose text (those of byte-level BPE and SentencePiece
+    /// models); special tokens `encode` adds only raise the count.
+    pub fn min_tokens_for(&self, text_bytes: usize) -> usize {
+        text_bytes.div_ceil(self.max_token_bytes)
     }
 
     /// Number of tokens, added tokens included.

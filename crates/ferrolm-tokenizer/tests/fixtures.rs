@@ -55,6 +55,39 @@ fn tokenization_matches_reference_for_every_fixture() -> TestResult {
     Ok(())
 }
 
+/// The bound that lets the server refuse a huge prompt without tokenizing it never exceeds the
+/// real count: on each fixture's reference texts, on text made only of the longest tokens, and on
+/// long runs of spaces, digits and one multi-byte char.
+#[test]
+fn the_token_lower_bound_holds_for_every_fixture() -> TestResult {
+    let demo = Path::new(FIXTURES).join("../../models/ferrolm-demo-py");
+    for dir in FIXTURE_NAMES.iter().map(|n| fixture(n)).chain([demo]) {
+        let tokenizer = Tokenizer::from_dir(&dir)?;
+        let mut texts: Vec<String> = reference_tokenization_or_empty(&dir)?;
+        texts.extend([" ".repeat(5000), "7".repeat(5000), "é".repeat(3000), "def f():\n    return 1\n".repeat(300)]);
+        for text in &texts {
+            let count = tokenizer.encode(text, false)?.len();
+            let bound = tokenizer.min_tokens_for(text.len());
+            assert!(
+                bound <= count,
+                "{}: bound {bound} > {count} tokens for {:?}",
+                dir.display(),
+                &text[..text.len().min(40)]
+            );
+        }
+        assert!(tokenizer.min_tokens_for(1 << 20) >= (1 << 20) / 1024, "{}: a token longer than 1 KiB?", dir.display());
+    }
+    Ok(())
+}
+
+/// The texts of `dir/reference.json`'s `tokenize` list, if it has one.
+fn reference_tokenization_or_empty(dir: &Path) -> Result<Vec<String>, BoxError> {
+    let Ok(text) = fs::read_to_string(dir.join("reference.json")) else { return Ok(Vec::new()) };
+    let reference: serde_json::Value = serde_json::from_str(&text)?;
+    let cases = reference["tokenize"].as_array().cloned().unwrap_or_default();
+    Ok(cases.iter().filter_map(|case| case["text"].as_str().map(str::to_string)).collect())
+}
+
 #[test]
 fn decode_round_trips_reference_texts() -> TestResult {
     for name in FIXTURE_NAMES {

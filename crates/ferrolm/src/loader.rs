@@ -8,7 +8,7 @@ use clap::builder::BoolishValueParser;
 use clap::{ArgAction, Args, ValueEnum};
 use ferrolm_backend::cpu::Cpu;
 use ferrolm_backend::DType;
-use ferrolm_engine::{EngineConfig, EngineHandle, SchedulerConfig, BLOCK_SIZE};
+use ferrolm_engine::{EngineConfig, EngineHandle, Load, SchedulerConfig, BLOCK_SIZE};
 use ferrolm_model::config::parse_dtype;
 use ferrolm_model::{CpuRunner, GenerationConfig, Model, ModelConfig, ModelRunner, WeightSource};
 use ferrolm_sampling::GenerationDefaults;
@@ -36,9 +36,14 @@ pub struct EngineArgs {
     /// Memory given to the KV cache on the CPU backend, in GiB.
     #[arg(long, default_value_t = 2.0)]
     pub kv_cache_memory_gb: f64,
-    /// Requests accepted but not finished beyond which new ones are refused (backpressure).
-    #[arg(long, default_value_t = 1024)]
-    pub max_pending_requests: usize,
+    /// Sequences (prompts times `n`) of the requests accepted and not finished, beyond which
+    /// new requests are refused with 503 (backpressure).
+    #[arg(long, default_value_t = 4096)]
+    pub max_pending_sequences: usize,
+    /// Prompt tokens of the requests accepted and not finished, beyond which new requests are
+    /// refused with 503 (backpressure).
+    #[arg(long, default_value_t = 1 << 22)]
+    pub max_pending_tokens: usize,
     /// Where the model runs: `auto` takes the first GPU when this build has CUDA and one is
     /// present, else the CPU.
     #[arg(long, value_enum, default_value_t = Device::Auto)]
@@ -359,7 +364,7 @@ pub fn start_engine(
         tokenizer,
         EngineConfig {
             scheduler,
-            max_pending_requests: args.max_pending_requests,
+            max_pending: Load { sequences: args.max_pending_sequences, prompt_tokens: args.max_pending_tokens },
             eos_token_ids,
             overlap_steps: args.overlap_steps,
         },

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use ferrolm_server::limits::RequestLimits;
 use ferrolm_server::{ConnectionLimits, ServerConfig};
 
 use crate::loader::{self, EngineArgs};
@@ -43,6 +44,20 @@ pub struct ServeArgs {
     /// Open client connections at most; beyond them new connections get 503 and are closed.
     #[arg(long, default_value_t = 2048)]
     pub max_connections: usize,
+    /// Most sequences (prompts times `n`) one request may ask for.
+    #[arg(long, default_value_t = RequestLimits::default().max_sequences)]
+    pub max_request_sequences: usize,
+    /// Most prompt tokens one request may carry, summed over its prompts.
+    #[arg(long, default_value_t = RequestLimits::default().max_prompt_tokens)]
+    pub max_request_prompt_tokens: usize,
+    /// Most prompt logprob rows one response may carry (each choice of an `echo` with
+    /// `logprobs` repeats its prompt's).
+    #[arg(long, default_value_t = RequestLimits::default().max_prompt_logprob_rows)]
+    pub max_request_prompt_logprob_rows: usize,
+    /// Threads that tokenize prompts and render chat templates, off the threads that answer
+    /// requests (default: half the cores, 1 to 8).
+    #[arg(long)]
+    pub tokenizer_threads: Option<usize>,
 }
 
 /// The name of a model directory (`/models/Qwen3-0.6B/` -> `Qwen3-0.6B`).
@@ -123,8 +138,15 @@ pub fn run(args: ServeArgs) -> Result<()> {
         api_key,
         shutdown_grace_period: grace,
         connections,
+        limits: RequestLimits {
+            max_sequences: args.max_request_sequences,
+            max_prompt_tokens: args.max_request_prompt_tokens,
+            max_prompt_logprob_rows: args.max_request_prompt_logprob_rows,
+        },
         ..ServerConfig::new(served_model_name)
     };
+    let config =
+        ServerConfig { tokenizer_threads: args.tokenizer_threads.unwrap_or(config.tokenizer_threads), ..config };
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("ferrolm-http")

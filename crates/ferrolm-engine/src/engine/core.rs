@@ -1,21 +1,26 @@
 //! The engine thread: owns the scheduler, the runner and every sequence's sampling state, and
 //! runs the step loop. A step reads as what it does: schedule (or take the step launched
 //! ahead), launch, collect, update. Building the batch lives in `launch.rs`, applying the
-//! answer in `update.rs`; text and stop strings are the output stage's (`output.rs`), on the
-//! callers' side.
+//! answer in `update.rs`; text and stop strings are the output stage's (`output_stage.rs`, a
+//! thread of its own), which every output goes to and which tells the engine of stop strings on
+//! a channel of its own.
+//!
+//! The thread ends once the command channel is closed (every handle and stream gone) and no
+//! request is unfinished; the output stage's channel keeps nothing alive.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, TryRecvError};
 use std::sync::Arc;
 use std::time::Instant;
 
 use ferrolm_model::ModelRunner;
 use ferrolm_sampling::RequestSampler;
-use tokio::sync::mpsc as tokio_mpsc;
 
+use super::admission::{Load, PendingLoad};
 use super::handle::{Command, EngineConfig, EngineError, GenerateRequest};
 use super::launch::Launched;
+use super::output_stage::{OutputEvent, OutputSender};
 use super::state::{EngineStats, PromptLogprob, RequestOutput};
 use crate::request::{FinishReason, Request, RequestId};
 use crate::scheduler::Scheduler;
@@ -31,7 +36,8 @@ fn sequence_id(client_id: u64, index: u32) -> RequestId {
 pub(super) struct Sequence {
     pub(super) client_id: u64,
     pub(super) index: u32,
-    pub(super) tx: tokio_mpsc::UnboundedSender<RequestOutput>,
+    /// To the output stage.
+    pub(super) tx: OutputSender,
     pub(super) sampler: RequestSampler,
     pub(super) num_prompt_tokens: usize,
     pub(super) wants_logprobs: bool,
@@ -49,17 +55,34 @@ pub(super) struct PromptLogprobs {
     pub(super) values: Vec<PromptLogprob>,
 }
 
+/// What `Command::Add` says of a client request besides the request itself.
+struct NewClient {
+    client_id: u64,
+    group: u64,
+    max_tokens: usize,
+}
+
+/// One client request's sequences still live, and the load it reserved until they end.
+struct Client {
+    ids: Vec<RequestId>,
+    load: Load,
+}
+
 pub(crate) struct Engine {
     pub(super) scheduler: Scheduler,
     pub(super) runner: Box<dyn ModelRunner>,
     pub(super) block_size: usize,
     pub(super) eos_token_ids: Vec<u32>,
     pub(super) sequences: HashMap<RequestId, Sequence>,
-    /// Client id -> its live sequence ids.
-    clients: HashMap<u64, Vec<RequestId>>,
+    /// Client id -> its live sequences.
+    clients: HashMap<u64, Client>,
     rx: mpsc::Receiver<Command>,
+    /// `Command::StopSequence` from the output stage.
+    stops: mpsc::Receiver<Command>,
+    /// To the output stage, for every request's outputs.
+    outputs: mpsc::Sender<OutputEvent>,
     pub(super) stats: Arc<EngineStats>,
-    pending: Arc<AtomicUsize>,
+    pending: Arc<PendingLoad>,
     /// Launch each step that can be scheduled ahead while the one before runs.
     overlap_steps: bool,
     /// The step launched ahead of the one being applied, collected by the next `step()`.
@@ -71,13 +94,22 @@ pub(crate) struct Engine {
     pub(super) last_collect: Option<Instant>,
 }
 
+/// The engine thread's channels.
+pub(crate) struct Channels {
+    /// From the handles and streams; closed when they are all gone.
+    pub(crate) commands: mpsc::Receiver<Command>,
+    /// From the output stage: stop strings that matched.
+    pub(crate) stops: mpsc::Receiver<Command>,
+    pub(crate) outputs: mpsc::Sender<OutputEvent>,
+}
+
 impl Engine {
     pub(crate) fn new(
         mut runner: Box<dyn ModelRunner>,
         config: &EngineConfig,
-        rx: mpsc::Receiver<Command>,
+        channels: Channels,
         stats: Arc<EngineStats>,
-        pending: Arc<AtomicUsize>,
+        pending: Arc<PendingLoad>,
     ) -> Result<Engine, EngineError> {
         let scheduler = Scheduler::new(config.scheduler.clone())?;
         runner
@@ -91,7 +123,9 @@ impl Engine {
             eos_token_ids: config.eos_token_ids.clone(),
             sequences: HashMap::new(),
             clients: HashMap::new(),
-            rx,
+            rx: channels.commands,
+            stops: channels.stops,
+            outputs: channels.outputs,
             stats,
             pending,
             overlap_steps: config.overlap_steps,
@@ -122,26 +156,29 @@ impl Engine {
                     Err(TryRecvError::Disconnected) => return,
                 }
             }
+            // NOTE: only while requests run: when idle, every sequence a stop could name is over.
+            while let Ok(cmd) = self.stops.try_recv() {
+                self.handle(cmd);
+            }
             self.step();
         }
     }
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Add { client_id, request, max_tokens, tx } => self.add(client_id, request, max_tokens, tx),
+            Command::Add { client_id, group, request, max_tokens } => {
+                self.add(NewClient { client_id, group, max_tokens }, request)
+            }
             Command::Abort { client_id } => self.finish_client(client_id, None),
             Command::StopSequence { client_id, index } => self.stop_sequence(sequence_id(client_id, index)),
         }
     }
 
-    fn add(
-        &mut self,
-        client_id: u64,
-        request: GenerateRequest,
-        max_tokens: usize,
-        tx: tokio_mpsc::UnboundedSender<RequestOutput>,
-    ) {
+    fn add(&mut self, new: NewClient, request: GenerateRequest) {
+        let NewClient { client_id, group, max_tokens } = new;
         let GenerateRequest { prompt_token_ids, params } = request;
+        let load = Load::of_prompt(prompt_token_ids.len(), params.n);
+        let tx = OutputSender::new(client_id, self.outputs.clone());
         let mut stop_ids = params.stop_token_ids.clone();
         if !params.ignore_eos {
             stop_ids.extend(&self.eos_token_ids);
@@ -171,29 +208,37 @@ impl Engine {
             let req = Request::new(id, prompt_token_ids.clone(), max_tokens)
                 .with_stop_token_ids(stop_ids.clone())
                 .with_min_tokens(params.min_tokens as usize)
-                .with_prompt_logprobs(params.prompt_logprobs.is_some() && index == 0);
+                .with_prompt_logprobs(params.prompt_logprobs.is_some() && index == 0)
+                .with_group(group);
             match seq.and_then(|seq| self.scheduler.add_request(req).map(|()| seq).map_err(EngineError::from)) {
                 Ok(seq) => {
                     self.sequences.insert(id, seq);
                     ids.push(id);
                 }
                 Err(err) => {
-                    // Validated by the handle; reaching this is an engine fault. End the stream.
+                    // Validated by the handle; reaching this is an engine fault. End every
+                    // sequence of the stream, those not added yet too.
                     tracing_error(&err);
-                    self.clients.insert(client_id, ids);
-                    self.finish_client(client_id, Some(FinishReason::Abort));
-                    let _ = tx.send(RequestOutput { finish_reason: Some(FinishReason::Abort), ..Default::default() });
+                    self.clients.insert(client_id, Client { ids, load });
+                    self.finish_client(client_id, None);
+                    for index in 0..params.n {
+                        let _ = tx.send(RequestOutput {
+                            index,
+                            finish_reason: Some(FinishReason::Abort),
+                            ..Default::default()
+                        });
+                    }
                     return;
                 }
             }
         }
-        self.clients.insert(client_id, ids);
+        self.clients.insert(client_id, Client { ids, load });
     }
 
     /// Ends every sequence of a client (an abort when `reason` is `None`: nothing is sent).
     pub(super) fn finish_client(&mut self, client_id: u64, reason: Option<FinishReason>) {
-        let Some(ids) = self.clients.remove(&client_id) else { return };
-        for id in ids {
+        let Some(client) = self.clients.remove(&client_id) else { return };
+        for id in client.ids {
             self.scheduler.abort(id);
             if let Some(seq) = self.sequences.remove(&id) {
                 if let Some(reason) = reason {
@@ -205,7 +250,7 @@ impl Engine {
                 }
             }
         }
-        self.pending.fetch_sub(1, Ordering::AcqRel);
+        self.pending.release(client.load);
     }
 
     /// A stop string ended a sequence in the output stage, which has sent its last output: end
@@ -218,11 +263,11 @@ impl Engine {
     /// A sequence finished: forget it, and the client once all of its sequences did.
     pub(super) fn retire(&mut self, id: RequestId) {
         let Some(seq) = self.sequences.remove(&id) else { return };
-        if let Some(ids) = self.clients.get_mut(&seq.client_id) {
-            ids.retain(|&s| s != id);
-            if ids.is_empty() {
+        if let Some(client) = self.clients.get_mut(&seq.client_id) {
+            client.ids.retain(|&s| s != id);
+            if client.ids.is_empty() {
+                self.pending.release(client.load);
                 self.clients.remove(&seq.client_id);
-                self.pending.fetch_sub(1, Ordering::AcqRel);
             }
         }
     }

@@ -1,6 +1,10 @@
 //! The caller's side of the engine: validation, submission and per-request output streams.
+//!
+//! [`EngineHandle::start`] starts two threads: the engine thread (`ferrolm-engine`) and the
+//! output stage (`ferrolm-output`, see `output_stage.rs`). A submitted request is registered
+//! with the output stage before the engine hears of it; its [`RequestStream`] only reads what
+//! the output stage forwards, so detokenizing and stop strings run whether or not it is read.
 
-use std::ops::ControlFlow;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -12,17 +16,20 @@ use ferrolm_sampling::{SamplingError, SamplingParams};
 use ferrolm_tokenizer::{Tokenizer, TokenizerError};
 use tokio::sync::mpsc as tokio_mpsc;
 
+use super::admission::{Load, PendingLoad};
 use super::core::Engine;
-use super::output::{OutputProcessor, Processed};
+use super::output::OutputProcessor;
+use super::output_stage::{EngineStoppedGuard, OutputEvent, OutputStage};
 use super::state::{EngineStats, EngineStatsSnapshot, RequestOutput};
 use crate::scheduler::{SchedulerConfig, SchedulerError};
 
 #[derive(Clone, Debug)]
 pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
-    /// Client requests accepted but not finished, beyond which `submit` answers
-    /// [`EngineError::Overloaded`] (backpressure rather than an unbounded queue).
-    pub max_pending_requests: usize,
+    /// What the requests accepted and not finished may weigh (sequences, prompt tokens); a
+    /// submission past either answers [`EngineError::Overloaded`] (backpressure rather than an
+    /// unbounded queue).
+    pub max_pending: Load,
     /// EOS ids of the model (`generation_config.json`, else `config.json`, else the tokenizer).
     pub eos_token_ids: Vec<u32>,
     /// Launch the next step while the runner still runs this one, where the scheduler can tell
@@ -74,8 +81,12 @@ pub enum EngineError {
     /// The prompt cannot be read back as text (an id the tokenizer does not know).
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
-    #[error("the server is overloaded: {pending} requests pending; retry later")]
-    Overloaded { pending: usize },
+    #[error(
+        "the server is overloaded: {} sequences and {} prompt tokens pending; retry later",
+        pending.sequences,
+        pending.prompt_tokens
+    )]
+    Overloaded { pending: Load },
     #[error("the engine has stopped")]
     Stopped,
     #[error("device failure: {0}")]
@@ -86,21 +97,25 @@ pub(crate) enum Command {
     /// `max_tokens`: the request's length as [`resolve_max_tokens`] settled it.
     Add {
         client_id: u64,
+        /// The client request (a `submit_all` call) it belongs to: the scheduler admits groups
+        /// in turn.
+        group: u64,
         request: GenerateRequest,
         max_tokens: usize,
-        tx: tokio_mpsc::UnboundedSender<RequestOutput>,
     },
     Abort {
         client_id: u64,
     },
     /// A stop string ended sequence `index` in the output stage, which has sent its last output.
+    /// Sent by the output stage on a channel of its own.
     StopSequence {
         client_id: u64,
         index: u32,
     },
 }
 
-/// Cheap to clone; the engine thread stops once every handle and stream is gone.
+/// Cheap to clone; the engine thread and the output stage stop once every handle and stream is
+/// gone.
 #[derive(Clone)]
 pub struct EngineHandle {
     inner: Arc<HandleInner>,
@@ -108,15 +123,21 @@ pub struct EngineHandle {
 
 struct HandleInner {
     tx: mpsc::Sender<Command>,
+    /// To the output stage: registrations.
+    outputs: mpsc::Sender<OutputEvent>,
+    /// Requests the output stage holds.
+    num_output_requests: Arc<AtomicUsize>,
     stats: Arc<EngineStats>,
-    pending: Arc<AtomicUsize>,
+    pending: Arc<PendingLoad>,
     next_id: AtomicU64,
     config: EngineConfig,
     vocab_size: usize,
-    /// For the output stage of each stream; `None`: outputs carry token ids only.
+    /// For the output stage of each request; `None`: outputs carry token ids only.
     tokenizer: Option<Arc<Tokenizer>>,
     /// The engine thread ends by itself once every sender (handles and streams) is gone.
     thread: JoinHandle<()>,
+    /// The output stage ends by itself once the engine thread and every handle and stream are.
+    output_thread: JoinHandle<()>,
 }
 
 impl EngineHandle {
@@ -131,23 +152,38 @@ impl EngineHandle {
         config: EngineConfig,
     ) -> Result<EngineHandle, EngineError> {
         let (tx, rx) = mpsc::channel();
+        let (outputs, outputs_rx) = mpsc::channel();
+        let (stops, stops_rx) = mpsc::channel();
         let stats = Arc::new(EngineStats::default());
-        let pending = Arc::new(AtomicUsize::new(0));
+        let pending = Arc::new(PendingLoad::default());
+        let num_output_requests = Arc::new(AtomicUsize::new(0));
         let runner = runner.into();
         let vocab_size = runner.config().vocab_size;
-        let engine = Engine::new(runner, &config, rx, Arc::clone(&stats), Arc::clone(&pending))?;
+        let channels = super::core::Channels { commands: rx, stops: stops_rx, outputs: outputs.clone() };
+        let engine = Engine::new(runner, &config, channels, Arc::clone(&stats), Arc::clone(&pending))?;
+        let stage = OutputStage::new(outputs_rx, stops, Arc::clone(&num_output_requests));
+        let output_thread = std::thread::Builder::new()
+            .name("ferrolm-output".into())
+            .spawn(move || stage.run())
+            .map_err(|_| EngineError::Stopped)?;
+        let stopped = EngineStoppedGuard(outputs.clone());
         let thread = std::thread::Builder::new()
             .name("ferrolm-engine".into())
             // NOTE: the step loop runs on a worker of its own rayon pool, so the ops' parallel
             // loops start without a cross-thread hand-off (12-15 us per op call otherwise).
-            .spawn(move || match rayon::ThreadPoolBuilder::new().thread_name(|i| format!("ferrolm-cpu-{i}")).build() {
-                Ok(pool) => pool.install(move || engine.run()),
-                Err(_) => engine.run(),
+            .spawn(move || {
+                let _stopped = stopped;
+                match rayon::ThreadPoolBuilder::new().thread_name(|i| format!("ferrolm-cpu-{i}")).build() {
+                    Ok(pool) => pool.install(move || engine.run()),
+                    Err(_) => engine.run(),
+                }
             })
             .map_err(|_| EngineError::Stopped)?;
         Ok(EngineHandle {
             inner: Arc::new(HandleInner {
                 tx,
+                outputs,
+                num_output_requests,
                 stats,
                 pending,
                 next_id: AtomicU64::new(1),
@@ -155,27 +191,34 @@ impl EngineHandle {
                 vocab_size,
                 tokenizer: tokenizer.into(),
                 thread,
+                output_thread,
             }),
         })
     }
 
-    /// Lets the engine thread end and waits up to `timeout` for it: when this returns true, the
-    /// model and the KV cache (device memory included) are freed. The thread ends once no handle
-    /// or stream is left and no request is unfinished, so this returns false at once while
-    /// another handle is alive (the engine keeps running for it), and after `timeout` while a
-    /// stream is.
+    /// Lets the engine thread and the output stage end and waits up to `timeout` for them: when
+    /// this returns true, the model and the KV cache (device memory included) are freed, and so
+    /// is every request's output state. The threads end once no handle or stream is left and no
+    /// request is unfinished, so this returns false at once while another handle is alive (the
+    /// engine keeps running for it), and after `timeout` while a stream is.
     pub fn shutdown(self, timeout: Duration) -> bool {
         let Ok(inner) = Arc::try_unwrap(self.inner) else { return false };
-        let HandleInner { tx, thread, .. } = inner;
-        drop(tx);
+        let HandleInner { tx, outputs, thread, output_thread, .. } = inner;
+        drop((tx, outputs));
         let deadline = Instant::now() + timeout;
-        while !thread.is_finished() {
+        while !(thread.is_finished() && output_thread.is_finished()) {
             if Instant::now() >= deadline {
                 return false;
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        thread.join().is_ok()
+        thread.join().is_ok() && output_thread.join().is_ok()
+    }
+
+    /// Whether the engine thread still runs: false once it has died (a panic in a step) and
+    /// nothing submitted will ever be answered.
+    pub fn is_running(&self) -> bool {
+        !self.inner.thread.is_finished()
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -190,9 +233,15 @@ impl EngineHandle {
         self.inner.stats.snapshot()
     }
 
-    /// Client requests accepted and not yet finished.
-    pub fn num_pending(&self) -> usize {
-        self.inner.pending.load(Ordering::Relaxed)
+    /// What the requests accepted and not yet finished weigh.
+    pub fn pending(&self) -> Load {
+        self.inner.pending.get()
+    }
+
+    /// Requests whose output state the output stage holds: registered, and not yet finished
+    /// there nor dropped. 0 once every request has ended and its stream was read or dropped.
+    pub fn num_output_requests(&self) -> usize {
+        self.inner.num_output_requests.load(Ordering::Relaxed)
     }
 
     /// Checks a request against the model and the engine's limits, and fills in `max_tokens`
@@ -231,35 +280,74 @@ impl EngineHandle {
     }
 
     /// Validates and queues a request; its outputs arrive on the returned stream.
-    pub fn submit(&self, mut request: GenerateRequest) -> Result<RequestStream, EngineError> {
-        let max_tokens = self.admit(&mut request)?;
-        let outputs = OutputProcessor::new(self.inner.tokenizer.as_ref(), &request.prompt_token_ids, &request.params)?;
-        let pending = self.inner.pending.fetch_add(1, Ordering::AcqRel);
-        if pending >= self.inner.config.max_pending_requests {
-            self.inner.pending.fetch_sub(1, Ordering::AcqRel);
-            return Err(EngineError::Overloaded { pending });
+    pub fn submit(&self, request: GenerateRequest) -> Result<RequestStream, EngineError> {
+        let mut streams = self.submit_all(vec![request])?;
+        streams.pop().ok_or(EngineError::Stopped)
+    }
+
+    /// Validates every request, then queues them all as one client request (the scheduler
+    /// admits client requests in turn, so a big one cannot starve those after it): all are
+    /// accepted or none, and a refusal costs no work on the engine thread. Their outputs arrive
+    /// on the returned streams, in order.
+    pub fn submit_all(&self, mut requests: Vec<GenerateRequest>) -> Result<Vec<RequestStream>, EngineError> {
+        let mut admitted = Vec::with_capacity(requests.len());
+        let mut load = Load::default();
+        for request in &mut requests {
+            let max_tokens = self.admit(request)?;
+            let processor =
+                OutputProcessor::new(self.inner.tokenizer.as_ref(), &request.prompt_token_ids, &request.params)?;
+            load = load.plus(Load::of_prompt(request.prompt_token_ids.len(), request.params.n));
+            admitted.push((max_tokens, processor));
         }
-        let client_id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let n = request.params.n;
-        let (tx, rx) = tokio_mpsc::unbounded_channel();
-        if self.inner.tx.send(Command::Add { client_id, request, max_tokens, tx }).is_err() {
-            self.inner.pending.fetch_sub(1, Ordering::AcqRel);
-            return Err(EngineError::Stopped);
+        let pending = &self.inner.pending;
+        pending
+            .try_reserve(load, self.inner.config.max_pending)
+            .map_err(|pending| EngineError::Overloaded { pending })?;
+        let group = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let mut unsent = load;
+        let mut streams = Vec::with_capacity(requests.len());
+        for (request, (max_tokens, processor)) in requests.into_iter().zip(admitted) {
+            let client_load = Load::of_prompt(request.prompt_token_ids.len(), request.params.n);
+            let client_id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+            let n = request.params.n;
+            // Registered before the engine hears of it, so that its outputs find their entry.
+            let (tx, rx) = tokio_mpsc::unbounded_channel();
+            if self.inner.outputs.send(OutputEvent::Register { client_id, processor, tx }).is_err() {
+                pending.release(unsent);
+                return Err(EngineError::Stopped);
+            }
+            let stream = RequestStream {
+                client_id,
+                rx,
+                remaining: n,
+                abort_tx: self.inner.tx.clone(),
+                outputs_tx: self.inner.outputs.clone(),
+            };
+            if self.inner.tx.send(Command::Add { client_id, group, request, max_tokens }).is_err() {
+                // This one and those after it never reached the engine (dropping its stream
+                // forgets the registration); those before are aborted, and released, as their
+                // streams drop.
+                pending.release(unsent);
+                return Err(EngineError::Stopped);
+            }
+            unsent = unsent.minus(client_load);
+            streams.push(stream);
         }
-        Ok(RequestStream { client_id, rx, remaining: n, abort_tx: self.inner.tx.clone(), outputs })
+        Ok(streams)
     }
 }
 
-/// The outputs of one submitted request, through its output stage (text, stop strings) on the
-/// reading side. Dropping it before every sequence finished aborts the request and frees its KV
-/// blocks.
+/// The outputs of one submitted request, as the output stage forwards them (text filled in, cut
+/// at stop strings). Dropping it before every sequence finished aborts the request and frees
+/// its KV blocks.
 pub struct RequestStream {
     client_id: u64,
     rx: tokio_mpsc::UnboundedReceiver<RequestOutput>,
     /// Sequences not finished yet.
     remaining: u32,
     abort_tx: mpsc::Sender<Command>,
-    outputs: OutputProcessor,
+    /// To the output stage, to forget the request when the stream is dropped early.
+    outputs_tx: mpsc::Sender<OutputEvent>,
 }
 
 impl RequestStream {
@@ -267,51 +355,40 @@ impl RequestStream {
         self.client_id
     }
 
-    /// Passes what the engine thread sent through the output stage: `Break` with the output to
-    /// return (`None` once the engine is gone), `Continue` when it was dropped.
-    fn process(&mut self, sent: Option<RequestOutput>) -> ControlFlow<Option<RequestOutput>> {
-        let Some(sent) = sent else {
-            self.remaining = 0;
-            return ControlFlow::Break(None);
-        };
-        let Some(Processed { output, stopped_here }) = self.outputs.process(sent) else {
-            return ControlFlow::Continue(());
-        };
-        if stopped_here {
-            let _ = self.abort_tx.send(Command::StopSequence { client_id: self.client_id, index: output.index });
+    /// Counts what was received: `None` (the output stage dropped the request: the engine is
+    /// gone) ends the stream.
+    fn received(&mut self, output: Option<RequestOutput>) -> Option<RequestOutput> {
+        match &output {
+            Some(out) if out.finish_reason.is_some() => self.remaining = self.remaining.saturating_sub(1),
+            Some(_) => {}
+            None => self.remaining = 0,
         }
-        if output.finish_reason.is_some() {
-            self.remaining = self.remaining.saturating_sub(1);
-        }
-        ControlFlow::Break(Some(output))
+        output
     }
 
     /// Next output, or `None` once every sequence finished.
     pub async fn recv(&mut self) -> Option<RequestOutput> {
-        while self.remaining > 0 {
-            let sent = self.rx.recv().await;
-            if let ControlFlow::Break(output) = self.process(sent) {
-                return output;
-            }
+        if self.remaining == 0 {
+            return None;
         }
-        None
+        let output = self.rx.recv().await;
+        self.received(output)
     }
 
     /// As [`RequestStream::recv`], blocking the calling (non-async) thread.
     pub fn blocking_recv(&mut self) -> Option<RequestOutput> {
-        while self.remaining > 0 {
-            let sent = self.rx.blocking_recv();
-            if let ControlFlow::Break(output) = self.process(sent) {
-                return output;
-            }
+        if self.remaining == 0 {
+            return None;
         }
-        None
+        let output = self.rx.blocking_recv();
+        self.received(output)
     }
 
     /// Aborts the request now.
     pub fn abort(&mut self) {
         if self.remaining > 0 {
             let _ = self.abort_tx.send(Command::Abort { client_id: self.client_id });
+            let _ = self.outputs_tx.send(OutputEvent::Forget { client_id: self.client_id });
             self.remaining = 0;
         }
     }

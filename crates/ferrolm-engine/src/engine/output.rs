@@ -1,22 +1,22 @@
-//! The output stage, off the engine thread (as vLLM v1's `OutputProcessor`): turns the token ids
-//! the engine thread sends for a request's sequences into text, detokenized incrementally and
-//! cut at stop strings. It runs on the caller's side of each [`RequestStream`], so the engine
-//! thread only schedules, launches, collects and updates, and detokenizing spreads over the
-//! callers' threads.
+//! The text of a request's outputs (as vLLM v1's `OutputProcessor`): turns the token ids the
+//! engine thread sends for a request's sequences into text, detokenized incrementally and cut
+//! at stop strings. It runs on the output stage's thread (`output_stage.rs`), off the engine
+//! thread and the callers', one processor per request; its stop strings are compiled once and
+//! shared by the request's sequences.
 //!
 //! Invariants:
 //! - The text of a sequence's outputs, concatenated, is its detokenized output cut before the
 //!   first stop string (a stop string ends it with `FinishReason::Stop`).
 //! - Once a sequence has finished here, later outputs of it are dropped: the tokens the engine
 //!   sampled before it heard of a stop string are never shown nor counted.
-//!
-//! [`RequestStream`]: super::RequestStream
+//! - The request is finished here once each of its sequences is.
 
 use std::sync::Arc;
 
-use ferrolm_sampling::{SamplingParams, StopChecker};
-use ferrolm_tokenizer::{IncrementalDetokenizer, Tokenizer, TokenizerError};
+use ferrolm_sampling::{SamplingParams, StopChecker, StopStrings};
+use ferrolm_tokenizer::{IncrementalDetokenizer, Tokenizer};
 
+use super::handle::EngineError;
 use super::state::RequestOutput;
 use crate::request::FinishReason;
 
@@ -24,6 +24,8 @@ use crate::request::FinishReason;
 pub(crate) struct OutputProcessor {
     /// By sequence index.
     sequences: Vec<SequenceText>,
+    /// Sequences not finished here yet.
+    num_unfinished: usize,
 }
 
 struct SequenceText {
@@ -47,16 +49,23 @@ impl OutputProcessor {
         tokenizer: Option<&Arc<Tokenizer>>,
         prompt_token_ids: &[u32],
         params: &SamplingParams,
-    ) -> Result<OutputProcessor, TokenizerError> {
-        let sequences = (0..params.n)
+    ) -> Result<OutputProcessor, EngineError> {
+        // Without text there is nothing to match: no automaton either.
+        let stops = if tokenizer.is_some() { StopStrings::new(&params.stop)? } else { StopStrings::default() };
+        let sequences: Vec<SequenceText> = (0..params.n)
             .map(|_| {
                 let detokenizer = tokenizer
                     .map(|t| IncrementalDetokenizer::new(Arc::clone(t), prompt_token_ids, params.skip_special_tokens))
                     .transpose()?;
-                Ok(SequenceText { detokenizer, stop: StopChecker::new(&params.stop), finished: false })
+                Ok(SequenceText { detokenizer, stop: StopChecker::new(stops.clone()), finished: false })
             })
-            .collect::<Result<_, TokenizerError>>()?;
-        Ok(OutputProcessor { sequences })
+            .collect::<Result<_, EngineError>>()?;
+        Ok(OutputProcessor { num_unfinished: sequences.len(), sequences })
+    }
+
+    /// Every sequence has finished here: nothing more will be let through.
+    pub(crate) fn is_finished(&self) -> bool {
+        self.num_unfinished == 0
     }
 
     /// Fills in the text of an output from the engine thread; `None` when the output's
@@ -67,7 +76,10 @@ impl OutputProcessor {
             return None;
         }
         let engine_finished = output.finish_reason.is_some();
-        seq.finished = engine_finished;
+        if engine_finished {
+            seq.finished = true;
+            self.num_unfinished -= 1;
+        }
         // An end without a token (an abort, a failed step) carries no text.
         if output.token_ids.is_empty() {
             return Some(Processed { output, stopped_here: false });
@@ -85,7 +97,10 @@ impl OutputProcessor {
         output.text = result.emit;
         if result.stopped {
             output.finish_reason = Some(FinishReason::Stop);
-            seq.finished = true;
+            if !engine_finished {
+                seq.finished = true;
+                self.num_unfinished -= 1;
+            }
         } else if engine_finished {
             output.text.push_str(&seq.stop.flush());
         }
@@ -95,6 +110,8 @@ impl OutputProcessor {
 
 #[cfg(test)]
 mod tests {
+    use ferrolm_tokenizer::TokenizerError;
+
     use super::*;
 
     fn tokenizer() -> Result<Arc<Tokenizer>, TokenizerError> {
@@ -122,7 +139,7 @@ mod tests {
     }
 
     #[test]
-    fn text_is_cut_at_a_stop_string_and_later_tokens_are_dropped() -> Result<(), TokenizerError> {
+    fn text_is_cut_at_a_stop_string_and_later_tokens_are_dropped() -> Result<(), EngineError> {
         let tok = tokenizer()?;
         let ids = tok.encode("hello world, hello moon", false)?;
         let full = tok.decode(&ids, true)?;
@@ -140,7 +157,7 @@ mod tests {
     }
 
     #[test]
-    fn without_a_stop_the_whole_text_comes_through() -> Result<(), TokenizerError> {
+    fn without_a_stop_the_whole_text_comes_through() -> Result<(), EngineError> {
         let tok = tokenizer()?;
         let ids = tok.encode("hello world", false)?;
         let params = SamplingParams { stop: vec!["world!".into()], ..SamplingParams::default() };
@@ -156,7 +173,7 @@ mod tests {
     }
 
     #[test]
-    fn sequences_are_apart_and_ends_without_tokens_pass_through() -> Result<(), TokenizerError> {
+    fn sequences_are_apart_and_ends_without_tokens_pass_through() -> Result<(), EngineError> {
         let tok = tokenizer()?;
         let ids = tok.encode("a b", false)?;
         let params = SamplingParams { n: 2, stop: vec![" b".into()], ..SamplingParams::default() };
@@ -168,6 +185,13 @@ mod tests {
         let out = processor.process(token(0, ids[0], None)).map(|p| p.output.finish_reason);
         assert_eq!(out, Some(None), "sequence 0 runs on");
         assert!(processor.process(token(7, ids[0], None)).is_none(), "no such sequence");
+        assert!(!processor.is_finished());
+        let stopped = ids
+            .iter()
+            .filter_map(|&id| processor.process(token(0, id, None)))
+            .any(|p| p.output.finish_reason == Some(FinishReason::Stop) && p.stopped_here);
+        assert!(stopped, "sequence 0 stops at \" b\"");
+        assert!(processor.is_finished(), "both sequences have ended");
         Ok(())
     }
 

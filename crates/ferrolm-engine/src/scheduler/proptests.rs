@@ -27,6 +27,8 @@ struct Arrival {
     max_tokens: usize,
     stop: bool,
     prompt_logprobs: bool,
+    /// The client request it belongs to, which admission takes turns by.
+    group: u64,
 }
 
 #[derive(Clone, Debug)]
@@ -49,8 +51,8 @@ struct Scenario {
 }
 
 fn arrival() -> impl Strategy<Value = Arrival> {
-    (0..3u32, 0..24usize, 0..16usize, any::<u32>(), 1..16usize, any::<bool>(), prop::bool::weighted(0.1)).prop_map(
-        |(base, shared, tail_len, tail_seed, max_tokens, stop, prompt_logprobs)| Arrival {
+    (0..3u32, 0..24usize, 0..16usize, any::<u32>(), 1..16usize, any::<bool>(), prop::bool::weighted(0.1), 0..3u64)
+        .prop_map(|(base, shared, tail_len, tail_seed, max_tokens, stop, prompt_logprobs, group)| Arrival {
             base,
             shared,
             tail_len,
@@ -58,8 +60,8 @@ fn arrival() -> impl Strategy<Value = Arrival> {
             max_tokens,
             stop,
             prompt_logprobs,
-        },
-    )
+            group,
+        })
 }
 
 fn event() -> impl Strategy<Value = Event> {
@@ -354,7 +356,8 @@ fn run(scenario: &Scenario) -> Result<(), TestCaseError> {
                     let want = expected_admission(cfg, id, p.len(), a.max_tokens);
                     let request = Request::new(id, p.clone(), a.max_tokens)
                         .with_stop_token_ids(stop.clone())
-                        .with_prompt_logprobs(a.prompt_logprobs);
+                        .with_prompt_logprobs(a.prompt_logprobs)
+                        .with_group(a.group);
                     prop_assert_eq!(s.add_request(request), want.clone());
                     if want.is_ok() {
                         expected.insert(id, reference_outputs(&p, a.max_tokens, &stop, VOCAB));

@@ -560,3 +560,22 @@ fn prompt_chunks_go_ahead_but_nothing_past_the_pool() -> TestResult {
     assert_eq!(s.kv_cache_manager().block_pool().num_free_blocks(), 0);
     Ok(())
 }
+
+/// One client request of many sequences holds every seat; a later client request's one
+/// sequence is admitted with the next seats that free, ahead of the big request's others.
+#[test]
+fn a_small_client_request_is_not_starved_behind_a_big_one() -> TestResult {
+    let cfg = SchedulerConfig { max_num_seqs: 2, ..config(100, 16, 64) };
+    let mut s = Scheduler::new(cfg)?;
+    for id in 0..6 {
+        s.add_request(req(id, seq(100 * id as u32, 4), 1).with_group(1000))?;
+    }
+    let (out, finished) = step(&mut s)?;
+    assert_eq!(summary(&out), vec![(0, 0, 4), (1, 0, 4)]);
+    assert_eq!(finished.len(), 2);
+    s.add_request(req(50, seq(5000, 4), 3).with_group(2000))?;
+    assert_eq!(s.waiting().map(|r| r.0).collect::<Vec<_>>(), vec![2, 50, 3, 4, 5], "groups take turns");
+    let (out, _) = step(&mut s)?;
+    assert_eq!(summary(&out), vec![(2, 0, 4), (50, 0, 4)], "the other group's turn comes next");
+    Ok(())
+}

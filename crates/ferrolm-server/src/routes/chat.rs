@@ -5,16 +5,17 @@
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::response::Response;
 use ferrolm_engine::RequestOutput;
+use ferrolm_sampling::MAX_LOGPROBS;
 use ferrolm_tokenizer::Tokenizer;
 
 use super::{request_id, unix_now};
-use crate::chat_prompt::{self, ChatPromptOptions};
+use crate::chat_prompt::Conversation;
 use crate::error::ApiError;
 use crate::generation::{client_finish_reason, Generation};
 use crate::json::ApiJson;
+use crate::limits::PromptShape;
 use crate::logprobs::chat_token_logprob;
 use crate::protocol::chat::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
@@ -22,7 +23,7 @@ use crate::protocol::chat::{
 };
 use crate::protocol::completions::UsageField;
 use crate::protocol::{check_model, StreamOptions, Usage};
-use crate::sse::{self, to_json, ChunkFormat};
+use crate::sse::{self, json_response, to_json, ChunkFormat};
 use crate::state::SharedState;
 
 struct Shape {
@@ -44,21 +45,33 @@ pub async fn create(
     if req.top_logprobs.is_some() && !logprobs {
         return Err(ApiError::invalid("top_logprobs needs logprobs set to true", Some("top_logprobs")));
     }
+    if let Some(top) = req.top_logprobs.filter(|&t| t > MAX_LOGPROBS) {
+        return Err(ApiError::invalid(
+            format!("top_logprobs must be in [0, {MAX_LOGPROBS}], got {top}"),
+            Some("top_logprobs"),
+        ));
+    }
     check_text_reply(&req)?;
     let stream = req.stream.unwrap_or(false);
     let include_usage = StreamOptions::include_usage(req.stream_options.as_ref(), stream)?;
-    let options = ChatPromptOptions {
-        add_generation_prompt: req.add_generation_prompt,
-        continue_final_message: req.continue_final_message,
-        tools: req.tools.as_ref(),
-        chat_template_kwargs: req.chat_template_kwargs.as_ref(),
-    };
-    let prompt = chat_prompt::prompt_ids(&state.tokenizer, &req.messages, options)?;
     let mut sampling = req.take_sampling();
     sampling.max_tokens = req.max_completion_tokens.or(sampling.max_tokens);
     sampling.logprobs = logprobs.then(|| req.top_logprobs.unwrap_or(0));
     // No route default: an unset length runs to the end of the context, as vLLM does.
     let sampling = sampling.resolve(&state.defaults, None)?;
+    let limits = &state.config.limits;
+    let request_shape = PromptShape { num_prompts: 1, n: sampling.params.n as usize, echo_logprobs: false };
+    limits.check_sequences(request_shape)?;
+    let conversation = Conversation {
+        messages: std::mem::take(&mut req.messages),
+        add_generation_prompt: req.add_generation_prompt,
+        continue_final_message: req.continue_final_message,
+        tools: req.tools.take(),
+        chat_template_kwargs: req.chat_template_kwargs.take(),
+    };
+    let (tokenizer, max_model_len) = (Arc::clone(&state.tokenizer), state.engine.max_model_len());
+    let prompt = state.work.run(move || conversation.prompt_ids(&tokenizer, max_model_len)).await?;
+    limits.check_prompt_tokens(request_shape, &[prompt.len()], true)?;
     let shape = Shape {
         id: request_id("chatcmpl"),
         created: unix_now(),
@@ -72,7 +85,8 @@ pub async fn create(
         return Ok(sse::respond(generation, ChatStream { shape, include_usage }));
     }
     generation.run_to_end().await?;
-    Ok(Json(shape.response(&generation)).into_response())
+    // Text and logprobs of every choice, decoded and serialized: off the async threads.
+    state.work.run(move || Ok(json_response(to_json(&shape.response(&generation))?))).await
 }
 
 impl Shape {

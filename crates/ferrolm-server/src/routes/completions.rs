@@ -4,8 +4,7 @@
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::response::Response;
 use ferrolm_engine::RequestOutput;
 use ferrolm_tokenizer::Tokenizer;
 
@@ -13,12 +12,13 @@ use super::{request_id, unix_now};
 use crate::error::ApiError;
 use crate::generation::{client_finish_reason, Generation};
 use crate::json::ApiJson;
+use crate::limits::{check_text_fits, PromptShape};
 use crate::logprobs::CompletionLogprobsBuilder;
 use crate::protocol::completions::{
     CompletionChoice, CompletionChunk, CompletionRequest, CompletionResponse, UsageField,
 };
 use crate::protocol::{check_model, PromptInput, StreamOptions, Usage};
-use crate::sse::{self, to_json, ChunkFormat};
+use crate::sse::{self, json_response, to_json, ChunkFormat};
 use crate::state::SharedState;
 
 /// OpenAI's default length for this route, when neither the client nor the model chose one.
@@ -56,23 +56,34 @@ pub async fn create(
     sampling.prompt_logprobs = if echo { req.logprobs } else { None };
     let sampling = sampling.resolve(&state.defaults, Some(DEFAULT_MAX_TOKENS))?;
 
+    let limits = &state.config.limits;
+    let request_shape = PromptShape {
+        num_prompts: req.prompt.0.len(),
+        n: sampling.params.n as usize,
+        echo_logprobs: sampling.params.prompt_logprobs.is_some(),
+    };
+    limits.check_sequences(request_shape)?;
     let tokenizer = Arc::clone(&state.tokenizer);
-    let mut prompts = Vec::with_capacity(req.prompt.0.len());
-    let mut prompt_texts = Vec::with_capacity(req.prompt.0.len());
-    for prompt in req.prompt.0 {
-        match prompt {
-            PromptInput::Text(text) => {
-                prompts.push(tokenizer.encode(&text, true)?);
-                prompt_texts.push(text);
-            }
-            PromptInput::Ids(ids) => {
-                let text =
-                    if echo { tokenizer.decode(&ids, sampling.params.skip_special_tokens)? } else { String::new() };
-                prompts.push(ids);
-                prompt_texts.push(text);
-            }
-        }
-    }
+    let max_model_len = state.engine.max_model_len();
+    let at_least = req
+        .prompt
+        .0
+        .iter()
+        .map(|prompt| match prompt {
+            PromptInput::Text(text) => check_text_fits(&tokenizer, text, max_model_len, "prompt"),
+            PromptInput::Ids(ids) => Ok(ids.len()),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    limits.check_prompt_tokens(request_shape, &at_least, false)?;
+    let skip_special_tokens = sampling.params.skip_special_tokens;
+    let (prompts, prompt_texts) = state
+        .work
+        .run({
+            let tokenizer = Arc::clone(&tokenizer);
+            move || tokenize_prompts(&tokenizer, req.prompt.0, echo.then_some(skip_special_tokens))
+        })
+        .await?;
+    limits.check_prompt_tokens(request_shape, &prompts.iter().map(Vec::len).collect::<Vec<_>>(), true)?;
     let shape = Shape {
         id: request_id("cmpl"),
         created: unix_now(),
@@ -89,7 +100,36 @@ pub async fn create(
         return Ok(sse::respond(generation, CompletionStream { shape, include_usage, builders }));
     }
     generation.run_to_end().await?;
-    Ok(Json(shape.response(&generation)).into_response())
+    // Text and logprobs of every choice, decoded and serialized: off the async threads.
+    state.work.run(move || Ok(json_response(to_json(&shape.response(&generation))?))).await
+}
+
+/// Each prompt's ids and the text an echo shows (decoded from ids with `decode_echo`'s
+/// `skip_special_tokens`; empty without an echo).
+fn tokenize_prompts(
+    tokenizer: &Tokenizer,
+    prompts: Vec<PromptInput>,
+    decode_echo: Option<bool>,
+) -> Result<(Vec<Vec<u32>>, Vec<String>), ApiError> {
+    let mut ids = Vec::with_capacity(prompts.len());
+    let mut texts = Vec::with_capacity(prompts.len());
+    for prompt in prompts {
+        match prompt {
+            PromptInput::Text(text) => {
+                ids.push(tokenizer.encode(&text, true)?);
+                texts.push(text);
+            }
+            PromptInput::Ids(prompt_ids) => {
+                let text = match decode_echo {
+                    Some(skip_special_tokens) => tokenizer.decode(&prompt_ids, skip_special_tokens)?,
+                    None => String::new(),
+                };
+                ids.push(prompt_ids);
+                texts.push(text);
+            }
+        }
+    }
+    Ok((ids, texts))
 }
 
 impl Shape {

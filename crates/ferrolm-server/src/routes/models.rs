@@ -5,6 +5,9 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
+use ferrolm_engine::EngineError;
+
+use crate::error::ApiError;
 use crate::protocol::models::{ModelCard, ModelList};
 use crate::state::SharedState;
 
@@ -24,10 +27,14 @@ pub async fn list(State(state): State<SharedState>) -> Json<ModelList> {
     })
 }
 
-/// 200 while the server runs; the engine thread is reached only through its queue, so a
-/// stopped engine shows as failing requests rather than here.
-pub async fn health() -> StatusCode {
-    StatusCode::OK
+/// 200 while the engine thread runs; 503 with an error body once it has died, so that a load
+/// balancer takes the server out rather than send it requests that cannot be answered.
+pub async fn health(State(state): State<SharedState>) -> Response {
+    if state.engine.is_running() {
+        return StatusCode::OK.into_response();
+    }
+    let body = serde_json::json!({ "error": ApiError::Engine(EngineError::Stopped).body() });
+    (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
 }
 
 pub async fn metrics(State(state): State<SharedState>) -> Response {

@@ -7,9 +7,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ferrolm_engine::{EngineConfig, EngineHandle, EngineStatsSnapshot, SchedulerConfig};
-use ferrolm_model::{GenerationConfig, Model};
+use ferrolm_engine::{EngineConfig, EngineHandle, EngineStatsSnapshot, Load, SchedulerConfig};
+use ferrolm_model::{CpuRunner, GenerationConfig, Model, ModelConfig, ModelError, ModelInput, ModelRunner};
 use ferrolm_sampling::GenerationDefaults;
+use ferrolm_sampling::{RowRequest, TokenLogprobs};
+use ferrolm_server::limits::RequestLimits;
 use ferrolm_server::{ConnectionLimits, Server, ServerConfig, ServerError};
 use ferrolm_tokenizer::Tokenizer;
 use serde_json::Value;
@@ -43,11 +45,14 @@ pub struct Options {
     pub max_model_len: usize,
     pub num_blocks: usize,
     pub max_num_seqs: usize,
-    pub max_pending_requests: usize,
+    pub max_pending: Load,
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
     pub shutdown_grace_period: Duration,
     pub connections: ConnectionLimits,
+    pub limits: RequestLimits,
+    /// The engine thread panics in this step (1 is the first), to check how a dead engine shows.
+    pub panic_at_step: Option<usize>,
 }
 
 impl Default for Options {
@@ -58,11 +63,13 @@ impl Default for Options {
             max_model_len: 512,
             num_blocks: 1024,
             max_num_seqs: 64,
-            max_pending_requests: 64,
+            max_pending: Load { sequences: 64, prompt_tokens: 1 << 20 },
             api_key: None,
             max_body_bytes: 32 << 20,
             shutdown_grace_period: Duration::from_secs(30),
             connections: ConnectionLimits::default(),
+            limits: RequestLimits::default(),
+            panic_at_step: None,
         }
     }
 }
@@ -97,9 +104,12 @@ pub fn load(dir: &Path, opts: &Options) -> (EngineHandle, Arc<Tokenizer>, Genera
         max_prompt_logprob_rows: 256,
         enable_prefix_caching: true,
     };
-    let config =
-        EngineConfig { scheduler, max_pending_requests: opts.max_pending_requests, eos_token_ids, overlap_steps: true };
-    let engine = EngineHandle::start(model, Arc::clone(&tokenizer), config).expect("engine");
+    let config = EngineConfig { scheduler, max_pending: opts.max_pending, eos_token_ids, overlap_steps: true };
+    let runner: Box<dyn ModelRunner> = match opts.panic_at_step {
+        Some(at) => Box::new(PanickingRunner { inner: CpuRunner::new(model), steps: 0, at }),
+        None => model.into(),
+    };
+    let engine = EngineHandle::start(runner, Arc::clone(&tokenizer), config).expect("engine");
     (engine, tokenizer, generation.defaults)
 }
 
@@ -114,6 +124,8 @@ pub async fn start(opts: Options) -> TestServer {
         max_body_bytes: opts.max_body_bytes,
         shutdown_grace_period: opts.shutdown_grace_period,
         connections: opts.connections.clone(),
+        limits: opts.limits,
+        ..ServerConfig::new(MODEL_NAME)
     };
     let server = Server::bind(engine.clone(), Arc::clone(&tokenizer), defaults, config).await.expect("bind");
     let addr = server.local_addr().expect("local address");
@@ -192,10 +204,10 @@ pub async fn wait_idle(engine: &EngineHandle) -> EngineStatsSnapshot {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let s = engine.stats();
-        if s.num_running == 0 && s.num_waiting == 0 && s.kv_usage == 0.0 && engine.num_pending() == 0 {
+        if s.num_running == 0 && s.num_waiting == 0 && s.kv_usage == 0.0 && engine.pending() == Load::default() {
             return s;
         }
-        assert!(Instant::now() < deadline, "engine did not go idle: {s:?}, pending {}", engine.num_pending());
+        assert!(Instant::now() < deadline, "engine did not go idle: {s:?}, pending {:?}", engine.pending());
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
@@ -216,4 +228,35 @@ pub fn error_of(body: &Value) -> &Value {
 
 pub fn u32s(v: &Value) -> Vec<u32> {
     ids(v)
+}
+
+/// A CPU runner whose step `at` panics, killing the engine thread.
+struct PanickingRunner {
+    inner: CpuRunner,
+    steps: usize,
+    at: usize,
+}
+
+impl ModelRunner for PanickingRunner {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+
+    fn device(&self) -> String {
+        "a runner that panics".into()
+    }
+
+    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), ModelError> {
+        self.inner.allocate_kv_cache(num_blocks, block_size)
+    }
+
+    fn launch(&mut self, input: &ModelInput, rows: &[RowRequest<'_>]) -> Result<(), ModelError> {
+        self.steps += 1;
+        assert!(self.steps != self.at, "step {} panics on purpose", self.at);
+        self.inner.launch(input, rows)
+    }
+
+    fn collect(&mut self) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
+        self.inner.collect()
+    }
 }

@@ -98,14 +98,15 @@ pub fn dtype_name(dtype: DType) -> &'static str {
     }
 }
 
-/// Loads (or builds) the model and starts an engine on it; dropping the handle frees the model. `max_pending` raises the engine's
-/// backpressure limit so that a whole offline batch can be queued at once; `longest` (prompt +
+/// Loads (or builds) the model and starts an engine on it; dropping the handle frees the model. `max_pending` (requests of one
+/// sequence and at most `longest` tokens) raises the engine's backpressure limits so that a whole offline batch can be queued at once; `longest` (prompt +
 /// output tokens of the longest request) is the default `--max-model-len`, so that the KV cache
 /// is not sized for a 128K context that the benchmark never uses.
 pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(EngineHandle, BenchModel)> {
     let started = Instant::now();
     let mut engine_args = args.engine.clone();
-    engine_args.max_pending_requests = engine_args.max_pending_requests.max(max_pending);
+    engine_args.max_pending_sequences = engine_args.max_pending_sequences.max(max_pending);
+    engine_args.max_pending_tokens = engine_args.max_pending_tokens.max(max_pending.saturating_mul(longest));
 
     let dir = args.engine.model.clone();
     let (config, source) = match (&args.model_config, &dir) {
