@@ -37,6 +37,19 @@ pub enum ApiError {
     Tokenizer(#[from] TokenizerError),
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// Transport level: a request line or header hyper could not parse, or a bad `Content-Length`.
+    #[error("{0}")]
+    MalformedRequest(String),
+    #[error("the request head is too large: at most {max_bytes} bytes and {max_headers} headers are accepted")]
+    HeadTooLarge { max_bytes: usize, max_headers: usize },
+    #[error("the request URI is too long")]
+    UriTooLong,
+    #[error("the request head did not arrive within {timeout_s} s")]
+    HeadTimeout { timeout_s: f64 },
+    #[error("the request body did not arrive within {timeout_s} s")]
+    BodyTimeout { timeout_s: f64 },
+    #[error("the server has {limit} connections open, its limit: retry later")]
+    TooManyConnections { limit: usize },
     #[error("internal server error: {0}")]
     Internal(String),
 }
@@ -91,7 +104,11 @@ impl ApiError {
                 | TokenizerError::ChatTemplateRaised(_) => StatusCode::BAD_REQUEST,
                 _ => StatusCode::INTERNAL_SERVER_ERROR,
             },
-            E::ShuttingDown => StatusCode::SERVICE_UNAVAILABLE,
+            E::ShuttingDown | E::TooManyConnections { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            E::MalformedRequest(_) => StatusCode::BAD_REQUEST,
+            E::HeadTooLarge { .. } => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            E::UriTooLong => StatusCode::URI_TOO_LONG,
+            E::HeadTimeout { .. } | E::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             E::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -123,6 +140,11 @@ impl ApiError {
             ApiError::MethodNotAllowed { .. } => Some("method_not_allowed"),
             ApiError::PayloadTooLarge { .. } => Some("request_too_large"),
             ApiError::Unauthorized => Some("invalid_api_key"),
+            ApiError::MalformedRequest(_) => Some("malformed_request"),
+            ApiError::HeadTooLarge { .. } => Some("request_header_fields_too_large"),
+            ApiError::UriTooLong => Some("uri_too_long"),
+            ApiError::HeadTimeout { .. } | ApiError::BodyTimeout { .. } => Some("request_timeout"),
+            ApiError::TooManyConnections { .. } => Some("too_many_connections"),
             ApiError::Engine(EngineError::Overloaded { .. }) => Some("overloaded"),
             ApiError::Engine(EngineError::TooLong { .. } | EngineError::PromptTooLong { .. }) => {
                 Some("context_length_exceeded")
@@ -186,6 +208,12 @@ mod tests {
             (ApiError::Tokenizer(TokenizerError::UnknownTokenId { id: 330, vocab_size: 320 }), 400),
             (ApiError::Tokenizer(TokenizerError::ChatTemplateRaised("no system role".into())), 400),
             (ApiError::Internal("boom".into()), 500),
+            (ApiError::MalformedRequest("bad".into()), 400),
+            (ApiError::HeadTooLarge { max_bytes: 1, max_headers: 1 }, 431),
+            (ApiError::UriTooLong, 414),
+            (ApiError::HeadTimeout { timeout_s: 1.0 }, 408),
+            (ApiError::BodyTimeout { timeout_s: 1.0 }, 408),
+            (ApiError::TooManyConnections { limit: 1 }, 503),
         ];
         for (err, status) in cases {
             assert_eq!(err.status().as_u16(), status, "{err}");

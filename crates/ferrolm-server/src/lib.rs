@@ -12,12 +12,16 @@
 //!   `work_pool`: the threads that tokenize, off the async ones.
 //! - [`error`]: the one mapping from every error to a status and an OpenAI-shaped body.
 //! - [`metrics`]: Prometheus metrics with vLLM's names.
+//! - `conn`: the accept loop and each connection under the router: timeouts, the connection
+//!   cap, half-close, OpenAI-shaped transport errors, the drain at shutdown.
+//! - [`signals`]: the first SIGINT/SIGTERM drains, the second exits at once.
 //!
 //! The server never touches engine state: it submits requests through an [`EngineHandle`] and
 //! reads their output streams. Dropping a stream aborts its request, so a client that goes
 //! away (its handler future or response body dropped) frees its KV blocks.
 
 mod chat_prompt;
+mod conn;
 pub mod error;
 mod generation;
 mod json;
@@ -27,11 +31,12 @@ pub mod metrics;
 pub mod params;
 pub mod protocol;
 pub mod routes;
+pub mod signals;
 mod sse;
 mod state;
 mod work_pool;
 
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -40,10 +45,13 @@ use ferrolm_engine::EngineHandle;
 use ferrolm_sampling::GenerationDefaults;
 use ferrolm_tokenizer::Tokenizer;
 use tokio::net::TcpListener;
-use tokio::sync::{oneshot, watch};
+use tokio::sync::watch;
 
+pub use conn::fd_limit::{raise_open_files_limit, OpenFilesLimit};
+pub use conn::ConnectionLimits;
 pub use error::ApiError;
 use limits::RequestLimits;
+pub use signals::{shutdown_signal, StopSignal};
 use state::AppState;
 use work_pool::WorkPool;
 
@@ -62,6 +70,8 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// After a shutdown signal, how long in-flight requests may run before they are aborted.
     pub shutdown_grace_period: Duration,
+    /// Timeouts and caps on client connections.
+    pub connections: ConnectionLimits,
     /// What one request may ask for.
     pub limits: RequestLimits,
     /// Threads that tokenize prompts and render chat templates.
@@ -77,6 +87,7 @@ impl ServerConfig {
             served_model_name: served_model_name.into(),
             max_body_bytes: 32 << 20,
             shutdown_grace_period: Duration::from_secs(30),
+            connections: ConnectionLimits::default(),
             limits: RequestLimits::default(),
             tokenizer_threads: WorkPool::default_threads(),
         }
@@ -89,6 +100,8 @@ pub enum ServerError {
     Bind { addr: String, source: std::io::Error },
     #[error("server I/O error: {0}")]
     Io(#[from] std::io::Error),
+    #[error("invalid connection limits: {0}")]
+    Limits(String),
     #[error("cannot start the tokenizer threads: {0}")]
     Threads(#[from] rayon::ThreadPoolBuildError),
 }
@@ -107,6 +120,7 @@ impl Server {
         defaults: GenerationDefaults,
         config: ServerConfig,
     ) -> Result<Server, ServerError> {
+        config.connections.validate().map_err(ServerError::Limits)?;
         let addr = format!("{}:{}", config.host, config.port);
         let listener = TcpListener::bind((config.host.as_str(), config.port))
             .await
@@ -123,8 +137,9 @@ impl Server {
         Ok(self.listener.local_addr()?)
     }
 
-    /// Serves until `shutdown` resolves; then stops accepting connections, lets in-flight
-    /// requests finish for the grace period, aborts those still running, and returns.
+    /// Serves until `shutdown` resolves; then stops accepting connections, closes those awaiting
+    /// a request, lets in-flight requests finish for the grace period, aborts those still
+    /// running, and returns.
     pub async fn run(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<(), ServerError> {
         let Server { listener, state, abort_tx } = self;
         let grace = state.config.shutdown_grace_period;
@@ -138,29 +153,20 @@ impl Server {
                 }
             }
         });
-        let (began_tx, began_rx) = oneshot::channel();
-        let signal = async move {
-            shutdown.await;
-            tracing::info!("shutting down: no new connections; waiting for requests in flight");
-            let _ = began_tx.send(());
-        };
-        let app = routes::router(state);
-        let server = axum::serve(listener, app).with_graceful_shutdown(signal).into_future();
-        let mut server = std::pin::pin!(server);
-        let result = tokio::select! {
-            result = &mut server => result,
-            _ = began_rx => match tokio::time::timeout(grace, &mut server).await {
-                Ok(result) => result,
-                Err(_) => {
-                    tracing::warn!(grace_s = grace.as_secs_f64(), "grace period over: aborting requests in flight");
-                    let _ = abort_tx.send(true);
-                    // Aborted handlers end their responses at once; do not wait on a stuck client.
-                    tokio::time::timeout(Duration::from_secs(5), &mut server).await.unwrap_or(Ok(()))
-                }
-            },
-        };
+        let connections =
+            conn::accept::Connections::new(routes::router(Arc::clone(&state)), state.config.connections.clone());
+        connections.accept_until(listener, shutdown).await;
+        tracing::info!("shutting down: no new connections; waiting for requests in flight");
+        connections.drain();
+        if tokio::time::timeout(grace, connections.closed()).await.is_err() {
+            tracing::warn!(grace_s = grace.as_secs_f64(), "grace period over: aborting requests in flight");
+            let _ = abort_tx.send(true);
+            // Aborted handlers end their responses at once; do not wait on a stuck client.
+            let _ = tokio::time::timeout(Duration::from_secs(5), connections.closed()).await;
+        }
+        connections.close_all();
         upkeep.abort();
-        result.map_err(ServerError::Io)
+        Ok(())
     }
 }
 
@@ -177,30 +183,4 @@ pub async fn serve(
     println!("ferrolm: serving on http://{addr}");
     tracing::info!(%addr, "listening");
     server.run(shutdown).await
-}
-
-/// A future that resolves on SIGINT (Ctrl-C) or SIGTERM. The handlers are installed when this
-/// is called (inside a Tokio runtime), so a signal that arrives before the server polls the
-/// future is not lost and does not kill the process.
-#[cfg(unix)]
-pub fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut interrupt = signal(SignalKind::interrupt())?;
-    let mut terminate = signal(SignalKind::terminate())?;
-    Ok(async move {
-        tokio::select! {
-            _ = interrupt.recv() => {},
-            _ = terminate.recv() => {},
-        }
-    })
-}
-
-/// A future that resolves on Ctrl-C.
-#[cfg(not(unix))]
-pub fn shutdown_signal() -> std::io::Result<impl Future<Output = ()> + Send + 'static> {
-    Ok(async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    })
 }

@@ -12,7 +12,7 @@ use ferrolm_model::{CpuRunner, GenerationConfig, Model, ModelConfig, ModelError,
 use ferrolm_sampling::GenerationDefaults;
 use ferrolm_sampling::{RowRequest, TokenLogprobs};
 use ferrolm_server::limits::RequestLimits;
-use ferrolm_server::{Server, ServerConfig, ServerError};
+use ferrolm_server::{ConnectionLimits, Server, ServerConfig, ServerError};
 use ferrolm_tokenizer::Tokenizer;
 use serde_json::Value;
 use tokio::sync::oneshot;
@@ -49,6 +49,7 @@ pub struct Options {
     pub api_key: Option<String>,
     pub max_body_bytes: usize,
     pub shutdown_grace_period: Duration,
+    pub connections: ConnectionLimits,
     pub limits: RequestLimits,
     /// The engine thread panics in this step (1 is the first), to check how a dead engine shows.
     pub panic_at_step: Option<usize>,
@@ -66,6 +67,7 @@ impl Default for Options {
             api_key: None,
             max_body_bytes: 32 << 20,
             shutdown_grace_period: Duration::from_secs(30),
+            connections: ConnectionLimits::default(),
             limits: RequestLimits::default(),
             panic_at_step: None,
         }
@@ -121,6 +123,7 @@ pub async fn start(opts: Options) -> TestServer {
         served_model_name: MODEL_NAME.into(),
         max_body_bytes: opts.max_body_bytes,
         shutdown_grace_period: opts.shutdown_grace_period,
+        connections: opts.connections.clone(),
         limits: opts.limits,
         ..ServerConfig::new(MODEL_NAME)
     };
