@@ -27,6 +27,7 @@ mod generation;
 mod json;
 pub mod limits;
 mod logprobs;
+mod memory;
 pub mod metrics;
 pub mod params;
 pub mod protocol;
@@ -150,6 +151,7 @@ impl Server {
                 loop {
                     every.tick().await;
                     state.metrics.run_upkeep();
+                    memory::release_free_memory();
                 }
             }
         });
