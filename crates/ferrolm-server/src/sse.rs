@@ -133,7 +133,15 @@ async fn stream_chunks(
             }
             let (choice, out) = deferred.remove(i);
             let first = !std::mem::replace(&mut started[choice], true);
-            for chunk in format.chunks(generation, choice, &out, first)? {
+            // A choice's first chunk of an echo with logprobs decodes every prompt row's top
+            // tokens: thousands of rows, built while this worker's other tasks move elsewhere.
+            let heavy = first && format.needs_prompt_logprobs();
+            let chunks = if heavy {
+                off_the_async_worker(|| format.chunks(generation, choice, &out, first))?
+            } else {
+                format.chunks(generation, choice, &out, first)?
+            };
+            for chunk in chunks {
                 send(tx, chunk).await?;
             }
         }
@@ -148,6 +156,18 @@ async fn stream_chunks(
 /// The server aborted the request (its shutdown grace period is over): every choice still going
 /// ends with `finish_reason: "abort"`, then comes the usage chunk if one was asked for, so that
 /// the client learns how its stream ended and what it was billed.
+/// Runs CPU-heavy work in a stream's task after handing the worker's other tasks to other
+/// threads (on the multi-threaded runtime the server uses; inline elsewhere).
+fn off_the_async_worker<T>(work: impl FnOnce() -> T) -> T {
+    let multi_thread = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if multi_thread {
+        tokio::task::block_in_place(work)
+    } else {
+        work()
+    }
+}
+
 /// Where a stream stands when the server aborts it: which choices have sent a chunk, and the
 /// outputs still held back for their prompt's logprobs.
 struct Pending<'a> {
