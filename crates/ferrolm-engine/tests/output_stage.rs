@@ -21,16 +21,7 @@ fn fixture() -> PathBuf {
 fn start() -> (EngineHandle, Arc<Tokenizer>) {
     let model = Model::from_dir(&fixture()).expect("model");
     let tokenizer = Arc::new(Tokenizer::from_dir(&fixture()).expect("tokenizer"));
-    let scheduler = SchedulerConfig {
-        max_num_seqs: 64,
-        max_num_batched_tokens: 2048,
-        block_size: 16,
-        num_blocks: 256,
-        max_model_len: MAX_MODEL_LEN,
-        long_prefill_token_threshold: None,
-        max_prompt_logprob_rows: 256,
-        enable_prefix_caching: true,
-    };
+    let scheduler = SchedulerConfig { max_num_seqs: 64, ..SchedulerConfig::new(256, MAX_MODEL_LEN) };
     let config = EngineConfig {
         scheduler,
         max_pending: Load { sequences: 64, prompt_tokens: 1 << 20 },

@@ -28,16 +28,7 @@ fn fixture(name: &str) -> PathBuf {
 fn start(dir: &Path) -> Result<EngineHandle, Box<dyn std::error::Error>> {
     let model = Model::from_dir(dir)?;
     let tokenizer = Arc::new(Tokenizer::from_dir(dir)?);
-    let scheduler = SchedulerConfig {
-        max_num_seqs: 64,
-        max_num_batched_tokens: 2048,
-        block_size: 16,
-        num_blocks: 256,
-        max_model_len: 512,
-        long_prefill_token_threshold: None,
-        max_prompt_logprob_rows: 256,
-        enable_prefix_caching: true,
-    };
+    let scheduler = SchedulerConfig { max_num_seqs: 64, ..SchedulerConfig::new(256, 512) };
     let config = EngineConfig {
         scheduler,
         max_pending: ferrolm_engine::Load { sequences: 64, prompt_tokens: 1 << 20 },
