@@ -12,13 +12,13 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ferrolm_model::ModelRunner;
-use ferrolm_sampling::{SamplingError, SamplingParams};
+use ferrolm_sampling::{SamplingError, SamplingParams, StopStrings};
 use ferrolm_tokenizer::{Tokenizer, TokenizerError};
 use tokio::sync::mpsc as tokio_mpsc;
 
 use super::admission::{Load, PendingLoad};
 use super::core::Engine;
-use super::output::OutputProcessor;
+use super::output::{stop_strings, OutputProcessor};
 use super::output_stage::{EngineStoppedGuard, OutputEvent, OutputStage};
 use super::state::{EngineStats, EngineStatsSnapshot, RequestOutput};
 use crate::scheduler::{SchedulerConfig, SchedulerError};
@@ -317,10 +317,20 @@ impl EngineHandle {
     pub fn submit_all(&self, mut requests: Vec<GenerateRequest>) -> Result<Vec<RequestStream>, EngineError> {
         let mut admitted = Vec::with_capacity(requests.len());
         let mut load = Load::default();
+        let tokenizer = self.inner.tokenizer.as_ref();
+        // The prompts of one client request share their stop strings: compiled once.
+        let mut compiled: Option<(Vec<String>, StopStrings)> = None;
         for request in &mut requests {
             let max_tokens = self.admit(request)?;
-            let processor =
-                OutputProcessor::new(self.inner.tokenizer.as_ref(), &request.prompt_token_ids, &request.params)?;
+            let stops = match &compiled {
+                Some((strings, stops)) if *strings == request.params.stop => stops.clone(),
+                _ => {
+                    let stops = stop_strings(tokenizer, &request.params)?;
+                    compiled = Some((request.params.stop.clone(), stops.clone()));
+                    stops
+                }
+            };
+            let processor = OutputProcessor::new(tokenizer, &request.prompt_token_ids, &request.params, stops)?;
             load = load.plus(Load::of_prompt(request.prompt_token_ids.len(), request.params.n));
             admitted.push((max_tokens, processor));
         }

@@ -44,14 +44,24 @@ pub(crate) struct Processed {
     pub(crate) stopped_here: bool,
 }
 
+/// A request's stop strings as one automaton; without a tokenizer there is no text to match, so
+/// no automaton either.
+pub(crate) fn stop_strings(
+    tokenizer: Option<&Arc<Tokenizer>>,
+    params: &SamplingParams,
+) -> Result<StopStrings, EngineError> {
+    Ok(if tokenizer.is_some() { StopStrings::new(&params.stop)? } else { StopStrings::default() })
+}
+
 impl OutputProcessor {
+    /// `stops`: the request's stop strings, compiled by [`stop_strings`] (once for all the
+    /// prompts of a client request that share them).
     pub(crate) fn new(
         tokenizer: Option<&Arc<Tokenizer>>,
         prompt_token_ids: &[u32],
         params: &SamplingParams,
+        stops: StopStrings,
     ) -> Result<OutputProcessor, EngineError> {
-        // Without text there is nothing to match: no automaton either.
-        let stops = if tokenizer.is_some() { StopStrings::new(&params.stop)? } else { StopStrings::default() };
         let sequences: Vec<SequenceText> = (0..params.n)
             .map(|_| {
                 let detokenizer = tokenizer
@@ -144,7 +154,7 @@ mod tests {
         let ids = tok.encode("hello world, hello moon", false)?;
         let full = tok.decode(&ids, true)?;
         let params = SamplingParams { stop: vec![", hello".into()], ..SamplingParams::default() };
-        let mut processor = OutputProcessor::new(Some(&tok), &[ids[0]], &params)?;
+        let mut processor = OutputProcessor::new(Some(&tok), &[ids[0]], &params, stop_strings(Some(&tok), &params)?)?;
         let seen = texts(&mut processor, &ids, Some(FinishReason::Length));
         let text: String = seen.iter().flatten().map(|(t, _, _)| t.as_str()).collect();
         assert_eq!(full, "hello world, hello moon");
@@ -161,7 +171,7 @@ mod tests {
         let tok = tokenizer()?;
         let ids = tok.encode("hello world", false)?;
         let params = SamplingParams { stop: vec!["world!".into()], ..SamplingParams::default() };
-        let mut processor = OutputProcessor::new(Some(&tok), &[ids[0]], &params)?;
+        let mut processor = OutputProcessor::new(Some(&tok), &[ids[0]], &params, stop_strings(Some(&tok), &params)?)?;
         let seen = texts(&mut processor, &ids, Some(FinishReason::Length));
         let text: String = seen.iter().flatten().map(|(t, _, _)| t.as_str()).collect();
         assert_eq!(text, "hello world", "text held back for a possible stop string is flushed at the end");
@@ -177,7 +187,7 @@ mod tests {
         let tok = tokenizer()?;
         let ids = tok.encode("a b", false)?;
         let params = SamplingParams { n: 2, stop: vec![" b".into()], ..SamplingParams::default() };
-        let mut processor = OutputProcessor::new(Some(&tok), &[ids[0]], &params)?;
+        let mut processor = OutputProcessor::new(Some(&tok), &[ids[0]], &params, stop_strings(Some(&tok), &params)?)?;
         let abort = RequestOutput { index: 1, finish_reason: Some(FinishReason::Abort), ..RequestOutput::default() };
         let out = processor.process(abort).map(|p| (p.output.text, p.output.finish_reason, p.stopped_here));
         assert_eq!(out, Some((String::new(), Some(FinishReason::Abort), false)));
@@ -198,7 +208,9 @@ mod tests {
     #[test]
     fn without_a_tokenizer_outputs_carry_ids_only() {
         let params = SamplingParams { stop: vec!["x".into()], ..SamplingParams::default() };
-        let Ok(mut processor) = OutputProcessor::new(None, &[1, 2], &params) else { panic!("no tokenizer to fail") };
+        let Ok(mut processor) = OutputProcessor::new(None, &[1, 2], &params, StopStrings::default()) else {
+            panic!("no tokenizer to fail")
+        };
         let out =
             processor.process(token(0, 5, Some(FinishReason::Length))).map(|p| (p.output.token_ids, p.output.text));
         assert_eq!(out, Some((vec![5], String::new())));
