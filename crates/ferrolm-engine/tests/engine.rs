@@ -471,6 +471,10 @@ impl ferrolm_model::ModelRunner for DeviceLikeRunner {
         self.inner.launch(input, rows)
     }
 
+    fn set_token_masks(&mut self, masks: &ferrolm_sampling::TokenMasks) -> Result<(), ferrolm_model::ModelError> {
+        self.inner.set_token_masks(masks)
+    }
+
     fn collect(&mut self) -> Result<Vec<Option<ferrolm_sampling::TokenLogprobs>>, ferrolm_model::ModelError> {
         self.inner.collect()
     }

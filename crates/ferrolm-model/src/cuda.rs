@@ -8,7 +8,7 @@
 
 use ferrolm_backend::cuda::{AttentionWork, Cuda, CudaKvLayer, Gpu, GpuError, GpuSampler, GpuView, StagedBuffer};
 use ferrolm_backend::{DType, Device, Linear};
-use ferrolm_sampling::{RowRequest, TokenLogprobs};
+use ferrolm_sampling::{OwnedRowRequest, RowRequest, TokenLogprobs, TokenMasks};
 
 mod graphs;
 mod step_buffers;
@@ -40,6 +40,9 @@ pub struct CudaRunner {
     sampler: GpuSampler,
     /// The `(t, row)` pairs of a step's previous tokens on their way to the device.
     previous: PreviousTokens,
+    /// The last launched step's rows, while its sampling waits for its token masks (its
+    /// logits stay in the activations until then: nothing else is launched meanwhile).
+    awaiting_masks: Option<Vec<OwnedRowRequest>>,
 }
 
 /// The `(t, row)` pairs of a step's previous tokens (see [`ModelInput::previous_tokens`]), sent
@@ -94,6 +97,7 @@ impl CudaRunner {
             eager_buffers: None,
             sampler: GpuSampler::new(),
             previous: PreviousTokens::default(),
+            awaiting_masks: None,
         })
     }
 
@@ -241,6 +245,16 @@ impl CudaRunner {
         Ok(())
     }
 
+    /// Queues the sampling of the last forward's logits rows.
+    fn launch_sampler(&mut self, rows: &[RowRequest<'_>], masks: &TokenMasks) -> Result<(), GpuError> {
+        // Taken out for the call so that the logits can stay borrowed from `self`.
+        let mut sampler = std::mem::take(&mut self.sampler);
+        let vocab = self.decoder.config.output_vocab_size;
+        let launched = sampler.launch(self.gpu(), self.logits(rows.len()), vocab, rows, masks);
+        self.sampler = sampler;
+        launched
+    }
+
     /// `[rows, output_vocab_size]` f32: the logits the last [`Self::forward`] computed.
     fn logits(&self, rows: usize) -> GpuView<'_> {
         let acts = self.acts.as_ref().expect("forward ran");
@@ -276,21 +290,28 @@ impl ModelRunner for CudaRunner {
     fn launch(&mut self, input: &ModelInput, rows: &[RowRequest<'_>]) -> Result<(), ModelError> {
         let num_rows = input.logits_indices.len();
         assert_eq!(rows.len(), num_rows, "launch: {} requests for {num_rows} logits rows", rows.len());
+        assert!(self.awaiting_masks.is_none(), "launch: the step before still waits for its token masks");
         if self.kv.is_empty() && self.decoder.config.num_hidden_layers > 0 {
             return Err(ModelError::NoKvCache);
         }
         if input.num_tokens() > 0 {
             self.forward(input)?;
         }
-        // Taken out for the call so that the logits can stay borrowed from `self`.
-        let mut sampler = std::mem::take(&mut self.sampler);
-        let vocab = self.decoder.config.output_vocab_size;
-        let launched = sampler.launch(self.gpu(), self.logits(num_rows), vocab, rows);
-        self.sampler = sampler;
-        Ok(launched?)
+        if rows.iter().any(RowRequest::is_masked) {
+            self.awaiting_masks = Some(rows.iter().map(OwnedRowRequest::of).collect());
+            return Ok(());
+        }
+        Ok(self.launch_sampler(rows, &TokenMasks::default())?)
+    }
+
+    fn set_token_masks(&mut self, masks: &TokenMasks) -> Result<(), ModelError> {
+        let owned = self.awaiting_masks.take().ok_or(ModelError::NothingLaunched)?;
+        let rows: Vec<RowRequest<'_>> = owned.iter().map(OwnedRowRequest::borrow).collect();
+        Ok(self.launch_sampler(&rows, masks)?)
     }
 
     fn collect(&mut self) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
+        assert!(self.awaiting_masks.is_none(), "collect: the step still waits for its token masks");
         Ok(self.sampler.collect()?)
     }
 }

@@ -9,7 +9,7 @@
 
 use std::collections::VecDeque;
 
-use ferrolm_sampling::{RowRequest, TokenLogprobs};
+use ferrolm_sampling::{OwnedRowRequest, RowRequest, TokenLogprobs, TokenMasks};
 use rayon::prelude::*;
 
 use ferrolm_backend::cpu::Cpu;
@@ -41,7 +41,15 @@ pub trait ModelRunner: Send {
     /// `input.previous_tokens` then name that step's sampled rows, and a device runs it right
     /// after that step while the host waits for the first answer. Without previous tokens, it
     /// is launched only when nothing is in flight.
+    ///
+    /// When a row's plan is `masked`, the step's sampling waits for [`Self::set_token_masks`]:
+    /// the forward pass runs meanwhile, so the host computes the masks while the device works.
     fn launch(&mut self, input: &ModelInput, rows: &[RowRequest<'_>]) -> Result<(), ModelError>;
+
+    /// The token masks of the last launched step's `masked` rows, in row order: exactly once
+    /// after a launch with such rows, before the next launch and before collecting the step.
+    /// A mask shorter than the vocabulary disallows the ids past it.
+    fn set_token_masks(&mut self, masks: &TokenMasks) -> Result<(), ModelError>;
 
     /// The answer of the oldest launched step not yet collected: one entry per row, as
     /// [`RowRequest::apply`] gives it for that row's raw logits (`None` only for a `Sample` row
@@ -57,6 +65,18 @@ pub trait ModelRunner: Send {
         self.launch(input, rows)?;
         self.collect()
     }
+
+    /// [`Self::execute`] for a step with `masked` rows: launch, their masks, collect.
+    fn execute_masked(
+        &mut self,
+        input: &ModelInput,
+        rows: &[RowRequest<'_>],
+        masks: &TokenMasks,
+    ) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
+        self.launch(input, rows)?;
+        self.set_token_masks(masks)?;
+        self.collect()
+    }
 }
 
 /// The tokens a step's answers sampled, per logits row (the previous tokens of a step after it).
@@ -64,8 +84,17 @@ pub fn sampled_tokens(answers: &[Option<TokenLogprobs>]) -> Vec<Option<u32>> {
     answers.iter().map(|a| a.as_ref().map(|a| a.token)).collect()
 }
 
-/// [`RowRequest::apply`] for every row of `logits`: `[rows.len(), vocab]`, rows in parallel.
-pub fn apply_rows(logits: &[f32], vocab: usize, rows: &[RowRequest<'_>]) -> Vec<Option<TokenLogprobs>> {
+/// [`RowRequest::apply_masked`] for every row of `logits`: `[rows.len(), vocab]`, rows in
+/// parallel; `masks` has one row per `masked` row, in order.
+///
+/// # Panics
+/// When `masks` has not one row per masked row.
+pub fn apply_rows(
+    logits: &[f32],
+    vocab: usize,
+    rows: &[RowRequest<'_>],
+    masks: &TokenMasks,
+) -> Vec<Option<TokenLogprobs>> {
     assert_eq!(
         logits.len(),
         rows.len() * vocab,
@@ -73,11 +102,33 @@ pub fn apply_rows(logits: &[f32], vocab: usize, rows: &[RowRequest<'_>]) -> Vec<
         logits.len(),
         rows.len()
     );
-    logits.par_chunks_exact(vocab.max(1)).zip(rows).map(|(row, req)| req.apply(row)).collect()
+    let mask_of = mask_rows(rows);
+    let num_masked = mask_of.iter().flatten().count();
+    assert_eq!(masks.num_rows(), num_masked, "apply_rows: {} masks for {num_masked} masked rows", masks.num_rows());
+    logits
+        .par_chunks_exact(vocab.max(1))
+        .zip(rows)
+        .zip(mask_of)
+        .map(|((row, req), mask)| req.apply_masked(row, mask.map(|m| masks.row(m))))
+        .collect()
+}
+
+/// Per row, the index of its mask among the step's masked rows.
+pub fn mask_rows(rows: &[RowRequest<'_>]) -> Vec<Option<usize>> {
+    let mut next = 0;
+    rows.iter()
+        .map(|r| {
+            r.is_masked().then(|| {
+                next += 1;
+                next - 1
+            })
+        })
+        .collect()
 }
 
 /// The CPU backend: f32 arithmetic, weights in their checkpoint dtype. A launch runs the step
-/// at once; its answer waits in a queue for `collect`.
+/// at once; its answer waits in a queue for `collect`. A step with masked rows keeps its logits
+/// until its masks come.
 pub struct CpuRunner {
     model: Model,
     kv: Option<KvCache>,
@@ -86,11 +137,33 @@ pub struct CpuRunner {
     answers: VecDeque<Vec<Option<TokenLogprobs>>>,
     /// The tokens the last launched step sampled, per logits row.
     last_sampled: Vec<Option<u32>>,
+    /// The last launched step, while its masked rows wait for their masks.
+    awaiting_masks: Option<AwaitingMasks>,
+}
+
+/// A step's logits and row requests, owned, until its masks come.
+struct AwaitingMasks {
+    // [rows, output_vocab_size]
+    logits: Vec<f32>,
+    rows: Vec<OwnedRowRequest>,
 }
 
 impl CpuRunner {
     pub fn new(model: Model) -> CpuRunner {
-        CpuRunner { model, kv: None, acts: None, answers: VecDeque::new(), last_sampled: Vec::new() }
+        CpuRunner {
+            model,
+            kv: None,
+            acts: None,
+            answers: VecDeque::new(),
+            last_sampled: Vec::new(),
+            awaiting_masks: None,
+        }
+    }
+
+    /// Queues a launched step's answer.
+    fn queue(&mut self, answers: Vec<Option<TokenLogprobs>>) {
+        self.last_sampled = sampled_tokens(&answers);
+        self.answers.push_back(answers);
     }
 }
 
@@ -120,6 +193,7 @@ impl ModelRunner for CpuRunner {
 
     fn launch(&mut self, input: &ModelInput, rows: &[RowRequest<'_>]) -> Result<(), ModelError> {
         assert_eq!(rows.len(), input.logits_indices.len(), "launch: {} requests for the logits rows", rows.len());
+        assert!(self.awaiting_masks.is_none(), "launch: the step before still waits for its token masks");
         let kv = self.kv.as_mut().ok_or(ModelError::NoKvCache)?;
         let filled;
         let input = if input.previous_tokens.is_empty() {
@@ -131,13 +205,26 @@ impl ModelRunner for CpuRunner {
             &filled
         };
         let logits = self.model.forward_with(input, kv, &mut self.acts); // [rows, output_vocab_size]
-        let answers = apply_rows(logits, self.model.config.output_vocab_size, rows);
-        self.last_sampled = sampled_tokens(&answers);
-        self.answers.push_back(answers);
+        if rows.iter().any(RowRequest::is_masked) {
+            let rows = rows.iter().map(OwnedRowRequest::of).collect();
+            self.awaiting_masks = Some(AwaitingMasks { logits: logits.to_vec(), rows });
+        } else {
+            let answers = apply_rows(logits, self.model.config.output_vocab_size, rows, &TokenMasks::default());
+            self.queue(answers);
+        }
+        Ok(())
+    }
+
+    fn set_token_masks(&mut self, masks: &TokenMasks) -> Result<(), ModelError> {
+        let step = self.awaiting_masks.take().ok_or(ModelError::NothingLaunched)?;
+        let rows: Vec<RowRequest<'_>> = step.rows.iter().map(OwnedRowRequest::borrow).collect();
+        let answers = apply_rows(&step.logits, self.model.config.output_vocab_size, &rows, masks);
+        self.queue(answers);
         Ok(())
     }
 
     fn collect(&mut self) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
+        assert!(self.awaiting_masks.is_none(), "collect: the step still waits for its token masks");
         self.answers.pop_front().ok_or(ModelError::NothingLaunched)
     }
 }
@@ -154,7 +241,7 @@ mod tests {
         let greedy = SamplePlan::greedy(1);
         let rows =
             [RowRequest::Sample(&greedy), RowRequest::Sample(&greedy), RowRequest::Logprobs { token: 7, num_top: 2 }];
-        let got = apply_rows(&logits, 3, &rows);
+        let got = apply_rows(&logits, 3, &rows, &TokenMasks::default());
         assert_eq!(got[0], Some(token_logprobs(&logits[..3], 1, 1)));
         assert_eq!(got[1], None, "nothing to pick from a masked row");
         assert_eq!(got[2], Some(token_logprobs(&logits[6..], 7, 2)));

@@ -6,6 +6,8 @@
 //! the chosen token goes back to [`RequestSampler::record`](crate::RequestSampler::record).
 //!
 //! Applying a plan, each step a pure function of the row and the plan (vLLM's order):
+//! 0. A `masked` plan's token mask (see [`TokenMasks`](crate::TokenMasks)): a token it does not
+//!    allow scores `-inf`.
 //! 1. `adjusts`, one entry per token and at most one per token (ids outside the row skipped): the
 //!    repetition penalty, then `frequency * count` and `presence`, then the `min_tokens` mask.
 //! 2. NaN becomes `-inf` (never a candidate) and `+inf` becomes `f32::MAX`.
@@ -15,6 +17,7 @@
 
 use crate::filters;
 use crate::logprobs::{token_logprobs, TokenLogprobs};
+use crate::mask::allows;
 use crate::penalties::penalize;
 
 /// What one step does to one token's logit before filtering.
@@ -51,6 +54,9 @@ pub struct SamplePlan {
     pub presence_penalty: f32,
     /// At most one entry per token.
     pub adjusts: Vec<TokenAdjust>,
+    /// The row's allowed tokens come in the step's [`TokenMasks`](crate::TokenMasks) (a grammar
+    /// constrains the sequence): apply it with [`Self::apply_masked`].
+    pub masked: bool,
 }
 
 impl SamplePlan {
@@ -68,14 +74,33 @@ impl SamplePlan {
             frequency_penalty: 0.0,
             presence_penalty: 0.0,
             adjusts: Vec::new(),
+            masked: false,
         }
     }
 
     /// The token this step picks from `logits` (the model's raw row), with its raw logprob and
     /// the top logprobs; `None` when no token is left to pick (every score `-inf` or NaN).
+    ///
+    /// # Panics
+    /// On a `masked` plan: its mask is needed ([`Self::apply_masked`]).
     // logits: [vocab]
     pub fn apply(&self, logits: &[f32]) -> Option<TokenLogprobs> {
+        assert!(!self.masked, "SamplePlan::apply: a masked plan needs its token mask");
+        self.apply_masked(logits, None)
+    }
+
+    /// [`Self::apply`] with the row's token mask (`[words]` packed bits) applied first; `None`
+    /// allows every token.
+    // logits: [vocab]
+    pub fn apply_masked(&self, logits: &[f32], mask: Option<&[u32]>) -> Option<TokenLogprobs> {
         let mut scores = logits.to_vec(); // [vocab]
+        if let Some(mask) = mask {
+            for (t, s) in scores.iter_mut().enumerate() {
+                if !allows(mask, t as u32) {
+                    *s = f32::NEG_INFINITY;
+                }
+            }
+        }
         for a in &self.adjusts {
             if let Some(s) = scores.get_mut(a.token as usize) {
                 *s = self.adjusted(*s, a);
@@ -133,9 +158,45 @@ impl RowRequest<'_> {
     /// The host's answer for the raw row `logits`; a device must give the same.
     // logits: [vocab]
     pub fn apply(&self, logits: &[f32]) -> Option<TokenLogprobs> {
+        self.apply_masked(logits, None)
+    }
+
+    /// [`Self::apply`] for a row whose plan may be `masked`, with its mask (`[words]`).
+    // logits: [vocab]
+    pub fn apply_masked(&self, logits: &[f32], mask: Option<&[u32]>) -> Option<TokenLogprobs> {
         match *self {
+            RowRequest::Sample(plan) if plan.masked => plan.apply_masked(logits, mask),
             RowRequest::Sample(plan) => plan.apply(logits),
             RowRequest::Logprobs { token, num_top } => Some(token_logprobs(logits, token, num_top)),
+        }
+    }
+
+    /// Whether the row waits for a token mask.
+    pub fn is_masked(&self) -> bool {
+        matches!(self, RowRequest::Sample(plan) if plan.masked)
+    }
+}
+
+/// A [`RowRequest`] that owns its plan: what a runner keeps of a launched step whose sampling
+/// waits for its token masks.
+#[derive(Clone, Debug, PartialEq)]
+pub enum OwnedRowRequest {
+    Sample(SamplePlan),
+    Logprobs { token: u32, num_top: usize },
+}
+
+impl OwnedRowRequest {
+    pub fn of(row: &RowRequest<'_>) -> OwnedRowRequest {
+        match *row {
+            RowRequest::Sample(plan) => OwnedRowRequest::Sample(plan.clone()),
+            RowRequest::Logprobs { token, num_top } => OwnedRowRequest::Logprobs { token, num_top },
+        }
+    }
+
+    pub fn borrow(&self) -> RowRequest<'_> {
+        match *self {
+            OwnedRowRequest::Sample(ref plan) => RowRequest::Sample(plan),
+            OwnedRowRequest::Logprobs { token, num_top } => RowRequest::Logprobs { token, num_top },
         }
     }
 }

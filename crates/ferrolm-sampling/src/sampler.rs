@@ -51,6 +51,8 @@ pub struct RequestSampler {
     penalties: Penalties,
     num_output_tokens: u32,
     rng: ChaCha8Rng,
+    /// A grammar constrains the sequence: every plan is `masked`.
+    masked: bool,
 }
 
 impl RequestSampler {
@@ -90,7 +92,14 @@ impl RequestSampler {
             ),
             num_output_tokens: 0,
             rng,
+            masked: false,
         })
+    }
+
+    /// From now on every plan is `masked`: a grammar gives each step's allowed tokens
+    /// ([`TokenMasks`](crate::TokenMasks)).
+    pub fn constrain(&mut self) {
+        self.masked = true;
     }
 
     /// Tokens sampled so far.
@@ -163,6 +172,7 @@ impl RequestSampler {
             frequency_penalty: self.penalties.frequency,
             presence_penalty: self.penalties.presence,
             adjusts,
+            masked: self.masked,
         }
     }
 

@@ -21,7 +21,7 @@ use std::collections::VecDeque;
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::{CudaEvent, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PinnedHostSlice};
-use ferrolm_sampling::{RowRequest, TokenLogprobs, MAX_LOGPROBS};
+use ferrolm_sampling::{RowRequest, TokenLogprobs, TokenMasks, MAX_LOGPROBS};
 
 use super::gpu::to_u32;
 use super::staging::StagedBuffer;
@@ -230,8 +230,21 @@ impl GpuSampler {
         vocab: usize,
         rows: &[RowRequest<'_>],
     ) -> Result<Vec<Option<TokenLogprobs>>, GpuError> {
+        self.sample_masked(gpu, logits, vocab, rows, &TokenMasks::default())
+    }
+
+    /// [`Self::sample`] where `masked` rows take their token masks from `masks` (one row per
+    /// masked row, in order), as [`RowRequest::apply_masked`] does.
+    pub fn sample_masked(
+        &mut self,
+        gpu: &Gpu,
+        logits: GpuView<'_>,
+        vocab: usize,
+        rows: &[RowRequest<'_>],
+        masks: &TokenMasks,
+    ) -> Result<Vec<Option<TokenLogprobs>>, GpuError> {
         assert!(self.pending.is_empty(), "sample_rows: a launched call is still to collect");
-        self.launch(gpu, logits, vocab, rows)?;
+        self.launch(gpu, logits, vocab, rows, masks)?;
         self.collect()
     }
 
@@ -243,8 +256,12 @@ impl GpuSampler {
         logits: GpuView<'_>,
         vocab: usize,
         rows: &[RowRequest<'_>],
+        masks: &TokenMasks,
     ) -> Result<(), GpuError> {
         assert!(vocab > 0, "sample_rows: vocab is 0");
+        if masks.num_rows() > 0 {
+            return Err(GpuError::Unsupported { op: "sample_rows", reason: "token masks".into() });
+        }
         assert_eq!(logits.len(), rows.len() * vocab, "sample_rows: logits are not {} rows of {vocab}", rows.len());
         let kinds = rows.iter().map(row_kind).collect();
         self.last_rows = rows.len();

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use ferrolm_engine::{EngineConfig, EngineHandle, EngineStatsSnapshot, Load, SchedulerConfig};
 use ferrolm_model::{CpuRunner, GenerationConfig, Model, ModelConfig, ModelError, ModelInput, ModelRunner};
 use ferrolm_sampling::GenerationDefaults;
-use ferrolm_sampling::{RowRequest, TokenLogprobs};
+use ferrolm_sampling::{RowRequest, TokenLogprobs, TokenMasks};
 use ferrolm_server::limits::RequestLimits;
 use ferrolm_server::{ConnectionLimits, Server, ServerConfig, ServerError};
 use ferrolm_tokenizer::Tokenizer;
@@ -258,6 +258,10 @@ impl ModelRunner for PanickingRunner {
         self.steps += 1;
         assert!(self.steps != self.at, "step {} panics on purpose", self.at);
         self.inner.launch(input, rows)
+    }
+
+    fn set_token_masks(&mut self, masks: &TokenMasks) -> Result<(), ModelError> {
+        self.inner.set_token_masks(masks)
     }
 
     fn collect(&mut self) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
