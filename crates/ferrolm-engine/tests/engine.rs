@@ -384,6 +384,7 @@ fn a_full_queue_pushes_back() {
     let request = |prompt: Vec<u32>, n: u32| GenerateRequest {
         prompt_token_ids: prompt,
         params: SamplingParams { n, temperature: 1.0, ..greedy(300) },
+        grammar: None,
     };
     let a = engine.submit(request(vec![5, 6], 3)).expect("a: 3 sequences, 2 tokens");
     assert_eq!(engine.pending(), Load { sequences: 3, prompt_tokens: 2 });
@@ -724,4 +725,74 @@ fn back_to_back_steps_are_timed_by_kind_and_batch_size() {
     assert_eq!(steps.decode[0].0, 5, "{steps:?}");
     assert!(steps.decode[1..].iter().all(|&(count, micros)| count == 0 && micros == 0), "{steps:?}");
     assert!(steps.mixed.1 > 0 && steps.decode[0].1 > 0, "{steps:?}");
+}
+
+/// Token ids of every sequence of every request, and each sequence's finish reason.
+type Outcome = Vec<Vec<(Vec<u32>, Option<FinishReason>)>>;
+
+/// Per fixture case: one greedy request under `grammar`, one seeded `n = 2` request under it at
+/// temperature 1, and one greedy request without it, all submitted at once.
+fn run_constrained(setup: Setup, grammar: &ferrolm_structured::Grammar) -> (Outcome, Arc<Tokenizer>, u64) {
+    let (engine, tokenizer) = start("llama3_gqa", setup);
+    let free = SamplingParams { ignore_eos: false, ..greedy(64) };
+    let mut streams = Vec::new();
+    for (prompt, _) in cases("llama3_gqa") {
+        let sampled = SamplingParams { n: 2, temperature: 1.0, seed: Some(7), ..free.clone() };
+        for (params, grammar) in
+            [(free.clone(), Some(grammar.clone())), (sampled, Some(grammar.clone())), (greedy(12), None)]
+        {
+            let request = GenerateRequest { prompt_token_ids: prompt.clone(), params, grammar };
+            streams.push(engine.submit(request).expect("submit"));
+        }
+    }
+    let outcome = streams
+        .into_iter()
+        .map(|s| collect(s).iter().map(|seq| (tokens(seq), seq.last().and_then(|o| o.finish_reason))).collect())
+        .collect();
+    wait_idle(&engine);
+    let stats = engine.stats();
+    assert!(stats.masked_steps > 0, "no step was masked");
+    (outcome, tokenizer, stats.num_preemptions)
+}
+
+#[test]
+fn constrained_requests_follow_their_grammar_however_they_are_batched() {
+    let tokenizer = Tokenizer::from_dir(&fixture("llama3_gqa")).expect("tokenizer");
+    let compiler = ferrolm_structured::GrammarCompiler::new(&tokenizer, &[1]).expect("compiler");
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "kind": {"enum": ["cat", "dog", "owl"]},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}
+        },
+        "required": ["kind", "age", "tags"],
+        "additionalProperties": false
+    });
+    let grammar = compiler.compile(&ferrolm_structured::StructuredOutput::JsonSchema(schema)).expect("compile");
+    let (want, tokenizer, _) = run_constrained(Setup::default(), &grammar);
+    for (i, request) in want.iter().enumerate() {
+        for (ids, finish) in request {
+            let text = tokenizer.decode(ids, true).expect("decode");
+            if i % 3 == 2 {
+                let reference = &cases("llama3_gqa")[i / 3].1;
+                assert_eq!(ids, reference, "an unconstrained request beside constrained ones");
+                continue;
+            }
+            let doc: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("request {i}: {text:?}: {e}"));
+            assert!(["cat", "dog", "owl"].contains(&doc["kind"].as_str().unwrap_or("")), "{text}");
+            assert!(doc["age"].as_u64().is_some_and(|a| a < 100), "{text}");
+            assert_eq!(*finish, Some(FinishReason::Stop), "request {i} ends at EOS once complete: {text}");
+        }
+    }
+    let setups = [
+        ("one step at a time", Setup { overlap_steps: false, ..Setup::default() }),
+        ("chunked prefill", Setup { max_num_batched_tokens: 7, block_size: 4, ..Setup::default() }),
+        ("preemption", Setup { num_blocks: 32, block_size: 4, ..Setup::default() }),
+    ];
+    for (what, setup) in setups {
+        let (got, _, preemptions) = run_constrained(setup, &grammar);
+        assert_eq!(got, want, "{what}");
+        assert_eq!(preemptions > 0, what == "preemption", "{what}: {preemptions} preemptions");
+    }
 }
