@@ -7,7 +7,8 @@ use crate::error::StructuredError;
 /// A compiled constraint ready to start: each sequence of a request starts its own
 /// [`Constraint`] from it.
 pub struct Grammar {
-    parser: TokenParser,
+    /// Boxed: a parser is large, and grammars travel in requests and commands.
+    parser: Box<TokenParser>,
 }
 
 impl std::fmt::Debug for Grammar {
@@ -18,13 +19,13 @@ impl std::fmt::Debug for Grammar {
 
 impl Clone for Grammar {
     fn clone(&self) -> Self {
-        Grammar { parser: self.parser.deep_clone() }
+        Grammar { parser: Box::new(self.parser.deep_clone()) }
     }
 }
 
 impl Grammar {
     pub(crate) fn new(parser: TokenParser) -> Grammar {
-        Grammar { parser }
+        Grammar { parser: Box::new(parser) }
     }
 
     /// A sequence's constraint at the start of its output.

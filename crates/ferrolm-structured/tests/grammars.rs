@@ -36,7 +36,7 @@ fn random_walk(tok: &Tokenizer, mut c: Constraint, seed: u64, max_tokens: usize)
         state ^= state << 17;
         // Prefer ending once it is allowed half of the time, so that walks finish.
         let eos_allowed = options.iter().any(|t| EOS.contains(t));
-        let token = if eos_allowed && state % 2 == 0 {
+        let token = if eos_allowed && state.is_multiple_of(2) {
             *options.iter().find(|t| EOS.contains(t)).expect("an EOS id")
         } else {
             options[(state >> 8) as usize % options.len()]
