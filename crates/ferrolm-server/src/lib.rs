@@ -35,6 +35,7 @@ pub mod routes;
 pub mod signals;
 mod sse;
 mod state;
+pub mod structured;
 mod work_pool;
 
 use std::future::Future;
@@ -54,6 +55,7 @@ pub use error::ApiError;
 use limits::RequestLimits;
 pub use signals::{shutdown_signal, StopSignal};
 use state::AppState;
+use structured::Grammars;
 use work_pool::WorkPool;
 
 /// How the server listens and whom it serves.
@@ -130,7 +132,17 @@ impl Server {
         let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let metrics = metrics::ServerMetrics::new(&config.served_model_name);
         let work = WorkPool::new(config.tokenizer_threads)?;
-        let state = Arc::new(AppState { engine, tokenizer, defaults, config, metrics, created, abort: abort_rx, work });
+        let state = Arc::new(AppState {
+            engine,
+            tokenizer,
+            defaults,
+            config,
+            metrics,
+            created,
+            abort: abort_rx,
+            work,
+            grammars: Grammars::default(),
+        });
         Ok(Server { listener, state, abort_tx })
     }
 

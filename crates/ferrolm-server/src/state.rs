@@ -9,6 +9,7 @@ use ferrolm_tokenizer::Tokenizer;
 use tokio::sync::watch;
 
 use crate::metrics::ServerMetrics;
+use crate::structured::Grammars;
 use crate::work_pool::WorkPool;
 use crate::ServerConfig;
 
@@ -24,6 +25,8 @@ pub struct AppState {
     pub abort: watch::Receiver<bool>,
     /// Where tokenizing and chat templates run.
     pub work: WorkPool,
+    /// The compiler of structured-output constraints, built on first use.
+    pub grammars: Grammars,
 }
 
 pub type SharedState = Arc<AppState>;

@@ -32,8 +32,6 @@ sampling_request! {
         pub tool_choice: Option<Value>,
         /// Accepted, without effect (tool calls are not parsed out of the reply).
         pub parallel_tool_calls: Option<bool>,
-        /// Only `{"type": "text"}`: no constrained decoding (JSON mode, schemas).
-        pub response_format: Option<Value>,
         /// OpenAI's identifier of the end user: accepted, not used.
         pub user: Option<String>,
     }

@@ -25,6 +25,7 @@ use crate::protocol::completions::UsageField;
 use crate::protocol::{check_model, StreamOptions, Usage};
 use crate::sse::{self, json_response, to_json, ChunkFormat};
 use crate::state::SharedState;
+use crate::structured;
 
 struct Shape {
     id: String,
@@ -55,10 +56,12 @@ pub async fn create(
     let stream = req.stream.unwrap_or(false);
     let include_usage = StreamOptions::include_usage(req.stream_options.as_ref(), stream)?;
     let mut sampling = req.take_sampling();
+    let structured = sampling.take_structured()?;
     sampling.max_tokens = req.max_completion_tokens.or(sampling.max_tokens);
     sampling.logprobs = logprobs.then(|| req.top_logprobs.unwrap_or(0));
     // No route default: an unset length runs to the end of the context, as vLLM does.
-    let sampling = sampling.resolve(&state.defaults, None)?;
+    let mut sampling = sampling.resolve(&state.defaults, None)?;
+    sampling.grammar = structured::compile(&state, structured).await?;
     let limits = &state.config.limits;
     let request_shape = PromptShape { num_prompts: 1, n: sampling.params.n as usize, echo_logprobs: false };
     limits.check_sequences(request_shape)?;
@@ -198,15 +201,6 @@ impl ChunkFormat for ChatStream {
 /// `"none"` or `"auto"` (tools reach the chat template, tool calls are not parsed out).
 fn check_text_reply(req: &ChatCompletionRequest) -> Result<(), ApiError> {
     use serde_json::Value;
-    match &req.response_format {
-        None | Some(Value::Null) => {}
-        Some(format) if format.get("type").and_then(Value::as_str) == Some("text") => {}
-        Some(format) => {
-            let kind = format.get("type").map_or_else(|| format.to_string(), Value::to_string);
-            let message = format!("response_format {kind} is not supported: only {{\"type\": \"text\"}}");
-            return Err(ApiError::invalid(message, Some("response_format")));
-        }
-    }
     match &req.tool_choice {
         None | Some(Value::Null) => Ok(()),
         Some(Value::String(s)) if s == "none" || s == "auto" => Ok(()),

@@ -165,7 +165,7 @@ async fn run_batch(
     for (i, req) in requests.iter().enumerate() {
         let params = args.sampling.params(req.output_len, args.workload.seed.wrapping_add(i as u64));
         let stream = engine
-            .submit(GenerateRequest { prompt_token_ids: req.prompt_token_ids.clone(), params })
+            .submit(GenerateRequest { prompt_token_ids: req.prompt_token_ids.clone(), params, grammar: None })
             .with_context(|| format!("request {i} was refused"))?;
         let (bar, prompt_len) = (bar.clone(), req.prompt_token_ids.len());
         tasks.spawn(async move {
