@@ -14,7 +14,7 @@ use llguidance::{ParserFactory, TokenParser};
 use crate::constraint::Grammar;
 use crate::error::StructuredError;
 use crate::spec::StructuredOutput;
-use crate::vocab::token_env;
+use crate::vocab::{token_env, words_env};
 
 /// Distinct constraints whose compiled grammars are kept.
 pub const CACHE_CAPACITY: usize = 256;
@@ -40,7 +40,26 @@ impl GrammarCompiler {
     /// The compiler for `tokenizer`'s vocabulary; `eos_token_ids` are every id that ends a
     /// sequence, which a complete output may sample.
     pub fn new(tokenizer: &Tokenizer, eos_token_ids: &[u32]) -> Result<GrammarCompiler, StructuredError> {
-        let env = token_env(tokenizer, eos_token_ids)?;
+        Self::with_env(token_env(tokenizer, eos_token_ids)?)
+    }
+
+    /// The compiler for a vocabulary given as each token's bytes, the ids in `special` being
+    /// special tokens (which no text produces): for models without a tokenizer, as benchmarks
+    /// of random-weight models run.
+    pub fn from_token_bytes(
+        mut words: Vec<Vec<u8>>,
+        special: &[u32],
+        eos_token_ids: &[u32],
+    ) -> Result<GrammarCompiler, StructuredError> {
+        for &id in special {
+            if let Some(word) = words.get_mut(id as usize) {
+                word.insert(0, toktrie::TokTrie::SPECIAL_TOKEN_MARKER);
+            }
+        }
+        Self::with_env(words_env(words, eos_token_ids)?)
+    }
+
+    fn with_env(env: toktrie::TokEnv) -> Result<GrammarCompiler, StructuredError> {
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| StructuredError::Vocabulary(e.to_string()))?;
         // Warnings and errors come back as values; nothing goes to stderr.
         factory.quiet();

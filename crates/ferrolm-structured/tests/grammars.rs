@@ -144,6 +144,8 @@ fn unsupported_constraints_are_refused_with_a_message() {
     let cases = [
         StructuredOutput::JsonSchema(json!({"type": "frobnicate"})),
         StructuredOutput::JsonSchema(json!({"$ref": "https://example.com/schema.json"})),
+        StructuredOutput::JsonSchema(json!({"type": "array", "uniqueItems": true})),
+        StructuredOutput::JsonSchema(json!({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]}})),
         StructuredOutput::Regex("(unclosed".into()),
         StructuredOutput::Grammar("start: undefined_rule".into()),
     ];
@@ -162,4 +164,23 @@ fn types_cross_threads() {
     send_sync::<GrammarCompiler>();
     send::<ferrolm_structured::Grammar>();
     send::<Constraint>();
+}
+
+/// What docs/STRUCTURED_OUTPUT.md promises compiles: recursive `$ref`s, formats, pattern
+/// properties, annotations.
+#[test]
+fn documented_schema_features_compile() {
+    let tok = tokenizer();
+    let compiler = GrammarCompiler::new(&tok, &EOS).expect("compiler");
+    let schemas = [
+        json!({"$defs": {"node": {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+               "$ref": "#/$defs/node"}),
+        json!({"type": "string", "format": "date-time"}),
+        json!({"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "minProperties": 1, "maxProperties": 2}),
+        json!({"title": "t", "description": "d", "type": "number", "exclusiveMinimum": 0, "multipleOf": 0.5}),
+        json!({"oneOf": [{"type": "integer"}, {"type": "string", "pattern": "^[a-z]+$"}]}),
+    ];
+    for schema in schemas {
+        compiler.compile(&StructuredOutput::JsonSchema(schema.clone())).unwrap_or_else(|e| panic!("{schema}: {e}"));
+    }
 }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ferrolm_model::ModelRunner;
-use ferrolm_sampling::RequestSampler;
+use ferrolm_sampling::{RequestSampler, TokenMasks};
 use ferrolm_structured::Constraint;
 
 use super::admission::{Load, PendingLoad};
@@ -89,6 +89,8 @@ pub(crate) struct Engine {
     pending: Arc<PendingLoad>,
     /// Launch each step that can be scheduled ahead while the one before runs.
     overlap_steps: bool,
+    /// The token masks of the last masked step, kept for the next one's rows.
+    pub(super) masks: TokenMasks,
     /// The step launched ahead of the one being applied, collected by the next `step()`.
     pub(super) ahead: Option<Launched>,
     /// When the last step was collected with none launched ahead: the device idles from then
@@ -133,6 +135,7 @@ impl Engine {
             stats,
             pending,
             overlap_steps: config.overlap_steps,
+            masks: TokenMasks::default(),
             ahead: None,
             idle_since: None,
             last_collect: None,

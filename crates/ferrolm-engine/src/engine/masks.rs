@@ -28,12 +28,16 @@ impl Engine {
         launched.masks_set = true;
         let started = Instant::now();
         let words = TokenMasks::words_for(self.runner.config().output_vocab_size);
-        let mut masks = TokenMasks::new(launched.masked.len(), words);
+        // Reused from step to step: every row is written in full below.
+        let mut masks = std::mem::take(&mut self.masks);
+        masks.reshape(launched.masked.len(), words);
         let failed = self.fill_masks(&launched.masked, &mut masks);
         let micros = u64::try_from(started.elapsed().as_micros()).unwrap_or(u64::MAX);
         self.stats.masked_steps.fetch_add(1, Ordering::Relaxed);
         self.stats.mask_us.fetch_add(micros, Ordering::Relaxed);
-        if let Err(err) = self.runner.set_token_masks(&masks) {
+        let set = self.runner.set_token_masks(&masks);
+        self.masks = masks;
+        if let Err(err) = set {
             self.abort_step(&launched.out, &err.to_string());
             return;
         }

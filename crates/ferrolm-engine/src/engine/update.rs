@@ -121,8 +121,10 @@ impl Engine {
         let id = sampled.id;
         let Some(seq) = self.sequences.get_mut(&id) else { return };
         let token = sampled.logprobs.token;
+        // NOTE: a complete grammar takes no more tokens: an EOS id sampled under `ignore_eos`
+        // stays out of it, and its mask keeps allowing only EOS ids.
         let grammar_fault = match (&mut seq.constraint, finish) {
-            (Some(c), None) => c.advance(token).err(),
+            (Some(c), None) if !c.is_stopped() => c.advance(token).err(),
             _ => None,
         };
         let output = RequestOutput {
