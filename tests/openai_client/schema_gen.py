@@ -19,8 +19,8 @@ Invariants, so that a small random-weight model with a 512-token context finishe
   BYTE_BUDGET. A token is at least one byte, so this bounds the tokens of a compact answer; the
   difference up to the tests' max_tokens is left for whitespace between tokens.
 Left out on purpose: the formats whose length has no bound (email, hostname, duration, and the
-fractional seconds of date-time and time), and `date`, whose llguidance pattern admits days such
-as 02-30 that a date checker refuses.
+fractional seconds of date-time and time), and `date`, whose llguidance pattern admits 02-29 in
+every year, which a date checker refuses outside leap years.
 
 Run it to check the generator: `python3 schema_gen.py` validates every schema against the
 draft 2020-12 meta-schema, resolves every `$ref`, and validates one instance built from each
