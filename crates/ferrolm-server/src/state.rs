@@ -9,6 +9,7 @@ use ferrolm_tokenizer::Tokenizer;
 use tokio::sync::watch;
 
 use crate::metrics::ServerMetrics;
+use crate::tool_calls::ToolCallParser;
 use crate::work_pool::WorkPool;
 use crate::ServerConfig;
 
@@ -24,6 +25,8 @@ pub struct AppState {
     pub abort: watch::Receiver<bool>,
     /// Where tokenizing and chat templates run.
     pub work: WorkPool,
+    /// The format tool calls are parsed from: configured, or read from the chat template.
+    pub tool_call_parser: Option<ToolCallParser>,
 }
 
 pub type SharedState = Arc<AppState>;
