@@ -22,12 +22,6 @@ pub struct CallSpan {
 }
 
 impl CallSpan {
-    /// Sent to a streaming client: its name is known and its arguments have begun (or it is
-    /// complete without any).
-    pub fn committed(&self) -> bool {
-        self.name.is_some() && (self.args_start.is_some() || self.complete)
-    }
-
     /// The arguments text so far; `{}` for a complete call that has none.
     pub fn arguments<'t>(&self, text: &'t str) -> &'t str {
         match self.args_start {
@@ -177,17 +171,15 @@ mod tests {
     const KEYS: CallKeys = CallKeys { arguments: &["arguments"], ignored: &["type"] };
 
     #[test]
-    fn a_call_is_committed_once_its_name_and_arguments_begin() {
+    fn a_call_is_read_as_far_as_the_text_goes() {
         let text = r#"{"name": "get_weather", "arguments": {"city": "Paris"}}"#;
-        let args_at = text.find("{\"city").expect("args");
+        let (name_end, args_at) = (text.find(", ").expect("comma"), text.find("{\"city").expect("args"));
         for cut in 0..=text.len() {
             let (call, end) = scan_call(&text[..cut], 0, &KEYS);
-            assert_eq!(call.committed(), cut > args_at, "cut {cut}");
             assert_eq!(end, if cut == text.len() { BlockEnd::Complete(cut) } else { BlockEnd::Partial });
-            if call.committed() {
-                assert_eq!(call.name.as_deref(), Some("get_weather"));
-                assert!(r#"{"city": "Paris"}"#.starts_with(call.arguments(&text[..cut])));
-            }
+            assert_eq!(call.name.is_some(), cut >= name_end, "cut {cut}");
+            assert_eq!(call.args_start.is_some(), cut > args_at, "cut {cut}");
+            assert!(r#"{"city": "Paris"}"#.starts_with(call.arguments(&text[..cut])));
         }
     }
 

@@ -37,9 +37,6 @@ impl ToolCallFormat for Hermes {
         Block { calls: vec![call], end }
     }
 
-    fn broken_end(&self, text: &str, at: usize) -> Option<usize> {
-        text[at..].find(END).map(|k| at + k + END.len())
-    }
 }
 
 /// After the object: whitespace, then `</tool_call>` (or the end of the reply).

@@ -41,9 +41,6 @@ impl ToolCallFormat for Mistral {
         }
     }
 
-    fn broken_end(&self, _text: &str, _at: usize) -> Option<usize> {
-        None
-    }
 }
 
 fn is_name_byte(c: u8) -> bool {

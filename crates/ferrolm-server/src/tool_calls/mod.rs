@@ -18,10 +18,10 @@
 //! - A call that is not well formed (bad JSON, an unknown key, no name) stays in the content as
 //!   the text it was: nothing is lost and no error is raised.
 //! - Streaming ([`ToolCallStream`]) gives, chunk by chunk, exactly what the whole text gives
-//!   ([`parse`]): text that might still become a call is held back until that is decided, so no
-//!   markup leaks into content. A call is sent (its name, then its arguments as they grow) once
-//!   its name is known and its arguments have begun; if such a call then goes wrong (the reply is
-//!   cut off inside it), what was sent stays sent, and the whole-text parse keeps it as text.
+//!   ([`parse`]), for any reply and any split: text that might still become a call is held back
+//!   until that is decided, so no markup leaks into content and a call that turns out malformed
+//!   (or is cut off) is sent as the text it was. A call is sent once its block is complete: its
+//!   name, then its arguments.
 
 mod call_object;
 mod hermes;
@@ -153,10 +153,6 @@ pub trait ToolCallFormat: Sync {
 
     /// The block whose calls begin at `body`; `at_end` when no more text will come.
     fn scan_block(&self, text: &str, body: usize, at_end: bool) -> Block;
-
-    /// Where a block that went wrong at byte `at`, after one of its calls was sent, ends: the
-    /// rest of it is given up. `None` when it runs to the end of the text.
-    fn broken_end(&self, text: &str, at: usize) -> Option<usize>;
 }
 
 /// Finds `marker` from `from` on; else whether the text ends with a beginning of it.

@@ -2,6 +2,10 @@
 //! content and calls those pieces make: for the whole reply ([`parse`]) and for the text so far
 //! of a streaming one ([`view`]).
 //!
+//! Only a complete, well-formed block makes calls; a block that goes wrong is text from its
+//! marker on, and one not complete yet is held back, so the text so far never decides anything
+//! that more text could undo.
+//!
 //! Content rules (the same for both, so that a stream adds up to the whole): text that goes
 //! before a block loses its trailing whitespace; text after the last block is kept only if it
 //! is more than whitespace; a reply without blocks is kept as it is. While streaming, the
@@ -15,10 +19,9 @@ use super::{BlockEnd, Start, ToolCall, ToolCallFormat};
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) enum Piece {
     Text(Range<usize>),
-    /// A block of calls over this range. `broken`: one of its calls was sent, then it went
-    /// wrong; `open`: the text ends inside it.
-    Calls { calls: Vec<CallSpan>, range: Range<usize>, broken: bool, open: bool },
-    /// From here to the end: undecided (a marker's beginning, or a block with no call sent yet).
+    /// A complete, well-formed block of calls.
+    Calls(Vec<CallSpan>),
+    /// From here to the end: undecided (a marker's beginning, or a block not complete yet).
     Held(usize),
 }
 
@@ -26,14 +29,10 @@ pub(crate) enum Piece {
 pub(crate) fn scan(format: &dyn ToolCallFormat, text: &str, at_end: bool) -> Vec<Piece> {
     let mut pieces = Vec::new();
     let mut pos = 0;
-    while pos <= text.len() {
+    while pos < text.len() {
         let (at, body) = match format.find_start(text, pos) {
             Start::None => break,
-            Start::Partial(at) if at_end => {
-                pieces.push(Piece::Text(pos..at));
-                pos = at;
-                break;
-            }
+            Start::Partial(_) if at_end => break,
             Start::Partial(at) => {
                 pieces.push(Piece::Text(pos..at));
                 pieces.push(Piece::Held(at));
@@ -43,28 +42,14 @@ pub(crate) fn scan(format: &dyn ToolCallFormat, text: &str, at_end: bool) -> Vec
         };
         pieces.push(Piece::Text(pos..at));
         let block = format.scan_block(text, body, at_end);
-        let committed = block.calls.iter().any(CallSpan::committed);
         match block.end {
             BlockEnd::Complete(end) => {
-                pieces.push(Piece::Calls { calls: block.calls, range: at..end, broken: false, open: false });
+                pieces.push(Piece::Calls(block.calls));
                 pos = end;
-            }
-            BlockEnd::Partial if committed => {
-                let range = at..text.len();
-                pieces.push(Piece::Calls { calls: block.calls, range, broken: false, open: true });
-                return pieces;
             }
             BlockEnd::Partial => {
                 pieces.push(Piece::Held(at));
                 return pieces;
-            }
-            BlockEnd::Invalid(bad) if committed => {
-                let end = format.broken_end(text, bad);
-                let range = at..end.unwrap_or(text.len());
-                let open = end.is_none() && !at_end;
-                let calls = block.calls.into_iter().map(|call| cut_arguments(call, bad)).collect();
-                pieces.push(Piece::Calls { calls, range: range.clone(), broken: true, open });
-                pos = range.end;
             }
             BlockEnd::Invalid(_) => {
                 // Not a call: its marker is text, and the search goes on after it.
@@ -74,9 +59,6 @@ pub(crate) fn scan(format: &dyn ToolCallFormat, text: &str, at_end: bool) -> Vec
                 pos = after;
             }
         }
-        if pos == text.len() {
-            break;
-        }
     }
     if pos < text.len() {
         pieces.push(Piece::Text(pos..text.len()));
@@ -84,20 +66,11 @@ pub(crate) fn scan(format: &dyn ToolCallFormat, text: &str, at_end: bool) -> Vec
     pieces
 }
 
-/// A call whose arguments went wrong at `bad`: they end there.
-fn cut_arguments(mut call: CallSpan, bad: usize) -> CallSpan {
-    if let (Some(start), None) = (call.args_start, call.args_end) {
-        call.args_end = Some(bad.max(start));
-    }
-    call
-}
-
-/// A call as far as the text goes.
+/// A parsed call, borrowing from the text.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct CallView<'t> {
     pub name: &'t str,
     pub arguments: &'t str,
-    pub complete: bool,
 }
 
 /// The content and the calls that the pieces make.
@@ -107,10 +80,8 @@ pub(crate) struct View<'t> {
     pub calls: Vec<CallView<'t>>,
 }
 
-/// The content and calls of `pieces`. A broken block counts as text when `broken_as_text`
-/// (the whole-reply parse), else as the calls that were sent (a stream). `at_end`: the pieces
-/// cover the final text.
-pub(crate) fn view<'t>(text: &'t str, pieces: &'t [Piece], at_end: bool, broken_as_text: bool) -> View<'t> {
+/// The content and calls of `pieces`; `at_end`: they cover the final text.
+pub(crate) fn view<'t>(text: &'t str, pieces: &'t [Piece], at_end: bool) -> View<'t> {
     let mut content = String::new();
     let mut calls = Vec::new();
     let mut segment = String::new();
@@ -118,15 +89,13 @@ pub(crate) fn view<'t>(text: &'t str, pieces: &'t [Piece], at_end: bool, broken_
     for piece in pieces {
         match piece {
             Piece::Text(range) => segment.push_str(&text[range.clone()]),
-            Piece::Calls { range, broken: true, .. } if broken_as_text => segment.push_str(&text[range.clone()]),
-            Piece::Calls { calls: block, .. } => {
+            Piece::Calls(block) => {
                 content.push_str(segment.trim_end());
                 segment.clear();
                 blocks += 1;
-                calls.extend(block.iter().filter(|c| c.committed()).map(|c| CallView {
+                calls.extend(block.iter().map(|c| CallView {
                     name: c.name.as_deref().unwrap_or_default(),
                     arguments: c.arguments(text),
-                    complete: c.complete,
                 }));
             }
             Piece::Held(_) => break,
@@ -151,7 +120,7 @@ pub struct ParsedCalls {
 /// calls only.
 pub fn parse(format: &dyn ToolCallFormat, text: &str, max_calls: Option<usize>) -> ParsedCalls {
     let pieces = scan(format, text, true);
-    let view = view(text, &pieces, true, true);
+    let view = view(text, &pieces, true);
     let calls = view
         .calls
         .iter()
@@ -208,8 +177,8 @@ pub(crate) mod tests {
     fn held_text_is_a_marker_beginning() {
         let hermes = crate::tool_calls::ToolCallParser::Hermes.format();
         assert_eq!(scan(hermes, "Hi <tool_", false), [Piece::Text(0..3), Piece::Held(3)]);
-        assert_eq!(scan(hermes, "Hi <tool_", true), [Piece::Text(0..3), Piece::Text(3..9)]);
+        assert_eq!(scan(hermes, "Hi <tool_", true), [Piece::Text(0..9)]);
         let pieces = scan(hermes, "Hi <tool_", false);
-        assert_eq!(view("Hi <tool_", &pieces, false, false).content, "Hi");
+        assert_eq!(view("Hi <tool_", &pieces, false).content, "Hi");
     }
 }

@@ -29,9 +29,6 @@ impl ToolCallFormat for Required {
         }
     }
 
-    fn broken_end(&self, _text: &str, _at: usize) -> Option<usize> {
-        None
-    }
 }
 
 #[cfg(test)]

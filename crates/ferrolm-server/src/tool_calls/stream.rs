@@ -3,8 +3,8 @@
 //!
 //! [`ToolCallStream`] re-reads the reply so far at every delta (a format's scan is a linear
 //! pass, and replies are short next to the model's time per token) and sends what that reading
-//! adds to what was already sent. The content rules of `pieces` make every reading's content a
-//! prefix of the next one's, and a sent call's arguments a prefix of its later arguments.
+//! adds to what was already sent. The rules of `pieces` make every reading's content a prefix
+//! of the next one's, and its calls a prefix of the next one's calls.
 
 use super::pieces::{scan, view};
 use super::ToolCallFormat;
@@ -67,7 +67,7 @@ impl ToolCallStream {
 
     fn step(&mut self, at_end: bool) -> StreamDelta {
         let pieces = scan(self.format, &self.text, at_end);
-        let view = view(&self.text, &pieces, at_end, false);
+        let view = view(&self.text, &pieces, at_end);
         let mut out = StreamDelta::default();
         if let Some(new) = view.content.strip_prefix(self.content.as_str()) {
             out.content = new.to_string();
@@ -146,7 +146,7 @@ mod tests {
     use crate::tool_calls::ToolCallParser;
 
     #[test]
-    fn arguments_stream_as_they_are_written() {
+    fn a_call_is_sent_once_its_block_is_complete() {
         let mut stream = ToolCallStream::new(ToolCallParser::Hermes.format(), None);
         let mut out = Vec::new();
         for piece in ["Sure.\n<tool_", "call>\n{\"name\": \"f\", \"argu", "ments\": {\"a\": ", "[1, 2]}}\n</tool_call>"] {
@@ -155,15 +155,15 @@ mod tests {
         out.push(stream.finish());
         let content: Vec<&str> = out.iter().map(|d| d.content.as_str()).collect();
         assert_eq!(content, ["Sure.", "", "", "", ""]);
-        assert_eq!(out[1].calls, []);
+        assert!(out[..3].iter().all(|d| d.calls.is_empty()));
         assert_eq!(
-            out[2].calls,
+            out[3].calls,
             [
                 CallDelta { index: 0, name: Some("f".into()), arguments: String::new() },
-                CallDelta { index: 0, name: None, arguments: "{\"a\": ".into() },
+                CallDelta { index: 0, name: None, arguments: "{\"a\": [1, 2]}".into() },
             ]
         );
-        assert_eq!(out[3].calls, [CallDelta { index: 0, name: None, arguments: "[1, 2]}".into() }]);
+        assert_eq!(out[4], StreamDelta::default());
         assert!(stream.has_calls());
     }
 
