@@ -111,7 +111,9 @@ impl ChoiceParser {
     pub fn new(parsing: &OutputParsing) -> ChoiceParser {
         let tools = match &parsing.tools {
             ToolOutput::Text => ToolStream::Text,
-            ToolOutput::Auto { parser, max_calls } => ToolStream::Calls(ToolCallStream::new(parser.format(), *max_calls)),
+            ToolOutput::Auto { parser, max_calls } => {
+                ToolStream::Calls(ToolCallStream::new(parser.format(), *max_calls))
+            }
             ToolOutput::Required { max_calls } => {
                 ToolStream::Calls(ToolCallStream::new(tool_calls::required_format(), *max_calls))
             }
@@ -196,8 +198,12 @@ mod tests {
     fn content_is_null_only_beside_reasoning_or_calls() {
         let text = OutputParsing::text();
         assert_eq!(parse_message("", &text).content.as_deref(), Some(""));
-        let qwen = parsing(Some(ReasoningParser::Qwen3), ToolOutput::Auto { parser: ToolCallParser::Hermes, max_calls: None });
-        let m = parse_message("<think>\nPlan.\n</think>\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>", &qwen);
+        let qwen =
+            parsing(Some(ReasoningParser::Qwen3), ToolOutput::Auto { parser: ToolCallParser::Hermes, max_calls: None });
+        let m = parse_message(
+            "<think>\nPlan.\n</think>\n\n<tool_call>\n{\"name\": \"f\", \"arguments\": {}}\n</tool_call>",
+            &qwen,
+        );
         assert_eq!(m.reasoning_content.as_deref(), Some("Plan.\n"));
         assert_eq!(m.content, None);
         assert_eq!(m.tool_calls, [ToolCall { name: "f".into(), arguments: "{}".into() }]);

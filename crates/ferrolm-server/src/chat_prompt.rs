@@ -254,7 +254,10 @@ mod tests {
             (json!({"role": "assistant", "tool_calls": {}}), "messages[2].tool_calls"),
             (json!({"role": "assistant", "tool_calls": [1]}), "messages[2].tool_calls[0]"),
             (json!({"role": "assistant", "tool_calls": [{"id": "x"}]}), "messages[2].tool_calls[0].function"),
-            (json!({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}), "messages[2].tool_calls[0].function.name"),
+            (
+                json!({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}),
+                "messages[2].tool_calls[0].function.name",
+            ),
             (
                 json!({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}),
                 "messages[2].tool_calls[0].function.arguments",

@@ -47,7 +47,11 @@ fn check(parsing: &OutputParsing, text: &str, want: &ParsedMessage) {
 }
 
 fn message(reasoning: Option<&str>, content: Option<&str>, calls: Vec<ToolCall>) -> ParsedMessage {
-    ParsedMessage { reasoning_content: reasoning.map(str::to_string), content: content.map(str::to_string), tool_calls: calls }
+    ParsedMessage {
+        reasoning_content: reasoning.map(str::to_string),
+        content: content.map(str::to_string),
+        tool_calls: calls,
+    }
 }
 
 #[test]
@@ -78,14 +82,16 @@ fn a_thinking_2507_reply_opens_no_block() {
 
 #[test]
 fn llama_3_1_json_calls() {
-    let text = r#"{"name": "get_current_conditions", "parameters": {"location": "San Francisco, CA", "unit": "Fahrenheit"}}"#;
+    let text =
+        r#"{"name": "get_current_conditions", "parameters": {"location": "San Francisco, CA", "unit": "Fahrenheit"}}"#;
     let want = message(
         None,
         None,
         vec![call("get_current_conditions", r#"{"location": "San Francisco, CA", "unit": "Fahrenheit"}"#)],
     );
     check(&parsing(ToolCallParser::Llama3Json, None, false), text, &want);
-    let text = "<|python_tag|>{\"name\": \"a\", \"parameters\": {\"q\": \"x; y\"}}; {\"name\": \"b\", \"parameters\": {}}";
+    let text =
+        "<|python_tag|>{\"name\": \"a\", \"parameters\": {\"q\": \"x; y\"}}; {\"name\": \"b\", \"parameters\": {}}";
     let want = message(None, None, vec![call("a", r#"{"q": "x; y"}"#), call("b", "{}")]);
     check(&parsing(ToolCallParser::Llama3Json, None, false), text, &want);
 }
@@ -97,7 +103,11 @@ fn mistral_calls() {
         message(None, None, vec![call("get_weather", r#"{"city": "Paris"}"#), call("get_time", r#"{"zone": "CET"}"#)]);
     check(&parsing(ToolCallParser::Mistral, None, false), text, &want);
     let text = r#"[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}"#;
-    check(&parsing(ToolCallParser::Mistral, None, false), text, &message(None, None, vec![call("get_weather", r#"{"city": "Paris"}"#)]));
+    check(
+        &parsing(ToolCallParser::Mistral, None, false),
+        text,
+        &message(None, None, vec![call("get_weather", r#"{"city": "Paris"}"#)]),
+    );
 }
 
 #[test]

@@ -29,7 +29,10 @@ fn messages() -> Value {
     json!([{"role": "user", "content": "Weather and time in Paris?"}])
 }
 
-async fn scripted_server(parser: Option<ToolCallParser>, reasoning: Option<ReasoningParser>) -> (TestServer, Arc<Script>) {
+async fn scripted_server(
+    parser: Option<ToolCallParser>,
+    reasoning: Option<ReasoningParser>,
+) -> (TestServer, Arc<Script>) {
     let script = Arc::new(Script::default());
     let opts = Options {
         script: Some(Arc::clone(&script)),
@@ -60,10 +63,14 @@ fn body(extra: Value) -> Value {
     body
 }
 
-fn streaming(body: &Value) -> Value {
+fn body_with(body: &Value, key: &str, value: Value) -> Value {
     let mut body = body.clone();
-    body["stream"] = json!(true);
+    body[key] = value;
     body
+}
+
+fn streaming(body: &Value) -> Value {
+    body_with(body, "stream", json!(true))
 }
 
 /// What a client assembles from a choice's chunks.
@@ -120,10 +127,8 @@ async fn a_hermes_reply_becomes_tool_calls() {
     let (server, script) = scripted_server(Some(ToolCallParser::Hermes), None).await;
     let body = body(json!({"n": 2, "logprobs": true}));
     script_reply(&server, &script, &body, QWEN_REPLY).await;
-    let want_calls = [
-        ("get_weather", r#"{"city": "Paris", "unit": "celsius"}"#),
-        ("get_time", r#"{"zone": "Europe/Paris"}"#),
-    ];
+    let want_calls =
+        [("get_weather", r#"{"city": "Paris", "unit": "celsius"}"#), ("get_time", r#"{"zone": "Europe/Paris"}"#)];
 
     let (status, resp) = server.post("/v1/chat/completions", &body).await;
     assert_eq!(status, 200, "{resp}");
@@ -205,6 +210,66 @@ async fn without_parsing_the_reply_is_text() {
         assert_eq!((&choice["message"]["content"], &choice["finish_reason"]), (&json!(QWEN_REPLY), &json!("stop")));
         assert_eq!(choice["message"].get("tool_calls"), None);
     }
+}
+
+/// The llama fixture with `[TOOL_CALLS]` a special token (in place of `<pad>`), as in Mistral's
+/// tokenizers.
+fn fixture_with_special_marker() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().expect("temp dir");
+    for entry in std::fs::read_dir(common::fixture("llama")).expect("fixture") {
+        let path = entry.expect("entry").path();
+        std::fs::copy(&path, dir.path().join(path.file_name().expect("name"))).expect("copy");
+    }
+    let edit = |name: &str, f: &dyn Fn(&mut Value)| {
+        let path = dir.path().join(name);
+        let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+        f(&mut v);
+        std::fs::write(&path, v.to_string()).expect("write");
+    };
+    edit("tokenizer.json", &|t| {
+        assert_eq!(t["added_tokens"][2]["content"], "<pad>");
+        t["added_tokens"][2]["content"] = json!("[TOOL_CALLS]");
+        let vocab = t["model"]["vocab"].as_object_mut().expect("vocab");
+        let id = vocab.remove("<pad>").expect("<pad> in the vocab");
+        vocab.insert("[TOOL_CALLS]".into(), id);
+    });
+    edit("tokenizer_config.json", &|c| {
+        c.as_object_mut().expect("object").remove("pad_token");
+    });
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_special_marker_is_kept_and_the_end_token_cut() {
+    let dir = fixture_with_special_marker();
+    let script = Arc::new(Script::default());
+    let opts = Options {
+        model_dir: Some(dir.path().to_path_buf()),
+        script: Some(Arc::clone(&script)),
+        tool_call_parser: Some(ToolCallParser::Mistral),
+        ..Options::default()
+    };
+    let server = start(opts).await;
+    let marker = server.tokenizer.token_to_id("[TOOL_CALLS]").expect("the marker is a token");
+    assert!(server.tokenizer.is_special(marker));
+    let reply = r#"[TOOL_CALLS] [{"name": "get_time", "arguments": {"zone": "UTC"}}]"#;
+    let body = body(json!({}));
+    script_reply(&server, &script, &body, reply).await;
+    let (status, resp) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{resp}");
+    let choice = &resp["choices"][0];
+    assert_eq!((&choice["message"]["content"], &choice["finish_reason"]), (&Value::Null, &json!("tool_calls")));
+    assert_eq!(choice["message"]["tool_calls"][0]["function"]["arguments"], r#"{"zone": "UTC"}"#);
+    let (status, chunks) = server.post_stream("/v1/chat/completions", &streaming(&body)).await;
+    assert_eq!(status, 200);
+    let streamed = &assemble(&chunks, 1)[0];
+    assert_eq!((streamed.content.as_str(), streamed.calls.len()), ("", 1));
+
+    let body = body_with(&body, "skip_special_tokens", json!(true));
+    let (status, resp) = server.post("/v1/chat/completions", &body).await;
+    assert_eq!(status, 200, "{resp}");
+    let content = resp["choices"][0]["message"]["content"].as_str().expect("content");
+    assert_eq!(content, reply.trim_start_matches("[TOOL_CALLS]"), "the client chose to drop special tokens");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

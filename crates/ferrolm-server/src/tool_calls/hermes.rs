@@ -36,7 +36,6 @@ impl ToolCallFormat for Hermes {
         };
         Block { calls: vec![call], end }
     }
-
 }
 
 /// After the object: whitespace, then `</tool_call>` (or the end of the reply).
@@ -69,10 +68,7 @@ mod tests {
         assert_eq!(parsed.content, "I'll check both.");
         assert_eq!(
             calls(&parsed),
-            [
-                ("get_weather", r#"{"city": "Zürich", "unit": "celsius"}"#),
-                ("get_time", r#"{"zone": "Europe/Zurich"}"#)
-            ]
+            [("get_weather", r#"{"city": "Zürich", "unit": "celsius"}"#), ("get_time", r#"{"zone": "Europe/Zurich"}"#)]
         );
         assert_streams_as_parsed(ToolCallParser::Hermes.format(), QWEN);
     }

@@ -46,7 +46,6 @@ impl ToolCallFormat for Llama3Json {
             }
         }
     }
-
 }
 
 enum Next {

@@ -40,7 +40,6 @@ impl ToolCallFormat for Mistral {
             None => Block { calls: Vec::new(), end: BlockEnd::Partial },
         }
     }
-
 }
 
 fn is_name_byte(c: u8) -> bool {
@@ -113,7 +112,8 @@ mod tests {
 
     #[test]
     fn malformed_calls_stay_text() {
-        for text in ["[TOOL_CALLS] hello", "[TOOL_CALLS] [1, 2]", "[TOOL_CALLS]f(x)", "[TOOL_CALLS]", "[TOOL_CALLS] []"] {
+        for text in ["[TOOL_CALLS] hello", "[TOOL_CALLS] [1, 2]", "[TOOL_CALLS]f(x)", "[TOOL_CALLS]", "[TOOL_CALLS] []"]
+        {
             let parsed = parse(format(), text, None);
             assert_eq!(parsed.content, text);
             assert!(parsed.calls.is_empty(), "{text}");

@@ -85,7 +85,8 @@ impl ToolCallParser {
             Some(ToolCallParser::Hermes)
         } else if template.contains("[TOOL_CALLS]") {
             Some(ToolCallParser::Mistral)
-        } else if template.contains("<|python_tag|>") || template.contains("\"parameters\": dictionary of argument name")
+        } else if template.contains("<|python_tag|>")
+            || template.contains("\"parameters\": dictionary of argument name")
         {
             Some(ToolCallParser::Llama3Json)
         } else {

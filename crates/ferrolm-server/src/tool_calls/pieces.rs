@@ -93,10 +93,12 @@ pub(crate) fn view<'t>(text: &'t str, pieces: &'t [Piece], at_end: bool) -> View
                 content.push_str(segment.trim_end());
                 segment.clear();
                 blocks += 1;
-                calls.extend(block.iter().map(|c| CallView {
-                    name: c.name.as_deref().unwrap_or_default(),
-                    arguments: c.arguments(text),
-                }));
+                calls.extend(
+                    block.iter().map(|c| CallView {
+                        name: c.name.as_deref().unwrap_or_default(),
+                        arguments: c.arguments(text),
+                    }),
+                );
             }
             Piece::Held(_) => break,
         }

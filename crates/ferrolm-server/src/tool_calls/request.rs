@@ -26,7 +26,8 @@ pub enum ToolChoice {
     Named(String),
 }
 
-const TOOLS_SHAPE: &str = r#"a list of {"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}"#;
+const TOOLS_SHAPE: &str =
+    r#"a list of {"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}"#;
 
 fn invalid(param: &str, message: impl std::fmt::Display) -> ApiError {
     ApiError::invalid(format!("{param} {message}"), Some(param))
@@ -160,8 +161,14 @@ mod tests {
             (json!([{"type": "code", "function": {"name": "f"}}]), "tools[0].type"),
             (json!([weather(), {"type": "function"}]), "tools[1].function"),
             (json!([{"type": "function", "function": {"name": ""}}]), "tools[0].function.name"),
-            (json!([{"type": "function", "function": {"name": "f", "description": 1}}]), "tools[0].function.description"),
-            (json!([{"type": "function", "function": {"name": "f", "parameters": "{}"}}]), "tools[0].function.parameters"),
+            (
+                json!([{"type": "function", "function": {"name": "f", "description": 1}}]),
+                "tools[0].function.description",
+            ),
+            (
+                json!([{"type": "function", "function": {"name": "f", "parameters": "{}"}}]),
+                "tools[0].function.parameters",
+            ),
             (json!([weather(), weather()]), "tools[1].function.name"),
         ];
         for (tools, want) in cases {

@@ -28,7 +28,6 @@ impl ToolCallFormat for Required {
             _ => block,
         }
     }
-
 }
 
 #[cfg(test)]
@@ -38,7 +37,8 @@ mod tests {
 
     #[test]
     fn the_array_is_the_reply() {
-        let text = r#"[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]"#;
+        let text =
+            r#"[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]"#;
         let parsed = parse(required_format(), text, None);
         assert_eq!(parsed.content, "");
         assert_eq!(calls(&parsed), [("get_weather", r#"{"city": "Paris"}"#), ("get_time", "{}")]);

@@ -103,7 +103,10 @@ mod tests {
 
     fn tools() -> Vec<Tool> {
         vec![
-            tool("get_weather", json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]})),
+            tool(
+                "get_weather",
+                json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+            ),
             Tool { name: "now".into(), parameters: None },
         ]
     }
@@ -156,8 +159,14 @@ mod tests {
     #[test]
     fn defs_are_gathered_at_the_top() -> Result<(), ApiError> {
         let place = json!({"type": "object", "properties": {"lat": {"type": "number"}}});
-        let a = tool("a", json!({"type": "object", "properties": {"p": {"$ref": "#/$defs/Place"}}, "$defs": {"Place": place}}));
-        let b = tool("b", json!({"type": "object", "properties": {"q": {"$ref": "#/$defs/Place"}}, "$defs": {"Place": place}}));
+        let a = tool(
+            "a",
+            json!({"type": "object", "properties": {"p": {"$ref": "#/$defs/Place"}}, "$defs": {"Place": place}}),
+        );
+        let b = tool(
+            "b",
+            json!({"type": "object", "properties": {"q": {"$ref": "#/$defs/Place"}}, "$defs": {"Place": place}}),
+        );
         let schema = tool_choice_schema(&[a.clone(), b], &ToolChoice::Required, true)?.unwrap_or_default();
         assert_eq!(schema["$defs"], json!({"Place": place}));
         assert_eq!(schema["items"]["anyOf"][0]["properties"]["parameters"].get("$defs"), None);

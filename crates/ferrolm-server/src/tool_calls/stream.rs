@@ -133,7 +133,11 @@ impl NamedCallStream {
         let start = self.text.len() - self.text.trim_start().len();
         let end = start + args.len();
         if end > start + self.sent {
-            out.calls.push(CallDelta { index: 0, name: None, arguments: self.text[start + self.sent..end].to_string() });
+            out.calls.push(CallDelta {
+                index: 0,
+                name: None,
+                arguments: self.text[start + self.sent..end].to_string(),
+            });
             self.sent = args.len();
         }
         out
@@ -149,7 +153,8 @@ mod tests {
     fn a_call_is_sent_once_its_block_is_complete() {
         let mut stream = ToolCallStream::new(ToolCallParser::Hermes.format(), None);
         let mut out = Vec::new();
-        for piece in ["Sure.\n<tool_", "call>\n{\"name\": \"f\", \"argu", "ments\": {\"a\": ", "[1, 2]}}\n</tool_call>"] {
+        for piece in ["Sure.\n<tool_", "call>\n{\"name\": \"f\", \"argu", "ments\": {\"a\": ", "[1, 2]}}\n</tool_call>"]
+        {
             out.push(stream.push(piece));
         }
         out.push(stream.finish());

@@ -23,8 +23,8 @@ use crate::json::ApiJson;
 use crate::limits::PromptShape;
 use crate::logprobs::chat_token_logprob;
 use crate::protocol::chat::{
-    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
-    ChatResponseMessage, FunctionCall, ToolCallMessage,
+    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
+    FunctionCall, ToolCallMessage,
 };
 use crate::protocol::completions::UsageField;
 use crate::protocol::{check_model, StreamOptions};
