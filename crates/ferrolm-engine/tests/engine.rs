@@ -123,7 +123,8 @@ fn check_concurrent_greedy(name: &str, setup: Setup) -> EngineHandle {
     let streams: Vec<_> = cases
         .iter()
         .map(|(prompt, want)| {
-            let req = GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(want.len() as u32) };
+            let req =
+                GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(want.len() as u32), grammar: None };
             engine.submit(req).expect("submit")
         })
         .collect();
@@ -162,7 +163,9 @@ fn preemption_under_a_tiny_pool_gives_the_same_tokens() {
         let streams: Vec<_> = prompts
             .iter()
             .map(|p| {
-                engine.submit(GenerateRequest { prompt_token_ids: p.clone(), params: greedy(30) }).expect("submit")
+                engine
+                    .submit(GenerateRequest { prompt_token_ids: p.clone(), params: greedy(30), grammar: None })
+                    .expect("submit")
             })
             .collect();
         let outs: Vec<Vec<u32>> = streams.into_iter().map(|s| tokens(&collect(s)[0])).collect();
@@ -192,7 +195,9 @@ fn check_prompt_logprobs(setup: Setup) {
     for case in reference["cases"].as_array().expect("cases") {
         let prompt = ids(&case["prompt_ids"]);
         let params = SamplingParams { prompt_logprobs: Some(2), logprobs: Some(5), ..greedy(3) };
-        let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params }).expect("submit"));
+        let out = collect(
+            engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params, grammar: None }).expect("submit"),
+        );
         let first = &out[0][0];
         let got = first.prompt_logprobs.as_ref().expect("prompt logprobs");
         assert_eq!(got.len(), prompt.len());
@@ -218,11 +223,15 @@ fn shared_prefix_hits_the_cache_and_n_samples_share_it() {
     let (engine, _) = start("llama3_gqa", Setup { block_size: 4, ..Setup::default() });
     let (prompt, want) = cases("llama3_gqa")[3].clone();
     let first = collect(
-        engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(4) }).expect("submit"),
+        engine
+            .submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(4), grammar: None })
+            .expect("submit"),
     );
     assert_eq!(first[0][0].num_cached_tokens, 0);
     let again = collect(
-        engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(4) }).expect("submit"),
+        engine
+            .submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(4), grammar: None })
+            .expect("submit"),
     );
     assert!(again[0][0].num_cached_tokens >= 4 * ((prompt.len() - 1) / 4), "cached {}", again[0][0].num_cached_tokens);
     assert_eq!(tokens(&again[0]), want[..4]);
@@ -230,7 +239,8 @@ fn shared_prefix_hits_the_cache_and_n_samples_share_it() {
 
     // n = 3 seeded samples: three sequences, each finishing once.
     let params = SamplingParams { n: 3, temperature: 1.0, seed: Some(7), ..greedy(6) };
-    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params }).expect("submit"));
+    let out =
+        collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params, grammar: None }).expect("submit"));
     assert_eq!(out.len(), 3);
     for seq in &out {
         assert_eq!(tokens(seq).len(), 6);
@@ -245,19 +255,27 @@ fn seeded_sampling_does_not_depend_on_the_batch() {
     let cases = cases("qwen2_tied");
     let params = SamplingParams { temperature: 0.9, top_p: 0.95, seed: Some(1234), ..greedy(16) };
     let alone = collect(
-        engine.submit(GenerateRequest { prompt_token_ids: cases[1].0.clone(), params: params.clone() }).expect("s"),
+        engine
+            .submit(GenerateRequest { prompt_token_ids: cases[1].0.clone(), params: params.clone(), grammar: None })
+            .expect("s"),
     );
     // The same request again, now beside three others with different seeds.
     let mut streams = Vec::new();
     for (i, (prompt, _)) in cases.iter().enumerate() {
         let p = if i == 1 { params.clone() } else { SamplingParams { seed: Some(i as u64), ..params.clone() } };
-        streams.push(engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: p }).expect("submit"));
+        streams.push(
+            engine
+                .submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: p, grammar: None })
+                .expect("submit"),
+        );
     }
     let outs: Vec<_> = streams.into_iter().map(collect).collect();
     assert_eq!(tokens(&outs[1][0]), tokens(&alone[0]));
     let other_seed = SamplingParams { seed: Some(99), ..params };
     let different = collect(
-        engine.submit(GenerateRequest { prompt_token_ids: cases[1].0.clone(), params: other_seed }).expect("s"),
+        engine
+            .submit(GenerateRequest { prompt_token_ids: cases[1].0.clone(), params: other_seed, grammar: None })
+            .expect("s"),
     );
     assert_ne!(tokens(&different[0]), tokens(&alone[0]), "a different seed should change 16 sampled tokens");
 }
@@ -266,8 +284,11 @@ fn seeded_sampling_does_not_depend_on_the_batch() {
 fn stop_string_cuts_text_and_finishes() {
     let (engine, tokenizer) = start("llama", Setup::default());
     let (prompt, want) = cases("llama")[0].clone();
-    let full =
-        collect(engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(12) }).expect("s"));
+    let full = collect(
+        engine
+            .submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(12), grammar: None })
+            .expect("s"),
+    );
     let text: String = full[0].iter().map(|o| o.text.as_str()).collect();
     assert_eq!(text, tokenizer.decode(&want, true).expect("decode"));
     // Stop at a piece of the text that starts after the first character.
@@ -276,7 +297,7 @@ fn stop_string_cuts_text_and_finishes() {
     let stop: String = chars[start..start + 2].iter().collect();
     let expected: String = text[..text.find(&stop).expect("stop occurs")].to_string();
     let params = SamplingParams { stop: vec![stop.clone()], ..greedy(12) };
-    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params }).expect("s"));
+    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params, grammar: None }).expect("s"));
     let got: String = out[0].iter().map(|o| o.text.as_str()).collect();
     assert_eq!(got, expected);
     assert_eq!(out[0].last().and_then(|o| o.finish_reason), Some(FinishReason::Stop));
@@ -295,7 +316,7 @@ fn eos_finishes_with_stop_unless_ignored() {
     let (prompt, want) = cases("llama")[0].clone();
     // Make the model's 3rd greedy token count as a stop token.
     let params = SamplingParams { stop_token_ids: vec![want[2]], ignore_eos: false, ..greedy(12) };
-    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params }).expect("s"));
+    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params, grammar: None }).expect("s"));
     let got = tokens(&out[0]);
     let first_stop = want.iter().position(|&t| t == want[2]).expect("present");
     assert_eq!(got, want[..=first_stop]);
@@ -306,13 +327,16 @@ fn eos_finishes_with_stop_unless_ignored() {
 fn dropping_a_stream_aborts_and_frees_blocks() {
     let (engine, _) = start("llama", Setup::default());
     let (prompt, _) = cases("llama")[3].clone();
-    let mut stream =
-        engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(400) }).expect("s");
+    let mut stream = engine
+        .submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(400), grammar: None })
+        .expect("s");
     assert!(stream.blocking_recv().is_some());
     drop(stream);
     wait_idle(&engine);
     // The engine still serves.
-    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(2) }).expect("s"));
+    let out = collect(
+        engine.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(2), grammar: None }).expect("s"),
+    );
     assert_eq!(tokens(&out[0]).len(), 2);
     wait_idle(&engine);
 }
@@ -320,8 +344,9 @@ fn dropping_a_stream_aborts_and_frees_blocks() {
 #[test]
 fn bad_requests_are_refused_with_clear_errors() {
     let (engine, _) = start("llama", Setup { num_blocks: 8, ..Setup::default() });
-    let submit =
-        |prompt: Vec<u32>, params: SamplingParams| engine.submit(GenerateRequest { prompt_token_ids: prompt, params });
+    let submit = |prompt: Vec<u32>, params: SamplingParams| {
+        engine.submit(GenerateRequest { prompt_token_ids: prompt, params, grammar: None })
+    };
     assert!(matches!(submit(vec![], greedy(4)), Err(EngineError::EmptyPrompt)));
     let err = submit(vec![5, 320], greedy(4)).err().expect("out of vocab");
     assert!(err.to_string().contains("320"), "{err}");
@@ -342,11 +367,11 @@ fn bad_requests_are_refused_with_clear_errors() {
 fn a_request_at_a_block_boundary_is_admitted_by_the_handle_and_the_scheduler() {
     let (engine, _) = start("llama", Setup { num_blocks: 2, ..Setup::default() });
     // 16 + 17 tokens, the last never run: 32 tokens fill 2 blocks of 16.
-    let stream = engine.submit(GenerateRequest { prompt_token_ids: vec![5; 16], params: greedy(17) });
+    let stream = engine.submit(GenerateRequest { prompt_token_ids: vec![5; 16], params: greedy(17), grammar: None });
     let out = collect(stream.expect("fits 2 blocks exactly"));
     assert_eq!(tokens(&out[0]).len(), 17);
     assert_eq!(out[0].last().and_then(|o| o.finish_reason), Some(FinishReason::Length));
-    let err = engine.submit(GenerateRequest { prompt_token_ids: vec![5; 16], params: greedy(18) }).err();
+    let err = engine.submit(GenerateRequest { prompt_token_ids: vec![5; 16], params: greedy(18), grammar: None }).err();
     let err = err.expect("one token more needs a 3rd block").to_string();
     assert!(err.contains("may need 3 KV cache blocks but the pool has only 2"), "{err}");
     wait_idle(&engine);
@@ -359,6 +384,7 @@ fn a_full_queue_pushes_back() {
     let request = |prompt: Vec<u32>, n: u32| GenerateRequest {
         prompt_token_ids: prompt,
         params: SamplingParams { n, temperature: 1.0, ..greedy(300) },
+        grammar: None,
     };
     let a = engine.submit(request(vec![5, 6], 3)).expect("a: 3 sequences, 2 tokens");
     assert_eq!(engine.pending(), Load { sequences: 3, prompt_tokens: 2 });
@@ -394,7 +420,9 @@ fn mixed_prompts() -> Vec<(Vec<u32>, u32)> {
 fn run_batch(name: &str, setup: Setup, prompts: &[(Vec<u32>, u32)], together: bool) -> (Vec<Vec<u32>>, u64) {
     let (engine, _) = start(name, setup);
     let submit = |(p, n): &(Vec<u32>, u32)| {
-        engine.submit(GenerateRequest { prompt_token_ids: p.clone(), params: greedy(*n) }).expect("submit")
+        engine
+            .submit(GenerateRequest { prompt_token_ids: p.clone(), params: greedy(*n), grammar: None })
+            .expect("submit")
     };
     let outs = if together {
         let streams: Vec<_> = prompts.iter().map(submit).collect();
@@ -516,12 +544,16 @@ fn start_watched(name: &str, fail_at_call: Option<usize>) -> (EngineHandle, Arc<
 fn shutdown_waits_until_the_runner_is_freed() {
     let (engine, freed) = start_watched("llama", None);
     let prompt = cases("llama")[0].0.clone();
-    let out =
-        collect(engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(4) }).expect("s"));
+    let out = collect(
+        engine
+            .submit(GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(4), grammar: None })
+            .expect("s"),
+    );
     assert_eq!(tokens(&out[0]).len(), 4);
     let other = engine.clone();
     assert!(!engine.shutdown(Duration::from_secs(5)), "another handle keeps the engine");
-    let stream = other.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(4) }).expect("s");
+    let stream =
+        other.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(4), grammar: None }).expect("s");
     assert!(!other.shutdown(Duration::from_millis(50)), "a live stream keeps the engine");
     assert!(!freed.load(Ordering::SeqCst));
     // The stream still gets its tokens; once it is gone, the engine ends and frees the runner.
@@ -537,7 +569,9 @@ fn shutdown_waits_until_the_runner_is_freed() {
 fn shutdown_of_the_last_handle_frees_the_runner_before_returning() {
     let (engine, freed) = start_watched("llama", None);
     let prompt = cases("llama")[0].0.clone();
-    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(4) }).expect("s"));
+    let out = collect(
+        engine.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(4), grammar: None }).expect("s"),
+    );
     assert_eq!(tokens(&out[0]).len(), 4);
     assert!(engine.shutdown(Duration::from_secs(10)));
     assert!(freed.load(Ordering::SeqCst), "shutdown returned before the runner was freed");
@@ -551,10 +585,14 @@ fn argmax_rows_from_the_runner_give_the_reference_tokens() {
     let cases = cases("llama");
     let plain: Vec<_> = cases
         .iter()
-        .map(|(p, _)| engine.submit(GenerateRequest { prompt_token_ids: p.clone(), params: greedy(8) }).expect("s"))
+        .map(|(p, _)| {
+            engine.submit(GenerateRequest { prompt_token_ids: p.clone(), params: greedy(8), grammar: None }).expect("s")
+        })
         .collect();
     let with_top = SamplingParams { logprobs: Some(3), ..greedy(8) };
-    let top = engine.submit(GenerateRequest { prompt_token_ids: cases[0].0.clone(), params: with_top }).expect("s");
+    let top = engine
+        .submit(GenerateRequest { prompt_token_ids: cases[0].0.clone(), params: with_top, grammar: None })
+        .expect("s");
     for (stream, (_, want)) in plain.into_iter().zip(&cases) {
         let out = collect(stream);
         assert_eq!(tokens(&out[0]), want[..8]);
@@ -573,7 +611,11 @@ fn a_device_failure_aborts_the_step_and_the_engine_recovers() {
     let cases = cases("llama");
     let streams: Vec<_> = cases
         .iter()
-        .map(|(p, _)| engine.submit(GenerateRequest { prompt_token_ids: p.clone(), params: greedy(20) }).expect("s"))
+        .map(|(p, _)| {
+            engine
+                .submit(GenerateRequest { prompt_token_ids: p.clone(), params: greedy(20), grammar: None })
+                .expect("s")
+        })
         .collect();
     for stream in streams {
         let out = collect(stream);
@@ -583,7 +625,9 @@ fn a_device_failure_aborts_the_step_and_the_engine_recovers() {
     }
     wait_idle(&engine);
     let (prompt, want) = cases[1].clone();
-    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(5) }).expect("s"));
+    let out = collect(
+        engine.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(5), grammar: None }).expect("s"),
+    );
     assert_eq!(tokens(&out[0]), want[..5]);
 }
 
@@ -642,7 +686,7 @@ fn steps_launched_ahead_give_the_outputs_of_steps_run_one_at_a_time() {
                     3 if i == 3 => SamplingParams { presence_penalty: 0.5, ..sampled },
                     _ => SamplingParams { stop: vec!["a".into()], ..sampled },
                 };
-                engine.submit(GenerateRequest { prompt_token_ids: prompt, params }).expect("submit")
+                engine.submit(GenerateRequest { prompt_token_ids: prompt, params, grammar: None }).expect("submit")
             })
             .collect();
         let outputs: Vec<Seen> = streams.into_iter().map(|s| seen(collect(s))).collect();
@@ -669,7 +713,9 @@ fn steps_launched_ahead_give_the_outputs_of_steps_run_one_at_a_time() {
 fn back_to_back_steps_are_timed_by_kind_and_batch_size() {
     let (engine, _) = start("llama3_gqa", Setup { max_num_batched_tokens: 16, ..Setup::default() });
     let prompt: Vec<u32> = (0..40).map(|i| 3 + i % 50).collect();
-    let out = collect(engine.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(6) }).expect("submit"));
+    let out = collect(
+        engine.submit(GenerateRequest { prompt_token_ids: prompt, params: greedy(6), grammar: None }).expect("submit"),
+    );
     assert_eq!(tokens(&out[0]).len(), 6);
     wait_idle(&engine);
     let stats = engine.stats();
@@ -679,4 +725,74 @@ fn back_to_back_steps_are_timed_by_kind_and_batch_size() {
     assert_eq!(steps.decode[0].0, 5, "{steps:?}");
     assert!(steps.decode[1..].iter().all(|&(count, micros)| count == 0 && micros == 0), "{steps:?}");
     assert!(steps.mixed.1 > 0 && steps.decode[0].1 > 0, "{steps:?}");
+}
+
+/// Token ids of every sequence of every request, and each sequence's finish reason.
+type Outcome = Vec<Vec<(Vec<u32>, Option<FinishReason>)>>;
+
+/// Per fixture case: one greedy request under `grammar`, one seeded `n = 2` request under it at
+/// temperature 1, and one greedy request without it, all submitted at once.
+fn run_constrained(setup: Setup, grammar: &ferrolm_structured::Grammar) -> (Outcome, Arc<Tokenizer>, u64) {
+    let (engine, tokenizer) = start("llama3_gqa", setup);
+    let free = SamplingParams { ignore_eos: false, ..greedy(64) };
+    let mut streams = Vec::new();
+    for (prompt, _) in cases("llama3_gqa") {
+        let sampled = SamplingParams { n: 2, temperature: 1.0, seed: Some(7), ..free.clone() };
+        for (params, grammar) in
+            [(free.clone(), Some(grammar.clone())), (sampled, Some(grammar.clone())), (greedy(12), None)]
+        {
+            let request = GenerateRequest { prompt_token_ids: prompt.clone(), params, grammar };
+            streams.push(engine.submit(request).expect("submit"));
+        }
+    }
+    let outcome = streams
+        .into_iter()
+        .map(|s| collect(s).iter().map(|seq| (tokens(seq), seq.last().and_then(|o| o.finish_reason))).collect())
+        .collect();
+    wait_idle(&engine);
+    let stats = engine.stats();
+    assert!(stats.masked_steps > 0, "no step was masked");
+    (outcome, tokenizer, stats.num_preemptions)
+}
+
+#[test]
+fn constrained_requests_follow_their_grammar_however_they_are_batched() {
+    let tokenizer = Tokenizer::from_dir(&fixture("llama3_gqa")).expect("tokenizer");
+    let compiler = ferrolm_structured::GrammarCompiler::new(&tokenizer, &[1]).expect("compiler");
+    let schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "kind": {"enum": ["cat", "dog", "owl"]},
+            "age": {"type": "integer", "minimum": 0, "maximum": 99},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}
+        },
+        "required": ["kind", "age", "tags"],
+        "additionalProperties": false
+    });
+    let grammar = compiler.compile(&ferrolm_structured::StructuredOutput::JsonSchema(schema)).expect("compile");
+    let (want, tokenizer, _) = run_constrained(Setup::default(), &grammar);
+    for (i, request) in want.iter().enumerate() {
+        for (ids, finish) in request {
+            let text = tokenizer.decode(ids, true).expect("decode");
+            if i % 3 == 2 {
+                let reference = &cases("llama3_gqa")[i / 3].1;
+                assert_eq!(ids, reference, "an unconstrained request beside constrained ones");
+                continue;
+            }
+            let doc: Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("request {i}: {text:?}: {e}"));
+            assert!(["cat", "dog", "owl"].contains(&doc["kind"].as_str().unwrap_or("")), "{text}");
+            assert!(doc["age"].as_u64().is_some_and(|a| a < 100), "{text}");
+            assert_eq!(*finish, Some(FinishReason::Stop), "request {i} ends at EOS once complete: {text}");
+        }
+    }
+    let setups = [
+        ("one step at a time", Setup { overlap_steps: false, ..Setup::default() }),
+        ("chunked prefill", Setup { max_num_batched_tokens: 7, block_size: 4, ..Setup::default() }),
+        ("preemption", Setup { num_blocks: 32, block_size: 4, ..Setup::default() }),
+    ];
+    for (what, setup) in setups {
+        let (got, _, preemptions) = run_constrained(setup, &grammar);
+        assert_eq!(got, want, "{what}");
+        assert_eq!(preemptions > 0, what == "preemption", "{what}: {preemptions} preemptions");
+    }
 }

@@ -75,8 +75,9 @@ fn is_idle(engine: &EngineHandle) -> bool {
 
 /// A stop string in the middle of the greedy text of 12 tokens, and the text before it.
 fn stop_in_greedy_text(engine: &EngineHandle) -> (String, String) {
-    let outputs =
-        read_all(engine.submit(GenerateRequest { prompt_token_ids: prompt(), params: greedy(12) }).expect("s"));
+    let outputs = read_all(
+        engine.submit(GenerateRequest { prompt_token_ids: prompt(), params: greedy(12), grammar: None }).expect("s"),
+    );
     let text: String = outputs.iter().map(|o| o.text.as_str()).collect();
     let chars: Vec<char> = text.chars().collect();
     let start = chars.len() / 2;
@@ -96,7 +97,7 @@ fn a_stop_string_ends_its_sequences_while_nobody_reads_the_stream() {
     let max_tokens = 300;
     assert!(prompt().len() + max_tokens < MAX_MODEL_LEN);
     let params = SamplingParams { n: 2, stop: vec![stop.clone()], ..greedy(max_tokens as u32) };
-    let stream = engine.submit(GenerateRequest { prompt_token_ids: prompt(), params }).expect("submit");
+    let stream = engine.submit(GenerateRequest { prompt_token_ids: prompt(), params, grammar: None }).expect("submit");
     // Not a single read: the sequences still end at the stop string and free their blocks, and
     // the output stage lets go of the request (its outputs wait in the stream).
     wait_for("the unread request to end", &engine, is_idle);
@@ -119,8 +120,9 @@ fn a_stop_string_ends_its_sequences_while_nobody_reads_the_stream() {
 #[test]
 fn the_output_stage_keeps_nothing_of_finished_aborted_or_dropped_requests() {
     let (engine, _) = start();
-    let submit =
-        |params: SamplingParams| engine.submit(GenerateRequest { prompt_token_ids: prompt(), params }).expect("submit");
+    let submit = |params: SamplingParams| {
+        engine.submit(GenerateRequest { prompt_token_ids: prompt(), params, grammar: None }).expect("submit")
+    };
 
     // Read to the end.
     let outputs = read_all(submit(greedy(4)));

@@ -46,7 +46,7 @@ fn prompts(name: &str) -> Result<Vec<Vec<u32>>, Box<dyn std::error::Error>> {
 
 /// Every output of one request, per sequence index, in order.
 fn run(engine: &EngineHandle, prompt: &[u32], params: SamplingParams) -> Result<Vec<Vec<RequestOutput>>, EngineError> {
-    let mut stream = engine.submit(GenerateRequest { prompt_token_ids: prompt.to_vec(), params })?;
+    let mut stream = engine.submit(GenerateRequest { prompt_token_ids: prompt.to_vec(), params, grammar: None })?;
     let mut by_index: Vec<Vec<RequestOutput>> = Vec::new();
     while let Some(out) = stream.blocking_recv() {
         let i = out.index as usize;

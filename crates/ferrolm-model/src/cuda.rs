@@ -311,7 +311,7 @@ impl ModelRunner for CudaRunner {
     }
 
     fn collect(&mut self) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
-        assert!(self.awaiting_masks.is_none(), "collect: the step still waits for its token masks");
+        // NOTE: a step waiting for its masks has not launched its sampler: the oldest is another's.
         Ok(self.sampler.collect()?)
     }
 }

@@ -47,8 +47,9 @@ pub trait ModelRunner: Send {
     fn launch(&mut self, input: &ModelInput, rows: &[RowRequest<'_>]) -> Result<(), ModelError>;
 
     /// The token masks of the last launched step's `masked` rows, in row order: exactly once
-    /// after a launch with such rows, before the next launch and before collecting the step.
-    /// A mask shorter than the vocabulary disallows the ids past it.
+    /// after a launch with such rows, before the next launch and before collecting the step
+    /// (the step before it may be collected meanwhile). A mask shorter than the vocabulary
+    /// disallows the ids past it.
     fn set_token_masks(&mut self, masks: &TokenMasks) -> Result<(), ModelError>;
 
     /// The answer of the oldest launched step not yet collected: one entry per row, as
@@ -224,7 +225,7 @@ impl ModelRunner for CpuRunner {
     }
 
     fn collect(&mut self) -> Result<Vec<Option<TokenLogprobs>>, ModelError> {
-        assert!(self.awaiting_masks.is_none(), "collect: the step still waits for its token masks");
+        // NOTE: a step waiting for its masks has no answer queued yet: the oldest is another's.
         self.answers.pop_front().ok_or(ModelError::NothingLaunched)
     }
 }

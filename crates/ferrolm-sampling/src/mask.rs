@@ -25,6 +25,13 @@ impl TokenMasks {
         TokenMasks { words, data: vec![0; rows * words] }
     }
 
+    /// Makes room for `rows` masks of `words` words each, keeping the allocation; the rows'
+    /// contents are left for the caller to write in full.
+    pub fn reshape(&mut self, rows: usize, words: usize) {
+        self.words = words;
+        self.data.resize(rows * words, 0);
+    }
+
     /// Words per row for a vocabulary of `vocab` tokens.
     pub fn words_for(vocab: usize) -> usize {
         vocab.div_ceil(32)

@@ -71,6 +71,7 @@ impl Generation {
             .map(|prompt| GenerateRequest {
                 prompt_token_ids: prompt.clone(),
                 params: sampling.for_prompt(prompt.len(), max_model_len),
+                grammar: sampling.grammar.clone(),
             })
             .collect();
         let mut outputs = SelectAll::new();

@@ -39,6 +39,7 @@ pub mod routes;
 pub mod signals;
 mod sse;
 mod state;
+pub mod structured;
 pub mod tool_calls;
 mod work_pool;
 
@@ -60,6 +61,7 @@ use limits::RequestLimits;
 use reasoning::ReasoningParser;
 pub use signals::{shutdown_signal, StopSignal};
 use state::AppState;
+use structured::Grammars;
 use tool_calls::ToolCallParser;
 use work_pool::WorkPool;
 
@@ -155,6 +157,7 @@ impl Server {
             abort: abort_rx,
             work,
             tool_call_parser,
+            grammars: Grammars::default(),
         });
         Ok(Server { listener, state, abort_tx })
     }

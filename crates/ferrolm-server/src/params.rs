@@ -9,6 +9,8 @@ use ferrolm_engine::resolve_max_tokens;
 use ferrolm_sampling::{GenerationDefaults, SamplingParams};
 
 use crate::error::ApiError;
+use crate::structured::{self, Requested};
+use ferrolm_structured::Grammar;
 
 /// Declares a request type with, after its own fields, the sampling fields that both completion
 /// routes take, listed here once, and a `take_sampling` that moves them into a
@@ -36,6 +38,8 @@ macro_rules! sampling_request {
             stop_token_ids: Option<Vec<u32>>,
             skip_special_tokens: Option<bool>,
             logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+            response_format: Option<serde_json::Value>,
+            structured_outputs: Option<serde_json::Value>,
         );
     };
     (@ [$($meta:tt)*] $name:ident [$($own:tt)*] $($field:ident: $ty:ty,)*) => {
@@ -77,9 +81,16 @@ pub struct ResolvedSampling {
     pub params: SamplingParams,
     /// The model's length, else the route's: used where the client chose none.
     pub default_max_tokens: Option<u32>,
+    /// The grammar every sequence follows (see `structured`), compiled by the route.
+    pub grammar: Option<Grammar>,
 }
 
 impl RequestSampling {
+    /// The request's `response_format` or `structured_outputs` constraint, taken out.
+    pub fn take_structured(&mut self) -> Result<Option<Requested>, ApiError> {
+        structured::requested(self.response_format.take(), self.structured_outputs.take())
+    }
+
     /// `route_max_tokens` applies when neither the client nor the model chose a length.
     pub fn resolve(
         self,
@@ -117,7 +128,7 @@ impl RequestSampling {
         }
         .with_defaults(&from_client.or(model));
         params.max_tokens = self.max_tokens;
-        Ok(ResolvedSampling { params, default_max_tokens })
+        Ok(ResolvedSampling { params, default_max_tokens, grammar: None })
     }
 }
 

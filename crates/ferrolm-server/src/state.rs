@@ -9,6 +9,7 @@ use ferrolm_tokenizer::Tokenizer;
 use tokio::sync::watch;
 
 use crate::metrics::ServerMetrics;
+use crate::structured::Grammars;
 use crate::tool_calls::ToolCallParser;
 use crate::work_pool::WorkPool;
 use crate::ServerConfig;
@@ -27,6 +28,8 @@ pub struct AppState {
     pub work: WorkPool,
     /// The format tool calls are parsed from: configured, or read from the chat template.
     pub tool_call_parser: Option<ToolCallParser>,
+    /// The compiler of structured-output constraints, built on first use.
+    pub grammars: Grammars,
 }
 
 pub type SharedState = Arc<AppState>;

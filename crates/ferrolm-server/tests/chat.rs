@@ -53,8 +53,10 @@ async fn chat_renders_the_template_and_matches_the_engine() {
 
     // The engine on the rendered prompt says the same (EOS may end it before 10 tokens).
     let params = SamplingParams { temperature: 0.0, max_tokens: Some(10), ..SamplingParams::default() };
-    let mut stream =
-        server.engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params }).expect("submit");
+    let mut stream = server
+        .engine
+        .submit(GenerateRequest { prompt_token_ids: prompt.clone(), params, grammar: None })
+        .expect("submit");
     let (mut tokens, mut text) = (Vec::new(), String::new());
     while let Some(out) = stream.recv().await {
         tokens.extend(out.token_ids);

@@ -51,8 +51,10 @@ async fn greedy_ids_match_the_reference_and_the_engine() {
                 ignore_eos: true,
                 ..SamplingParams::default()
             };
-            let mut stream =
-                server.engine.submit(GenerateRequest { prompt_token_ids: prompt.clone(), params }).expect("submit");
+            let mut stream = server
+                .engine
+                .submit(GenerateRequest { prompt_token_ids: prompt.clone(), params, grammar: None })
+                .expect("submit");
             let (mut tokens, mut text) = (Vec::new(), String::new());
             while let Some(out) = stream.recv().await {
                 tokens.extend(out.token_ids);

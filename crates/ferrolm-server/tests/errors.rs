@@ -86,7 +86,7 @@ async fn values_out_of_range_are_400s_naming_the_field() {
         (json!({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}), "messages[0].content[0]"),
         (json!({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}), "temperature"),
         (
-            json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}),
+            json!({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}),
             "response_format",
         ),
         (json!({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}), "tool_choice"),

@@ -303,9 +303,6 @@ async fn invalid_tools_and_tool_choices_are_400s_naming_the_field() {
         (json!({"tool_choice": "sometimes"}), "tool_choice"),
         (json!({"tool_choice": named("get_stock")}), "tool_choice"),
         (json!({"tools": null, "tool_choice": "required"}), "tool_choice"),
-        // Until the engine decodes under a schema, a call cannot be promised.
-        (json!({"tool_choice": "required"}), "tool_choice"),
-        (json!({"tool_choice": named("get_time")}), "tool_choice"),
         (json!({"messages": bad_call}), "messages[1].tool_calls[0].function.arguments"),
     ];
     for (extra, param) in cases {
@@ -315,5 +312,84 @@ async fn invalid_tools_and_tool_choices_are_400s_naming_the_field() {
         let err = error_of(&resp);
         assert_eq!(err["param"], param, "{extra}: {resp}");
         assert!(err["message"].as_str().is_some_and(|m| m.contains(param)), "{resp}");
+    }
+}
+
+/// Tools whose arguments a random model fills in within a few tokens.
+fn bounded_tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 6}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city", "unit"], "additionalProperties": false}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {
+            "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}},
+            "required": ["zone"], "additionalProperties": false}}},
+    ])
+}
+
+/// A call's arguments as its tool's schema allows them.
+fn check_arguments(name: &str, arguments: &str) {
+    let args: Value = serde_json::from_str(arguments).unwrap_or_else(|e| panic!("{arguments:?}: {e}"));
+    match name {
+        "get_weather" => {
+            assert!(args["city"].as_str().is_some_and(|c| c.chars().count() <= 6), "{arguments}");
+            assert!(["c", "f"].contains(&args["unit"].as_str().unwrap_or_default()), "{arguments}");
+        }
+        "get_time" => assert!(["UTC", "CET"].contains(&args["zone"].as_str().unwrap_or_default()), "{arguments}"),
+        other => panic!("a call of {other:?}, which is not a tool"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn required_and_named_choices_are_decoded_into_calls() {
+    // The fixture's free text is never a call: whatever comes back as calls came from the schema.
+    let server = start(Options::default()).await;
+    let named = json!({"type": "function", "function": {"name": "get_time"}});
+    let cases = [
+        (json!({"tool_choice": "required", "parallel_tool_calls": false, "n": 2}), Some(1)),
+        (json!({"tool_choice": "required", "seed": 7}), None),
+        (json!({"tool_choice": named, "n": 2}), Some(1)),
+        // tool_choice wins over response_format.
+        (json!({"tool_choice": named, "response_format": {"type": "json_object"}}), Some(1)),
+    ];
+    for (extra, num_calls) in cases {
+        let mut body = body(json!({"temperature": 1, "seed": 3, "max_tokens": 400}));
+        body["tools"] = bounded_tools();
+        for (k, v) in extra.as_object().expect("object") {
+            body[k] = v.clone();
+        }
+        let (status, resp) = server.post("/v1/chat/completions", &body).await;
+        assert_eq!(status, 200, "{extra}: {resp}");
+        for choice in resp["choices"].as_array().expect("choices") {
+            assert_eq!(choice["finish_reason"], "tool_calls", "{extra}: {resp}");
+            assert_eq!(choice["message"]["content"], Value::Null, "{resp}");
+            let calls = choice["message"]["tool_calls"].as_array().expect("tool_calls");
+            assert!(!calls.is_empty() && num_calls.is_none_or(|n| calls.len() == n), "{extra}: {resp}");
+            for call in calls {
+                assert_call_id(call["id"].as_str().expect("id"));
+                let name = call["function"]["name"].as_str().expect("name");
+                if extra["tool_choice"].is_object() {
+                    assert_eq!(name, "get_time");
+                }
+                check_arguments(name, call["function"]["arguments"].as_str().expect("arguments"));
+            }
+        }
+        let (status, chunks) = server.post_stream("/v1/chat/completions", &streaming(&body)).await;
+        assert_eq!(status, 200);
+        let n = body["n"].as_u64().unwrap_or(1) as usize;
+        for (choice, full) in assemble(&chunks, n).iter().zip(resp["choices"].as_array().expect("choices")) {
+            assert_eq!((choice.content.as_str(), choice.finish.as_deref()), ("", Some("tool_calls")), "{extra}");
+            let want: Vec<(&str, &str)> = full["message"]["tool_calls"]
+                .as_array()
+                .expect("calls")
+                .iter()
+                .map(|c| {
+                    (c["function"]["name"].as_str().unwrap_or(""), c["function"]["arguments"].as_str().unwrap_or(""))
+                })
+                .collect();
+            let got: Vec<(&str, &str)> = choice.calls.iter().map(|(_, n, a)| (n.as_str(), a.as_str())).collect();
+            assert_eq!(got, want, "the same seed streams the same calls: {extra}");
+        }
     }
 }

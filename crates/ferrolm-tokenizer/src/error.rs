@@ -43,6 +43,9 @@ pub enum TokenizerError {
     /// The template called `raise_exception(message)`; the message is the template's own.
     #[error("chat template raised an exception: {0}")]
     ChatTemplateRaised(String),
+
+    #[error("not supported: {0}")]
+    Unsupported(String),
 }
 
 pub type Result<T, E = TokenizerError> = std::result::Result<T, E>;

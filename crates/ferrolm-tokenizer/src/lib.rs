@@ -4,6 +4,7 @@
 //! - [`Tokenizer`] loads a HF model directory (`tokenizer.json`, `tokenizer_config.json`,
 //!   `chat_template.jinja`) and encodes and decodes exactly as HF's tokenizers do.
 //! - [`ChatTemplate`] renders a conversation into a prompt as HF's `apply_chat_template`.
+//! - [`Tokenizer::token_bytes`] gives the text bytes of every token, for grammars.
 //! - [`IncrementalDetokenizer`] streams text per generated id without splitting characters.
 
 mod chat_template;
@@ -12,6 +13,7 @@ mod detokenizer;
 mod error;
 mod pyfmt;
 mod strftime;
+mod token_bytes;
 mod tokenizer;
 
 pub use chat_template::{ChatMessage, ChatTemplate, RenderOptions};

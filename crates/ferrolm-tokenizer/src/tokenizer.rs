@@ -226,6 +226,11 @@ impl Tokenizer {
         self.chat_template.as_ref()
     }
 
+    /// The HF tokenizer itself, for this crate's other views of the vocabulary.
+    pub(crate) fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+
     /// The normalised tokenizer_config.json (special token strings, `model_max_length`).
     pub fn config(&self) -> &TokenizerConfig {
         &self.config

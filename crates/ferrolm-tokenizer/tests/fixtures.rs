@@ -279,3 +279,29 @@ fn bad_template_syntax_is_reported_with_its_file() -> TestResult {
     assert!(msg.contains("line 1"), "{msg}");
     Ok(())
 }
+
+/// A token's bytes are the text it stands for: the bytes of a text's tokens, concatenated, are
+/// the text, for every fixture (byte-level and SentencePiece vocabularies) and the demo model.
+#[test]
+fn token_bytes_spell_the_encoded_text() -> TestResult {
+    let demo = Path::new(FIXTURES).join("../../models/ferrolm-demo-py");
+    for dir in FIXTURE_NAMES.iter().map(|n| fixture(n)).chain([demo]) {
+        let tokenizer = Tokenizer::from_dir(&dir)?;
+        let bytes = tokenizer.token_bytes()?;
+        assert_eq!(bytes.len(), tokenizer.vocab_size(), "{}", dir.display());
+        let mut texts = reference_tokenization_or_empty(&dir)?;
+        texts.extend(["{\"name\": \"x\", \"n\": [1, 2.5e-3]}\n\tdef f():  é 🦀".to_string()]);
+        for text in &texts {
+            let ids = tokenizer.encode(text, false)?;
+            let spelled: Vec<u8> = ids.iter().flat_map(|&id| bytes[id as usize].iter().copied()).collect();
+            // SentencePiece normalizers may prepend a space marker to the first word.
+            let spelled = String::from_utf8_lossy(&spelled);
+            assert!(
+                spelled == *text || spelled.strip_prefix(' ') == Some(text),
+                "{}: {text:?} spelled {spelled:?}",
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}

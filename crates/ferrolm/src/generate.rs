@@ -127,7 +127,11 @@ pub fn run(args: GenerateArgs) -> Result<()> {
             }
             Prompt::Text(text) => loaded.tokenizer.encode(text, true)?,
         };
-        let stream = loaded.engine.submit(GenerateRequest { prompt_token_ids: ids.clone(), params: params.clone() })?;
+        let stream = loaded.engine.submit(GenerateRequest {
+            prompt_token_ids: ids.clone(),
+            params: params.clone(),
+            grammar: None,
+        })?;
         streams.push((ids, stream));
     }
 

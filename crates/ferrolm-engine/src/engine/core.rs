@@ -1,7 +1,7 @@
 //! The engine thread: owns the scheduler, the runner and every sequence's sampling state, and
 //! runs the step loop. A step reads as what it does: schedule (or take the step launched
 //! ahead), launch, collect, update. Building the batch lives in `launch.rs`, applying the
-//! answer in `update.rs`; text and stop strings are the output stage's (`output_stage.rs`, a
+//! answer in `update.rs`, the token masks of grammar-constrained sequences in `masks.rs`; text and stop strings are the output stage's (`output_stage.rs`, a
 //! thread of its own), which every output goes to and which tells the engine of stop strings on
 //! a channel of its own.
 //!
@@ -15,7 +15,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ferrolm_model::ModelRunner;
-use ferrolm_sampling::RequestSampler;
+use ferrolm_sampling::{RequestSampler, TokenMasks};
+use ferrolm_structured::Constraint;
 
 use super::admission::{Load, PendingLoad};
 use super::handle::{Command, EngineConfig, EngineError, GenerateRequest};
@@ -39,6 +40,9 @@ pub(super) struct Sequence {
     /// To the output stage.
     pub(super) tx: OutputSender,
     pub(super) sampler: RequestSampler,
+    /// Where the output is in its grammar, for a constrained request: every sampled token is
+    /// advanced into it before the next mask is computed.
+    pub(super) constraint: Option<Constraint>,
     pub(super) num_prompt_tokens: usize,
     pub(super) wants_logprobs: bool,
     /// `Some` while prompt logprobs are wanted and not yet sent.
@@ -85,6 +89,8 @@ pub(crate) struct Engine {
     pending: Arc<PendingLoad>,
     /// Launch each step that can be scheduled ahead while the one before runs.
     overlap_steps: bool,
+    /// The token masks of the last masked step, kept for the next one's rows.
+    pub(super) masks: TokenMasks,
     /// The step launched ahead of the one being applied, collected by the next `step()`.
     pub(super) ahead: Option<Launched>,
     /// When the last step was collected with none launched ahead: the device idles from then
@@ -129,6 +135,7 @@ impl Engine {
             stats,
             pending,
             overlap_steps: config.overlap_steps,
+            masks: TokenMasks::default(),
             ahead: None,
             idle_since: None,
             last_collect: None,
@@ -176,7 +183,7 @@ impl Engine {
 
     fn add(&mut self, new: NewClient, request: GenerateRequest) {
         let NewClient { client_id, group, max_tokens } = new;
-        let GenerateRequest { prompt_token_ids, params } = request;
+        let GenerateRequest { prompt_token_ids, params, grammar } = request;
         let load = Load::of_prompt(prompt_token_ids.len(), params.n);
         let tx = OutputSender::new(client_id, self.outputs.clone());
         let mut stop_ids = params.stop_token_ids.clone();
@@ -188,11 +195,18 @@ impl Engine {
             let id = sequence_id(client_id, index);
             let seq = RequestSampler::for_sequence(&params, &prompt_token_ids, client_id, index as u64)
                 .map_err(EngineError::from)
+                .map(|mut sampler| {
+                    if grammar.is_some() {
+                        sampler.constrain();
+                    }
+                    sampler
+                })
                 .map(|sampler| Sequence {
                     client_id,
                     index,
                     tx: tx.clone(),
                     sampler,
+                    constraint: grammar.as_ref().map(|g| g.start()),
                     num_prompt_tokens: prompt_token_ids.len(),
                     wants_logprobs: params.logprobs.is_some(),
                     prompt_logprobs: match params.prompt_logprobs {
@@ -276,13 +290,22 @@ impl Engine {
     /// One step: schedule it (or take the one launched ahead), launch the next one ahead where
     /// the scheduler can already tell what it is, collect this one's answer and update from it.
     /// With a step ahead in flight, the device runs it while the host updates from this one.
+    ///
+    /// Token masks: a step's masks are set once the tokens before it are advanced into their
+    /// grammars, while its forward pass runs: after the update for a step launched ahead, at
+    /// once for one launched now. Either way before the next launch, which may read its tokens.
     fn step(&mut self) {
-        let Some(launched) = self.ahead.take().or_else(|| self.schedule_and_launch()) else { return };
+        let Some(mut launched) = self.ahead.take().or_else(|| self.schedule_and_launch()) else { return };
+        self.set_token_masks(&mut launched);
         if self.overlap_steps {
             self.ahead = self.launch_ahead(&launched);
         }
         if let Some(answer) = self.collect(launched) {
             self.update(answer);
+        }
+        if let Some(mut ahead) = self.ahead.take() {
+            self.set_token_masks(&mut ahead);
+            self.ahead = Some(ahead);
         }
     }
 

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use ferrolm_model::ModelRunner;
 use ferrolm_sampling::{SamplingError, SamplingParams, StopStrings};
+use ferrolm_structured::Grammar;
 use ferrolm_tokenizer::{Tokenizer, TokenizerError};
 use tokio::sync::mpsc as tokio_mpsc;
 
@@ -56,6 +57,8 @@ pub fn resolve_max_tokens(
 pub struct GenerateRequest {
     pub prompt_token_ids: Vec<u32>,
     pub params: SamplingParams,
+    /// The grammar every sequence's output must follow (structured output, tool calls).
+    pub grammar: Option<Grammar>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -18,6 +18,11 @@ use crate::scheduler::{SchedulerOutput, UNKNOWN_TOKEN};
 pub(super) struct Launched {
     pub(super) out: SchedulerOutput,
     pub(super) layout: StepLayout,
+    /// The requests of its grammar-constrained rows, in row order: their token masks go to the
+    /// runner before the step can be collected.
+    pub(super) masked: Vec<RequestId>,
+    /// Whether those masks were set.
+    pub(super) masks_set: bool,
 }
 
 /// A row nothing is wanted from (its request has no sequence any more); its result is dropped.
@@ -76,6 +81,13 @@ impl Engine {
         let input = self.model_input(&out, &layout, previous_rows);
         let plans = self.plans(&layout, previous_rows);
         let rows = self.row_requests(&out, &layout, &plans);
+        let masked = layout
+            .requests
+            .iter()
+            .zip(&plans)
+            .filter(|(_, plan)| plan.as_ref().is_some_and(|p| p.masked))
+            .map(|(r, _)| r.request_id)
+            .collect();
         debug_assert_eq!(input.logits_indices.len(), layout.num_rows, "the batch asks for the layout's rows");
         let launched = self.runner.launch(&input, &rows);
         // A step launched with nothing in flight found the device idle since the last collect.
@@ -84,7 +96,7 @@ impl Engine {
             self.stats.host_gap_us.fetch_add(gap, Ordering::Relaxed);
         }
         match launched {
-            Ok(()) => Some(Launched { out, layout }),
+            Ok(()) => Some(Launched { out, layout, masked, masks_set: false }),
             Err(err) => {
                 self.abort_step(&out, &err.to_string());
                 None

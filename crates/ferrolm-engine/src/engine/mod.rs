@@ -16,6 +16,7 @@ mod core;
 mod handle;
 mod launch;
 mod layout;
+mod masks;
 mod output;
 mod output_stage;
 mod state;

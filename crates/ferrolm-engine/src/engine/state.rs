@@ -48,6 +48,10 @@ pub struct EngineStats {
     pub host_gap_us: AtomicU64,
     pub num_blocks: AtomicU64,
     pub step_times: StepTimes,
+    /// Steps with grammar-constrained rows, and the microseconds spent computing their token
+    /// masks (while the device ran each step's forward pass).
+    pub masked_steps: AtomicU64,
+    pub mask_us: AtomicU64,
 }
 
 /// Decode steps are timed in buckets of this many sequences ([`StepTimes`]).
@@ -108,6 +112,8 @@ pub struct EngineStatsSnapshot {
     pub host_gap_us: u64,
     pub num_blocks: u64,
     pub step_times: StepTimesSnapshot,
+    pub masked_steps: u64,
+    pub mask_us: u64,
 }
 
 impl EngineStats {
@@ -129,6 +135,8 @@ impl EngineStats {
             num_steps: get(&self.num_steps),
             num_steps_ahead: get(&self.num_steps_ahead),
             host_gap_us: get(&self.host_gap_us),
+            masked_steps: get(&self.masked_steps),
+            mask_us: get(&self.mask_us),
             num_blocks: get(&self.num_blocks),
             step_times: self.step_times.snapshot(),
         }

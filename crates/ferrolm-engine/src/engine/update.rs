@@ -33,7 +33,7 @@ impl Engine {
     /// Waits for `launched`'s answer and times the step. `None` when the runner failed: the
     /// step's requests are aborted.
     pub(super) fn collect(&mut self, launched: Launched) -> Option<Answer> {
-        let Launched { out, layout } = launched;
+        let Launched { out, layout, .. } = launched;
         let collected = self.runner.collect();
         let now = Instant::now();
         if self.ahead.is_none() {
@@ -120,6 +120,13 @@ impl Engine {
     fn send(&mut self, sampled: Sampled, finish: Option<FinishReason>) {
         let id = sampled.id;
         let Some(seq) = self.sequences.get_mut(&id) else { return };
+        let token = sampled.logprobs.token;
+        // NOTE: a complete grammar takes no more tokens: an EOS id sampled under `ignore_eos`
+        // stays out of it, and its mask keeps allowing only EOS ids.
+        let grammar_fault = match (&mut seq.constraint, finish) {
+            (Some(c), None) if !c.is_stopped() => c.advance(token).err(),
+            _ => None,
+        };
         let output = RequestOutput {
             index: seq.index,
             token_ids: vec![sampled.logprobs.token],
@@ -131,7 +138,12 @@ impl Engine {
             num_cached_tokens: seq.num_cached_tokens,
         };
         let client_gone = seq.tx.send(output).is_err();
-        if finish.is_some() {
+        if let Some(err) = grammar_fault {
+            // The token came from the grammar's own mask: the grammar engine is at fault.
+            tracing::error!(request = %id, %err, "engine fault: the sampled token does not advance the grammar");
+            self.scheduler.finish_request(id, FinishReason::Abort);
+            self.send_final(id, FinishReason::Abort);
+        } else if finish.is_some() {
             self.retire(id);
         } else if client_gone {
             let client = seq.client_id;

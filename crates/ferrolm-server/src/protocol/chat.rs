@@ -35,8 +35,6 @@ sampling_request! {
         pub tool_choice: Option<Value>,
         /// Whether a reply may hold several calls (default true).
         pub parallel_tool_calls: Option<bool>,
-        /// Only `{"type": "text"}`: no constrained decoding (JSON mode, schemas).
-        pub response_format: Option<Value>,
         /// OpenAI's identifier of the end user: accepted, not used.
         pub user: Option<String>,
     }

@@ -20,6 +20,7 @@ use crate::protocol::completions::{
 use crate::protocol::{check_model, PromptInput, StreamOptions, Usage};
 use crate::sse::{self, json_response, to_json, ChunkFormat};
 use crate::state::SharedState;
+use crate::structured;
 
 /// OpenAI's default length for this route, when neither the client nor the model chose one.
 const DEFAULT_MAX_TOKENS: u32 = 16;
@@ -52,9 +53,11 @@ pub async fn create(
     let stream = req.stream.unwrap_or(false);
     let include_usage = StreamOptions::include_usage(req.stream_options.as_ref(), stream)?;
     let mut sampling = req.take_sampling();
+    let structured = sampling.take_structured()?;
     sampling.logprobs = req.logprobs;
     sampling.prompt_logprobs = if echo { req.logprobs } else { None };
-    let sampling = sampling.resolve(&state.defaults, Some(DEFAULT_MAX_TOKENS))?;
+    let mut sampling = sampling.resolve(&state.defaults, Some(DEFAULT_MAX_TOKENS))?;
+    sampling.grammar = structured::compile(&state, structured).await?;
 
     let limits = &state.config.limits;
     let request_shape = PromptShape {

@@ -2,7 +2,9 @@
 //! that demand a call (as vLLM builds it):
 //! - `required`: an array of at least one (at most one without parallel tool calls)
 //!   `{"name": <one tool's name>, "parameters": <that tool's parameters>}`, any of the tools;
-//!   the tools' `$defs` are gathered at the top, where their `$ref`s point;
+//!   the tools' `$defs` are gathered at the top, where their `$ref`s point. Unlike vLLM's, an
+//!   item may hold no other keys: JSON schema allows them by default, and a call with them
+//!   would not parse;
 //! - a named function: that function's parameters (the whole reply is its arguments).
 
 use serde_json::{json, Map, Value};
@@ -54,6 +56,7 @@ fn required_schema(tools: &[Tool], parallel_tool_calls: bool) -> Result<Value, A
                     "parameters": parameters(tool, false),
                 },
                 "required": ["name", "parameters"],
+                "additionalProperties": false,
             })
         })
         .collect();
@@ -139,6 +142,7 @@ mod tests {
                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
                     },
                     "required": ["name", "parameters"],
+                    "additionalProperties": false,
                 },
                 {
                     "properties": {
@@ -146,6 +150,7 @@ mod tests {
                         "parameters": {"type": "object", "properties": {}},
                     },
                     "required": ["name", "parameters"],
+                    "additionalProperties": false,
                 },
             ]},
         });

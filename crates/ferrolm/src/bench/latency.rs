@@ -71,8 +71,9 @@ pub fn run(args: LatencyArgs) -> Result<()> {
         let prompt = model.prompts.sample(args.input_len, &mut rng);
         let params = args.sampling.params(args.output_len, args.seed.wrapping_add(i as u64));
         let sent = Instant::now();
-        let stream =
-            engine.submit(GenerateRequest { prompt_token_ids: prompt, params }).context("the request was refused")?;
+        let stream = engine
+            .submit(GenerateRequest { prompt_token_ids: prompt, params, grammar: None })
+            .context("the request was refused")?;
         let timing = runtime.block_on(collect_timing(stream, sent, args.input_len));
         if !timing.success {
             bail!("iteration {i} failed: {}", timing.error.unwrap_or_default());

@@ -19,6 +19,7 @@ mod plot;
 mod report;
 mod serve;
 mod setup;
+mod structured;
 mod throughput;
 mod workload;
 

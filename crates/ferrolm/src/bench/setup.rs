@@ -49,6 +49,8 @@ pub struct BenchModel {
     pub load_seconds: f64,
     /// Draws prompts from the vocabulary, avoiding special ids.
     pub prompts: PromptSampler,
+    /// The model directory's tokenizer, when it has one.
+    pub tokenizer: Option<Arc<Tokenizer>>,
 }
 
 impl BenchModel {
@@ -166,7 +168,8 @@ pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(Eng
     let (device, weight_bytes, dtype) = (placed.runner.device(), placed.weight_bytes, placed.weight_dtype);
     let activation_dtype =
         if placed.device_kv_blocks.is_some() { engine_args.dtype().unwrap_or(DType::BF16) } else { DType::F32 };
-    let engine = loader::start_engine(placed, tokenizer, eos, &engine_args)?;
+    config.eos_token_ids = eos.clone();
+    let engine = loader::start_engine(placed, tokenizer.clone(), eos, &engine_args)?;
     let model = BenchModel {
         config,
         dtype,
@@ -176,6 +179,7 @@ pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(Eng
         source,
         load_seconds: started.elapsed().as_secs_f64(),
         prompts,
+        tokenizer,
     };
     Ok((engine, model))
 }

@@ -15,8 +15,10 @@ use super::bandwidth::{Bandwidth, BandwidthArgs, Device};
 use super::limit::{self, GemmRate, RunWork, Served, StepCaps, ThroughputLimit};
 use super::metrics::{LatencySummaries, RequestTiming};
 use super::setup::{self, BenchModel, ModelArgs};
+use super::structured::StructuredBench;
 use super::workload::{BenchRequest, WorkloadArgs};
 use super::{collect_timing, free_engine, join_timings, model_label, report, SamplingFlags};
+use ferrolm_structured::Grammar;
 
 #[derive(Args, Debug, Serialize)]
 pub struct ThroughputArgs {
@@ -31,6 +33,10 @@ pub struct ThroughputArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub bandwidth: BandwidthArgs,
+    /// Constrain every request's output (see `bench::structured`), to measure what structured
+    /// output costs against the same run without it.
+    #[arg(long, value_enum)]
+    pub structured_output: Option<StructuredBench>,
     /// Write every figure, the machine, the model and the flags to this JSON file.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -42,10 +48,12 @@ pub fn run(args: ThroughputArgs) -> Result<()> {
     let device = Device::of(&args.model.engine);
     let (engine, model) = setup::load(&args.model, args.workload.num_prompts, args.workload.longest_request())?;
     let requests = args.workload.requests(&model.prompts)?;
+    let grammar = args.structured_output.map(|s| s.grammar(&model)).transpose()?;
     let runtime = tokio::runtime::Builder::new_current_thread().enable_time().build()?;
-    let (timings, elapsed) = runtime.block_on(run_batch(&engine, &requests, &args))?;
+    let (timings, elapsed) = runtime.block_on(run_batch(&engine, &requests, &args, grammar.as_ref()))?;
     let mut results = summarize(&args, &engine, &model, &timings, elapsed);
-    let steps = engine.stats().step_times;
+    let stats = engine.stats();
+    let steps = stats.step_times;
     free_engine(engine);
     let output_throughput = results["output_throughput"].as_f64().unwrap_or(0.0);
     let limit = match measure_limit(&args, device, &model, &timings, output_throughput) {
@@ -75,6 +83,12 @@ pub fn run(args: ThroughputArgs) -> Result<()> {
             &format!("Decode steps of {} seqs: count, mean (ms)", bucket_label(i, steps.decode.len())),
             step_line(count, micros),
         );
+    }
+    if stats.masked_steps > 0 {
+        let per_step_ms = stats.mask_us as f64 / stats.masked_steps as f64 / 1e3;
+        table.text("Token masks: steps, mean per step (ms)", format!("{}, {per_step_ms:.3}", stats.masked_steps));
+        results.insert("masked_steps".into(), stats.masked_steps.into());
+        results.insert("mask_ms_per_step".into(), per_step_ms.into());
     }
     if let Some(limit) = &limit {
         limit.add_to(&mut table);
@@ -158,6 +172,7 @@ async fn run_batch(
     engine: &EngineHandle,
     requests: &[BenchRequest],
     args: &ThroughputArgs,
+    grammar: Option<&Grammar>,
 ) -> Result<(Vec<RequestTiming>, f64)> {
     let bar = report::progress(requests.len(), "throughput");
     let start = Instant::now();
@@ -165,7 +180,11 @@ async fn run_batch(
     for (i, req) in requests.iter().enumerate() {
         let params = args.sampling.params(req.output_len, args.workload.seed.wrapping_add(i as u64));
         let stream = engine
-            .submit(GenerateRequest { prompt_token_ids: req.prompt_token_ids.clone(), params })
+            .submit(GenerateRequest {
+                prompt_token_ids: req.prompt_token_ids.clone(),
+                params,
+                grammar: grammar.cloned(),
+            })
             .with_context(|| format!("request {i} was refused"))?;
         let (bar, prompt_len) = (bar.clone(), req.prompt_token_ids.len());
         tasks.spawn(async move {

@@ -30,6 +30,7 @@ use crate::protocol::completions::UsageField;
 use crate::protocol::{check_model, StreamOptions};
 use crate::sse::{self, json_response, to_json};
 use crate::state::SharedState;
+use crate::structured;
 
 struct Shape {
     id: String,
@@ -60,12 +61,11 @@ pub async fn create(
             Some("top_logprobs"),
         ));
     }
-    reading::check_response_format(&req)?;
     let reply = reading::reply_reading(&req, &state)?;
-    reading::check_schema_supported(reply.schema.as_ref(), &req)?;
     let stream = req.stream.unwrap_or(false);
     let include_usage = StreamOptions::include_usage(req.stream_options.as_ref(), stream)?;
     let mut sampling = req.take_sampling();
+    let structured = reading::constraint(reply.schema, sampling.take_structured()?);
     let cut_special_end = reply.keep_special_tokens && sampling.skip_special_tokens.is_none();
     if cut_special_end {
         sampling.skip_special_tokens = Some(false);
@@ -73,7 +73,8 @@ pub async fn create(
     sampling.max_tokens = req.max_completion_tokens.or(sampling.max_tokens);
     sampling.logprobs = logprobs.then(|| req.top_logprobs.unwrap_or(0));
     // No route default: an unset length runs to the end of the context, as vLLM does.
-    let sampling = sampling.resolve(&state.defaults, None)?;
+    let mut sampling = sampling.resolve(&state.defaults, None)?;
+    sampling.grammar = structured::compile(&state, structured).await?;
     let limits = &state.config.limits;
     let request_shape = PromptShape { num_prompts: 1, n: sampling.params.n as usize, echo_logprobs: false };
     limits.check_sequences(request_shape)?;

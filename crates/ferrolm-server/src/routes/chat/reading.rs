@@ -3,6 +3,7 @@
 //! off them, and what that asks of the request: the schema a call must be decoded under, and
 //! whether special tokens must stay in the text for the markers to be seen.
 
+use ferrolm_structured::StructuredOutput;
 use ferrolm_tokenizer::Tokenizer;
 use serde_json::Value;
 
@@ -10,6 +11,7 @@ use crate::chat_output::ToolOutput;
 use crate::error::ApiError;
 use crate::protocol::chat::ChatCompletionRequest;
 use crate::state::AppState;
+use crate::structured::Requested;
 use crate::tool_calls::request::{parse_tool_choice, parse_tools};
 use crate::tool_calls::schema::tool_choice_schema;
 use crate::tool_calls::ToolChoice;
@@ -53,31 +55,12 @@ fn is_special_token(tokenizer: &Tokenizer, text: &str) -> bool {
     tokenizer.token_to_id(text).is_some_and(|id| tokenizer.is_special(id))
 }
 
-/// The reply is free text or tool calls: `response_format` may only ask for text.
-pub(super) fn check_response_format(req: &ChatCompletionRequest) -> Result<(), ApiError> {
-    match &req.response_format {
-        None | Some(Value::Null) => Ok(()),
-        Some(format) if format.get("type").and_then(Value::as_str) == Some("text") => Ok(()),
-        Some(format) => {
-            let kind = format.get("type").map_or_else(|| format.to_string(), Value::to_string);
-            let message = format!("response_format {kind} is not supported: only {{\"type\": \"text\"}}");
-            Err(ApiError::invalid(message, Some("response_format")))
-        }
+/// The constraint a request's reply is decoded under: `tool_choice` `required` or a named
+/// function wins over `response_format` and `structured_outputs` (the reply must parse as the
+/// calls), as in vLLM.
+pub(super) fn constraint(tool_schema: Option<Value>, requested: Option<Requested>) -> Option<Requested> {
+    match tool_schema {
+        Some(schema) => Some(Requested { output: StructuredOutput::JsonSchema(schema), param: "tools" }),
+        None => requested,
     }
-}
-
-/// Where the reply must follow a schema: until the engine decodes under one, a request that
-/// needs it is refused rather than answered with text that may not parse.
-pub(super) fn check_schema_supported(schema: Option<&Value>, req: &ChatCompletionRequest) -> Result<(), ApiError> {
-    if schema.is_none() {
-        return Ok(());
-    }
-    let choice = req.tool_choice.as_ref().map_or_else(String::new, Value::to_string);
-    Err(ApiError::invalid(
-        format!(
-            "tool_choice {choice} needs the reply decoded under a JSON schema, which this server cannot do yet: \
-             use \"auto\" or \"none\""
-        ),
-        Some("tool_choice"),
-    ))
 }
