@@ -23,8 +23,8 @@ use crate::json::ApiJson;
 use crate::limits::PromptShape;
 use crate::logprobs::chat_token_logprob;
 use crate::protocol::chat::{
-    ChatChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs, ChatResponseMessage,
-    FunctionCall, ToolCallMessage,
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+    ChatResponseMessage, FunctionCall, ToolCallMessage,
 };
 use crate::protocol::completions::UsageField;
 use crate::protocol::{check_model, StreamOptions};
@@ -183,7 +183,7 @@ impl Shape {
         }
     }
 
-    fn chunk(&self, choices: Vec<crate::protocol::chat::ChatChunkChoice>, usage: UsageField) -> ChatCompletionChunk {
+    fn chunk(&self, choices: Vec<ChatChunkChoice>, usage: UsageField) -> ChatCompletionChunk {
         ChatCompletionChunk {
             id: self.id.clone(),
             object: "chat.completion.chunk",
