@@ -733,6 +733,7 @@ type Outcome = Vec<Vec<(Vec<u32>, Option<FinishReason>)>>;
 /// Per fixture case: one greedy request under `grammar`, one seeded `n = 2` request under it at
 /// temperature 1, and one greedy request without it, all submitted at once.
 fn run_constrained(setup: Setup, grammar: &ferrolm_structured::Grammar) -> (Outcome, Arc<Tokenizer>, u64) {
+    let overlap = setup.overlap_steps;
     let (engine, tokenizer) = start("llama3_gqa", setup);
     let free = SamplingParams { ignore_eos: false, ..greedy(64) };
     let mut streams = Vec::new();
@@ -752,6 +753,7 @@ fn run_constrained(setup: Setup, grammar: &ferrolm_structured::Grammar) -> (Outc
     wait_idle(&engine);
     let stats = engine.stats();
     assert!(stats.masked_steps > 0, "no step was masked");
+    assert_eq!(stats.num_steps_ahead > 0, overlap, "masked steps are launched ahead unless overlap is off: {stats:?}");
     (outcome, tokenizer, stats.num_preemptions)
 }
 
@@ -795,4 +797,22 @@ fn constrained_requests_follow_their_grammar_however_they_are_batched() {
         assert_eq!(got, want, "{what}");
         assert_eq!(preemptions > 0, what == "preemption", "{what}: {preemptions} preemptions");
     }
+}
+
+/// A complete grammar allows only EOS ids; `min_tokens` then waits on EOS tokens rather than
+/// leaving nothing to sample, and the text stays the grammar's.
+#[test]
+fn min_tokens_under_a_grammar_ends_on_eos_with_the_grammar_text() {
+    let (engine, tokenizer) = start("llama3_gqa", Setup::default());
+    let compiler = ferrolm_structured::GrammarCompiler::new(&tokenizer, &[1]).expect("compiler");
+    let choice = ferrolm_structured::StructuredOutput::Choice(vec!["yes".into()]);
+    let grammar = compiler.compile(&choice).expect("compile");
+    let params = SamplingParams { min_tokens: 8, ignore_eos: false, ..greedy(20) };
+    let request = GenerateRequest { prompt_token_ids: vec![5, 6, 7], params, grammar: Some(grammar) };
+    let outputs = collect(engine.submit(request).expect("submit"));
+    let ids = tokens(&outputs[0]);
+    assert_eq!(ids.len(), 8, "{ids:?}");
+    assert_eq!(tokenizer.decode(&ids, true).expect("decode"), "yes");
+    assert_eq!(outputs[0].last().and_then(|o| o.finish_reason), Some(FinishReason::Stop));
+    wait_idle(&engine);
 }

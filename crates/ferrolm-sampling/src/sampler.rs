@@ -97,7 +97,8 @@ impl RequestSampler {
     }
 
     /// From now on every plan is `masked`: a grammar gives each step's allowed tokens
-    /// ([`TokenMasks`](crate::TokenMasks)).
+    /// ([`TokenMasks`](crate::TokenMasks)), and `min_tokens` no longer masks EOS and stop ids
+    /// (the grammar decides where the output may end).
     pub fn constrain(&mut self) {
         self.masked = true;
     }
@@ -147,7 +148,10 @@ impl RequestSampler {
     /// [`Self::plan`] with `pending` sampled tokens not recorded yet.
     fn plan_after(&mut self, pending: u32, eos_token_ids: &[u32]) -> SamplePlan {
         let mut adjusts = self.penalties.adjusts().to_vec();
-        if self.num_output_tokens + pending < self.min_tokens {
+        // NOTE: under a grammar the mask decides where the output may end: once it is complete
+        // only EOS ids are allowed, which a `min_tokens` mask would leave nothing to sample from.
+        // Such a sequence samples EOS until `min_tokens` (its text is unchanged).
+        if self.num_output_tokens + pending < self.min_tokens && !self.masked {
             let eos = if self.ignore_eos { &[][..] } else { eos_token_ids };
             // One entry per token: a device applies the entries in parallel. The stop ids are
             // unique already; the model's few EOS ids are checked against each other and them.

@@ -1,8 +1,13 @@
 //! A conversation to prompt tokens: messages are checked and normalised (content given as a list
-//! of text parts becomes one string), rendered with the model's chat template, and tokenized
-//! without adding special tokens again (the template already wrote them).
+//! of text parts becomes one string, a tool call's `arguments` JSON text becomes the object it
+//! holds), rendered with the model's chat template, and tokenized without adding special tokens
+//! again (the template already wrote them).
+//!
+//! NOTE: as vLLM does, each assistant tool call's `function.arguments` is parsed into an object
+//! before rendering: templates such as Llama 3.1's write it with `tojson`, which would quote
+//! the text a second time.
 
-use ferrolm_tokenizer::{RenderOptions, Tokenizer};
+use ferrolm_tokenizer::{ChatTemplate, RenderOptions, Tokenizer};
 use serde_json::{Map, Value};
 
 use crate::error::ApiError;
@@ -16,7 +21,7 @@ pub struct ChatPromptOptions<'a> {
     pub chat_template_kwargs: Option<&'a Map<String, Value>>,
 }
 
-/// Renders `messages` and returns the prompt text.
+/// Renders `messages` with the model's chat template and returns the prompt text.
 pub fn render(tokenizer: &Tokenizer, messages: &[Value], options: ChatPromptOptions<'_>) -> Result<String, ApiError> {
     let template = tokenizer.chat_template().ok_or_else(|| {
         ApiError::invalid(
@@ -25,6 +30,15 @@ pub fn render(tokenizer: &Tokenizer, messages: &[Value], options: ChatPromptOpti
             None,
         )
     })?;
+    render_with(template, messages, options)
+}
+
+/// Renders `messages` with `template`.
+pub fn render_with(
+    template: &ChatTemplate,
+    messages: &[Value],
+    options: ChatPromptOptions<'_>,
+) -> Result<String, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid("messages must not be empty", Some("messages")));
     }
@@ -71,10 +85,17 @@ pub struct Conversation {
     pub chat_template_kwargs: Option<Map<String, Value>>,
 }
 
+/// A rendered conversation: its text and its token ids.
+#[derive(Debug)]
+pub struct Prompt {
+    pub text: String,
+    pub ids: Vec<u32>,
+}
+
 impl Conversation {
     /// Renders and tokenizes; a rendered text too long for the context by its bytes alone is
     /// refused before tokenizing.
-    pub fn prompt_ids(&self, tokenizer: &Tokenizer, max_model_len: usize) -> Result<Vec<u32>, ApiError> {
+    pub fn prompt(&self, tokenizer: &Tokenizer, max_model_len: usize) -> Result<Prompt, ApiError> {
         let options = ChatPromptOptions {
             add_generation_prompt: self.add_generation_prompt,
             continue_final_message: self.continue_final_message,
@@ -82,7 +103,8 @@ impl Conversation {
             chat_template_kwargs: self.chat_template_kwargs.as_ref(),
         };
         let text = render(tokenizer, &self.messages, options)?;
-        encode_within(tokenizer, &text, false, max_model_len, "messages")
+        let ids = encode_within(tokenizer, &text, false, max_model_len, "messages")?;
+        Ok(Prompt { text, ids })
     }
 }
 
@@ -147,7 +169,47 @@ fn normalize(i: usize, message: &Value) -> Result<Value, ApiError> {
         }
     };
     out.insert("content".into(), content);
+    if let Some(calls) = fields.get("tool_calls") {
+        out.insert("tool_calls".into(), tool_calls(i, calls)?);
+    }
     Ok(Value::Object(out))
+}
+
+/// An assistant message's `tool_calls`, each call's `function.arguments` parsed from JSON text
+/// into the object it holds (empty text is `{}`; an object is kept as it is).
+fn tool_calls(i: usize, calls: &Value) -> Result<Value, ApiError> {
+    let param = format!("messages[{i}].tool_calls");
+    let Value::Array(calls) = calls else {
+        return Err(ApiError::invalid(format!("{param} must be a list of tool calls"), Some(&param)));
+    };
+    let mut out = Vec::with_capacity(calls.len());
+    for (j, call) in calls.iter().enumerate() {
+        let param = format!("{param}[{j}]");
+        let mut call = match call {
+            Value::Object(call) => call.clone(),
+            _ => return Err(ApiError::invalid(format!("{param} must be an object"), Some(&param))),
+        };
+        let Some(Value::Object(function)) = call.get_mut("function") else {
+            let param = format!("{param}.function");
+            return Err(ApiError::invalid(format!("{param} must be an object with a name"), Some(&param)));
+        };
+        if !function.get("name").is_some_and(Value::is_string) {
+            let param = format!("{param}.function.name");
+            return Err(ApiError::invalid(format!("{param} must be a string"), Some(&param)));
+        }
+        if let Some(Value::String(text)) = function.get("arguments") {
+            let parsed = match text.trim() {
+                "" => Value::Object(Map::new()),
+                text => serde_json::from_str(text).map_err(|e| {
+                    let param = format!("{param}.function.arguments");
+                    ApiError::invalid(format!("{param} must be JSON text: {e}"), Some(&param))
+                })?,
+            };
+            function.insert("arguments".into(), parsed);
+        }
+        out.push(Value::Object(call));
+    }
+    Ok(Value::Array(out))
 }
 
 #[cfg(test)]
@@ -165,6 +227,48 @@ mod tests {
         let m = normalize(0, &json!({"role": "assistant", "tool_calls": []}))?;
         assert_eq!(m["content"], Value::Null);
         Ok(())
+    }
+
+    #[test]
+    fn tool_call_arguments_become_objects() -> Result<(), ApiError> {
+        let call = |arguments: Value| {
+            json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+            ]})
+        };
+        let m = normalize(0, &call(json!("{\"b\": 1, \"a\": [2.5, \"x\"]}")))?;
+        let arguments = &m["tool_calls"][0]["function"]["arguments"];
+        assert_eq!(arguments, &json!({"b": 1, "a": [2.5, "x"]}));
+        assert_eq!(serde_json::to_string(arguments).ok().as_deref(), Some(r#"{"b":1,"a":[2.5,"x"]}"#));
+        assert_eq!(m["tool_calls"][0]["id"], "call_1");
+        assert_eq!(normalize(0, &call(json!("")))?["tool_calls"][0]["function"]["arguments"], json!({}));
+        assert_eq!(normalize(0, &call(json!({"k": 1})))?["tool_calls"][0]["function"]["arguments"], json!({"k": 1}));
+        let tool = json!({"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "ok"}]});
+        assert_eq!(normalize(1, &tool)?, json!({"role": "tool", "tool_call_id": "call_1", "content": "ok"}));
+        Ok(())
+    }
+
+    #[test]
+    fn malformed_tool_calls_name_the_field() {
+        let cases = [
+            (json!({"role": "assistant", "tool_calls": {}}), "messages[2].tool_calls"),
+            (json!({"role": "assistant", "tool_calls": [1]}), "messages[2].tool_calls[0]"),
+            (json!({"role": "assistant", "tool_calls": [{"id": "x"}]}), "messages[2].tool_calls[0].function"),
+            (
+                json!({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}),
+                "messages[2].tool_calls[0].function.name",
+            ),
+            (
+                json!({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}),
+                "messages[2].tool_calls[0].function.arguments",
+            ),
+        ];
+        for (message, want) in cases {
+            match normalize(2, &message) {
+                Err(ApiError::InvalidRequest { param, .. }) => assert_eq!(param.as_deref(), Some(want)),
+                other => panic!("{message}: {other:?}"),
+            }
+        }
     }
 
     #[test]

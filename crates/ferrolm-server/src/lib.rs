@@ -7,7 +7,9 @@
 //! - [`protocol`]: request and response types as they travel on the wire.
 //! - [`params`]: from a request's optional knobs to the engine's `SamplingParams`.
 //! - `generation`: one API request on the engine (its prompts, merged output streams, choices).
-//! - `sse`: streamed responses; `logprobs`: the two logprob shapes; `chat_prompt`: templates.
+//! - `sse`: streamed responses; `logprobs`: the two logprob shapes; [`chat_prompt`]: templates.
+//! - [`tool_calls`]: tool-call formats parsed out of replies, `tools` and `tool_choice`;
+//!   [`reasoning`]: `<think>` blocks split off; [`chat_output`]: both applied to a chat choice.
 //! - [`limits`]: what one request may ask for (sequences, prompt tokens, logprob rows);
 //!   `work_pool`: the threads that tokenize, off the async ones.
 //! - [`error`]: the one mapping from every error to a status and an OpenAI-shaped body.
@@ -20,7 +22,8 @@
 //! reads their output streams. Dropping a stream aborts its request, so a client that goes
 //! away (its handler future or response body dropped) frees its KV blocks.
 
-mod chat_prompt;
+pub mod chat_output;
+pub mod chat_prompt;
 mod conn;
 pub mod error;
 mod generation;
@@ -31,11 +34,13 @@ mod memory;
 pub mod metrics;
 pub mod params;
 pub mod protocol;
+pub mod reasoning;
 pub mod routes;
 pub mod signals;
 mod sse;
 mod state;
 pub mod structured;
+pub mod tool_calls;
 mod work_pool;
 
 use std::future::Future;
@@ -53,9 +58,11 @@ pub use conn::fd_limit::{raise_open_files_limit, OpenFilesLimit};
 pub use conn::ConnectionLimits;
 pub use error::ApiError;
 use limits::RequestLimits;
+use reasoning::ReasoningParser;
 pub use signals::{shutdown_signal, StopSignal};
 use state::AppState;
 use structured::Grammars;
+use tool_calls::ToolCallParser;
 use work_pool::WorkPool;
 
 /// How the server listens and whom it serves.
@@ -79,6 +86,11 @@ pub struct ServerConfig {
     pub limits: RequestLimits,
     /// Threads that tokenize prompts and render chat templates.
     pub tokenizer_threads: usize,
+    /// The format tool calls are parsed from (`tool_choice: "auto"`); `None` reads it from the
+    /// chat template, and without one a reply is text.
+    pub tool_call_parser: Option<ToolCallParser>,
+    /// Splits `<think>` blocks into `reasoning_content`.
+    pub reasoning_parser: Option<ReasoningParser>,
 }
 
 impl ServerConfig {
@@ -93,6 +105,8 @@ impl ServerConfig {
             connections: ConnectionLimits::default(),
             limits: RequestLimits::default(),
             tokenizer_threads: WorkPool::default_threads(),
+            tool_call_parser: None,
+            reasoning_parser: None,
         }
     }
 }
@@ -132,6 +146,7 @@ impl Server {
         let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
         let metrics = metrics::ServerMetrics::new(&config.served_model_name);
         let work = WorkPool::new(config.tokenizer_threads)?;
+        let tool_call_parser = tool_call_parser(config.tool_call_parser, &tokenizer);
         let state = Arc::new(AppState {
             engine,
             tokenizer,
@@ -141,6 +156,7 @@ impl Server {
             created,
             abort: abort_rx,
             work,
+            tool_call_parser,
             grammars: Grammars::default(),
         });
         Ok(Server { listener, state, abort_tx })
@@ -182,6 +198,17 @@ impl Server {
         upkeep.abort();
         Ok(())
     }
+}
+
+/// The tool-call format: the configured one, else the one the chat template teaches.
+fn tool_call_parser(configured: Option<ToolCallParser>, tokenizer: &Tokenizer) -> Option<ToolCallParser> {
+    let parser = configured.or_else(|| tokenizer.chat_template().and_then(|t| ToolCallParser::detect(t.source())));
+    match (configured, parser) {
+        (Some(p), _) => tracing::info!(parser = p.name(), "tool calls parsed with the configured format"),
+        (None, Some(p)) => tracing::info!(parser = p.name(), "tool call format read from the chat template"),
+        (None, None) => tracing::info!("no tool call format: replies to requests with tools are text"),
+    }
+    parser
 }
 
 /// Binds `config.host:config.port` and serves until `shutdown` resolves (see [`Server::run`]).

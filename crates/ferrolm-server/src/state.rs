@@ -10,6 +10,7 @@ use tokio::sync::watch;
 
 use crate::metrics::ServerMetrics;
 use crate::structured::Grammars;
+use crate::tool_calls::ToolCallParser;
 use crate::work_pool::WorkPool;
 use crate::ServerConfig;
 
@@ -25,6 +26,8 @@ pub struct AppState {
     pub abort: watch::Receiver<bool>,
     /// Where tokenizing and chat templates run.
     pub work: WorkPool,
+    /// The format tool calls are parsed from: configured, or read from the chat template.
+    pub tool_call_parser: Option<ToolCallParser>,
     /// The compiler of structured-output constraints, built on first use.
     pub grammars: Grammars,
 }

@@ -3,7 +3,9 @@
 //! Compiling a JSON schema or a Lark grammar costs milliseconds to seconds; agents send the same
 //! schema with every request. The compiler keeps the compiled grammars of the last
 //! [`CACHE_CAPACITY`] distinct constraints (least recently used out first) and hands out deep
-//! copies, which share the compiled lexer and parser tables and start fresh.
+//! copies, which share the compiled grammar and start fresh (each copy grows its own lexer
+//! state cache as its sequence runs). A compile also computes the first mask, so a constraint
+//! no output can start is refused here rather than once a sequence runs.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -18,6 +20,9 @@ use crate::vocab::{token_env, words_env};
 
 /// Distinct constraints whose compiled grammars are kept.
 pub const CACHE_CAPACITY: usize = 256;
+/// Longest constraint (a schema's JSON text, a regex, a grammar, the choices), in bytes: what the
+/// cache holds stays bounded, and so does the work of compiling one.
+pub const MAX_CONSTRAINT_BYTES: usize = 128 << 10;
 
 /// Compiles constraints against one model's vocabulary. `Send + Sync`: share one per model.
 pub struct GrammarCompiler {
@@ -70,6 +75,12 @@ impl GrammarCompiler {
     /// llguidance does not support), as a one-line message for the client.
     pub fn compile(&self, output: &StructuredOutput) -> Result<Grammar, StructuredError> {
         let key = output.key();
+        if key.len() > MAX_CONSTRAINT_BYTES {
+            return Err(StructuredError::Invalid(format!(
+                "the constraint is {} bytes, more than the {MAX_CONSTRAINT_BYTES} allowed",
+                key.len()
+            )));
+        }
         if let Some(parser) = self.cache.lock().expect("grammar cache").get(&key) {
             return Ok(Grammar::new(parser));
         }
@@ -79,6 +90,7 @@ impl GrammarCompiler {
             .create_parser(output.grammar())
             .map_err(|e| StructuredError::Invalid(one_line(&e.to_string())))?;
         let grammar = Grammar::new(parser.deep_clone());
+        grammar.check_start()?;
         self.cache.lock().expect("grammar cache").insert(key, parser);
         Ok(grammar)
     }

@@ -28,6 +28,19 @@ impl Grammar {
         Grammar { parser: Box::new(parser) }
     }
 
+    /// Refuses a grammar no output of this vocabulary can start: its first mask fails (a lexer
+    /// limit) or allows nothing, which would otherwise show only once a sequence runs.
+    pub(crate) fn check_start(&self) -> Result<(), StructuredError> {
+        let mut matcher = Matcher::new(Ok(self.parser.deep_clone()));
+        let first = matcher.compute_mask().map_err(|e| StructuredError::Invalid(e.to_string()))?;
+        if first.is_zero() {
+            return Err(StructuredError::Invalid(
+                "no output of this model's vocabulary satisfies the constraint".into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// A sequence's constraint at the start of its output.
     pub fn start(&self) -> Constraint {
         Constraint { matcher: Matcher::new(Ok(self.parser.deep_clone())) }

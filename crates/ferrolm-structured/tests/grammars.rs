@@ -149,7 +149,8 @@ fn unsupported_constraints_are_refused_with_a_message() {
         StructuredOutput::Regex("(unclosed".into()),
         StructuredOutput::Grammar("start: undefined_rule".into()),
     ];
-    for case in cases {
+    let huge = StructuredOutput::Choice((0..20_000).map(|i| format!("choice number {i}")).collect());
+    for case in cases.into_iter().chain([huge]) {
         match compiler.compile(&case) {
             Err(StructuredError::Invalid(msg)) => assert!(!msg.is_empty() && !msg.contains('\n'), "{case:?}: {msg}"),
             other => panic!("{case:?}: {:?}", other.map(|_| "compiled")),

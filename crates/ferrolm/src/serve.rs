@@ -6,6 +6,8 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use clap::Args;
 use ferrolm_server::limits::RequestLimits;
+use ferrolm_server::reasoning::ReasoningParser;
+use ferrolm_server::tool_calls::ToolCallParser;
 use ferrolm_server::{ConnectionLimits, ServerConfig};
 
 use crate::loader::{self, EngineArgs};
@@ -58,6 +60,19 @@ pub struct ServeArgs {
     /// requests (default: half the cores, 1 to 8).
     #[arg(long)]
     pub tokenizer_threads: Option<usize>,
+    /// The format tool calls are parsed from in replies to requests with `tools`
+    /// (`tool_choice: "auto"`): llama3_json, hermes or mistral. Default: the one the chat
+    /// template teaches (`<tool_call>` hermes, `[TOOL_CALLS]` mistral, Llama 3.1's JSON
+    /// llama3_json); with none, such replies are text.
+    #[arg(long, value_name = "NAME", value_parser = ToolCallParser::from_name)]
+    pub tool_call_parser: Option<ToolCallParser>,
+    /// Accepted for vLLM's command lines: tool calls are parsed whenever a format is known.
+    #[arg(long)]
+    pub enable_auto_tool_choice: bool,
+    /// Split `<think>` blocks out of chat replies into `reasoning_content`: deepseek_r1 (the
+    /// reply starts inside the block) or qwen3 (only where a block is opened).
+    #[arg(long, value_name = "NAME", value_parser = ReasoningParser::from_name)]
+    pub reasoning_parser: Option<ReasoningParser>,
 }
 
 /// The name of a model directory (`/models/Qwen3-0.6B/` -> `Qwen3-0.6B`).
@@ -157,6 +172,8 @@ pub fn run(args: ServeArgs) -> Result<()> {
             max_prompt_tokens: args.max_request_prompt_tokens,
             max_prompt_logprob_rows: args.max_request_prompt_logprob_rows,
         },
+        tool_call_parser: args.tool_call_parser,
+        reasoning_parser: args.reasoning_parser,
         ..ServerConfig::new(served_model_name)
     };
     let config =

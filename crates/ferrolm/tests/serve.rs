@@ -63,6 +63,7 @@ fn serves_then_exits_cleanly_on_sigterm() {
     let dir = fixture("llama");
     let child = ferrolm()
         .args(["serve", "--model", dir.to_str().expect("utf-8 path"), "--port", "0", "--max-model-len", "128"])
+        .args(["--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--reasoning-parser", "qwen3"])
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
@@ -89,6 +90,10 @@ fn serves_then_exits_cleanly_on_sigterm() {
     assert_eq!(status, 200, "{body}");
     let (status, _) = http(&addr, "GET", "/health", "");
     assert_eq!(status, 200);
+    let chat = r#"{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "tools": [{"type": "function", "function": {"name": "f"}}]}"#;
+    let (status, body) = http(&addr, "POST", "/v1/chat/completions", chat);
+    assert_eq!(status, 200, "{body}");
 
     let pid = server.0.id().to_string();
     let killed = Command::new("sh").args(["-c", &format!("kill -TERM {pid}")]).status().expect("run kill");
@@ -99,6 +104,8 @@ fn serves_then_exits_cleanly_on_sigterm() {
     server.0.stderr.take().expect("stderr").read_to_string(&mut stderr).expect("read stderr");
     assert!(stderr.contains("request finished"), "one log line per request: {stderr}");
     assert!(stderr.contains("completion_tokens=4"), "{stderr}");
+    let parser_line = stderr.lines().find(|l| l.contains("tool calls parsed with the configured format"));
+    assert!(parser_line.is_some_and(|l| l.contains("hermes")), "{stderr}");
     assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
@@ -113,6 +120,8 @@ fn bad_flags_fail_with_one_line() {
         (vec!["serve", "--model", dir, "--kv-cache-fraction", "1.5"], "--kv-cache-fraction"),
         (vec!["serve", "--model", dir, "--shutdown-timeout=-1"], "--shutdown-timeout"),
         (vec!["serve", "--model", dir, "--port", &port], "cannot listen on"),
+        (vec!["serve", "--model", dir, "--tool-call-parser", "pythonic"], "unknown tool call parser \"pythonic\""),
+        (vec!["serve", "--model", dir, "--reasoning-parser", "r1"], "unknown reasoning parser \"r1\""),
     ] {
         let out = ferrolm().args(&args).output().expect("run");
         assert!(!out.status.success(), "{args:?} should fail");
@@ -121,5 +130,18 @@ fn bad_flags_fail_with_one_line() {
         assert_eq!(errors.len(), 1, "{args:?}: {stderr}");
         assert!(errors[0].contains(needle), "{args:?}: `{needle}` missing from {stderr}");
         assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
+#[test]
+fn help_lists_the_parser_flags() {
+    let out = ferrolm().args(["serve", "--help"]).output().expect("run");
+    assert!(out.status.success());
+    let help = String::from_utf8_lossy(&out.stdout);
+    for flag in ["--tool-call-parser <NAME>", "--reasoning-parser <NAME>", "--enable-auto-tool-choice"] {
+        assert!(help.contains(flag), "{flag} missing from {help}");
+    }
+    for name in ["llama3_json", "hermes", "mistral", "deepseek_r1", "qwen3"] {
+        assert!(help.contains(name), "{name} missing from {help}");
     }
 }

@@ -297,7 +297,7 @@ impl Engine {
     fn step(&mut self) {
         let Some(mut launched) = self.ahead.take().or_else(|| self.schedule_and_launch()) else { return };
         self.set_token_masks(&mut launched);
-        if self.overlap_steps {
+        if self.overlap_steps && !launched.masks_failed {
             self.ahead = self.launch_ahead(&launched);
         }
         if let Some(answer) = self.collect(launched) {

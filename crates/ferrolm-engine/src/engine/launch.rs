@@ -23,6 +23,8 @@ pub(super) struct Launched {
     pub(super) masked: Vec<RequestId>,
     /// Whether those masks were set.
     pub(super) masks_set: bool,
+    /// Setting them failed: the step is aborted, nothing is launched after it.
+    pub(super) masks_failed: bool,
 }
 
 /// A row nothing is wanted from (its request has no sequence any more); its result is dropped.
@@ -96,7 +98,7 @@ impl Engine {
             self.stats.host_gap_us.fetch_add(gap, Ordering::Relaxed);
         }
         match launched {
-            Ok(()) => Some(Launched { out, layout, masked, masks_set: false }),
+            Ok(()) => Some(Launched { out, layout, masked, masks_set: false, masks_failed: false }),
             Err(err) => {
                 self.abort_step(&out, &err.to_string());
                 None

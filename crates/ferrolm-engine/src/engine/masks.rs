@@ -38,6 +38,7 @@ impl Engine {
         let set = self.runner.set_token_masks(&masks);
         self.masks = masks;
         if let Err(err) = set {
+            launched.masks_failed = true;
             self.abort_step(&launched.out, &err.to_string());
             return;
         }

@@ -12,6 +12,7 @@ use super::RequestSampler;
 use crate::filters;
 use crate::logprobs::{token_logprobs, TokenLogprobs};
 use crate::params::SamplingParams;
+use crate::plan::{SamplePlan, TokenAdjust};
 
 /// The sampler as it was before plans, kept verbatim (penalties included) as the reference.
 struct Reference {
@@ -241,4 +242,39 @@ fn a_plan_made_ahead_equals_the_plan_made_after_the_token() {
     }
     let penalized = SamplingParams { presence_penalty: 0.5, ..params };
     assert!(!RequestSampler::new(&penalized, &[1], 0).expect("valid").plans_ahead());
+}
+
+/// A mask is applied before everything else: a disallowed token never wins, however high its
+/// logit or its penalties, while logprobs stay those of the raw row; nothing allowed is `None`.
+#[test]
+fn a_token_mask_comes_first_and_logprobs_stay_raw() {
+    let logits = [9.0, 1.0, 2.0, 3.0, 0.5];
+    let mut mask = vec![0u32; 1];
+    crate::mask::allow(&mut mask, 1);
+    crate::mask::allow(&mut mask, 4);
+    let plan = SamplePlan { masked: true, ..SamplePlan::greedy(2) };
+    let out = plan.apply_masked(&logits, Some(&mask)).expect("a token");
+    assert_eq!(out.token, 1);
+    assert_eq!(out, crate::token_logprobs(&logits, 1, 2), "raw logprobs");
+    let penalized = SamplePlan {
+        masked: true,
+        repetition_penalty: 100.0,
+        adjusts: vec![TokenAdjust { token: 1, repetition: true, ..TokenAdjust::default() }],
+        ..SamplePlan::greedy(0)
+    };
+    assert_eq!(penalized.apply_masked(&logits, Some(&mask)).map(|o| o.token), Some(4));
+    assert_eq!(plan.apply_masked(&logits, Some(&[0])), None, "nothing allowed");
+    assert_eq!(plan.apply_masked(&logits, Some(&[])), None, "a short mask allows no id past it");
+}
+
+/// Under a grammar `min_tokens` masks nothing: the grammar decides where the output may end.
+#[test]
+fn a_constrained_sampler_leaves_min_tokens_to_the_grammar() {
+    let params = SamplingParams { min_tokens: 5, stop_token_ids: vec![3], ..SamplingParams::default() };
+    let mut free = RequestSampler::new(&params, &[], 1).expect("sampler");
+    let mut constrained = free.clone();
+    constrained.constrain();
+    assert!(free.plan(&[2]).adjusts.iter().any(|a| a.mask), "EOS and stop ids masked");
+    let plan = constrained.plan(&[2]);
+    assert!(plan.masked && plan.adjusts.iter().all(|a| !a.mask), "{plan:?}");
 }

@@ -27,10 +27,13 @@ sampling_request! {
         /// Let the model continue the last message instead of starting a new one.
         pub continue_final_message: Option<bool>,
         pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+        /// Functions the model may call: `[{"type": "function", "function": {"name", "description",
+        /// "parameters"}}]`, given to the chat template.
         pub tools: Option<Value>,
-        /// Only `"none"` and `"auto"`: tools reach the chat template, and the model's reply is text.
+        /// `"none"`, `"auto"` (the default with tools), `"required"` or
+        /// `{"type": "function", "function": {"name": ...}}`.
         pub tool_choice: Option<Value>,
-        /// Accepted, without effect (tool calls are not parsed out of the reply).
+        /// Whether a reply may hold several calls (default true).
         pub parallel_tool_calls: Option<bool>,
         /// OpenAI's identifier of the end user: accepted, not used.
         pub user: Option<String>,
@@ -62,7 +65,30 @@ pub struct ChatChoice {
 #[derive(Debug, Serialize)]
 pub struct ChatResponseMessage {
     pub role: &'static str,
-    pub content: String,
+    /// Null when the message holds only reasoning or tool calls.
+    pub content: Option<String>,
+    /// The model's thinking, when a reasoning parser is set (vLLM's field).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallMessage>,
+}
+
+/// A tool call of a response message.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolCallMessage {
+    /// `call_` and 24 random letters and digits.
+    pub id: String,
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    pub function: FunctionCall,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FunctionCall {
+    pub name: String,
+    /// JSON text.
+    pub arguments: String,
 }
 
 #[derive(Debug, Default, Clone, PartialEq, Serialize)]
@@ -114,4 +140,27 @@ pub struct ChatDelta {
     pub role: Option<&'static str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCallDelta>>,
+}
+
+/// A piece of a streamed tool call: the first one of a call has its `id`, `type` and name (and
+/// empty arguments), the later ones fragments of its arguments.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ToolCallDelta {
+    pub index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<&'static str>,
+    pub function: FunctionDelta,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FunctionDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }

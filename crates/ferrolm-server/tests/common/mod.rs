@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod scripted;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -12,6 +14,8 @@ use ferrolm_model::{CpuRunner, GenerationConfig, Model, ModelConfig, ModelError,
 use ferrolm_sampling::GenerationDefaults;
 use ferrolm_sampling::{RowRequest, TokenLogprobs, TokenMasks};
 use ferrolm_server::limits::RequestLimits;
+use ferrolm_server::reasoning::ReasoningParser;
+use ferrolm_server::tool_calls::ToolCallParser;
 use ferrolm_server::{ConnectionLimits, Server, ServerConfig, ServerError};
 use ferrolm_tokenizer::Tokenizer;
 use serde_json::Value;
@@ -53,6 +57,10 @@ pub struct Options {
     pub limits: RequestLimits,
     /// The engine thread panics in this step (1 is the first), to check how a dead engine shows.
     pub panic_at_step: Option<usize>,
+    /// The model writes this script instead of its own choices.
+    pub script: Option<Arc<scripted::Script>>,
+    pub tool_call_parser: Option<ToolCallParser>,
+    pub reasoning_parser: Option<ReasoningParser>,
 }
 
 impl Default for Options {
@@ -70,6 +78,9 @@ impl Default for Options {
             connections: ConnectionLimits::default(),
             limits: RequestLimits::default(),
             panic_at_step: None,
+            script: None,
+            tool_call_parser: None,
+            reasoning_parser: None,
         }
     }
 }
@@ -105,9 +116,10 @@ pub fn load(dir: &Path, opts: &Options) -> (EngineHandle, Arc<Tokenizer>, Genera
         enable_prefix_caching: true,
     };
     let config = EngineConfig { scheduler, max_pending: opts.max_pending, eos_token_ids, overlap_steps: true };
-    let runner: Box<dyn ModelRunner> = match opts.panic_at_step {
-        Some(at) => Box::new(PanickingRunner { inner: CpuRunner::new(model), steps: 0, at }),
-        None => model.into(),
+    let runner: Box<dyn ModelRunner> = match (opts.panic_at_step, &opts.script) {
+        (Some(at), _) => Box::new(PanickingRunner { inner: CpuRunner::new(model), steps: 0, at }),
+        (None, Some(script)) => Box::new(scripted::ScriptedRunner::new(CpuRunner::new(model), Arc::clone(script))),
+        (None, None) => model.into(),
     };
     let engine = EngineHandle::start(runner, Arc::clone(&tokenizer), config).expect("engine");
     (engine, tokenizer, generation.defaults)
@@ -125,6 +137,8 @@ pub async fn start(opts: Options) -> TestServer {
         shutdown_grace_period: opts.shutdown_grace_period,
         connections: opts.connections.clone(),
         limits: opts.limits,
+        tool_call_parser: opts.tool_call_parser,
+        reasoning_parser: opts.reasoning_parser,
         ..ServerConfig::new(MODEL_NAME)
     };
     let server = Server::bind(engine.clone(), Arc::clone(&tokenizer), defaults, config).await.expect("bind");

@@ -1,16 +1,21 @@
 //! `POST /v1/chat/completions`: messages rendered with the model's chat template, `n` samples,
-//! logprobs in the chat shape, streaming (a first chunk with the role, content deltas, a last
-//! chunk with the finish reason).
+//! logprobs in the chat shape, streaming (a first chunk with the role, deltas, a last chunk with
+//! the finish reason). Each choice's reply is read by `chat_output`: reasoning split off, tool
+//! calls parsed out (`reading` decides how, from the request and the server's parsers).
+
+mod reading;
+mod stream;
 
 use std::sync::Arc;
 
 use axum::extract::State;
 use axum::response::Response;
-use ferrolm_engine::RequestOutput;
+use ferrolm_engine::FinishReason;
 use ferrolm_sampling::MAX_LOGPROBS;
 use ferrolm_tokenizer::Tokenizer;
 
 use super::{request_id, unix_now};
+use crate::chat_output::{parse_message, tool_call_id, OutputParsing};
 use crate::chat_prompt::Conversation;
 use crate::error::ApiError;
 use crate::generation::{client_finish_reason, Generation};
@@ -18,12 +23,12 @@ use crate::json::ApiJson;
 use crate::limits::PromptShape;
 use crate::logprobs::chat_token_logprob;
 use crate::protocol::chat::{
-    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-    ChatLogprobs, ChatResponseMessage,
+    ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatLogprobs,
+    ChatResponseMessage, FunctionCall, ToolCallMessage,
 };
 use crate::protocol::completions::UsageField;
-use crate::protocol::{check_model, StreamOptions, Usage};
-use crate::sse::{self, json_response, to_json, ChunkFormat};
+use crate::protocol::{check_model, StreamOptions};
+use crate::sse::{self, json_response, to_json};
 use crate::state::SharedState;
 use crate::structured;
 
@@ -35,6 +40,10 @@ struct Shape {
     top_logprobs: Option<usize>,
     return_token_ids: bool,
     tokenizer: Arc<Tokenizer>,
+    parsing: OutputParsing,
+    /// Special tokens were kept in the text for the parsers: the end-of-sequence token's text
+    /// is cut off the reply.
+    cut_special_end: bool,
 }
 
 pub async fn create(
@@ -52,11 +61,15 @@ pub async fn create(
             Some("top_logprobs"),
         ));
     }
-    check_text_reply(&req)?;
+    let reply = reading::reply_reading(&req, &state)?;
     let stream = req.stream.unwrap_or(false);
     let include_usage = StreamOptions::include_usage(req.stream_options.as_ref(), stream)?;
     let mut sampling = req.take_sampling();
-    let structured = sampling.take_structured()?;
+    let structured = reading::constraint(reply.schema, sampling.take_structured()?);
+    let cut_special_end = reply.keep_special_tokens && sampling.skip_special_tokens.is_none();
+    if cut_special_end {
+        sampling.skip_special_tokens = Some(false);
+    }
     sampling.max_tokens = req.max_completion_tokens.or(sampling.max_tokens);
     sampling.logprobs = logprobs.then(|| req.top_logprobs.unwrap_or(0));
     // No route default: an unset length runs to the end of the context, as vLLM does.
@@ -73,8 +86,14 @@ pub async fn create(
         chat_template_kwargs: req.chat_template_kwargs.take(),
     };
     let (tokenizer, max_model_len) = (Arc::clone(&state.tokenizer), state.engine.max_model_len());
-    let prompt = state.work.run(move || conversation.prompt_ids(&tokenizer, max_model_len)).await?;
-    limits.check_prompt_tokens(request_shape, &[prompt.len()], true)?;
+    let prompt = state.work.run(move || conversation.prompt(&tokenizer, max_model_len)).await?;
+    limits.check_prompt_tokens(request_shape, &[prompt.ids.len()], true)?;
+    let reasoning = state.config.reasoning_parser;
+    let parsing = OutputParsing {
+        reasoning,
+        starts_in_reasoning: reasoning.is_some_and(|r| r.starts_in_reasoning(&prompt.text)),
+        tools: reply.tools,
+    };
     let shape = Shape {
         id: request_id("chatcmpl"),
         created: unix_now(),
@@ -82,14 +101,25 @@ pub async fn create(
         top_logprobs: logprobs.then(|| req.top_logprobs.unwrap_or(0) as usize),
         return_token_ids: req.return_token_ids.unwrap_or(false),
         tokenizer: Arc::clone(&state.tokenizer),
+        parsing,
+        cut_special_end,
     };
-    let mut generation = Generation::start(&state, shape.id.clone(), vec![prompt], &sampling)?;
+    let mut generation = Generation::start(&state, shape.id.clone(), vec![prompt.ids], &sampling)?;
     if stream {
-        return Ok(sse::respond(generation, ChatStream { shape, include_usage }));
+        let num_choices = generation.choices.len();
+        return Ok(sse::respond(generation, stream::ChatStream::new(shape, include_usage, num_choices)));
     }
     generation.run_to_end().await?;
-    // Text and logprobs of every choice, decoded and serialized: off the async threads.
+    // Text and logprobs of every choice, decoded, parsed and serialized: off the async threads.
     state.work.run(move || Ok(json_response(to_json(&shape.response(&generation))?))).await
+}
+
+/// `tool_calls` when the message carries calls (unless the server aborted it).
+fn finish_reason(reason: Option<FinishReason>, has_tool_calls: bool) -> Option<&'static str> {
+    match reason {
+        Some(FinishReason::Stop | FinishReason::Length) if has_tool_calls => Some("tool_calls"),
+        other => client_finish_reason(other),
+    }
 }
 
 impl Shape {
@@ -99,18 +129,48 @@ impl Shape {
         })
     }
 
+    /// The reply's text for the parsers: with special tokens kept for them, a reply that ended
+    /// on an end-of-sequence token would show it; it is cut off.
+    fn visible<'t>(&self, text: &'t str, token_ids: &[u32], finish: Option<FinishReason>) -> &'t str {
+        let last = token_ids.last().copied().filter(|&id| self.tokenizer.is_special(id));
+        match last {
+            Some(id) if self.cut_special_end && finish == Some(FinishReason::Stop) => {
+                let special = self.tokenizer.decode(&[id], false).unwrap_or_default();
+                text.strip_suffix(special.as_str()).unwrap_or(text)
+            }
+            _ => text,
+        }
+    }
+
     fn response(&self, g: &Generation) -> ChatCompletionResponse {
         let choices = g
             .choices
             .iter()
             .enumerate()
-            .map(|(index, c)| ChatChoice {
-                index,
-                message: ChatResponseMessage { role: "assistant", content: c.text.clone() },
-                logprobs: self.logprobs(&c.logprobs),
-                finish_reason: client_finish_reason(c.finish),
-                prompt_token_ids: self.return_token_ids.then(|| g.prompts[g.prompt_of(index)].clone()),
-                token_ids: self.return_token_ids.then(|| c.token_ids.clone()),
+            .map(|(index, c)| {
+                let parsed = parse_message(self.visible(&c.text, &c.token_ids, c.finish), &self.parsing);
+                let tool_calls: Vec<ToolCallMessage> = parsed
+                    .tool_calls
+                    .into_iter()
+                    .map(|call| ToolCallMessage {
+                        id: tool_call_id(),
+                        kind: "function",
+                        function: FunctionCall { name: call.name, arguments: call.arguments },
+                    })
+                    .collect();
+                ChatChoice {
+                    index,
+                    finish_reason: finish_reason(c.finish, !tool_calls.is_empty()),
+                    message: ChatResponseMessage {
+                        role: "assistant",
+                        content: parsed.content,
+                        reasoning_content: parsed.reasoning_content,
+                        tool_calls,
+                    },
+                    logprobs: self.logprobs(&c.logprobs),
+                    prompt_token_ids: self.return_token_ids.then(|| g.prompts[g.prompt_of(index)].clone()),
+                    token_ids: self.return_token_ids.then(|| c.token_ids.clone()),
+                }
             })
             .collect();
         ChatCompletionResponse {
@@ -131,82 +191,6 @@ impl Shape {
             model: self.model.clone(),
             choices,
             usage,
-        }
-    }
-}
-
-struct ChatStream {
-    shape: Shape,
-    include_usage: bool,
-}
-
-impl ChatStream {
-    fn usage_field(&self) -> UsageField {
-        if self.include_usage {
-            UsageField::Null
-        } else {
-            UsageField::Absent
-        }
-    }
-}
-
-impl ChunkFormat for ChatStream {
-    fn needs_prompt_logprobs(&self) -> bool {
-        false
-    }
-
-    fn chunks(
-        &mut self,
-        g: &Generation,
-        choice: usize,
-        out: &RequestOutput,
-        first: bool,
-    ) -> Result<Vec<String>, ApiError> {
-        let shape = &self.shape;
-        let mut chunks = Vec::new();
-        if first {
-            let c = ChatChunkChoice {
-                index: choice,
-                delta: ChatDelta { role: Some("assistant"), content: Some(String::new()) },
-                logprobs: None,
-                finish_reason: None,
-                prompt_token_ids: shape.return_token_ids.then(|| g.prompts[g.prompt_of(choice)].clone()),
-                token_ids: shape.return_token_ids.then(Vec::new),
-            };
-            chunks.push(to_json(&shape.chunk(vec![c], self.usage_field()))?);
-        }
-        let finish_reason = client_finish_reason(out.finish_reason);
-        let has_logprobs = shape.top_logprobs.is_some() && !out.logprobs.is_empty();
-        if out.text.is_empty() && finish_reason.is_none() && !has_logprobs && !shape.return_token_ids {
-            return Ok(chunks);
-        }
-        let c = ChatChunkChoice {
-            index: choice,
-            delta: ChatDelta { role: None, content: (!out.text.is_empty()).then(|| out.text.clone()) },
-            logprobs: shape.logprobs(&out.logprobs),
-            finish_reason,
-            prompt_token_ids: None,
-            token_ids: shape.return_token_ids.then(|| out.token_ids.clone()),
-        };
-        chunks.push(to_json(&shape.chunk(vec![c], self.usage_field()))?);
-        Ok(chunks)
-    }
-
-    fn usage_chunk(&self, usage: Usage) -> Option<Result<String, ApiError>> {
-        self.include_usage.then(|| to_json(&self.shape.chunk(Vec::new(), UsageField::Usage(usage))))
-    }
-}
-
-/// The reply is free text: `response_format` may only ask for text and `tool_choice` only for
-/// `"none"` or `"auto"` (tools reach the chat template, tool calls are not parsed out).
-fn check_text_reply(req: &ChatCompletionRequest) -> Result<(), ApiError> {
-    use serde_json::Value;
-    match &req.tool_choice {
-        None | Some(Value::Null) => Ok(()),
-        Some(Value::String(s)) if s == "none" || s == "auto" => Ok(()),
-        Some(choice) => {
-            let message = format!("tool_choice {choice} is not supported: only \"none\" and \"auto\"");
-            Err(ApiError::invalid(message, Some("tool_choice")))
         }
     }
 }
