@@ -84,3 +84,25 @@ class ToolCallTest(ServerTest):
         self.assertTrue(calls, "no tool_calls" + show(request, raw.http_response.text))
         for call in calls:
             self.assertIsInstance(call.function.parsed_arguments, BookTable, show(request, raw.http_response.text))
+
+    def test_required_streamed_adds_up_to_the_whole_reply(self) -> None:
+        request = {"model": MODEL, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
+                   "max_tokens": MAX_TOKENS, "temperature": 0}
+        completion, raw = raw_create(self.client, "chat", request)
+        self.check_calls(request, completion, raw, set(PARAMETERS))
+        whole = [(c.function.name, c.function.arguments) for c in completion.choices[0].message.tool_calls]
+        calls: dict[int, dict] = {}
+        finish, chunks = None, []
+        for chunk in self.client.chat.completions.create(**request, stream=True):
+            chunks.append(chunk.model_dump(exclude_none=True))
+            for choice in chunk.choices:
+                finish = choice.finish_reason or finish
+                for delta in choice.delta.tool_calls or []:
+                    call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+                    if delta.function and delta.function.name:
+                        call["name"] += delta.function.name
+                    if delta.function and delta.function.arguments:
+                        call["arguments"] += delta.function.arguments
+        streamed = [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
+        self.assertEqual(streamed, whole, show(request, chunks))
+        self.assertEqual(finish, "tool_calls", show(request, chunks))
