@@ -1418,12 +1418,13 @@ use ferrolm_sampling::{RequestSampler, RowRequest, SamplePlan, SamplingParams, T
 /// cumulative boundary by far less than this.
 const SAMPLE_MARGIN: f64 = 2e-6;
 
-/// Whether nudging the plan's u, top_p or min_p by `SAMPLE_MARGIN` changes the host's choice.
-fn fragile(plan: &SamplePlan, row: &[f32]) -> bool {
+/// Whether nudging the plan's u, top_p or min_p by `SAMPLE_MARGIN` changes the host's choice
+/// (under the row's token mask, for a `masked` plan).
+fn fragile(plan: &SamplePlan, row: &[f32], mask: Option<&[u32]>) -> bool {
     if plan.greedy {
         return false;
     }
-    let token = plan.apply(row).map(|t| t.token);
+    let token = plan.apply_masked(row, mask).map(|t| t.token);
     // Within the parameters' ranges: top_p and min_p at 1 stay there.
     let nudge = |x: f64, sign: f64| (x * (1.0 + sign * SAMPLE_MARGIN)).min(1.0);
     [-1.0, 1.0].into_iter().any(|sign| {
@@ -1435,7 +1436,7 @@ fn fragile(plan: &SamplePlan, row: &[f32]) -> bool {
         if plan.min_p > 0.0 {
             nudged.push(SamplePlan { min_p: nudge(f64::from(plan.min_p), sign) as f32, ..plan.clone() });
         }
-        nudged.iter().any(|p| p.apply(row).map(|t| t.token) != token)
+        nudged.iter().any(|p| p.apply_masked(row, mask).map(|t| t.token) != token)
     })
 }
 
@@ -1537,7 +1538,7 @@ fn check_sampling_launch(
         let row = &stored[r * vocab..][..vocab];
         let mut plan = random_plan(rng, vocab);
         let mut tries = 0;
-        while fragile(&plan, row) {
+        while fragile(&plan, row, None) {
             plan.u = rng.random();
             tries += 1;
             assert!(tries < 100, "no robust u for row {r}");
@@ -1643,6 +1644,7 @@ fn sampling_filters_at_their_edges_match_the_host() -> Result<(), GpuError> {
         frequency_penalty: 0.0,
         presence_penalty: 0.0,
         adjusts: Vec::new(),
+        masked: false,
     };
     let mut plans = Vec::new();
     for top_k in [1, 2, 37, 150, 1000, vocab - 2, vocab - 1, vocab, vocab + 1] {
@@ -1665,7 +1667,7 @@ fn sampling_filters_at_their_edges_match_the_host() -> Result<(), GpuError> {
     let n = plans.len();
     for (i, plan) in plans.iter_mut().enumerate() {
         let mut tries = 0;
-        while fragile(plan, &row) {
+        while fragile(plan, &row, None) {
             plan.u = rng.random();
             tries += 1;
             assert!(tries < 100, "no robust u for case {i}");
@@ -1715,6 +1717,333 @@ fn sampling_is_deterministic_and_batch_invariant() -> Result<(), GpuError> {
         assert_eq!(answer_bits(&got[j]), together[r], "row {r} at position {j}");
         let alone = sampler.sample(&gpu, dev.slice(r * vocab..(r + 1) * vocab), vocab, &requests[r..=r])?;
         assert_eq!(answer_bits(&alone[0]), together[r], "row {r} alone");
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// Token masks: `GpuSampler::sample_masked` against `RowRequest::apply_masked`.
+
+use ferrolm_sampling::mask::{allow, allows};
+use ferrolm_sampling::TokenMasks;
+
+/// How many ids a token mask allows.
+#[derive(Clone, Copy, Debug)]
+enum Density {
+    /// One id, below the vocabulary and the mask's end.
+    One,
+    /// About 1 % of the ids.
+    Sparse,
+    /// About half of the bits of every word, those past the vocabulary too.
+    Half,
+    /// Every bit of every word.
+    All,
+    /// None: the row has nothing to pick.
+    Nothing,
+}
+
+const DENSITIES: [Density; 5] = [Density::One, Density::Sparse, Density::Half, Density::All, Density::Nothing];
+
+/// A token mask of `words` words over a vocabulary of `vocab` ids.
+fn random_mask(rng: &mut ChaCha8Rng, vocab: usize, words: usize, density: Density) -> Vec<u32> {
+    let mut mask = vec![0u32; words];
+    let covered = vocab.min(32 * words) as u32;
+    match density {
+        Density::One => allow(&mut mask, rng.random_range(0..covered)),
+        Density::Sparse => (0..covered).filter(|_| rng.random_bool(0.01)).for_each(|t| allow(&mut mask, t)),
+        Density::Half => mask.iter_mut().for_each(|w| *w = rng.random()),
+        Density::All => mask.fill(u32::MAX),
+        Density::Nothing => {}
+    }
+    mask
+}
+
+/// A token mask for a failure message: its density, its words, how many ids of the vocabulary
+/// it allows and the first of them.
+fn describe_mask(mask: &[u32], vocab: usize, density: Density) -> String {
+    let allowed: Vec<u32> = (0..vocab as u32).filter(|&t| allows(mask, t)).collect();
+    let first = &allowed[..allowed.len().min(6)];
+    format!("{density:?} mask of {} words, {} of {vocab} ids allowed, first {first:?}", mask.len(), allowed.len())
+}
+
+/// A plan for a failure message, without its adjustment list.
+fn describe_plan(plan: &SamplePlan) -> String {
+    let min_tokens = plan.adjusts.iter().filter(|a| a.mask).count();
+    format!(
+        "{} plan: temperature {}, top_k {}, top_p {}, min_p {}, u {}, penalties {}/{}/{} over {} ids \
+         ({min_tokens} masked for min_tokens), {} top logprobs",
+        if plan.greedy { "greedy" } else { "random" },
+        plan.temperature,
+        plan.top_k,
+        plan.top_p,
+        plan.min_p,
+        plan.u,
+        plan.repetition_penalty,
+        plan.frequency_penalty,
+        plan.presence_penalty,
+        plan.adjusts.len(),
+        plan.num_top_logprobs,
+    )
+}
+
+/// A masked plan of one of the sampler's paths (`variant` 0..5): as `random_plan` draws it;
+/// greedy with nothing to adjust (the argmax of the statistics pass); greedy with the drawn
+/// penalties and `min_tokens` masks (a row of scratch); random with nothing to adjust and no
+/// top-k (the weights pass, top-p and min-p now and then); random under top-k with the drawn
+/// adjustments.
+fn masked_plan(rng: &mut ChaCha8Rng, vocab: usize, variant: usize) -> SamplePlan {
+    let mut plan = random_plan(rng, vocab);
+    let pick = |rng: &mut ChaCha8Rng, values: &[f32]| values[rng.random_range(0..values.len())];
+    match variant % 5 {
+        0 => {}
+        1 => {
+            plan.greedy = true;
+            plan.adjusts.clear();
+        }
+        2 => plan.greedy = true,
+        3 => {
+            plan.greedy = false;
+            plan.temperature = pick(rng, &[0.5, 1.0, 1.5]);
+            plan.top_k = 0;
+            plan.top_p = pick(rng, &[1.0, 1.0, 0.9, 0.3]);
+            plan.min_p = pick(rng, &[0.0, 0.0, 0.05]);
+            plan.adjusts.clear();
+            plan.u = rng.random();
+        }
+        _ => {
+            plan.greedy = false;
+            plan.temperature = pick(rng, &[0.7, 1.0]);
+            plan.top_k = [1, 3, 100][rng.random_range(0..3)];
+            plan.u = rng.random();
+        }
+    }
+    plan.masked = true;
+    plan
+}
+
+/// What a row of a masked launch asks for.
+#[derive(Clone, Copy, Debug)]
+enum Role {
+    Logprobs,
+    Unmasked,
+    /// The row's mask (its index among the masked rows), the plan's variant and the density.
+    Masked {
+        mask: usize,
+        variant: usize,
+        density: Density,
+    },
+}
+
+/// `template` with a u whose host choice on `row` is not `fragile`.
+fn robust(rng: &mut ChaCha8Rng, template: &SamplePlan, row: &[f32], mask: Option<&[u32]>) -> SamplePlan {
+    let mut plan = SamplePlan { u: if template.greedy { 0.0 } else { rng.random() }, ..template.clone() };
+    let mut tries = 0;
+    while fragile(&plan, row, mask) {
+        plan.u = rng.random();
+        tries += 1;
+        assert!(tries < 100, "no robust u for {}", describe_plan(&plan));
+    }
+    plan
+}
+
+/// `rows` rows over `vocab` in one `sample_masked` launch, against `RowRequest::apply_masked`:
+/// masked rows (masks of `words` words; plan variant and density from `first_combo` on, one
+/// combination per masked row, every other one with decoys 60 above the row's disallowed ids)
+/// among unmasked sample rows and prompt-logprob rows. Returns how many masked rows it had.
+#[allow(clippy::too_many_arguments)]
+fn check_masked_launch(
+    gpu: &Gpu,
+    sampler: &mut cuda::GpuSampler,
+    rng: &mut ChaCha8Rng,
+    vocab: usize,
+    rows: usize,
+    words: usize,
+    dtype: DType,
+    first_combo: usize,
+) -> Result<usize, GpuError> {
+    let mut roles = Vec::with_capacity(rows);
+    let mut masks = TokenMasks::new(0, words);
+    let mut logits: Vec<f32> = Vec::with_capacity(rows * vocab); // [rows, vocab]
+    for r in 0..rows {
+        let mut row = sampling_row(rng, vocab, r);
+        let role = match r % 5 {
+            4 => Role::Logprobs,
+            2 => Role::Unmasked,
+            _ => {
+                let mask = masks.num_rows();
+                let combo = first_combo + mask;
+                let (variant, density) = (combo % 5, DENSITIES[(combo / 5) % 5]);
+                masks.data.extend(random_mask(rng, vocab, words, density));
+                if combo.is_multiple_of(2) {
+                    let m = masks.row(mask);
+                    row.iter_mut().enumerate().filter(|(t, _)| !allows(m, *t as u32)).for_each(|(_, l)| *l += 60.0);
+                }
+                Role::Masked { mask, variant, density }
+            }
+        };
+        roles.push(role);
+        logits.extend(row);
+    }
+    let (dev, stored) = upload(gpu, &logits, dtype)?;
+    let mut plans = Vec::with_capacity(rows);
+    for (r, role) in roles.iter().enumerate() {
+        let row = &stored[r * vocab..][..vocab];
+        let (plan, mask) = match *role {
+            Role::Masked { mask, variant, .. } => (masked_plan(rng, vocab, variant), Some(masks.row(mask))),
+            _ => (random_plan(rng, vocab), None),
+        };
+        plans.push(robust(rng, &plan, row, mask));
+    }
+    let requests: Vec<RowRequest> = roles
+        .iter()
+        .zip(&plans)
+        .enumerate()
+        .map(|(r, (role, plan))| match role {
+            Role::Logprobs => RowRequest::Logprobs {
+                token: if r % 10 == 4 { rng.random_range(0..vocab as u32) } else { u32::MAX },
+                num_top: [0, 3, 20][r % 3],
+            },
+            _ => RowRequest::Sample(plan),
+        })
+        .collect();
+    let got = sampler.sample_masked(gpu, dev.view(), vocab, &requests, &masks)?;
+    assert_eq!(got.len(), rows);
+    for (r, ((req, role), g)) in requests.iter().zip(&roles).zip(&got).enumerate() {
+        let row = &stored[r * vocab..][..vocab];
+        let mut what = format!("{dtype:?} vocab {vocab} row {r}: ");
+        match (*role, req) {
+            (Role::Masked { mask, variant, density }, RowRequest::Sample(plan)) => {
+                let m = masks.row(mask);
+                what += &format!("{} (variant {variant}), {}", describe_plan(plan), describe_mask(m, vocab, density));
+                assert_same_answer(g, &req.apply_masked(row, Some(m)), &what);
+                if let Some(t) = g {
+                    assert!(allows(m, t.token), "{what}: token {} is not allowed", t.token);
+                }
+            }
+            (Role::Unmasked, RowRequest::Sample(plan)) => {
+                what += &format!("unmasked {}", describe_plan(plan));
+                assert_same_answer(g, &req.apply(row), &what);
+            }
+            _ => {
+                what += &format!("{req:?}");
+                assert_same_answer(g, &req.apply(row), &what);
+            }
+        }
+    }
+    Ok(masks.num_rows())
+}
+
+/// Masked rows (masks of every density, every path of the sampler, decoys above the disallowed
+/// ids) mixed with unmasked and prompt-logprob rows, against `RowRequest::apply_masked`: masks
+/// as long as the vocabulary, shorter (the ids past them disallowed) and longer (bits past the
+/// vocabulary ignored), over small and large vocabularies, and unmasked launches between masked
+/// ones on the same sampler.
+#[test]
+fn masked_sampling_matches_the_host_sampler() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(19);
+    let mut sampler = cuda::GpuSampler::new();
+    let mut combo = 0;
+    for (vocab, launches, rows) in [(7, 3, 40), (1000, 3, 40), (32_001, 2, 40), (128_256, 2, 20), (151_936, 1, 12)] {
+        let full = TokenMasks::words_for(vocab);
+        for words in [full, (full / 2).max(1), full + 3] {
+            for _ in 0..launches {
+                combo += check_masked_launch(&gpu, &mut sampler, &mut rng, vocab, rows, words, DType::F32, combo)?;
+            }
+            check_sampling_launch(&gpu, &mut sampler, &mut rng, vocab, rows / 2, DType::F32)?;
+        }
+    }
+    let words = TokenMasks::words_for(32_001);
+    check_masked_launch(&gpu, &mut sampler, &mut rng, 32_001, 40, words, DType::BF16, combo)?;
+    Ok(())
+}
+
+/// Masked rows at a 151,936-token vocabulary with known answers, greedy (the argmax of the
+/// statistics pass, and with a penalty, of a row of scratch) and random (the weights pass, and
+/// under top-k): the raw argmax disallowed (the best allowed id is in another chunk), a tie of
+/// allowed ids far apart (the lower wins) under a higher disallowed id, one allowed id (always
+/// picked, with its raw logprob), one allowed id at -inf and no allowed id (nothing to pick);
+/// then a mask shorter than the vocabulary under decoys past its end. Logprobs stay the raw
+/// row's.
+#[test]
+fn masked_sampling_edges_match_the_host() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(20);
+    let mut sampler = cuda::GpuSampler::new();
+    let vocab = 151_936;
+    let words = TokenMasks::words_for(vocab);
+    let mut logits = random_vec(&mut rng, 5 * vocab, 10.0); // [5, vocab]
+    let mut masks = TokenMasks::new(5, words);
+    // 0: the argmax (id 5) disallowed; the best allowed is id 100_000.
+    logits[5] = 50.0;
+    logits[100_000] = 20.0;
+    [3, 70_000, 100_000].into_iter().for_each(|t| allow(masks.row_mut(0), t));
+    // 1: allowed ids 9_000 and 140_000 tie under a disallowed 40 at id 4_000; half the rest allowed.
+    let (tie, low, high) = (vocab + 9_000, vocab + 140_000, vocab + 4_000);
+    (logits[tie], logits[low], logits[high]) = (30.0, 30.0, 40.0);
+    masks.row_mut(1).iter_mut().for_each(|w| *w = rng.random());
+    allow(masks.row_mut(1), 9_000);
+    allow(masks.row_mut(1), 140_000);
+    masks.row_mut(1)[4_000 / 32] &= !(1 << (4_000 % 32));
+    // 2: id 123_456 alone.
+    allow(masks.row_mut(2), 123_456);
+    // 3: id 77 alone, at -inf.
+    logits[3 * vocab + 77] = f32::NEG_INFINITY;
+    allow(masks.row_mut(3), 77);
+    // 4: nothing allowed.
+    let dev = GpuTensor::from_f32(&gpu, &logits, DType::F32)?;
+    let row = |r: usize| &logits[r * vocab..][..vocab];
+    let greedy = SamplePlan { masked: true, ..SamplePlan::greedy(5) };
+    let penalized = SamplePlan {
+        repetition_penalty: 1.3,
+        adjusts: vec![ferrolm_sampling::TokenAdjust { token: 100_000, repetition: true, ..Default::default() }],
+        ..greedy.clone()
+    };
+    let random = SamplePlan { greedy: false, temperature: 1.0, ..greedy.clone() };
+    let top_k = SamplePlan { top_k: 2, top_p: 0.8, ..random.clone() };
+    for template in [&greedy, &penalized, &random, &top_k] {
+        let plans: Vec<SamplePlan> = (0..5).map(|r| robust(&mut rng, template, row(r), Some(masks.row(r)))).collect();
+        let requests: Vec<RowRequest> = plans.iter().map(RowRequest::Sample).collect();
+        let got = sampler.sample_masked(&gpu, dev.view(), vocab, &requests, &masks)?;
+        let what = |r: usize| format!("row {r}: {}", describe_plan(&plans[r]));
+        for (r, g) in got.iter().enumerate() {
+            assert_same_answer(g, &requests[r].apply_masked(row(r), Some(masks.row(r))), &what(r));
+            if let Some(g) = g {
+                assert!(allows(masks.row(r), g.token), "{}: token {} is not allowed", what(r), g.token);
+                let raw = ferrolm_sampling::token_logprobs(row(r), g.token, 5);
+                assert_eq!(g.top_logprobs[0].0, raw.top_logprobs[0].0, "{}: the top logprob is the raw row's", what(r));
+            }
+        }
+        let token = |r: usize| got[r].as_ref().map(|t| t.token);
+        if template.greedy {
+            assert_eq!(token(0), Some(100_000), "{}: the best allowed id", what(0));
+            assert_eq!(token(1), Some(9_000), "{}: the tie goes to the lower allowed id", what(1));
+        }
+        assert_eq!(token(2), Some(123_456), "{}: the one allowed id", what(2));
+        assert_eq!(token(3), None, "{}: the one allowed id is at -inf", what(3));
+        assert_eq!(token(4), None, "{}: nothing allowed", what(4));
+    }
+
+    // A mask of 1000 words (ids below 32,000) allowing all of them, under decoys at 50 past its end.
+    let mut short = TokenMasks::new(2, 1000);
+    short.data.fill(u32::MAX);
+    let mut logits = random_vec(&mut rng, 2 * vocab, 10.0);
+    for t in (32_000..vocab).step_by(97) {
+        logits[t] = 50.0;
+        logits[vocab + t] = 50.0;
+    }
+    let dev = GpuTensor::from_f32(&gpu, &logits, DType::F32)?;
+    let row = |r: usize| &logits[r * vocab..][..vocab];
+    for template in [&greedy, &random] {
+        let plans: Vec<SamplePlan> = (0..2).map(|r| robust(&mut rng, template, row(r), Some(short.row(r)))).collect();
+        let requests: Vec<RowRequest> = plans.iter().map(RowRequest::Sample).collect();
+        let got = sampler.sample_masked(&gpu, dev.view(), vocab, &requests, &short)?;
+        for (r, g) in got.iter().enumerate() {
+            let what = format!("short mask, row {r}: {}", describe_plan(&plans[r]));
+            assert_same_answer(g, &requests[r].apply_masked(row(r), Some(short.row(r))), &what);
+            let token = g.as_ref().map_or(u32::MAX, |t| t.token);
+            assert!(token < 32_000, "{what}: token {token} is past the mask");
+        }
     }
     Ok(())
 }

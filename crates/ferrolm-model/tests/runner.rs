@@ -16,7 +16,8 @@ mod common;
 use common::{block_table, ids};
 use ferrolm_backend::cpu::Cpu;
 use ferrolm_model::{CpuRunner, Model, ModelConfig, ModelInput, ModelRunner, WeightSource};
-use ferrolm_sampling::{RequestSampler, RowRequest, SamplePlan, SamplingParams, TokenLogprobs};
+use ferrolm_sampling::mask::{allow, allows};
+use ferrolm_sampling::{RequestSampler, RowRequest, SamplePlan, SamplingParams, TokenLogprobs, TokenMasks};
 use serde_json::Value;
 
 const BLOCK_SIZE: usize = 4;
@@ -511,6 +512,145 @@ fn mixed_steps_launched_ahead_equal_steps_run_one_at_a_time() {
         let ahead = staggered(runner.as_mut(), true);
         assert!(one_at_a_time.iter().all(|r| r.len() == 8), "{backend}: 8 tokens each");
         assert_eq!(ahead, one_at_a_time, "{backend}");
+    }
+}
+
+/// The token mask a grammar could give request `i` at `step`, knowing the token `known` it
+/// sampled at the step before the last (the last one may still be in flight: a step is launched
+/// ahead of the one before it being collected): about one id in eight, or, at every fourth
+/// step, one id alone (a forced token). `words` may be fewer than the vocabulary needs.
+fn grammar_mask(vocab: usize, words: usize, i: usize, step: usize, known: u32) -> Vec<u32> {
+    let mut mask = vec![0u32; words];
+    let covered = vocab.min(32 * words) as u32;
+    let seed = (i as u64) << 48 ^ (step as u64) << 32 ^ u64::from(known);
+    let hash = |t: u32| (seed ^ u64::from(t)).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
+    if step % 4 == 3 {
+        allow(&mut mask, (hash(covered) % u64::from(covered)) as u32);
+    } else {
+        (0..covered).filter(|&t| hash(t) % 8 == 0).for_each(|t| allow(&mut mask, t));
+    }
+    mask
+}
+
+/// Greedy decoding of 5 requests for 12 steps, requests 0, 1 and 3 constrained by
+/// `grammar_mask` (masked rows) but at every fifth step, 2 and 4 never; at odd steps the masks
+/// are shorter than the vocabulary (the last quarter of the ids disallowed). Each token is
+/// checked against its mask. With `ahead`, every step after the first is launched once the
+/// step before has its masks and before it is collected, and takes its tokens from that step's
+/// rows on the device; otherwise each step runs alone (`execute_masked`, or `execute` without
+/// masked rows). Per request: each token and its logprob.
+fn constrained(runner: &mut dyn ModelRunner, ahead: bool) -> Vec<Vec<(u32, f32)>> {
+    let (n, steps) = (5usize, 12usize);
+    let vocab = runner.config().output_vocab_size;
+    let prompts: Vec<Vec<u32>> =
+        (0..n as u32).map(|i| (0..4 + 3 * i).map(|j| 1 + (i * 131 + j * 17) % 500).collect()).collect();
+    let blocks_each = (4 + 3 * n + steps).div_ceil(BLOCK_SIZE);
+    let tables: Vec<Vec<u32>> = (0..n).map(|i| (0..blocks_each).map(|b| (b * n + i) as u32).collect()).collect();
+    runner.allocate_kv_cache(blocks_each * n, BLOCK_SIZE).expect("kv cache");
+    let greedy = greedy_plan(1);
+    let masked = SamplePlan { masked: true, ..greedy.clone() };
+    let is_masked = |i: usize, step: usize| [0, 1, 3].contains(&i) && step % 5 != 4;
+    let rows = |step: usize| -> Vec<RowRequest<'_>> {
+        (0..n).map(|i| RowRequest::Sample(if is_masked(i, step) { &masked } else { &greedy })).collect()
+    };
+    // The step's masks from the tokens sampled two steps before (0 before the second step).
+    let masks_for = |step: usize, out: &[Vec<(u32, f32)>]| -> TokenMasks {
+        let full = TokenMasks::words_for(vocab);
+        let words = if step % 2 == 1 { full - full / 4 } else { full };
+        let mut masks = TokenMasks { words, data: Vec::new() };
+        for i in (0..n).filter(|&i| is_masked(i, step)) {
+            let known = if step >= 2 { out[i][step - 2].0 } else { 0 };
+            masks.data.extend(grammar_mask(vocab, words, i, step, known));
+        }
+        masks
+    };
+    // With `last`, the tokens from the host; without, from the step before on the device.
+    let input = |step: usize, last: Option<&[u32]>| -> ModelInput {
+        let mut input = ModelInput::default();
+        for (i, prompt) in prompts.iter().enumerate() {
+            if step == 0 {
+                input.push_request(prompt, 0, &tables[i], BLOCK_SIZE, true, false);
+                continue;
+            }
+            let position = prompt.len() + step - 1;
+            match last {
+                Some(last) => input.push_request(&last[i..=i], position, &tables[i], BLOCK_SIZE, true, false),
+                None => {
+                    input.push_request(&[u32::MAX], position, &tables[i], BLOCK_SIZE, true, false);
+                    input.previous_tokens.push((i as u32, i as u32));
+                }
+            }
+        }
+        input
+    };
+    let mut out: Vec<Vec<(u32, f32)>> = vec![Vec::new(); n];
+    let mut step_masks = Vec::new();
+    let record = |step: usize, answers: Vec<Option<TokenLogprobs>>, masks: &TokenMasks, out: &mut Vec<Vec<_>>| {
+        assert_eq!(answers.len(), n);
+        let mut next_mask = 0;
+        for (i, a) in answers.into_iter().enumerate() {
+            let a = a.unwrap_or_else(|| panic!("request {i} step {step}: no token"));
+            if is_masked(i, step) {
+                let mask = masks.row(next_mask);
+                next_mask += 1;
+                assert!(allows(mask, a.token), "request {i} step {step}: token {} is not allowed", a.token);
+            }
+            out[i].push((a.token, a.logprob));
+        }
+    };
+    for step in 0..steps {
+        let has_masks = (0..n).any(|i| is_masked(i, step));
+        if !ahead {
+            let last: Vec<u32> = out.iter().map(|o| o.last().map_or(0, |t| t.0)).collect();
+            let masks = masks_for(step, &out);
+            let answers = if has_masks {
+                runner.execute_masked(&input(step, Some(&last)), &rows(step), &masks)
+            } else {
+                runner.execute(&input(step, Some(&last)), &rows(step))
+            };
+            record(step, answers.expect("execute"), &masks, &mut out);
+            continue;
+        }
+        runner.launch(&input(step, None), &rows(step)).expect("launch");
+        let masks = masks_for(step, &out);
+        if has_masks {
+            runner.set_token_masks(&masks).expect("set_token_masks");
+        }
+        step_masks.push(masks);
+        if step > 0 {
+            record(step - 1, runner.collect().expect("collect"), &step_masks[step - 1], &mut out);
+        }
+    }
+    if ahead {
+        record(steps - 1, runner.collect().expect("collect"), &step_masks[steps - 1], &mut out);
+    }
+    out
+}
+
+/// Steps with masked rows (structured output) give the same tokens launched ahead as run one at
+/// a time, on every backend, and the CUDA runner in f32 gives the CPU runner's tokens and
+/// logprobs (within 1e-3).
+#[test]
+fn masked_steps_give_the_cpu_runners_tokens() {
+    let mut cpu: Option<Vec<Vec<(u32, f32)>>> = None;
+    for (backend, mut runner, rule) in backends(&repo_path("models/ferrolm-demo-py")) {
+        let one_at_a_time = constrained(runner.as_mut(), false);
+        let ahead = constrained(runner.as_mut(), true);
+        assert_eq!(ahead, one_at_a_time, "{backend}: launched ahead vs one at a time");
+        let Some(want) = &cpu else {
+            cpu = Some(one_at_a_time);
+            continue;
+        };
+        if matches!(rule, Rule::Bf16) {
+            continue; // bf16 logits may flip a close choice
+        }
+        for (i, (got, want)) in one_at_a_time.iter().zip(want).enumerate() {
+            for (step, (g, w)) in got.iter().zip(want).enumerate() {
+                assert_eq!(g.0, w.0, "{backend}: request {i} step {step}: the CPU runner's token");
+                let err = (g.1 - w.1).abs();
+                assert!(err < 1e-3, "{backend}: request {i} step {step}: logprob {} vs the CPU's {}", g.1, w.1);
+            }
+        }
     }
 }
 

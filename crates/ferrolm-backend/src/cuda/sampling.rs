@@ -1,16 +1,25 @@
 //! Sampling and logprobs where the logits are (`kernels/sampling.cu`): per logits row, what
-//! [`RowRequest::apply`] (ferrolm-sampling) computes on the host, so that only the chosen tokens
-//! and the logprobs asked for come back.
+//! [`RowRequest::apply_masked`] (ferrolm-sampling) computes on the host, so that only the chosen
+//! tokens and the logprobs asked for come back.
 //!
-//! One call is one copy of the rows' parameters (`[rows]` [`RowParams`]) and their penalty/mask
-//! lists concatenated (`[entries]` [`Adjust`], each row pointing at its own) through a
-//! [`StagedBuffer`], a launch of a block per 4096 logits for the raw statistics (max, argmax, sum
-//! of exponentials: the one pass every row needs; done by the row's own block it took ~60 us of
-//! a batch-1 decode step over a 128k vocabulary), the same for the weights of rows that sample
-//! without adjustments or top-k, a launch of a block per row for the rest, and one download of
-//! `[rows]` [`RowResult`]s into pinned memory. Rows that sample (or that penalize or mask) get a
-//! row of scratch for their processed scores. The staging, scratch and result buffers are kept
-//! and grown, so a steady batch allocates nothing.
+//! One call is one copy of the rows' parameters (`[rows]` [`RowParams`]), their penalty/mask
+//! lists concatenated (`[entries]` [`Adjust`], each row pointing at its own) and, when a row is
+//! `masked`, the step's token masks (`[masked rows, words]` u32, each masked row pointing at its
+//! first word) through a [`StagedBuffer`], a launch of a block per 4096 logits for the raw
+//! statistics (max, argmax, sum of exponentials: the one pass every row needs; done by the row's
+//! own block it took ~60 us of a batch-1 decode step over a 128k vocabulary), the same for the
+//! weights of rows that sample without adjustments or top-k, a launch of a block per row for the
+//! rest, and one download of `[rows]` [`RowResult`]s into pinned memory. Rows that sample, or
+//! that have penalties or `min_tokens` masks, get a row of scratch for their processed scores.
+//! The staging, scratch and result buffers are kept and grown, so a steady batch allocates
+//! nothing.
+//!
+//! A token mask takes effect wherever a row's scores are formed, before its penalties: the
+//! argmax of the statistics pass (so a masked greedy row with nothing to adjust still needs no
+//! scratch), the weights pass, and the copy into scratch (an adjustment of a disallowed id leaves
+//! it at `-inf`). The max and the sum of exponentials stay the raw row's: logprobs are never
+//! masked. A mask shorter than the vocabulary disallows the ids past its words. Without a masked
+//! row nothing of the masks is sent and the kernels take a null pointer.
 //!
 //! [`GpuSampler::launch`] only queues that work; [`GpuSampler::collect`] waits for the oldest
 //! launch's download and answers it, so that the host can prepare (and launch) the next step
@@ -80,7 +89,8 @@ struct RowParams {
     adjust_start: u32,
     adjust_len: u32,
     scratch_row: u32,
-    _pad: u32,
+    /// The row's first word in the token masks; `NO_ID` when it has none.
+    mask_start: u32,
 }
 
 /// One `TokenAdjust`: `SampleAdjust` in sampling.cu.
@@ -222,7 +232,8 @@ impl GpuSampler {
     /// For each row of `logits` (`[rows.len(), vocab]`, any activation dtype, read only), what
     /// [`RowRequest::apply`] gives for that row on the host: the sampled token (or `None` when
     /// nothing can be picked) or the given token, with its raw logprob and the top logprobs.
-    /// [`Self::launch`] then [`Self::collect`], with nothing else in flight.
+    /// [`Self::launch`] then [`Self::collect`], with nothing else in flight; no row may be
+    /// `masked` (see [`Self::sample_masked`]).
     pub fn sample(
         &mut self,
         gpu: &Gpu,
@@ -235,6 +246,9 @@ impl GpuSampler {
 
     /// [`Self::sample`] where `masked` rows take their token masks from `masks` (one row per
     /// masked row, in order), as [`RowRequest::apply_masked`] does.
+    ///
+    /// # Panics
+    /// When `masks` has not one row per masked row.
     pub fn sample_masked(
         &mut self,
         gpu: &Gpu,
@@ -248,8 +262,11 @@ impl GpuSampler {
         self.collect()
     }
 
-    /// Queues [`Self::sample`]'s work on the `Gpu`'s stream: nothing waits for the device. Its
-    /// answer comes from [`Self::collect`], calls being answered in launch order.
+    /// Queues [`Self::sample_masked`]'s work on the `Gpu`'s stream: nothing waits for the
+    /// device. Its answer comes from [`Self::collect`], calls being answered in launch order.
+    ///
+    /// # Panics
+    /// When `masks` has not one row per masked row.
     pub fn launch(
         &mut self,
         gpu: &Gpu,
@@ -259,9 +276,13 @@ impl GpuSampler {
         masks: &TokenMasks,
     ) -> Result<(), GpuError> {
         assert!(vocab > 0, "sample_rows: vocab is 0");
-        if masks.num_rows() > 0 {
-            return Err(GpuError::Unsupported { op: "sample_rows", reason: "token masks".into() });
-        }
+        let num_masked = rows.iter().filter(|r| r.is_masked()).count();
+        assert_eq!(
+            masks.num_rows(),
+            num_masked,
+            "sample_rows: {} token masks for {num_masked} masked rows",
+            masks.num_rows()
+        );
         assert_eq!(logits.len(), rows.len() * vocab, "sample_rows: logits are not {} rows of {vocab}", rows.len());
         let kinds = rows.iter().map(row_kind).collect();
         self.last_rows = rows.len();
@@ -281,24 +302,40 @@ impl GpuSampler {
         let vocab_u32 = to_u32("sample_rows", "vocab", vocab);
         let num_rows = to_u32("sample_rows", "rows", rows.len());
 
+        // [masked rows, words]
+        let mask_words = &masks.data[..num_masked * masks.words];
+        let words_u32 = to_u32("sample_rows", "mask words", masks.words);
+        // Each masked row's first word is a u32 offset.
+        to_u32("sample_rows", "mask words in all", mask_words.len());
+
         self.params.clear();
         self.adjusts.clear();
         let mut scratch_rows = 0;
+        let mut next_mask = 0;
         for row in rows {
-            let params = row_params(row, &mut self.adjusts, &mut scratch_rows);
+            let mut params = row_params(row, &mut self.adjusts, &mut scratch_rows);
+            if row.is_masked() {
+                params.mask_start = next_mask * words_u32;
+                next_mask += 1;
+            }
             self.params.push(params);
         }
-        let arrays = [plain_bytes(&self.params), plain_bytes(&self.adjusts)];
+        // The masks travel only when a row has one: an unconstrained batch copies what it did
+        // before masks existed.
+        let all_arrays = [plain_bytes(&self.params), plain_bytes(&self.adjusts), plain_bytes(mask_words)];
+        let arrays = &all_arrays[..if num_masked > 0 { 3 } else { 2 }];
         let bytes = StagedBuffer::bytes_for(arrays.iter().map(|a| a.len()));
         if self.staged.as_ref().is_none_or(|s| s.capacity() < bytes) {
             self.staged = None;
             self.staged = Some(StagedBuffer::new(gpu, bytes.next_power_of_two())?);
         }
         let staged = self.staged.as_mut().expect("allocated above");
-        let parts = staged.write(gpu, &arrays)?;
+        let parts = staged.write(gpu, arrays)?;
         let params_ptr = staged.ptr(gpu, parts[0]);
         // Plain greedy batches have no list at all: the kernel then never reads the pointer.
         let adjusts_ptr = if self.adjusts.is_empty() { 0 } else { staged.ptr(gpu, parts[1]) };
+        // Null without a masked row: the kernels then read no row's `mask_start`.
+        let masks_ptr = if num_masked > 0 { staged.ptr(gpu, parts[2]) } else { 0 };
         let scratch_len = scratch_rows as usize * vocab;
         if scratch_len > 0 {
             let len = (scratch_rows as usize).next_power_of_two() * vocab;
@@ -336,9 +373,12 @@ impl GpuSampler {
         let chunks_u32 = to_u32("sample_rows", "chunks", chunks);
         let mut launch = gpu.launch_builder("logit_stats", logits.dtype());
         launch.arg(&logits_ptr).arg(&vocab_u32).arg(&chunks_u32).arg(&stats_ptr);
+        launch.arg(&params_ptr).arg(&masks_ptr).arg(&words_u32);
         let cfg =
             LaunchConfig { grid_dim: (num_rows, chunks_u32, 1), block_dim: (STATS_THREADS, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: `rows` rows of `vocab` logits, and room for `[rows, chunks]` statistics.
+        // SAFETY: `rows` rows of `vocab` logits, room for `[rows, chunks]` statistics, `rows`
+        // parameter rows, and either no masks or one mask of `words` words per masked row, each
+        // masked row's `mask_start` pointing at its own.
         unsafe { launch.launch(cfg) }?;
 
         let scratch_ptr = self.scratch.as_ref().map_or(0, |s| gpu.index_ptr(s));
@@ -355,9 +395,11 @@ impl GpuSampler {
                 let mut launch = gpu.launch_builder("sample_weights", logits.dtype());
                 launch.arg(&logits_ptr).arg(&vocab_u32).arg(&chunks_u32).arg(&stats_ptr);
                 launch.arg(&params_ptr).arg(&scratch_ptr).arg(&weights_ptr).arg(&top_counts_ptr).arg(&top_masses_ptr);
+                launch.arg(&masks_ptr).arg(&words_u32);
                 // SAFETY: as logit_stats, then its statistics, parameter rows whose scratch rows
                 // lie in `scratch` (every sampled row has one), room for `[rows, chunks]` and,
-                // with a row under top-p, for `[rows, chunks, 256]` twice.
+                // with a row under top-p, for `[rows, chunks, 256]` twice, and the masks as
+                // logit_stats takes them.
                 unsafe { launch.launch(cfg) }?;
                 weights_ptr
             }
@@ -367,15 +409,16 @@ impl GpuSampler {
         let mut launch = gpu.launch_builder("sample_rows", logits.dtype());
         launch.arg(&logits_ptr).arg(&vocab_u32).arg(&stats_ptr).arg(&weights_ptr);
         launch.arg(&top_counts_ptr).arg(&top_masses_ptr).arg(&chunks_u32);
-        launch.arg(&params_ptr).arg(&adjusts_ptr).arg(&scratch_ptr).arg(&results_ptr);
+        launch.arg(&params_ptr).arg(&adjusts_ptr).arg(&masks_ptr).arg(&words_u32).arg(&scratch_ptr).arg(&results_ptr);
         let cfg = LaunchConfig {
             grid_dim: (num_rows, 1, 1),
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: SHARED_BYTES as u32,
         };
         // SAFETY: the arguments match the kernel's parameters: the statistics just written,
-        // `rows` parameter rows whose adjustment ranges lie in `adjusts` and whose scratch rows
-        // lie in `scratch`, and a result buffer of at least `rows` entries.
+        // `rows` parameter rows whose adjustment ranges lie in `adjusts`, whose masks lie in the
+        // masks (as above) and whose scratch rows lie in `scratch`, and a result buffer of at
+        // least `rows` entries.
         unsafe { launch.launch(cfg) }?;
         let mut host = match self.spare.iter().position(|h| h.len() >= rows.len()) {
             Some(i) => self.spare.swap_remove(i),
@@ -451,6 +494,7 @@ impl GpuSampler {
 trait Unpadded: DeviceRepr {}
 impl Unpadded for RowParams {}
 impl Unpadded for Adjust {}
+impl Unpadded for u32 {}
 
 /// The bytes of a slice of the kernel's parameter structs.
 fn plain_bytes<T: Unpadded>(items: &[T]) -> &[u8] {
@@ -478,8 +522,8 @@ unsafe fn grow<T: DeviceRepr>(
     Ok(())
 }
 
-/// The kernel's parameters for `row`; its adjustments go to the end of `adjusts`, and it takes the
-/// next scratch row if it needs one.
+/// The kernel's parameters for `row`, without a token mask; its adjustments go to the end of
+/// `adjusts`, and it takes the next scratch row if it needs one.
 fn row_params(row: &RowRequest<'_>, adjusts: &mut Vec<Adjust>, scratch_rows: &mut u32) -> RowParams {
     match *row {
         RowRequest::Sample(plan) => {
@@ -489,7 +533,8 @@ fn row_params(row: &RowRequest<'_>, adjusts: &mut Vec<Adjust>, scratch_rows: &mu
                 output_count: a.output_count,
                 flags: if a.repetition { ADJUST_REPETITION } else { 0 } | if a.mask { ADJUST_MASK } else { 0 },
             }));
-            // Greedy rows with nothing to adjust take the argmax of the raw row in place.
+            // Greedy rows with nothing to adjust take the argmax that the statistics pass found
+            // (among the ids their mask allows).
             let scratch_row = if plan.greedy && plan.adjusts.is_empty() {
                 NO_ID
             } else {
@@ -511,12 +556,17 @@ fn row_params(row: &RowRequest<'_>, adjusts: &mut Vec<Adjust>, scratch_rows: &mu
                 adjust_start,
                 adjust_len: to_u32("sample_rows", "adjustments", plan.adjusts.len()),
                 scratch_row,
-                _pad: 0,
+                mask_start: NO_ID,
             }
         }
-        RowRequest::Logprobs { token, num_top: n } => {
-            RowParams { mode: MODE_LOGPROBS, token, num_top: num_top(n), scratch_row: NO_ID, ..RowParams::default() }
-        }
+        RowRequest::Logprobs { token, num_top: n } => RowParams {
+            mode: MODE_LOGPROBS,
+            token,
+            num_top: num_top(n),
+            scratch_row: NO_ID,
+            mask_start: NO_ID,
+            ..RowParams::default()
+        },
     }
 }
 

@@ -3,8 +3,9 @@
 // - raw statistics for logprobs: max and ln(sum(exp(l - max))) over the non-NaN logits in f64,
 //   the chosen token's logprob, and the top N (N <= 20) in `rank_desc` order (value descending,
 //   NaN last, ties to the lower id);
-// - scores: penalties and masks from a sparse per-row list (one entry per token), NaN -> -inf,
-//   +inf -> FLT_MAX;
+// - scores: a constrained row's token mask first (ids whose bit is clear, or past the mask's
+//   words, score -inf), then penalties and masks from a sparse per-row list (one entry per token;
+//   an id the token mask disallows stays -inf), NaN -> -inf, +inf -> FLT_MAX;
 // - greedy: argmax, lowest id on ties, -inf skipped;
 // - otherwise: top-k as an exact threshold on the order-preserving key of the score (ties to the
 //   lower ids), weights exp((s - max) / T) over the survivors, top-p as the smallest rank-order
@@ -14,7 +15,10 @@
 //
 // The first pass over a row (max, argmax, sum of exponentials) runs in logit_stats, many blocks
 // per row, and so do the weights of rows that sample without adjustments or top-k
-// (sample_weights); then one block of SAMPLE_THREADS per row does the rest. Thresholds are found
+// (sample_weights); then one block of SAMPLE_THREADS per row does the rest. Every kernel that
+// forms a row's scores applies its token mask (`mask_allows`): the argmax of logit_stats, the
+// weights of sample_weights, the scratch copy of sample_rows. The raw statistics (max and sum,
+// for logprobs) never see it: logprobs are those of the raw row. Thresholds are found
 // by radix select, 8 bits a pass, over per-warp histograms in dynamic shared memory ([warps, 256]
 // u32 counts, then [warps, 256] f64 masses). Every sum and scan runs in a fixed order (no
 // floating-point atomics), so a row's result depends on nothing but the row and its parameters.
@@ -48,7 +52,7 @@ struct SampleRow {
     u32 num_top;
     u32 adjust_start, adjust_len;
     u32 scratch_row;  // NO_ID: none (greedy rows without adjustments, logprob rows)
-    u32 pad;
+    u32 mask_start;   // the row's first word in the token masks; NO_ID: no mask
 };
 
 // Mirrors `Adjust` in sampling.rs.
@@ -94,6 +98,15 @@ __device__ __forceinline__ u32 order_key(float x) {
 __device__ __forceinline__ u64 rank_key(float x, u32 id) {
     const u32 k = isnan(x) ? 0u : order_key(x);
     return ((u64)k << 32) | (u64)(NO_ID - id);
+}
+
+// Whether the token mask at word `start` of `masks` ([masked rows, words] packed bits, bit i % 32
+// of word i / 32 set when id i is allowed) allows id i; every id when `start` is NO_ID (the row
+// has no mask, and `masks` may be null). Ids past the mask's words are never allowed.
+__device__ __forceinline__ bool mask_allows(const u32* masks, u32 words, u32 start, u32 i) {
+    if (start == NO_ID) return true;
+    const u32 w = i >> 5;
+    return w < words && ((masks[(u64)start + w] >> (i & 31u)) & 1u) != 0u;
 }
 
 // `log_softmax_one`: ((l - max) - ln_sum) in f64, rounded once.
@@ -155,8 +168,9 @@ __device__ __forceinline__ u64 block_max_k(u64 v, SampleSmem& sm) {
 
 // The raw statistics of a row, the first pass over it, spread over blocks of STATS_THREADS: for
 // chunk c (ids [c * STATS_CHUNK, (c + 1) * STATS_CHUNK)), the max of the non-NaN logits, the
-// greedy best (largest sanitized score, lowest id on ties; NO_ID if all are -inf) and the sum of
-// expf(x - chunk max) over the non-NaN logits in f64 (0 unless the chunk max is finite).
+// greedy best (largest sanitized score among the ids the row's token mask allows, lowest id on
+// ties; NO_ID if all are -inf) and the sum of expf(x - chunk max) over the non-NaN logits in f64
+// (0 unless the chunk max is finite). The max and the sum are the raw row's, mask or not.
 // sample_rows merges a row's chunks in chunk order: the chunks are fixed by the vocabulary alone,
 // so a row's result still depends on nothing but the row.
 #define STATS_THREADS 256
@@ -182,14 +196,17 @@ struct ChunkStats {
     double sum;
 };
 
-// logits: [rows, vocab]; stats: [rows, chunks]. Grid: (rows, chunks).
+// logits: [rows, vocab]; stats: [rows, chunks]; rows: [rows]; masks: [masked rows, words], null
+// when no row has a mask (`rows` is then not read). Grid: (rows, chunks).
 template <typename T>
-__device__ __forceinline__ void logit_stats_impl(const T* logits, u32 vocab, u32 chunks, ChunkStats* stats) {
+__device__ __forceinline__ void logit_stats_impl(const T* logits, u32 vocab, u32 chunks, ChunkStats* stats,
+                                                 const SampleRow* rows, const u32* masks, u32 words) {
     __shared__ float red_f[STATS_WARPS];
     __shared__ u32 red_i[STATS_WARPS];
     __shared__ double red_d[STATS_WARPS];
     const T* raw = logits + (u64)blockIdx.x * vocab;
     const u32 first = blockIdx.y * STATS_CHUNK + threadIdx.x;
+    const u32 mask_start = masks != nullptr ? rows[blockIdx.x].mask_start : NO_ID;
     // Ids past the vocabulary read as NaN, which nothing counts.
     float x[STATS_ITEMS];
     load_chunk(raw, vocab, first, __int_as_float(0x7fc00000), x);
@@ -198,7 +215,7 @@ __device__ __forceinline__ void logit_stats_impl(const T* logits, u32 vocab, u32
 #pragma unroll
     for (int j = 0; j < STATS_ITEMS; j++) {
         if (!isnan(x[j])) mx = fmaxf(mx, x[j]);
-        const float s = sanitize(x[j]);
+        const float s = mask_allows(masks, words, mask_start, first + j * STATS_THREADS) ? sanitize(x[j]) : NEG_INF;
         if (s != NEG_INF && s > best) {
             best = s;
             best_id = first + j * STATS_THREADS;
@@ -225,10 +242,11 @@ __device__ __forceinline__ void logit_stats_impl(const T* logits, u32 vocab, u32
 }
 
 #define LOGIT_STATS(T, S) \
-    extern "C" __global__ void __launch_bounds__(STATS_THREADS) logit_stats_##S(const T* logits, u32 vocab, \
-                                                                                u32 chunks, ChunkStats* stats) { \
+    extern "C" __global__ void __launch_bounds__(STATS_THREADS) \
+        logit_stats_##S(const T* logits, u32 vocab, u32 chunks, ChunkStats* stats, const SampleRow* rows, \
+                        const u32* masks, u32 words) { \
         pdl_enter(); \
-        logit_stats_impl<T>(logits, vocab, chunks, stats); \
+        logit_stats_impl<T>(logits, vocab, chunks, stats, rows, masks, words); \
     }
 FOR_EACH_DTYPE(LOGIT_STATS)
 
@@ -243,26 +261,29 @@ struct ChunkWeights {
 // Chunks a plain_random row may have (sample_rows adds their totals in shared memory).
 #define PLAIN_MAX_CHUNKS (SAMPLE_WARPS * RADIX_BINS)
 
-// A row that samples from its raw scores (nothing to adjust) without top-k (0, or at least the
-// vocabulary: never below the candidate count): its weights are spread over many blocks
-// (sample_weights) instead of one row-long pass of its sample_rows block.
+// A row that samples from its raw scores (nothing to adjust; a token mask is applied where the
+// weights are made) without top-k (0, or at least the vocabulary: never below the candidate
+// count): its weights are spread over many blocks (sample_weights) instead of one row-long pass
+// of its sample_rows block.
 __device__ __forceinline__ bool plain_random(const SampleRow& p, u32 vocab, u32 chunks) {
     return p.mode == SAMPLE_RANDOM && p.adjust_len == 0 && (p.top_k == 0 || p.top_k >= vocab) &&
            chunks <= PLAIN_MAX_CHUNKS;
 }
 
 // For a plain_random row, what random_pick's weights pass computes, chunk by chunk: weight
-// temper(s, top, T) of each score s above -inf (top: the row's largest, from logit_stats's
-// chunks), -1 for the others, written to the row's scratch; and the chunk's ChunkWeights.
+// temper(s, top, T) of each score s above -inf (s: the sanitized logit, -inf where the row's
+// token mask disallows the id; top: the row's largest, from logit_stats's chunks), -1 for the
+// others, written to the row's scratch; and the chunk's ChunkWeights.
 // With top-p, also the first pass of its radix select over the chunk (top_counts, top_masses:
 // [rows, chunks, RADIX_BINS], the count and the mass of the weights by their top 8 bits; null
 // when no row has top-p). Other rows return at once. Grid: (rows, chunks), STATS_THREADS;
 // arguments as logit_stats's, then the statistics it wrote, the rows' parameters, the scratch
-// rows and out: [rows, chunks].
+// rows, out: [rows, chunks], the top-p first pass and the token masks as logit_stats takes them.
 template <typename T>
 __device__ __forceinline__ void sample_weights_impl(const T* logits, u32 vocab, u32 chunks, const ChunkStats* stats,
                                                     const SampleRow* rows, float* scratch, ChunkWeights* out,
-                                                    u32* top_counts, double* top_masses) {
+                                                    u32* top_counts, double* top_masses, const u32* masks,
+                                                    u32 words) {
     __shared__ float red_f[STATS_WARPS];
     __shared__ u32 red_i[STATS_WARPS];
     __shared__ double red_d[STATS_WARPS];
@@ -291,7 +312,7 @@ __device__ __forceinline__ void sample_weights_impl(const T* logits, u32 vocab, 
 #pragma unroll
     for (int j = 0; j < STATS_ITEMS; j++) {
         const u32 i = first + j * STATS_THREADS;
-        const float s = sanitize(x[j]);
+        const float s = mask_allows(masks, words, p.mask_start, i) ? sanitize(x[j]) : NEG_INF;
         float w = -1.f;
         if (s != NEG_INF && top != NEG_INF) {
             w = temper(s, top, p.temperature);
@@ -355,9 +376,11 @@ __device__ __forceinline__ void sample_weights_impl(const T* logits, u32 vocab, 
 #define SAMPLE_WEIGHTS(T, S) \
     extern "C" __global__ void __launch_bounds__(STATS_THREADS) \
         sample_weights_##S(const T* logits, u32 vocab, u32 chunks, const ChunkStats* stats, const SampleRow* rows, \
-                           float* scratch, ChunkWeights* out, u32* top_counts, double* top_masses) { \
+                           float* scratch, ChunkWeights* out, u32* top_counts, double* top_masses, \
+                           const u32* masks, u32 words) { \
         pdl_enter(); \
-        sample_weights_impl<T>(logits, vocab, chunks, stats, rows, scratch, out, top_counts, top_masses); \
+        sample_weights_impl<T>(logits, vocab, chunks, stats, rows, scratch, out, top_counts, top_masses, masks, \
+                               words); \
     }
 FOR_EACH_DTYPE(SAMPLE_WEIGHTS)
 
@@ -794,14 +817,16 @@ __device__ u32 random_pick(u32 vocab, float* sc, SampleSmem& sm, u32* hist_count
 // logits: [rows, vocab]; stats: [rows, chunks], logit_stats's; weights: [rows, chunks],
 // sample_weights's (null when no row samples), and top_counts, top_masses its first pass of the
 // top-p select (null when no row has top-p); rows: [rows]; adjusts: the rows' lists,
-// concatenated; scratch: [scratch rows, vocab] f32 (processed scores, then weights, of the rows
-// that have one; sample_weights has written those of plain_random rows); out: [rows]. Dynamic
-// shared memory: SAMPLE_WARPS * RADIX_BINS * (4 + 8) bytes.
+// concatenated; masks: [masked rows, words] token masks (null when no row has one); scratch:
+// [scratch rows, vocab] f32 (processed scores, then weights, of the rows that have one;
+// sample_weights has written those of plain_random rows); out: [rows]. Dynamic shared memory:
+// SAMPLE_WARPS * RADIX_BINS * (4 + 8) bytes.
 template <typename T>
 __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, const ChunkStats* stats,
                                                  const ChunkWeights* weights, const u32* top_counts,
                                                  const double* top_masses, u32 chunks, const SampleRow* rows,
-                                                 const SampleAdjust* adjusts, float* scratch, SampleOut* out) {
+                                                 const SampleAdjust* adjusts, const u32* masks, u32 words,
+                                                 float* scratch, SampleOut* out) {
     extern __shared__ __align__(16) unsigned char sample_smem[];
     u32* hist_count = reinterpret_cast<u32*>(sample_smem);  // [SAMPLE_WARPS, RADIX_BINS]
     double* hist_sum = reinterpret_cast<double*>(sample_smem + SAMPLE_WARPS * RADIX_BINS * sizeof(u32));
@@ -823,10 +848,13 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
     SampleOut* o = out + blockIdx.x;
 
     // The row's raw statistics from its chunks' (logit_stats); a greedy row with nothing to
-    // adjust also has its argmax from them. Rows with a scratch row copy the logits there but
-    // plain_random ones, whose weights are there already.
+    // adjust also has its argmax from them (among the ids its mask allows). Rows with a scratch
+    // row copy the logits there, -inf where the mask disallows, but plain_random ones, whose
+    // weights are there already.
     if (sc != nullptr && !(weights != nullptr && plain_random(p, vocab, chunks))) {
-        for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) sc[i] = to_float(raw[i]);
+        for (u32 i = threadIdx.x; i < vocab; i += SAMPLE_THREADS) {
+            sc[i] = mask_allows(masks, words, p.mask_start, i) ? to_float(raw[i]) : NEG_INF;
+        }
     }
     const ChunkStats* st = stats + (u64)blockIdx.x * chunks;
     float max = NEG_INF, best = NEG_INF;
@@ -879,10 +907,13 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
     u32 token = p.token;
     if (p.mode != SAMPLE_LOGPROBS) {
         if (sc != nullptr) {
-            // The block reductions above ordered the copy before these writes.
+            // The block reductions above ordered the copy before these writes. An id the mask
+            // disallows stays -inf, as the host's penalties leave it.
             for (u32 j = threadIdx.x; j < p.adjust_len; j += SAMPLE_THREADS) {
                 const SampleAdjust a = adjusts[p.adjust_start + j];
-                if (a.token < vocab) sc[a.token] = adjust_logit(to_float(raw[a.token]), a, p);
+                if (a.token < vocab && mask_allows(masks, words, p.mask_start, a.token)) {
+                    sc[a.token] = adjust_logit(to_float(raw[a.token]), a, p);
+                }
             }
             __syncthreads();
         }
@@ -904,11 +935,11 @@ __device__ __forceinline__ void sample_rows_impl(const T* logits, u32 vocab, con
 #define SAMPLE_ROWS(T, S) \
     extern "C" __global__ void __launch_bounds__(SAMPLE_THREADS) sample_rows_##S( \
         const T* logits, u32 vocab, const ChunkStats* stats, const ChunkWeights* weights, const u32* top_counts, \
-        const double* top_masses, u32 chunks, const SampleRow* rows, const SampleAdjust* adjusts, float* scratch, \
-        SampleOut* out) { \
+        const double* top_masses, u32 chunks, const SampleRow* rows, const SampleAdjust* adjusts, const u32* masks, \
+        u32 words, float* scratch, SampleOut* out) { \
         pdl_enter(); \
-        sample_rows_impl<T>(logits, vocab, stats, weights, top_counts, top_masses, chunks, rows, adjusts, scratch, \
-                            out); \
+        sample_rows_impl<T>(logits, vocab, stats, weights, top_counts, top_masses, chunks, rows, adjusts, masks, \
+                            words, scratch, out); \
     }
 FOR_EACH_DTYPE(SAMPLE_ROWS)
 
