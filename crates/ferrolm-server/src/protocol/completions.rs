@@ -99,6 +99,16 @@ pub enum UsageField {
 }
 
 impl UsageField {
+    /// A content chunk's `usage`: `null` when the client asked for usage (it comes in a chunk
+    /// of its own at the end), else left out.
+    pub fn of_content_chunk(include_usage: bool) -> UsageField {
+        if include_usage {
+            UsageField::Null
+        } else {
+            UsageField::Absent
+        }
+    }
+
     pub fn is_absent(&self) -> bool {
         matches!(self, UsageField::Absent)
     }

@@ -199,11 +199,7 @@ struct CompletionStream {
 
 impl CompletionStream {
     fn usage_field(&self) -> UsageField {
-        if self.include_usage {
-            UsageField::Null
-        } else {
-            UsageField::Absent
-        }
+        UsageField::of_content_chunk(self.include_usage)
     }
 }
 

@@ -29,11 +29,7 @@ impl ChatStream {
     }
 
     fn usage_field(&self) -> UsageField {
-        if self.include_usage {
-            UsageField::Null
-        } else {
-            UsageField::Absent
-        }
+        UsageField::of_content_chunk(self.include_usage)
     }
 }
 
