@@ -57,7 +57,6 @@ pub async fn create(
     sampling.logprobs = req.logprobs;
     sampling.prompt_logprobs = if echo { req.logprobs } else { None };
     let mut sampling = sampling.resolve(&state.defaults, Some(DEFAULT_MAX_TOKENS))?;
-    sampling.grammar = structured::compile(&state, structured).await?;
 
     let limits = &state.config.limits;
     let request_shape = PromptShape {
@@ -78,6 +77,8 @@ pub async fn create(
         })
         .collect::<Result<Vec<_>, _>>()?;
     limits.check_prompt_tokens(request_shape, &at_least, false)?;
+    // NOTE: after the checks that cost nothing: compiling a constraint can take milliseconds.
+    sampling.grammar = structured::compile(&state, structured).await?;
     let skip_special_tokens = sampling.params.skip_special_tokens;
     let (prompts, prompt_texts) = state
         .work

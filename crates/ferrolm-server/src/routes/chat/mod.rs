@@ -74,10 +74,11 @@ pub async fn create(
     sampling.logprobs = logprobs.then(|| req.top_logprobs.unwrap_or(0));
     // No route default: an unset length runs to the end of the context, as vLLM does.
     let mut sampling = sampling.resolve(&state.defaults, None)?;
-    sampling.grammar = structured::compile(&state, structured).await?;
     let limits = &state.config.limits;
     let request_shape = PromptShape { num_prompts: 1, n: sampling.params.n as usize, echo_logprobs: false };
     limits.check_sequences(request_shape)?;
+    // NOTE: after the checks that cost nothing: compiling a constraint can take milliseconds.
+    sampling.grammar = structured::compile(&state, structured).await?;
     let conversation = Conversation {
         messages: std::mem::take(&mut req.messages),
         add_generation_prompt: req.add_generation_prompt,
