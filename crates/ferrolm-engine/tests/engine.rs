@@ -1,11 +1,14 @@
 //! The engine end to end on fixture models: continuous batching, chunked prefill, preemption,
 //! prefix caching, aborts and sampling give the reference tokens and leak nothing.
 
+mod common;
+
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::collect;
 use ferrolm_engine::{
     EngineConfig, EngineError, EngineHandle, FinishReason, GenerateRequest, Load, RequestOutput, SchedulerConfig,
 };
@@ -85,19 +88,6 @@ fn cases(name: &str) -> Vec<(Vec<u32>, Vec<u32>)> {
 
 fn greedy(max_tokens: u32) -> SamplingParams {
     SamplingParams { temperature: 0.0, max_tokens: Some(max_tokens), ignore_eos: true, ..SamplingParams::default() }
-}
-
-/// All outputs of one request, per sequence index.
-fn collect(mut stream: ferrolm_engine::RequestStream) -> Vec<Vec<RequestOutput>> {
-    let mut by_index: Vec<Vec<RequestOutput>> = Vec::new();
-    while let Some(out) = stream.blocking_recv() {
-        let i = out.index as usize;
-        if by_index.len() <= i {
-            by_index.resize_with(i + 1, Vec::new);
-        }
-        by_index[i].push(out);
-    }
-    by_index
 }
 
 fn tokens(outputs: &[RequestOutput]) -> Vec<u32> {

@@ -7,9 +7,12 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+mod common;
+
 #[path = "../../ferrolm-model/tests/common/padded_vocab.rs"]
 mod padded_vocab;
 
+use common::collect;
 use ferrolm_engine::{EngineConfig, EngineError, EngineHandle, GenerateRequest, RequestOutput, SchedulerConfig};
 use ferrolm_model::Model;
 use ferrolm_sampling::SamplingParams;
@@ -46,16 +49,8 @@ fn prompts(name: &str) -> Result<Vec<Vec<u32>>, Box<dyn std::error::Error>> {
 
 /// Every output of one request, per sequence index, in order.
 fn run(engine: &EngineHandle, prompt: &[u32], params: SamplingParams) -> Result<Vec<Vec<RequestOutput>>, EngineError> {
-    let mut stream = engine.submit(GenerateRequest { prompt_token_ids: prompt.to_vec(), params, grammar: None })?;
-    let mut by_index: Vec<Vec<RequestOutput>> = Vec::new();
-    while let Some(out) = stream.blocking_recv() {
-        let i = out.index as usize;
-        if by_index.len() <= i {
-            by_index.resize_with(i + 1, Vec::new);
-        }
-        by_index[i].push(out);
-    }
-    Ok(by_index)
+    let stream = engine.submit(GenerateRequest { prompt_token_ids: prompt.to_vec(), params, grammar: None })?;
+    Ok(collect(stream))
 }
 
 fn with_logprobs(temperature: f32, n: u32) -> SamplingParams {
