@@ -81,7 +81,12 @@ pub struct ModelConfig {
     pub norm_unit_offset: bool,
     /// Embeddings are multiplied by `sqrt(hidden_size)` (Gemma).
     pub embedding_multiplier: f32,
+    /// The window of the model's sliding-window layers, if it has any.
     pub sliding_window: Option<usize>,
+    /// `[num_hidden_layers]`: which layers attend through `sliding_window` (all of them, for
+    /// Mistral-style models; alternating or patterned for the families that mix windowed and
+    /// global layers). All false when `sliding_window` is `None`.
+    pub sliding_layers: Vec<bool>,
     pub rope_theta: f32,
     /// Fraction of each head that rotates (Phi-3's `partial_rotary_factor`).
     pub partial_rotary_factor: f32,
@@ -258,6 +263,7 @@ impl ModelConfig {
             norm_unit_offset: is_gemma,
             embedding_multiplier: if is_gemma { (hidden_size as f32).sqrt() } else { 1.0 },
             sliding_window,
+            sliding_layers: vec![sliding_window.is_some(); raw.num_hidden_layers],
             rope_theta,
             partial_rotary_factor,
             rope_scaling,
@@ -293,13 +299,17 @@ impl ModelConfig {
         Heads { num_heads: self.num_attention_heads, num_kv_heads: self.num_key_value_heads, head_dim: self.head_dim }
     }
 
-    /// What attention layer `layer` computes over the shared batch metadata. Every supported
-    /// family uses one window (or none) and `1 / sqrt(head_dim)` on all its layers; families
-    /// that mix windowed and global layers state it here.
-    pub fn layer_attention(&self, _layer: usize) -> LayerAttention {
+    /// The attention window of layer `layer`: `sliding_window` on the layers that slide.
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        self.sliding_window.filter(|_| self.sliding_layers.get(layer).copied().unwrap_or(false))
+    }
+
+    /// What attention layer `layer` computes over the shared batch metadata: its window
+    /// ([`Self::layer_window`]) and softmax scale.
+    pub fn layer_attention(&self, layer: usize) -> LayerAttention {
         LayerAttention {
             heads: self.heads(),
-            sliding_window: self.sliding_window,
+            sliding_window: self.layer_window(layer),
             scale: 1.0 / (self.head_dim as f32).sqrt(),
         }
     }
