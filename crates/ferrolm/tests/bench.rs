@@ -210,6 +210,72 @@ fn latency_with_dummy_weights() {
     assert_eq!(num(&v["model"], "weight_bytes"), weight_bytes);
 }
 
+/// `bench-configs/NAME` cut down to 2 layers of hidden 64 (4 heads of 16 over 2 KV heads), 8
+/// experts of 32 with 2 a token, a 512-token vocabulary, its other keys (the family, the
+/// routing flags, RoPE) kept: random weights of it build in milliseconds.
+fn cut_down_moe(dir: &Path, name: &str) -> PathBuf {
+    let real = PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../../bench-configs")).join(name);
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(real).expect("read")).expect("json");
+    let experts_key = if config.get("num_local_experts").is_some() { "num_local_experts" } else { "num_experts" };
+    let small = json!({
+        "vocab_size": 512, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_experts_per_tok": 2,
+        // Mixtral's experts are `intermediate_size` wide, Qwen's `moe_intermediate_size`.
+        "intermediate_size": 32, "moe_intermediate_size": 32, "bos_token_id": 0, "eos_token_id": 1,
+        "max_position_embeddings": 1024,
+    });
+    let object = config.as_object_mut().expect("object");
+    object.extend(small.as_object().expect("object").clone());
+    object.insert(experts_key.into(), json!(8));
+    let path = dir.join(name);
+    std::fs::write(&path, config.to_string()).expect("write config");
+    path
+}
+
+/// The throughput limit of a MoE model counts each token's 2 experts of 8 in its GEMMs, and a
+/// step's expected distinct experts in its weight reads; latency's batch-1 decode reads 2.
+#[test]
+fn moe_work_counts_the_experts_tokens_pick() {
+    for name in ["qwen3-30b-a3b.json", "mixtral-8x7b.json"] {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = cut_down_moe(dir.path(), name);
+        let args = format!(
+            "throughput --model-config {} --dummy-weights --num-prompts 4 --input-len 16 --output-len 8 \
+             --max-num-seqs 2 --max-num-batched-tokens 32 --bandwidth-buffer-mb 32 --bandwidth-repetitions 2",
+            config.display()
+        );
+        let v = bench_json(dir.path(), &args);
+        check_throughput(&v);
+        assert_eq!(v["model"]["moe"]["num_experts"], 8, "{name}");
+        // A layer: attention 64 x (64 + 2 x 32) + 64 x 64 = 12288, router 8 x 64 = 512, and 8
+        // experts of 3 x 64 x 32 = 6144, of which a token multiplies with 2.
+        let (layer, active) = (12288.0 + 512.0 + 8.0 * 6144.0, 12288.0 + 512.0 + 2.0 * 6144.0);
+        assert_eq!(num(&v, "gemm_flops"), 4.0 * (23.0 * 2.0 * 2.0 * active + 8.0 * 2.0 * 512.0 * 64.0), "{name}");
+        // bf16: both layers, the embedding table and the LM head.
+        assert_eq!(num(&v["model"], "weight_bytes"), 2.0 * (2.0 * layer + 2.0 * 512.0 * 64.0), "{name}");
+        // 16 steps at fewest (as for the dense config) for 92 tokens: 5.75 a step, which read
+        // 8 (1 - (3/4)^5.75) experts of each layer, expected.
+        assert_eq!((num(&v, "min_steps"), num(&v, "mean_step_tokens")), (16.0, 5.75), "{name}");
+        let experts = 8.0 * (1.0 - 0.75f64.powf(5.75));
+        assert_close(num(&v, "expected_experts_per_step"), experts, "expected experts");
+        // Each step reads every matrix but the embedding table (one row) and the experts it
+        // does not pick.
+        let per_step = 2.0 * (2.0 * (12288.0 + 512.0 + experts * 6144.0) + 512.0 * 64.0 + 64.0);
+        assert_close(num(&v, "weight_read_bytes"), 16.0 * per_step, "weight read bytes");
+
+        let args = format!(
+            "latency --model-config {} --dummy-weights --input-len 8 --output-len 4 --num-iters 2 \
+             --bandwidth-buffer-mb 32 --bandwidth-repetitions 2",
+            config.display()
+        );
+        let v = bench_json(dir.path(), &args);
+        check_latency(&v);
+        let per_token = 2.0 * (2.0 * active + 512.0 * 64.0 + 64.0);
+        assert_eq!(num(&v, "weight_bytes_per_token"), per_token, "{name}");
+        assert_eq!(num(&v["model"], "active_matrix_elements_per_token") * 2.0, per_token, "{name}");
+    }
+}
+
 fn check_latency(v: &Value) {
     check_header(v, true);
     for metric in ["ttft", "tpot", "itl", "e2el"] {

@@ -118,6 +118,8 @@ fn bytes_per_decode_token(model: &BenchModel, args: &LatencyArgs) -> f64 {
 
 fn print_table(model: &BenchModel, s: &LatencySummaries, decode_rate: f64, bw: &Bandwidth, limit: &DecodeLimit) {
     let mut table = report::Table::new("Latency Benchmark Result");
+    // A MoE model's decode token reads its top-k experts of each sparse layer, no others.
+    let experts = model.config.moe.as_ref().map(|m| format!(", {} experts a layer", m.num_experts_per_tok));
     table
         .text("Model", model_label(model))
         .text("Device", &model.device)
@@ -128,7 +130,7 @@ fn print_table(model: &BenchModel, s: &LatencySummaries, decode_rate: f64, bw: &
         .latency("Inter-token Latency", "ITL", &s.itl)
         .section("Batch-1 Decode Bandwidth Limit")
         .num("Memory read bandwidth (GB/s)", bw.gbps())
-        .num("Bytes read per decode token (MB)", limit.bytes_per_token / 1e6)
+        .num(&format!("Bytes read per decode token (MB{})", experts.unwrap_or_default()), limit.bytes_per_token / 1e6)
         .num("Decode limit (tok/s)", limit.tokens_per_s)
         .num("Decode rate reached (tok/s)", decode_rate)
         .text("Fraction of limit", format!("{:.1}%", limit.fraction * 100.0))

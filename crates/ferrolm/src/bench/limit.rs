@@ -13,12 +13,19 @@
 //! The GEMM rate is measured on the model's own projections at the engine's largest step
 //! (`--max-num-batched-tokens` rows): on a GPU through the backend's GEMMs with the fastest
 //! cuBLASLt algorithm for each shape, on the CPU through the CPU backend's `linear`.
+//!
+//! A mixture-of-experts model's tokens multiply with their `top_k` routed experts only (plus
+//! the router and any shared expert), and a step reads only the experts its tokens pick. How
+//! many that is depends on the routing, which the run does not record: the limit takes the
+//! number expected under uniform routing, `E (1 - (1 - k / E)^B)` distinct experts per sparse
+//! layer for a step of `B` tokens (exactly `k` at `B = 1`, at most `min(E, B k)`), at the run's
+//! mean step (its tokens over its fewest steps). Skewed routing reads fewer experts.
 
 use std::time::Instant;
 
 use anyhow::Result;
 use ferrolm_backend::{DType, WeightView};
-use ferrolm_model::config::ModelConfig;
+use ferrolm_model::config::{ModelConfig, MoeConfig};
 use half::{bf16, f16};
 
 use super::bandwidth::{Bandwidth, Device};
@@ -53,20 +60,53 @@ pub struct RunWork {
     pub attention_flops: f64,
     /// K and V read by decode tokens (one pass over the request's context each).
     pub kv_read_bytes: f64,
-    /// The weights, read once per step, over the fewest steps the caps allow.
+    /// The weights, read once per step, over the fewest steps the caps allow (of a MoE
+    /// model's routed experts, those expected at the mean step: see [`StepWeights`]).
     pub weight_read_bytes: f64,
     /// The fewest steps the caps allow.
     pub min_steps: usize,
+    /// Tokens per step at the fewest steps.
+    pub mean_step_tokens: f64,
+    /// Routed experts read per sparse layer by a step of `mean_step_tokens`, expected under
+    /// uniform routing; 0 for a dense model.
+    pub experts_per_step: f64,
+}
+
+/// What one step reads of a model's weights.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepWeights {
+    /// Bytes every step reads whatever its tokens route to: attention, dense MLPs, routers,
+    /// shared experts, the LM head, an embedding row.
+    pub fixed_bytes: f64,
+    /// Bytes of one routed expert (gate, up, down) of one sparse layer.
+    pub expert_bytes: f64,
+    pub sparse_layers: usize,
+    /// The routed experts; `None` for a dense model.
+    pub moe: Option<MoeConfig>,
+}
+
+impl StepWeights {
+    /// The routed experts a step of `tokens` tokens reads per sparse layer, expected under
+    /// uniform routing (`MoeConfig::expected_distinct_experts`).
+    pub fn experts(&self, tokens: f64) -> f64 {
+        self.moe.as_ref().map_or(0.0, |m| m.expected_distinct_experts(tokens))
+    }
+
+    /// Bytes a step of `tokens` tokens reads.
+    pub fn bytes(&self, tokens: f64) -> f64 {
+        self.fixed_bytes + self.sparse_layers as f64 * self.experts(tokens) * self.expert_bytes
+    }
 }
 
 impl RunWork {
-    /// The work of `served` on a model of shape `config` whose steps read `weight_bytes_per_step`
-    /// and whose cache holds `kv_bytes_per_token` per token of context.
+    /// The work of `served` on a model of shape `config` whose steps read `weights` and whose
+    /// cache holds `kv_bytes_per_token` per token of context. A token's GEMMs are those of the
+    /// matrices it multiplies with: a MoE layer's `top_k` routed experts, not all of them.
     pub fn of(
         config: &ModelConfig,
         served: &[Served],
         caps: StepCaps,
-        weight_bytes_per_step: usize,
+        weights: &StepWeights,
         kv_bytes_per_token: usize,
     ) -> RunWork {
         let layers = config.num_hidden_layers as f64;
@@ -94,12 +134,15 @@ impl RunWork {
             longest = longest.max(steps);
         }
         let min_steps = tokens.div_ceil(budget).max(request_steps.div_ceil(caps.max_num_seqs.max(1))).max(longest);
+        let mean_step_tokens = tokens as f64 / min_steps.max(1) as f64;
         RunWork {
             gemm_flops,
             attention_flops: pairs * attention_flops_per_pair,
             kv_read_bytes: decode_context * kv_bytes_per_token as f64,
-            weight_read_bytes: min_steps as f64 * weight_bytes_per_step as f64,
+            weight_read_bytes: min_steps as f64 * weights.bytes(mean_step_tokens),
             min_steps,
+            mean_step_tokens,
+            experts_per_step: weights.experts(mean_step_tokens),
         }
     }
 }
@@ -111,10 +154,21 @@ fn attended(n: usize, window: usize) -> f64 {
 }
 
 /// One layer's projections as `(out, in)`: qkv, o, gate and up, down (together
-/// `ModelConfig::layer_matrix_elements`).
-fn layer_projections(c: &ModelConfig) -> [(usize, usize); 4] {
+/// `ModelConfig::layer_matrix_elements` of a dense layer). A MoE model's MLP stands in as one
+/// routed expert, each at the full rows (no step gives one expert all of its tokens, so the
+/// rate is one the experts' smaller products approach from below), and its shared expert.
+fn layer_projections(c: &ModelConfig) -> Vec<(usize, usize)> {
     let h = c.hidden_size;
-    [(c.q_size() + 2 * c.kv_size(), h), (h, c.q_size()), (2 * c.intermediate_size, h), (h, c.intermediate_size)]
+    let mlp = |inter: usize| [(2 * inter, h), (h, inter)];
+    let mut all = vec![(c.q_size() + 2 * c.kv_size(), h), (h, c.q_size())];
+    match &c.moe {
+        Some(m) => {
+            all.extend(mlp(m.moe_intermediate_size));
+            all.extend(m.shared_expert_intermediate_size.into_iter().flat_map(mlp));
+        }
+        None => all.extend(mlp(c.intermediate_size)),
+    }
+    all
 }
 
 /// The machine's GEMM rate on a model's projections.
@@ -280,6 +334,11 @@ mod tests {
         .expect("valid config")
     }
 
+    /// A dense model's steps: `bytes` each.
+    fn dense(bytes: f64) -> StepWeights {
+        StepWeights { fixed_bytes: bytes, expert_bytes: 0.0, sparse_layers: 0, moe: None }
+    }
+
     const SERVED: [Served; 3] = [
         Served { prompt_len: 5, output_len: 3 },
         Served { prompt_len: 2, output_len: 1 },
@@ -292,7 +351,7 @@ mod tests {
         let c = config(None);
         assert_eq!(c.layer_matrix_elements(0), 576);
         let caps = StepCaps { max_num_seqs: 1, max_num_batched_tokens: 4 };
-        let work = RunWork::of(&c, &SERVED, caps, 1000, 10);
+        let work = RunWork::of(&c, &SERVED, caps, &dense(1000.0), 10);
         // Fed tokens 7 + 2 at 2 x 576 x 2 layers = 2304 FLOP each; 3 + 1 LM head rows at
         // 2 x 100 x 8 = 1600.
         assert_eq!(work.gemm_flops, 9.0 * 2304.0 + 4.0 * 1600.0);
@@ -305,11 +364,60 @@ mod tests {
         assert_eq!((work.min_steps, work.weight_read_bytes), (5, 5000.0));
     }
 
+    /// The config of `config(None)` with 4 experts of 4 a layer, 2 per token, in both layers.
+    fn moe_config() -> ModelConfig {
+        ModelConfig::from_value(json!({
+            "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 100, "hidden_size": 8,
+            "intermediate_size": 16, "moe_intermediate_size": 4, "num_experts": 4,
+            "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "max_position_embeddings": 64, "rms_norm_eps": 1e-6,
+        }))
+        .expect("valid config")
+    }
+
+    #[test]
+    fn a_moe_token_multiplies_with_its_top_k_experts_and_a_step_reads_the_expected_ones() {
+        let c = moe_config();
+        // Attention 16x8 + 8x8 = 192; router 4x8 = 32; experts of 3 x 8 x 4 = 96.
+        assert_eq!(c.layer_matrix_elements(0), 192 + 32 + 4 * 96);
+        assert_eq!(c.layer_active_matrix_elements(1), 192 + 32 + 2 * 96);
+        let weights = StepWeights { fixed_bytes: 1000.0, expert_bytes: 10.0, sparse_layers: 2, moe: c.moe.clone() };
+        // One token reads exactly its 2 experts a layer; many read all 4.
+        assert_eq!(weights.bytes(1.0), 1000.0 + 2.0 * 2.0 * 10.0);
+        assert!((weights.bytes(100.0) - (1000.0 + 2.0 * 4.0 * 10.0)).abs() < 1e-9);
+        let caps = StepCaps { max_num_seqs: 1, max_num_batched_tokens: 4 };
+        let work = RunWork::of(&c, &SERVED, caps, &weights, 10);
+        // 9 fed tokens at 2 x 416 x 2 layers = 1664 FLOP each; 4 LM head rows at 1600.
+        assert_eq!(work.gemm_flops, 9.0 * 1664.0 + 4.0 * 1600.0);
+        // 9 tokens over the fewest 5 steps: 1.8 a step, expecting 4 (1 - (1/2)^1.8) experts.
+        assert_eq!(work.min_steps, 5);
+        assert_eq!(work.mean_step_tokens, 1.8);
+        let experts = 4.0 * (1.0 - 0.5f64.powf(1.8));
+        assert!((work.experts_per_step - experts).abs() < 1e-12);
+        let want = 5.0 * (1000.0 + 2.0 * experts * 10.0);
+        assert!((work.weight_read_bytes - want).abs() < 1e-9, "{} vs {want}", work.weight_read_bytes);
+    }
+
+    #[test]
+    fn the_probe_times_attention_one_expert_and_the_shared_expert() {
+        let c = moe_config();
+        // qkv, o, then one expert's gate/up and down.
+        assert_eq!(layer_projections(&c), [(16, 8), (8, 8), (8, 8), (8, 4)]);
+        let shared = ModelConfig::from_value(json!({
+            "architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 100, "hidden_size": 8,
+            "intermediate_size": 16, "moe_intermediate_size": 4, "shared_expert_intermediate_size": 6,
+            "num_experts": 4, "num_experts_per_tok": 2, "num_hidden_layers": 1, "num_attention_heads": 2,
+        }))
+        .expect("valid config");
+        assert_eq!(layer_projections(&shared), [(24, 8), (8, 8), (8, 8), (8, 4), (12, 8), (8, 6)]);
+        assert_eq!(layer_projections(&config(None)), [(16, 8), (8, 8), (32, 8), (8, 16)]);
+    }
+
     #[test]
     fn fewest_steps_follow_the_tightest_cap() {
         let c = config(None);
         let steps = |max_num_seqs, max_num_batched_tokens| {
-            RunWork::of(&c, &SERVED, StepCaps { max_num_seqs, max_num_batched_tokens }, 1, 1).min_steps
+            RunWork::of(&c, &SERVED, StepCaps { max_num_seqs, max_num_batched_tokens }, &dense(1.0), 1).min_steps
         };
         // 9 fed tokens at 1 a step.
         assert_eq!(steps(8, 1), 9);
@@ -325,7 +433,7 @@ mod tests {
         // Tokens 1..=7 over a window of 3: 1 + 2 + 3 + 3 + 3 + 3 + 3.
         assert_eq!(attended(7, 3), 18.0);
         let caps = StepCaps { max_num_seqs: 8, max_num_batched_tokens: 64 };
-        let work = RunWork::of(&config(Some(3)), &SERVED, caps, 1, 1);
+        let work = RunWork::of(&config(Some(3)), &SERVED, caps, &dense(1.0), 1);
         // 18 + 3 pairs; decodes: 18 - attended(5) = 18 - 12 = 6 tokens of K/V read.
         assert_eq!(work.attention_flops, 21.0 * 64.0);
         assert_eq!(work.kv_read_bytes, 6.0);
@@ -339,6 +447,8 @@ mod tests {
             kv_read_bytes: 200.0,
             weight_read_bytes: 50.0,
             min_steps: 5,
+            mean_step_tokens: 2.0,
+            experts_per_step: 0.0,
         };
         let rate = GemmRate { flops_per_s: 100.0, rows: 4 };
         let bandwidth = Bandwidth { bytes_per_s: 10.0, buffer_bytes: 1, repetitions: 1, threads: 1 };

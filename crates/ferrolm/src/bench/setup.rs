@@ -15,6 +15,7 @@ use ferrolm_tokenizer::Tokenizer;
 use serde::Serialize;
 use serde_json::{json, Value};
 
+use super::limit::StepWeights;
 use super::workload::PromptSampler;
 use crate::loader::{self, EngineArgs};
 
@@ -54,18 +55,36 @@ pub struct BenchModel {
 }
 
 impl BenchModel {
-    /// Weight bytes one decode step reads: every matrix, except that an untied embedding table
-    /// is only gathered from (one row), while the LM head (or the tied table) is read but for
-    /// the rows padding the vocabulary past the tokenizer (no logits are computed for them).
-    pub fn weight_bytes_per_token(&self) -> usize {
+    /// What a step reads of the weights: every matrix, except that an untied embedding table
+    /// is only gathered from (one row), the LM head (or the tied table) is read but for the
+    /// rows padding the vocabulary past the tokenizer (no logits are computed for them), and of
+    /// a MoE model's routed experts only those the step's tokens pick.
+    pub fn step_weights(&self) -> StepWeights {
         let c = &self.config;
-        let row = c.hidden_size * self.dtype.size_in_bytes();
+        let size = self.dtype.size_in_bytes();
+        let row = c.hidden_size * size;
         let unread_head = (c.vocab_size - c.output_vocab_size) * row;
-        if c.tie_word_embeddings {
+        let read = if c.tie_word_embeddings {
             self.weight_bytes - unread_head
         } else {
             self.weight_bytes - c.vocab_size * row + row - unread_head
+        };
+        let (sparse_layers, expert_bytes, experts) = match &c.moe {
+            Some(m) => (c.num_sparse_layers(), m.expert_matrix_elements(c.hidden_size) * size, m.num_experts),
+            None => (0, 0, 0),
+        };
+        StepWeights {
+            fixed_bytes: (read - sparse_layers * experts * expert_bytes) as f64,
+            expert_bytes: expert_bytes as f64,
+            sparse_layers,
+            moe: c.moe.clone(),
         }
+    }
+
+    /// Weight bytes a decode step of one token reads (see [`Self::step_weights`]): a MoE
+    /// model's `top_k` experts in each sparse layer.
+    pub fn weight_bytes_per_token(&self) -> usize {
+        self.step_weights().bytes(1.0) as usize
     }
 
     /// Bytes of K and V that one decode step reads per token of context (the CPU cache is f32).
@@ -76,6 +95,16 @@ impl BenchModel {
     /// The model's shape, for the JSON report.
     pub fn describe(&self) -> Value {
         let c = &self.config;
+        let moe = c.moe.as_ref().map(|m| {
+            json!({
+                "num_experts": m.num_experts,
+                "num_experts_per_tok": m.num_experts_per_tok,
+                "moe_intermediate_size": m.moe_intermediate_size,
+                "shared_expert_intermediate_size": m.shared_expert_intermediate_size,
+                "num_sparse_layers": c.num_sparse_layers(),
+                "norm_topk_prob": m.norm_topk_prob,
+            })
+        });
         json!({
             "source": self.source,
             "architecture": c.architecture.hf_name(),
@@ -88,6 +117,8 @@ impl BenchModel {
             "vocab_size": c.vocab_size,
             "tie_word_embeddings": c.tie_word_embeddings,
             "num_parameters": c.num_parameters(),
+            "active_matrix_elements_per_token": c.active_matrix_elements(),
+            "moe": moe,
             "weight_bytes": self.weight_bytes,
             "dtype": dtype_name(self.dtype),
         })

@@ -113,8 +113,7 @@ fn measure_limit(
     let caps = StepCaps { max_num_seqs: engine.max_num_seqs, max_num_batched_tokens: engine.max_num_batched_tokens };
     let served: Vec<Served> =
         timings.iter().map(|t| Served { prompt_len: t.prompt_len, output_len: t.output_len }).collect();
-    let work =
-        RunWork::of(&model.config, &served, caps, model.weight_bytes_per_token(), model.kv_bytes_per_context_token());
+    let work = RunWork::of(&model.config, &served, caps, &model.step_weights(), model.kv_bytes_per_context_token());
     let bandwidth = args.bandwidth.measure(device)?;
     // The GPU multiplies in the engine's dtype; the CPU in f32 from the stored weights.
     let weights = if device == Device::Cpu { model.dtype } else { model.activation_dtype };
@@ -142,7 +141,14 @@ impl MeasuredLimit {
             .num("Memory read bandwidth (GB/s)", self.bandwidth.gbps())
             .num("GEMM and attention arithmetic (TFLOP)", (w.gemm_flops + w.attention_flops) / 1e12)
             .num("K/V read by decode tokens (GB)", w.kv_read_bytes / 1e9)
-            .num(&format!("Weights read in {} steps at fewest (GB)", w.min_steps), w.weight_read_bytes / 1e9)
+            .num(&format!("Weights read in {} steps at fewest (GB)", w.min_steps), w.weight_read_bytes / 1e9);
+        if w.experts_per_step > 0.0 {
+            // The experts a mean step reads of each sparse layer, expected under uniform routing.
+            table
+                .num("Tokens a step, at the fewest steps", w.mean_step_tokens)
+                .num("Experts read a layer a step (if uniform)", w.experts_per_step);
+        }
+        table
             .num("Limit, GEMMs then attention (tok/s)", l.in_sequence)
             .text("Fraction of that limit", format!("{:.1}%", l.fraction_in_sequence * 100.0))
             .num("Limit, all overlapped (tok/s)", l.overlapped)
@@ -159,6 +165,10 @@ impl MeasuredLimit {
         r.insert("kv_read_bytes".into(), w.kv_read_bytes.into());
         r.insert("weight_read_bytes".into(), w.weight_read_bytes.into());
         r.insert("min_steps".into(), w.min_steps.into());
+        r.insert("mean_step_tokens".into(), w.mean_step_tokens.into());
+        // Expected distinct routed experts a step reads per sparse layer under uniform routing,
+        // E (1 - (1 - k/E)^B) at the mean step's B tokens; 0 for a dense model.
+        r.insert("expected_experts_per_step".into(), w.experts_per_step.into());
         r.insert("limit_in_sequence_output_throughput".into(), l.in_sequence.into());
         r.insert("fraction_of_limit_in_sequence".into(), l.fraction_in_sequence.into());
         r.insert("limit_overlapped_output_throughput".into(), l.overlapped.into());
