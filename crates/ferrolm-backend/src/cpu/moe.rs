@@ -101,9 +101,7 @@ pub fn moe(x: &[f32], router_logits: &[f32], w: &MoeWeights<'_>, scratch: &mut C
 
     // Route.
     let (probs, choices) = (&mut s.probs[..tokens * num_experts], &mut s.choices[..rows]);
-    let route_row = |((logits, probs), choices): ((&[f32], &mut [f32]), &mut [(u32, f32)])| {
-        route(logits, w.norm_topk_prob, probs, choices)
-    };
+    let route_row = |((logits, probs), choices): TokenRoute<'_>| route(logits, w.norm_topk_prob, probs, choices);
     if router_logits.len() < PARALLEL_MIN_ELEMS {
         router_logits
             .chunks(num_experts)
@@ -177,6 +175,10 @@ pub fn moe(x: &[f32], router_logits: &[f32], w: &MoeWeights<'_>, scratch: &mut C
         out.par_chunks_mut(hidden).enumerate().for_each(combine);
     }
 }
+
+/// One token's router logits and probabilities (`[num_experts]` each) and its choices
+/// (`[top_k]`), as the routing loop hands them out.
+type TokenRoute<'a> = ((&'a [f32], &'a mut [f32]), &'a mut [(u32, f32)]);
 
 /// One token's top-k choices from its router logits: `choices[j] = (expert, weight)` by
 /// descending probability, ties to the lower expert id. `probs`: `[num_experts]` scratch.
