@@ -5,7 +5,8 @@
 //! are caller bugs and panic with the op's name.
 //!
 //! Layout: `linear` (with its kernels in `gemv` and the dtype widening in `weights`) carries
-//! nearly all of a forward pass's time; the other ops are one module each.
+//! nearly all of a forward pass's time; the other ops are one module each (`moe`: a
+//! mixture-of-experts MLP through `linear`, expert by expert).
 
 mod activation;
 mod attention;
@@ -14,6 +15,7 @@ mod embedding;
 mod gemv;
 mod kv_cache;
 mod linear;
+mod moe;
 mod norm;
 mod rope;
 #[cfg(test)]
@@ -26,6 +28,7 @@ pub use device::{Cpu, CpuBatch, CpuKvLayer, CpuRope, CpuTensor};
 pub use embedding::embedding;
 pub use kv_cache::reshape_and_cache;
 pub use linear::{linear, linear_gemm, linear_gemv, GEMV_MAX_M};
+pub use moe::{add_sigmoid_gated, moe, CpuMoeScratch, MoeWeights};
 pub use norm::{add_rms_norm, rms_norm, rms_norm_inplace};
 pub use rope::rope;
 

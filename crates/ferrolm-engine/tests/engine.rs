@@ -128,10 +128,51 @@ fn check_concurrent_greedy(name: &str, setup: Setup) -> EngineHandle {
     engine
 }
 
+/// The fixtures whose MLPs route through experts.
+const MOE_FIXTURES: [&str; 3] = ["qwen2_moe", "qwen3_moe", "mixtral_moe"];
+
 #[test]
 fn concurrent_requests_match_reference_on_every_fixture() {
-    for name in ["llama", "llama3_gqa", "mistral_swa", "qwen2_tied", "qwen3_qknorm", "phi3_fused", "gemma_geglu"] {
+    let dense = ["llama", "llama3_gqa", "mistral_swa", "qwen2_tied", "qwen3_qknorm", "phi3_fused", "gemma_geglu"];
+    for name in dense.into_iter().chain(MOE_FIXTURES) {
         check_concurrent_greedy(name, Setup::default());
+    }
+}
+
+/// Every reference case of `name`, `copies` times over, submitted at once (or one request at a
+/// time); returns each request's tokens, in case order per copy, and the run's preemptions.
+fn run_cases(name: &str, setup: Setup, copies: usize, together: bool) -> (Vec<Vec<u32>>, u64) {
+    let prompts: Vec<(Vec<u32>, u32)> =
+        (0..copies).flat_map(|_| cases(name)).map(|(prompt, want)| (prompt, want.len() as u32)).collect();
+    run_batch(name, setup, &prompts, together)
+}
+
+/// A MoE model's routing depends on nothing but each token's own hidden state: every case
+/// alone, 64 requests at once, prefill in chunks of 7 tokens beside other requests' decodes,
+/// and a pool so small that requests are preempted and recomputed all give the reference.
+#[test]
+fn moe_fixtures_match_reference_alone_batched_chunked_and_preempted() {
+    for name in MOE_FIXTURES {
+        let want: Vec<Vec<u32>> = cases(name).into_iter().map(|(_, greedy)| greedy).collect();
+        let (alone, _) = run_cases(name, Setup::default(), 1, false);
+        assert_eq!(alone, want, "{name}: one request at a time");
+
+        let copies = want.len() * 16;
+        let want_64: Vec<Vec<u32>> = want.iter().cycle().take(copies).cloned().collect();
+        assert_eq!(copies, 64);
+        let (together, _) = run_cases(name, Setup::default(), 16, true);
+        assert_eq!(together, want_64, "{name}: 64 at once");
+
+        let chunked = Setup { max_num_batched_tokens: 7, block_size: 4, ..Setup::default() };
+        let (chunked, _) = run_cases(name, chunked, 1, true);
+        assert_eq!(chunked, want, "{name}: chunked prefill, 7 tokens a step");
+
+        // 28 blocks of 4 tokens: the longest case (77 + 12 tokens, 23 blocks) fits alone, the
+        // 64 requests do not.
+        let tiny = Setup { num_blocks: 28, block_size: 4, ..Setup::default() };
+        let (tiny, preemptions) = run_cases(name, tiny, 16, true);
+        assert!(preemptions > 0, "{name}: the tiny pool should force preemption");
+        assert_eq!(tiny, want_64, "{name}: tiny pool with preemption");
     }
 }
 

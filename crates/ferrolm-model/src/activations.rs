@@ -4,9 +4,13 @@
 //! Reuse saves a dozen allocations per step and keeps the buffers where they are, which
 //! captured CUDA graphs rely on: [`Activations::ensure`] says when they moved. The one list of
 //! buffers ([`Specs`]) both allocates them and prices them ([`Activations::bytes`]), so that the
-//! memory a GPU keeps back for them is what they take.
+//! memory a GPU keeps back for them is what they take; a MoE model's device scratch
+//! ([`Device::moe_scratch`]) is priced with them.
+//!
+//! A buffer a model has no use for has zero columns: the dense MLP's of a model whose every
+//! layer is sparse, the router's and the shared expert's of a dense model.
 
-use ferrolm_backend::{Device, Precision, Shaped};
+use ferrolm_backend::{Device, MoeShape, Precision, Shaped};
 
 use crate::config::ModelConfig;
 
@@ -36,10 +40,22 @@ pub struct Activations<D: Device> {
     pub attn: D::Tensor,
     /// `[tokens, hidden]`
     pub o: D::Tensor,
-    /// `[tokens, 2 * intermediate]`
+    /// `[tokens, 2 * intermediate]`: the dense MLPs'.
     pub gate_up: D::Tensor,
     /// `[tokens, intermediate]`
     pub act: D::Tensor,
+    /// f32 `[tokens, num_experts]`
+    pub router_logits: D::Tensor,
+    /// `[tokens, 2 * shared_expert_intermediate]`
+    pub shared_gate_up: D::Tensor,
+    /// `[tokens, shared_expert_intermediate]`
+    pub shared_act: D::Tensor,
+    /// `[tokens, hidden]`: the shared expert's output, before its gate.
+    pub shared_out: D::Tensor,
+    /// f32 `[tokens, 1]`: the shared expert's gate logit.
+    pub shared_gate: D::Tensor,
+    /// The routed experts' scratch, for `tokens` tokens; `None` in a dense model.
+    pub moe_scratch: Option<D::MoeScratch>,
     /// f32 `[rows, hidden]` and `[rows, hidden]`: the logits rows gathered before the final norm.
     pub last_residual: D::Tensor,
     pub last_out: D::Tensor,
@@ -73,6 +89,11 @@ struct Specs {
     o: Spec,
     gate_up: Spec,
     act: Spec,
+    router_logits: Spec,
+    shared_gate_up: Spec,
+    shared_act: Spec,
+    shared_out: Spec,
+    shared_gate: Spec,
     last_residual: Spec,
     last_out: Spec,
     final_normed: Spec,
@@ -83,9 +104,14 @@ impl Specs {
     fn of(cfg: &ModelConfig, splits_kv: bool) -> Specs {
         use Per::{Row, Token};
         use Precision::{Compute, F32};
-        let (h, q, inter) = (cfg.hidden_size, cfg.q_size(), cfg.intermediate_size);
+        let (h, q) = (cfg.hidden_size, cfg.q_size());
         let kv = cfg.kv_size();
         let split = if splits_kv { kv } else { 0 };
+        let any_dense = (0..cfg.num_hidden_layers).any(|i| !cfg.layer_is_sparse(i));
+        let inter = if any_dense { cfg.intermediate_size } else { 0 };
+        let experts = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
+        let shared = cfg.moe.as_ref().and_then(|m| m.shared_expert_intermediate_size).unwrap_or(0);
+        let shared_out = if shared > 0 { h } else { 0 };
         Specs {
             residual: Spec(F32, h, Token),
             normed: Spec(Compute, h, Token),
@@ -98,6 +124,11 @@ impl Specs {
             o: Spec(Compute, h, Token),
             gate_up: Spec(Compute, 2 * inter, Token),
             act: Spec(Compute, inter, Token),
+            router_logits: Spec(F32, experts, Token),
+            shared_gate_up: Spec(Compute, 2 * shared, Token),
+            shared_act: Spec(Compute, shared, Token),
+            shared_out: Spec(Compute, shared_out, Token),
+            shared_gate: Spec(F32, usize::from(shared > 0), Token),
             last_residual: Spec(F32, h, Row),
             last_out: Spec(Compute, h, Row),
             final_normed: Spec(Compute, h, Row),
@@ -105,7 +136,7 @@ impl Specs {
         }
     }
 
-    fn all(&self) -> [Spec; 15] {
+    fn all(&self) -> [Spec; 20] {
         [
             self.residual,
             self.normed,
@@ -118,12 +149,22 @@ impl Specs {
             self.o,
             self.gate_up,
             self.act,
+            self.router_logits,
+            self.shared_gate_up,
+            self.shared_act,
+            self.shared_out,
+            self.shared_gate,
             self.last_residual,
             self.last_out,
             self.final_normed,
             self.logits,
         ]
     }
+}
+
+/// The routed experts' shape, in a MoE model.
+fn moe_shape(cfg: &ModelConfig) -> Option<MoeShape> {
+    cfg.moe.as_ref().map(|m| m.shape(cfg.hidden_size))
 }
 
 /// The capacity the buffers get for a step of `tokens` tokens and `rows` logits rows.
@@ -158,6 +199,12 @@ impl<D: Device> Activations<D> {
             o: make(s.o)?,
             gate_up: make(s.gate_up)?,
             act: make(s.act)?,
+            router_logits: make(s.router_logits)?,
+            shared_gate_up: make(s.shared_gate_up)?,
+            shared_act: make(s.shared_act)?,
+            shared_out: make(s.shared_out)?,
+            shared_gate: make(s.shared_gate)?,
+            moe_scratch: moe_shape(cfg).map(|shape| dev.moe_scratch(tokens, shape)).transpose()?,
             last_residual: make(s.last_residual)?,
             last_out: make(s.last_out)?,
             final_normed: make(s.final_normed)?,
@@ -175,7 +222,8 @@ impl<D: Device> Activations<D> {
             };
             dev.tensor_bytes(precision, n, cols)
         };
-        Specs::of(cfg, dev.splits_kv(cfg.qk_norm)).all().into_iter().map(size).sum()
+        let buffers: usize = Specs::of(cfg, dev.splits_kv(cfg.qk_norm)).all().into_iter().map(size).sum();
+        buffers + moe_shape(cfg).map_or(0, |shape| dev.moe_scratch_bytes(tokens, shape))
     }
 
     /// Makes room for a step of `tokens` tokens and `rows` logits rows. Returns whether the
@@ -214,6 +262,11 @@ impl<D: Device> Activations<D> {
             &mut self.o,
             &mut self.gate_up,
             &mut self.act,
+            &mut self.router_logits,
+            &mut self.shared_gate_up,
+            &mut self.shared_act,
+            &mut self.shared_out,
+            &mut self.shared_gate,
         ] {
             t.set_rows(tokens);
         }

@@ -15,6 +15,10 @@ use serde_json::Value;
 use crate::rope::RopeScaling;
 use crate::ModelError;
 
+mod moe;
+
+pub use moe::MoeConfig;
+
 /// The decoder families ferrolm runs, by their HF `architectures` name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Architecture {
@@ -24,16 +28,22 @@ pub enum Architecture {
     Qwen3,
     Phi3,
     Gemma,
+    Qwen2Moe,
+    Qwen3Moe,
+    Mixtral,
 }
 
 impl Architecture {
-    pub const SUPPORTED: [(&'static str, Architecture); 6] = [
+    pub const SUPPORTED: [(&'static str, Architecture); 9] = [
         ("LlamaForCausalLM", Architecture::Llama),
         ("MistralForCausalLM", Architecture::Mistral),
         ("Qwen2ForCausalLM", Architecture::Qwen2),
         ("Qwen3ForCausalLM", Architecture::Qwen3),
         ("Phi3ForCausalLM", Architecture::Phi3),
         ("GemmaForCausalLM", Architecture::Gemma),
+        ("Qwen2MoeForCausalLM", Architecture::Qwen2Moe),
+        ("Qwen3MoeForCausalLM", Architecture::Qwen3Moe),
+        ("MixtralForCausalLM", Architecture::Mixtral),
     ];
 
     pub fn from_hf_name(name: &str) -> Option<Architecture> {
@@ -60,6 +70,7 @@ pub struct ModelConfig {
     /// sampled nor reported as logprobs. Logits rows are `[rows, output_vocab_size]`.
     pub output_vocab_size: usize,
     pub hidden_size: usize,
+    /// The dense MLPs' intermediate size (Mixtral: its experts').
     pub intermediate_size: usize,
     pub num_hidden_layers: usize,
     pub num_attention_heads: usize,
@@ -69,13 +80,13 @@ pub struct ModelConfig {
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     pub activation: GatedActivation,
-    /// Biases on q/k/v projections (Qwen2, or Llama's `attention_bias`).
+    /// Biases on q/k/v projections (Qwen2, Qwen2-MoE's `qkv_bias`, or Llama's `attention_bias`).
     pub qkv_bias: bool,
     /// Bias on the output projection (Llama's `attention_bias`).
     pub o_bias: bool,
     /// Biases on gate/up/down (Llama's `mlp_bias`).
     pub mlp_bias: bool,
-    /// RMSNorm of each q and k head before RoPE (Qwen3).
+    /// RMSNorm of each q and k head before RoPE (Qwen3, Qwen3-MoE).
     pub qk_norm: bool,
     /// Norm weights are stored as `w - 1` and applied as `(1 + w)` (Gemma).
     pub norm_unit_offset: bool,
@@ -93,6 +104,8 @@ pub struct ModelConfig {
     pub rope_scaling: RopeScaling,
     /// Weights stored with `qkv_proj` and `gate_up_proj` fused (Phi-3).
     pub fused_projections: bool,
+    /// Routed experts in the MLPs of the sparse layers ([`ModelConfig::layer_is_sparse`]).
+    pub moe: Option<MoeConfig>,
     pub dtype: DType,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
@@ -117,6 +130,7 @@ struct RawConfig {
     hidden_act: Option<String>,
     hidden_activation: Option<String>,
     attention_bias: Option<bool>,
+    qkv_bias: Option<bool>,
     mlp_bias: Option<bool>,
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,
@@ -168,7 +182,7 @@ impl ModelConfig {
     }
 
     pub fn from_value(value: Value) -> Result<ModelConfig, ModelError> {
-        let raw: RawConfig = serde_json::from_value(value).map_err(|e| ModelError::Config(e.to_string()))?;
+        let raw = RawConfig::deserialize(&value).map_err(|e| ModelError::Config(e.to_string()))?;
         let arch_name = raw
             .architectures
             .as_ref()
@@ -211,8 +225,12 @@ impl ModelConfig {
         };
 
         let sliding_window = match architecture {
-            Architecture::Mistral | Architecture::Phi3 => raw.sliding_window,
-            Architecture::Qwen2 | Architecture::Qwen3 if raw.use_sliding_window == Some(true) => raw.sliding_window,
+            Architecture::Mistral | Architecture::Phi3 | Architecture::Mixtral => raw.sliding_window,
+            Architecture::Qwen2 | Architecture::Qwen3 | Architecture::Qwen2Moe | Architecture::Qwen3Moe
+                if raw.use_sliding_window == Some(true) =>
+            {
+                raw.sliding_window
+            }
             _ => None,
         };
 
@@ -242,6 +260,12 @@ impl ModelConfig {
             parse_dtype(&dtype_name).ok_or_else(|| ModelError::Config(format!("unsupported dtype `{dtype_name}`")))?;
 
         let attention_bias = raw.attention_bias.unwrap_or(false);
+        let moe = MoeConfig::from_value(architecture, &value, raw.intermediate_size)?;
+        let qkv_bias = match architecture {
+            Architecture::Qwen2 => true,
+            Architecture::Qwen2Moe => raw.qkv_bias.unwrap_or(true),
+            _ => attention_bias,
+        };
         Ok(ModelConfig {
             architecture,
             vocab_size: raw.vocab_size,
@@ -256,10 +280,10 @@ impl ModelConfig {
             max_position_embeddings,
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(is_gemma),
             activation,
-            qkv_bias: architecture == Architecture::Qwen2 || attention_bias,
+            qkv_bias,
             o_bias: matches!(architecture, Architecture::Llama) && attention_bias,
             mlp_bias: raw.mlp_bias.unwrap_or(false),
-            qk_norm: architecture == Architecture::Qwen3,
+            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe),
             norm_unit_offset: is_gemma,
             embedding_multiplier: if is_gemma { (hidden_size as f32).sqrt() } else { 1.0 },
             sliding_window,
@@ -268,6 +292,7 @@ impl ModelConfig {
             partial_rotary_factor,
             rope_scaling,
             fused_projections: architecture == Architecture::Phi3,
+            moe,
             dtype,
             bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
             eos_token_ids: token_ids(&raw.eos_token_id),
@@ -319,18 +344,70 @@ impl ModelConfig {
         self.num_hidden_layers * 2 * block_size * self.kv_size() * dtype.size_in_bytes()
     }
 
-    /// Elements of one layer's projection matrices: q, k, v, o, gate, up and down.
-    pub fn layer_matrix_elements(&self) -> usize {
-        let h = self.hidden_size;
-        h * (self.q_size() + 2 * self.kv_size()) + self.q_size() * h + 3 * h * self.intermediate_size
+    /// Whether layer `layer`'s MLP routes through experts (HF's rule, [`MoeConfig::layer_is_sparse`]).
+    pub fn layer_is_sparse(&self, layer: usize) -> bool {
+        self.moe.as_ref().is_some_and(|m| m.layer_is_sparse(layer))
     }
 
-    /// Parameters in the checkpoint (tied embeddings counted once).
+    /// Layers whose MLP routes through experts.
+    pub fn num_sparse_layers(&self) -> usize {
+        (0..self.num_hidden_layers).filter(|&i| self.layer_is_sparse(i)).count()
+    }
+
+    /// Elements of one layer's attention projections: q, k, v and o.
+    pub fn attention_matrix_elements(&self) -> usize {
+        let h = self.hidden_size;
+        h * (self.q_size() + 2 * self.kv_size()) + self.q_size() * h
+    }
+
+    /// Elements of layer `layer`'s matrices: its attention, and its dense MLP (gate, up, down)
+    /// or its router, every routed expert and the shared expert.
+    pub fn layer_matrix_elements(&self, layer: usize) -> usize {
+        let h = self.hidden_size;
+        let mlp = match &self.moe {
+            Some(m) if m.layer_is_sparse(layer) => {
+                m.router_and_shared_elements(h) + m.num_experts * m.expert_matrix_elements(h)
+            }
+            _ => 3 * h * self.intermediate_size,
+        };
+        self.attention_matrix_elements() + mlp
+    }
+
+    /// Elements of layer `layer`'s matrices that one token multiplies with: as
+    /// [`Self::layer_matrix_elements`], with only its `num_experts_per_tok` routed experts.
+    pub fn layer_active_matrix_elements(&self, layer: usize) -> usize {
+        match &self.moe {
+            Some(m) if m.layer_is_sparse(layer) => {
+                let h = self.hidden_size;
+                let unread = m.num_experts - m.num_experts_per_tok;
+                self.layer_matrix_elements(layer) - unread * m.expert_matrix_elements(h)
+            }
+            _ => self.layer_matrix_elements(layer),
+        }
+    }
+
+    /// Elements of every weight matrix: the layers' (all experts) and the embedding table and
+    /// LM head (once when tied).
+    pub fn matrix_elements(&self) -> usize {
+        let embeddings = if self.tie_word_embeddings { 1 } else { 2 } * self.vocab_size * self.hidden_size;
+        (0..self.num_hidden_layers).map(|i| self.layer_matrix_elements(i)).sum::<usize>() + embeddings
+    }
+
+    /// Elements of the matrices a step of one token reads: each layer's active matrices
+    /// ([`Self::layer_active_matrix_elements`]), the LM head's rows of the output vocabulary,
+    /// and the token's one row of an untied embedding table.
+    pub fn active_matrix_elements(&self) -> usize {
+        let h = self.hidden_size;
+        let embedding_row = if self.tie_word_embeddings { 0 } else { h };
+        let layers: usize = (0..self.num_hidden_layers).map(|i| self.layer_active_matrix_elements(i)).sum();
+        layers + self.output_vocab_size * h + embedding_row
+    }
+
+    /// Parameters in the checkpoint (tied embeddings counted once; biases and q/k norms left
+    /// out).
     pub fn num_parameters(&self) -> usize {
-        let (h, v) = (self.hidden_size, self.vocab_size);
-        let per_layer = self.layer_matrix_elements() + 2 * h;
-        let embeddings = if self.tie_word_embeddings { v * h } else { 2 * v * h };
-        self.num_hidden_layers * per_layer + embeddings + h
+        let h = self.hidden_size;
+        self.matrix_elements() + self.num_hidden_layers * 2 * h + h
     }
 }
 
@@ -443,6 +520,63 @@ mod tests {
         v["architectures"] = json!(["MistralForCausalLM"]);
         v["sliding_window"] = json!(24);
         assert_eq!(ModelConfig::from_value(v)?.sliding_window, Some(24));
+        Ok(())
+    }
+
+    #[test]
+    fn moe_families_take_their_dense_relatives_flags() -> Result<(), ModelError> {
+        let moe = |arch: &str, extra: Value| {
+            let mut v = base();
+            v["architectures"] = json!([arch]);
+            v.as_object_mut().expect("object").extend(extra.as_object().expect("object").clone());
+            ModelConfig::from_value(v)
+        };
+        let qwen2 = moe("Qwen2MoeForCausalLM", json!({"num_experts": 4, "mlp_only_layers": [1], "sliding_window": 0}))?;
+        assert!(qwen2.qkv_bias && !qwen2.qk_norm && qwen2.sliding_window.is_none());
+        assert_eq!((qwen2.layer_is_sparse(0), qwen2.layer_is_sparse(1), qwen2.num_sparse_layers()), (true, false, 1));
+        assert!(!moe("Qwen2MoeForCausalLM", json!({"qkv_bias": false}))?.qkv_bias);
+        let qwen3 = moe("Qwen3MoeForCausalLM", json!({"num_local_experts": 12, "num_experts_per_tok": 3}))?;
+        assert!(qwen3.qk_norm && !qwen3.qkv_bias);
+        assert_eq!(qwen3.moe.as_ref().map(|m| (m.num_experts, m.num_experts_per_tok)), Some((12, 3)));
+        let mixtral = moe("MixtralForCausalLM", json!({"num_local_experts": 4, "sliding_window": 32}))?;
+        assert_eq!(mixtral.sliding_window, Some(32));
+        assert_eq!(mixtral.moe.as_ref().map(|m| m.moe_intermediate_size), Some(128));
+        assert!(ModelConfig::from_value(base())?.moe.is_none());
+        let err = moe("MixtralForCausalLM", json!({"num_local_experts": 2, "num_experts_per_tok": 3})).unwrap_err();
+        assert!(err.to_string().contains("num_experts_per_tok"), "{err}");
+        Ok(())
+    }
+
+    /// The published sizes of two MoE models: all their parameters, and what one token reads.
+    #[test]
+    fn moe_models_count_every_expert_and_read_top_k() -> Result<(), ModelError> {
+        let bench = |name: &str| {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../bench-configs").join(name);
+            ModelConfig::from_file(&path)
+        };
+        let qwen = bench("qwen3-30b-a3b.json")?;
+        // Per layer: attention 2048 x (4096 + 2 x 512) + 4096 x 2048 = 18,874,368; router
+        // 128 x 2048; 128 experts of 3 x 2048 x 768 = 4,718,592.
+        assert_eq!(qwen.layer_matrix_elements(0), 18_874_368 + 262_144 + 128 * 4_718_592);
+        assert_eq!(qwen.layer_active_matrix_elements(0), 18_874_368 + 262_144 + 8 * 4_718_592);
+        // 48 layers, untied 151,936 x 2048 embedding and head: 30.5B.
+        assert_eq!(qwen.matrix_elements(), 48 * 623_116_288 + 2 * 311_164_928);
+        assert_eq!(qwen.num_parameters(), 30_531_911_680 + 48 * 2 * 2048 + 2048);
+        // One token: the active layers, the head and one embedding row.
+        assert_eq!(qwen.active_matrix_elements(), 48 * 56_885_248 + 311_164_928 + 2048);
+
+        let mixtral = bench("mixtral-8x7b.json")?;
+        // Attention 4096 x (4096 + 2 x 1024) + 4096 x 4096 = 41,943,040; router 8 x 4096;
+        // experts of 3 x 4096 x 14,336 = 176,160,768.
+        assert_eq!(mixtral.layer_matrix_elements(31), 41_943_040 + 32_768 + 8 * 176_160_768);
+        assert_eq!(mixtral.matrix_elements(), 32 * 1_451_261_952 + 2 * 32_000 * 4096);
+        assert_eq!(mixtral.num_parameters(), 46_702_526_464 + 32 * 2 * 4096 + 4096);
+        assert_eq!(mixtral.active_matrix_elements(), 32 * 394_297_344 + 32_000 * 4096 + 4096);
+
+        // A dense model's token reads every matrix but the embedding table's other rows.
+        let dense = ModelConfig::from_value(base())?;
+        assert_eq!(dense.layer_active_matrix_elements(1), dense.layer_matrix_elements(1));
+        assert_eq!(dense.matrix_elements() - dense.active_matrix_elements(), 319 * 64);
         Ok(())
     }
 }

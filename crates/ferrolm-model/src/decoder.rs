@@ -6,8 +6,9 @@
 //! two GEMMs where HF runs three and two. What differs between families is stated once, here
 //! and in the config: biases (`qkv_bias`, `o_bias`, `mlp_bias`), q/k norms, checkpoints with
 //! fused projections, Gemma's `(1 + w)` norms (folded into the weights at load) and scaled
-//! embedding, the gated activation, tied embeddings, and each layer's attention (window, scale:
-//! [`ModelConfig::layer_attention`]).
+//! embedding, the gated activation, tied embeddings, each layer's attention (window, scale:
+//! [`ModelConfig::layer_attention`]) and each layer's MLP, dense or a mixture of experts
+//! ([`Mlp`], in `mlp`).
 //!
 //! [`Decoder::run`] only issues device work, so a step can be captured as a CUDA graph.
 
@@ -17,6 +18,10 @@ use crate::activations::Activations;
 use crate::config::ModelConfig;
 use crate::weights::WeightSource;
 use crate::ModelError;
+
+mod mlp;
+
+pub use mlp::{Mlp, SharedExpert, SparseMoe};
 
 /// One decoder layer's weights on device `D`.
 pub struct Layer<D: Device> {
@@ -31,10 +36,7 @@ pub struct Layer<D: Device> {
     o_proj: Linear<D>,
     /// f32 `[hidden]`
     post_attention_layernorm: D::Vector,
-    /// `[2 * intermediate, hidden]`: gate rows, then up rows.
-    gate_up_proj: Linear<D>,
-    /// `[hidden, intermediate]`
-    down_proj: Linear<D>,
+    mlp: Mlp<D>,
 }
 
 /// A model's weights on device `D`, and the step that runs them.
@@ -79,21 +81,22 @@ where
         let rope = dev.rope(tables.frequencies())?;
         let matrices = layers
             .iter()
-            .flat_map(|l| [&l.qkv_proj, &l.o_proj, &l.gate_up_proj, &l.down_proj])
-            .chain([&embed_tokens])
-            .chain(lm_head.as_ref());
-        let weight_bytes = matrices.map(|l| dev.matrix_bytes(&l.weight)).sum();
+            .flat_map(|l| [&l.qkv_proj.weight, &l.o_proj.weight].into_iter().chain(l.mlp.matrices()))
+            .chain([&embed_tokens.weight])
+            .chain(lm_head.as_ref().map(|l| &l.weight));
+        let weight_bytes = matrices.map(|m| dev.matrix_bytes(m)).sum();
         Ok(Decoder { config, embed_tokens, layers, norm, lm_head, rope, weight_bytes })
     }
 }
 
 impl<D: Device> Decoder<D> {
-    /// Bytes of weight matrices the model holds on its device.
+    /// Bytes of weight matrices the model holds on its device (every expert of a MoE model).
     pub fn weight_bytes(&self) -> usize {
         self.weight_bytes
     }
 
-    /// The layer the GEMM tuning times for all (every layer has the same shapes).
+    /// The layer the GEMM tuning times for all: every layer's attention has its shapes, and so
+    /// has every dense MLP of a dense model.
     pub fn first_layer(&self) -> Option<&Layer<D>> {
         self.layers.first()
     }
@@ -149,8 +152,7 @@ impl<D: Device> Decoder<D> {
             dev.attention(batch, &layer.attention, &a.q, kv, &mut a.attn)?;
             dev.linear(&a.attn, &layer.o_proj, &mut a.o)?;
             dev.add_rms_norm(&mut a.residual, &a.o, &layer.post_attention_layernorm, eps, &mut a.normed)?;
-            dev.gated_mlp(&a.normed, &layer.gate_up_proj, cfg.activation, &mut a.gate_up, &mut a.act)?;
-            dev.linear(&a.act, &layer.down_proj, &mut a.pending)?;
+            layer.mlp.forward(dev, batch, cfg.activation, a)?;
         }
 
         // Only the rows whose logits are wanted go through the final norm and the LM head.
@@ -175,9 +177,10 @@ impl<D: Device> Decoder<D> {
 }
 
 impl<D: Device> Layer<D> {
-    /// The layer's projections: qkv, o, gate/up, down.
-    pub fn projections(&self) -> [&Linear<D>; 4] {
-        [&self.qkv_proj, &self.o_proj, &self.gate_up_proj, &self.down_proj]
+    /// The layer's projections into the compute dtype: qkv, o, and its MLP's
+    /// ([`Mlp::projections`]).
+    pub fn projections(&self) -> Vec<&Linear<D>> {
+        [&self.qkv_proj, &self.o_proj].into_iter().chain(self.mlp.projections()).collect()
     }
 }
 
@@ -195,16 +198,12 @@ where
     fn layer(&self, i: usize) -> Result<Layer<D>, ModelError> {
         let cfg = self.cfg;
         let p = format!("model.layers.{i}");
-        let (h, q, kv, inter) = (cfg.hidden_size, cfg.q_size(), cfg.kv_size(), cfg.intermediate_size);
-        let (qkv_proj, gate_up_proj) = if cfg.fused_projections {
-            (
-                self.linear(&[(format!("{p}.self_attn.qkv_proj"), q + 2 * kv)], h, cfg.qkv_bias)?,
-                self.linear(&[(format!("{p}.mlp.gate_up_proj"), 2 * inter)], h, cfg.mlp_bias)?,
-            )
+        let (h, q, kv) = (cfg.hidden_size, cfg.q_size(), cfg.kv_size());
+        let qkv_proj = if cfg.fused_projections {
+            self.linear(&[(format!("{p}.self_attn.qkv_proj"), q + 2 * kv)], h, cfg.qkv_bias)?
         } else {
             let qkv = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)].map(|(n, o)| (format!("{p}.self_attn.{n}"), o));
-            let gate_up = [("gate_proj", inter), ("up_proj", inter)].map(|(n, o)| (format!("{p}.mlp.{n}"), o));
-            (self.linear(&qkv, h, cfg.qkv_bias)?, self.linear(&gate_up, h, cfg.mlp_bias)?)
+            self.linear(&qkv, h, cfg.qkv_bias)?
         };
         let qk_norm = if cfg.qk_norm {
             let norm = |n: &str| self.norm(&format!("{p}.self_attn.{n}.weight"), cfg.head_dim);
@@ -219,8 +218,7 @@ where
             attention: cfg.layer_attention(i),
             o_proj: self.linear(&[(format!("{p}.self_attn.o_proj"), h)], q, cfg.o_bias)?,
             post_attention_layernorm: self.norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
-            gate_up_proj,
-            down_proj: self.linear(&[(format!("{p}.mlp.down_proj"), h)], inter, cfg.mlp_bias)?,
+            mlp: self.mlp(i, &p)?,
         })
     }
 

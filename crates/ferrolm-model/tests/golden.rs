@@ -94,7 +94,18 @@ macro_rules! golden {
     )*};
 }
 
-golden!(llama, llama3_gqa, mistral_swa, qwen2_tied, qwen3_qknorm, phi3_fused, gemma_geglu);
+golden!(
+    llama,
+    llama3_gqa,
+    mistral_swa,
+    qwen2_tied,
+    qwen3_qknorm,
+    phi3_fused,
+    gemma_geglu,
+    qwen2_moe,
+    qwen3_moe,
+    mixtral_moe
+);
 
 /// All four prompts of a fixture in one flattened batch give the same logits as each alone.
 #[test]

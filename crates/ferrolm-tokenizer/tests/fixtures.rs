@@ -8,8 +8,18 @@ use std::path::{Path, PathBuf};
 use ferrolm_tokenizer::{ChatMessage, Tokenizer, TokenizerError};
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/fixtures");
-const FIXTURE_NAMES: [&str; 7] =
-    ["llama", "llama3_gqa", "mistral_swa", "qwen2_tied", "qwen3_qknorm", "phi3_fused", "gemma_geglu"];
+const FIXTURE_NAMES: [&str; 10] = [
+    "llama",
+    "llama3_gqa",
+    "mistral_swa",
+    "qwen2_tied",
+    "qwen3_qknorm",
+    "phi3_fused",
+    "gemma_geglu",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral_moe",
+];
 
 type BoxError = Box<dyn std::error::Error>;
 type TestResult = Result<(), BoxError>;
@@ -118,6 +128,23 @@ fn decode_round_trips_reference_texts() -> TestResult {
             assert_eq!(tokenizer.decode(&ids, false)?, text, "{name}");
             assert_eq!(tokenizer.decode(&ids, true)?, text, "{name}");
         }
+    }
+    Ok(())
+}
+
+/// Each fixture's tokenizer spans its model's vocabulary: 320 tokens for the first fixtures,
+/// 384 for the later ones (the MoE models among them), with the same special ids.
+#[test]
+fn every_fixture_tokenizer_spans_its_model_vocabulary() -> TestResult {
+    for name in FIXTURE_NAMES {
+        let tokenizer = Tokenizer::from_dir(&fixture(name))?;
+        let config: serde_json::Value = serde_json::from_str(&fs::read_to_string(fixture(name).join("config.json"))?)?;
+        let vocab = config["vocab_size"].as_u64().ok_or("config.json has no vocab_size")? as usize;
+        assert_eq!(tokenizer.vocab_size(), vocab, "{name}");
+        let expected = if name.ends_with("_moe") { 384 } else { 320 };
+        assert_eq!(vocab, expected, "{name}");
+        assert_eq!((tokenizer.bos_token_id(), tokenizer.eos_token_id()), (Some(0), Some(1)), "{name}");
+        assert_eq!(tokenizer.id_to_token(vocab as u32), None, "{name}");
     }
     Ok(())
 }

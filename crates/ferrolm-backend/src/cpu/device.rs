@@ -5,10 +5,12 @@
 use std::convert::Infallible;
 
 use super::{
-    add_rms_norm, embedding, gelu_tanh_and_mul, linear, paged_attention, reshape_and_cache, rms_norm, rms_norm_inplace,
-    rope, silu_and_mul, AttentionMetadata,
+    add_rms_norm, add_sigmoid_gated, embedding, gelu_tanh_and_mul, linear, moe, paged_attention, reshape_and_cache,
+    rms_norm, rms_norm_inplace, rope, silu_and_mul, AttentionMetadata, CpuMoeScratch, MoeWeights,
 };
-use crate::device::{Device, GatedActivation, LayerAttention, Linear, Precision, RopeFrequencies, Shaped};
+use crate::device::{
+    Device, GatedActivation, LayerAttention, Linear, MoeInput, MoeShape, Precision, RopeFrequencies, Shaped,
+};
 use crate::{DType, HostTensor};
 
 /// The CPU as a [`Device`].
@@ -105,6 +107,7 @@ impl Device for Cpu {
     type Rope = CpuRope;
     type KvLayer = CpuKvLayer;
     type Batch<'a> = CpuBatch<'a>;
+    type MoeScratch = CpuMoeScratch;
 
     fn tensor(&self, _precision: Precision, capacity: usize, cols: usize) -> Result<CpuTensor, Infallible> {
         Ok(CpuTensor::zeros(capacity, cols))
@@ -140,6 +143,14 @@ impl Device for Cpu {
 
     fn compute_dtype(&self) -> DType {
         DType::F32
+    }
+
+    fn moe_scratch(&self, tokens: usize, shape: MoeShape) -> Result<CpuMoeScratch, Infallible> {
+        Ok(CpuMoeScratch::new(tokens, shape))
+    }
+
+    fn moe_scratch_bytes(&self, tokens: usize, shape: MoeShape) -> usize {
+        CpuMoeScratch::bytes(tokens, shape)
     }
 
     fn embedding(
@@ -262,6 +273,31 @@ impl Device for Cpu {
             GatedActivation::Silu => silu_and_mul(gate_up.as_slice(), inter, out.as_mut_slice()),
             GatedActivation::GeluTanh => gelu_tanh_and_mul(gate_up.as_slice(), inter, out.as_mut_slice()),
         }
+        Ok(())
+    }
+
+    fn moe(&self, _b: &CpuBatch<'_>, a: MoeInput<'_, Cpu>) -> Result<(), Infallible> {
+        let e = a.experts;
+        let tokens = a.x.rows;
+        assert_eq!(a.x.cols, e.hidden, "moe: x has {} columns, the experts take {}", a.x.cols, e.hidden);
+        assert_eq!(a.out.cols, e.hidden, "moe: out has {} columns, the experts give {}", a.out.cols, e.hidden);
+        assert_eq!(a.router_logits.cols, e.num_experts, "moe: {} router logits a row", a.router_logits.cols);
+        assert_eq!((a.router_logits.rows, a.out.rows), (tokens, tokens), "moe: rows differ from x's {tokens}");
+        let weights = MoeWeights {
+            gate_up: e.gate_up.view(),
+            down: e.down.view(),
+            shape: e.shape(),
+            norm_topk_prob: e.norm_topk_prob,
+            activation: e.activation,
+        };
+        moe(a.x.as_slice(), a.router_logits.as_slice(), &weights, a.scratch, a.out.as_mut_slice());
+        Ok(())
+    }
+
+    fn add_sigmoid_gated(&self, out: &mut CpuTensor, x: &CpuTensor, gate: &CpuTensor) -> Result<(), Infallible> {
+        assert_eq!((x.rows, x.cols), (out.rows, out.cols), "add_sigmoid_gated: x and out differ in shape");
+        assert_eq!((gate.rows, gate.cols), (out.rows, 1), "add_sigmoid_gated: gate is not [{}, 1]", out.rows);
+        add_sigmoid_gated(out.as_mut_slice(), x.as_slice(), gate.as_slice());
         Ok(())
     }
 

@@ -25,3 +25,22 @@ pub(crate) fn assert_close(got: &[f32], want: &[f32], tol: f32, what: &str) {
         assert!(ok, "{what}: element {i}: got {g}, want {w}");
     }
 }
+
+/// A batch of no tokens, for ops that ignore the batch (the MoE op).
+pub(crate) fn empty_batch() -> super::CpuBatch<'static> {
+    super::CpuBatch {
+        token_ids: &[],
+        positions: &[],
+        slot_mapping: &[],
+        logits_indices: &[],
+        attention: super::AttentionMetadata {
+            query_start_loc: &[0],
+            seq_lens: &[],
+            block_tables: &[],
+            max_blocks_per_seq: 0,
+            block_size: 16,
+            sliding_window: None,
+            scale: 1.0,
+        },
+    }
+}

@@ -16,8 +16,8 @@ use super::{
     Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor, GpuView, GpuViewMut, PagedAttention,
 };
 use crate::device::{
-    unfused_attention_input, AttentionInput, Device, GatedActivation, LayerAttention, Linear, Precision,
-    RopeFrequencies, Shaped,
+    unfused_attention_input, AttentionInput, Device, GatedActivation, LayerAttention, Linear, MoeInput, MoeShape,
+    Precision, RopeFrequencies, Shaped,
 };
 use crate::{DType, HostTensor};
 
@@ -143,6 +143,11 @@ impl CudaBatch<'_> {
     }
 }
 
+/// The error of the MoE ops, which have no CUDA kernels yet.
+fn moe_unsupported(op: &'static str) -> GpuError {
+    GpuError::Unsupported { op, reason: "mixture-of-experts models run on the CPU only for now".into() }
+}
+
 fn bias_view(l: &Linear<Cuda>) -> Option<GpuView<'_>> {
     l.bias.as_ref().map(GpuTensor::view)
 }
@@ -155,6 +160,8 @@ impl Device for Cuda {
     type Rope = GpuRopeTable;
     type KvLayer = CudaKvLayer;
     type Batch<'a> = CudaBatch<'a>;
+    /// Mixture-of-experts models do not run on the GPU yet: the MoE ops answer `Unsupported`.
+    type MoeScratch = ();
 
     fn tensor(&self, precision: Precision, capacity: usize, cols: usize) -> Result<CudaTensor, GpuError> {
         // Every buffer is written before it is read: no zeroing needed.
@@ -201,6 +208,14 @@ impl Device for Cuda {
 
     fn compute_dtype(&self) -> DType {
         self.dtype
+    }
+
+    fn moe_scratch(&self, _tokens: usize, _shape: MoeShape) -> Result<(), GpuError> {
+        Err(moe_unsupported("moe_scratch"))
+    }
+
+    fn moe_scratch_bytes(&self, _tokens: usize, _shape: MoeShape) -> usize {
+        0
     }
 
     /// Only models with q/k norms take the unfused attention input (see `attention_input`).
@@ -313,6 +328,14 @@ impl Device for Cuda {
 
     fn gather_logits_rows(&self, b: &CudaBatch<'_>, src: &CudaTensor, dst: &mut CudaTensor) -> Result<(), GpuError> {
         gather_rows(&self.gpu, src.view(), src.cols, &b.logits_indices, dst.view_mut())
+    }
+
+    fn moe(&self, _b: &CudaBatch<'_>, _args: MoeInput<'_, Cuda>) -> Result<(), GpuError> {
+        Err(moe_unsupported("moe"))
+    }
+
+    fn add_sigmoid_gated(&self, _out: &mut CudaTensor, _x: &CudaTensor, _gate: &CudaTensor) -> Result<(), GpuError> {
+        Err(moe_unsupported("add_sigmoid_gated"))
     }
 
     fn attention_input(&self, b: &CudaBatch<'_>, a: AttentionInput<'_, Cuda>) -> Result<(), GpuError> {

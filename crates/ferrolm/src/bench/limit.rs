@@ -70,7 +70,8 @@ impl RunWork {
         kv_bytes_per_token: usize,
     ) -> RunWork {
         let layers = config.num_hidden_layers as f64;
-        let flops_per_token = 2.0 * (config.layer_matrix_elements() as f64) * layers;
+        let active: usize = (0..config.num_hidden_layers).map(|i| config.layer_active_matrix_elements(i)).sum();
+        let flops_per_token = 2.0 * active as f64;
         let head_flops_per_row = 2.0 * (config.output_vocab_size * config.hidden_size) as f64;
         // Per token of context attended to: Q K^T and P V over every query head.
         let attention_flops_per_pair = 4.0 * config.q_size() as f64 * layers;
@@ -141,7 +142,8 @@ pub fn measure_gemm_rate(device: Device, config: &ModelConfig, weights: DType, r
         }
         Device::Cuda => (gpu_projection_seconds(config, weights, rows)?, rows),
     };
-    let flops = 2.0 * rows as f64 * config.layer_matrix_elements() as f64;
+    let elements: usize = layer_projections(config).iter().map(|&(n, k)| n * k).sum();
+    let flops = 2.0 * rows as f64 * elements as f64;
     Ok(GemmRate { flops_per_s: flops / seconds, rows })
 }
 
@@ -288,7 +290,7 @@ mod tests {
     #[test]
     fn work_counts_every_fed_token_sampled_row_and_attended_pair() {
         let c = config(None);
-        assert_eq!(c.layer_matrix_elements(), 576);
+        assert_eq!(c.layer_matrix_elements(0), 576);
         let caps = StepCaps { max_num_seqs: 1, max_num_batched_tokens: 4 };
         let work = RunWork::of(&c, &SERVED, caps, 1000, 10);
         // Fed tokens 7 + 2 at 2 x 576 x 2 layers = 2304 FLOP each; 3 + 1 LM head rows at
