@@ -122,6 +122,57 @@ pub struct AttentionInput<'a, D: Device + ?Sized> {
     pub kv: &'a mut D::KvLayer,
 }
 
+/// The routed experts of a mixture-of-experts MLP on a device, stacked: expert `e`'s gate rows
+/// then up rows are rows `[e * 2 * inter, (e + 1) * 2 * inter)` of `gate_up`, its down rows are
+/// rows `[e * hidden, (e + 1) * hidden)` of `down`. Built with `Device::matrix` from the parts
+/// `[gate_0, up_0, gate_1, up_1, ...]` and `[down_0, down_1, ...]`.
+pub struct Experts<D: Device + ?Sized> {
+    /// `[num_experts * 2 * inter, hidden]`
+    pub gate_up: D::Matrix,
+    /// `[num_experts * hidden, inter]`
+    pub down: D::Matrix,
+    pub num_experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
+    /// Renormalize the top-k probabilities to sum to one (Qwen3-MoE's `norm_topk_prob`; always
+    /// for Mixtral, whose softmax over the top-k logits is the same thing).
+    pub norm_topk_prob: bool,
+    /// Each expert's intermediate size (`moe_intermediate_size`, Mixtral's `intermediate_size`).
+    pub inter: usize,
+    pub hidden: usize,
+    pub activation: GatedActivation,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeShape {
+    pub num_experts: usize,
+    pub top_k: usize,
+    pub inter: usize,
+    pub hidden: usize,
+}
+
+impl<D: Device + ?Sized> Experts<D> {
+    pub fn shape(&self) -> MoeShape {
+        MoeShape { num_experts: self.num_experts, top_k: self.top_k, inter: self.inter, hidden: self.hidden }
+    }
+}
+
+/// One step of a mixture-of-experts MLP: route each token to its top-k experts by the softmax
+/// of `router_logits` (f32 arithmetic; ties to the lower expert id), and write
+/// `out[t] = sum_j w[t, j] * down_e(act(gate_e x[t]) * up_e x[t])` over its chosen experts `e`
+/// with weights `w` (the top-k probabilities, renormalized when `norm_topk_prob`).
+pub struct MoeInput<'a, D: Device + ?Sized> {
+    /// `[T, hidden]`
+    pub x: &'a D::Tensor,
+    /// f32 `[T, num_experts]` (the router's `linear` into an f32 tensor).
+    pub router_logits: &'a D::Tensor,
+    pub experts: &'a Experts<D>,
+    /// The device's own scratch, allocated by `Device::moe_scratch` for at least `T` tokens.
+    pub scratch: &'a mut D::MoeScratch,
+    /// `[T, hidden]`, overwritten.
+    pub out: &'a mut D::Tensor,
+}
+
 /// A device the decoder runs on.
 pub trait Device {
     type Error: std::error::Error + Send + Sync + 'static;
@@ -140,6 +191,8 @@ pub trait Device {
     type Batch<'a>
     where
         Self: 'a;
+    /// A device's scratch for [`Device::moe`] (routing lists, grouped activations).
+    type MoeScratch;
 
     // Placement.
 
@@ -246,6 +299,23 @@ pub trait Device {
         gate_up: &Self::Tensor,
         act: GatedActivation,
         out: &mut Self::Tensor,
+    ) -> Result<(), Self::Error>;
+
+    /// Scratch for MoE steps of up to `tokens` tokens over experts of this shape
+    /// (`num_experts`, `top_k`, `inter`, `hidden` as in [`Experts`]).
+    fn moe_scratch(&self, tokens: usize, shape: MoeShape) -> Result<Self::MoeScratch, Self::Error>;
+    /// Bytes a [`Self::moe_scratch`] of this size takes.
+    fn moe_scratch_bytes(&self, tokens: usize, shape: MoeShape) -> usize;
+    /// The routed experts of a MoE MLP (see [`MoeInput`]). Issues device work only (CUDA graphs
+    /// capture it): the routing is data-dependent, the launch shapes must not be.
+    fn moe(&self, batch: &Self::Batch<'_>, args: MoeInput<'_, Self>) -> Result<(), Self::Error>;
+    /// `out[r, :] += sigmoid(gate[r, 0]) * x[r, :]` (Qwen2-MoE's shared expert);
+    /// `gate`: f32 `[T, 1]`.
+    fn add_sigmoid_gated(
+        &self,
+        out: &mut Self::Tensor,
+        x: &Self::Tensor,
+        gate: &Self::Tensor,
     ) -> Result<(), Self::Error>;
 
     /// `dst[i, :] = src[logits_indices[i], :]`: the rows whose logits the step wants.

@@ -19,8 +19,8 @@ pub mod device;
 mod host;
 
 pub use device::{
-    unfused_attention_input, AttentionInput, Device, GatedActivation, Heads, LayerAttention, Linear, Precision,
-    RopeFrequencies, Shaped,
+    unfused_attention_input, AttentionInput, Device, Experts, GatedActivation, Heads, LayerAttention, Linear, MoeInput,
+    MoeShape, Precision, RopeFrequencies, Shaped,
 };
 pub use host::{HostTensor, SharedBytes};
 

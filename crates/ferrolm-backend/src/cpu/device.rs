@@ -8,7 +8,9 @@ use super::{
     add_rms_norm, embedding, gelu_tanh_and_mul, linear, paged_attention, reshape_and_cache, rms_norm, rms_norm_inplace,
     rope, silu_and_mul, AttentionMetadata,
 };
-use crate::device::{Device, GatedActivation, LayerAttention, Linear, Precision, RopeFrequencies, Shaped};
+use crate::device::{
+    Device, GatedActivation, LayerAttention, Linear, MoeInput, MoeShape, Precision, RopeFrequencies, Shaped,
+};
 use crate::{DType, HostTensor};
 
 /// The CPU as a [`Device`].
@@ -105,6 +107,7 @@ impl Device for Cpu {
     type Rope = CpuRope;
     type KvLayer = CpuKvLayer;
     type Batch<'a> = CpuBatch<'a>;
+    type MoeScratch = ();
 
     fn tensor(&self, _precision: Precision, capacity: usize, cols: usize) -> Result<CpuTensor, Infallible> {
         Ok(CpuTensor::zeros(capacity, cols))
@@ -265,6 +268,63 @@ impl Device for Cpu {
         Ok(())
     }
 
+    fn moe_scratch(&self, _tokens: usize, _shape: MoeShape) -> Result<(), Infallible> {
+        Ok(())
+    }
+
+    fn moe_scratch_bytes(&self, _tokens: usize, _shape: MoeShape) -> usize {
+        0
+    }
+
+    /// Token by token: route, then each chosen expert's gated MLP through `linear`.
+    fn moe(&self, _batch: &CpuBatch<'_>, a: MoeInput<'_, Cpu>) -> Result<(), Infallible> {
+        let ex = a.experts;
+        let (e_count, k, inter, hidden) = (ex.num_experts, ex.top_k, ex.inter, ex.hidden);
+        assert_eq!(a.x.cols, hidden, "moe: x has {} columns, not hidden {hidden}", a.x.cols);
+        assert_eq!(a.router_logits.cols, e_count, "moe: router_logits has {} columns", a.router_logits.cols);
+        assert_eq!(a.out.cols, hidden, "moe: out has {} columns, not hidden {hidden}", a.out.cols);
+        let t_count = a.x.rows;
+        assert!(a.router_logits.rows == t_count && a.out.rows == t_count, "moe: row counts differ");
+        let (gate_up_w, down_w) = (ex.gate_up.view(), ex.down.view());
+        let mut gate_up = vec![0.0; 2 * inter];
+        let mut act = vec![0.0; inter];
+        let mut y = vec![0.0; hidden];
+        for t in 0..t_count {
+            let x = &a.x.as_slice()[t * hidden..(t + 1) * hidden];
+            let logits = &a.router_logits.as_slice()[t * e_count..(t + 1) * e_count];
+            let out = &mut a.out.as_mut_slice()[t * hidden..(t + 1) * hidden];
+            out.fill(0.0);
+            for (e, w) in route_top_k(logits, k, ex.norm_topk_prob) {
+                let gu = gate_up_w.slice(e * 2 * inter * hidden, 2 * inter * hidden);
+                linear(x, 1, hidden, gu, 2 * inter, None, &mut gate_up);
+                match ex.activation {
+                    GatedActivation::Silu => silu_and_mul(&gate_up, inter, &mut act),
+                    GatedActivation::GeluTanh => gelu_tanh_and_mul(&gate_up, inter, &mut act),
+                }
+                linear(&act, 1, inter, down_w.slice(e * hidden * inter, hidden * inter), hidden, None, &mut y);
+                for (o, v) in out.iter_mut().zip(&y) {
+                    *o += w * v;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn add_sigmoid_gated(&self, out: &mut CpuTensor, x: &CpuTensor, gate: &CpuTensor) -> Result<(), Infallible> {
+        let width = out.cols;
+        assert_eq!(x.cols, width, "add_sigmoid_gated: x has {} columns, out {width}", x.cols);
+        assert_eq!(gate.cols, 1, "add_sigmoid_gated: gate has {} columns, not 1", gate.cols);
+        for ((o, x), g) in
+            out.as_mut_slice().chunks_exact_mut(width).zip(x.as_slice().chunks_exact(width)).zip(gate.as_slice())
+        {
+            let s = 1.0 / (1.0 + (-g).exp());
+            for (o, x) in o.iter_mut().zip(x) {
+                *o += s * x;
+            }
+        }
+        Ok(())
+    }
+
     fn gather_logits_rows(&self, b: &CpuBatch<'_>, src: &CpuTensor, dst: &mut CpuTensor) -> Result<(), Infallible> {
         let width = src.cols;
         assert_eq!(dst.cols, width, "gather_logits_rows: {} columns into {width}", dst.cols);
@@ -275,4 +335,21 @@ impl Device for Cpu {
         }
         Ok(())
     }
+}
+
+/// The `k` experts of largest softmax probability (ties to the lower id) and their weights,
+/// renormalized to sum to one when `normalize`.
+fn route_top_k(logits: &[f32], k: usize, normalize: bool) -> Vec<(usize, f32)> {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+    let exps: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    let mut order: Vec<(usize, f32)> = exps.iter().map(|&e| e / sum).enumerate().collect();
+    // A stable sort keeps equal probabilities in id order.
+    order.sort_by(|a, b| b.1.total_cmp(&a.1));
+    order.truncate(k);
+    if normalize {
+        let total: f32 = order.iter().map(|&(_, p)| p).sum();
+        order.iter_mut().for_each(|(_, p)| *p /= total);
+    }
+    order
 }

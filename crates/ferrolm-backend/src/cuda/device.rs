@@ -11,13 +11,14 @@
 use cudarc::driver::CudaView;
 
 use super::{
-    add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, linear, linear_gated, linear_qkv_rope_cache,
-    qkv_rope_cache, reshape_and_cache, rms_norm, rms_norm_inplace, rope, silu_and_mul, split_qkv, GemmTuning, Gemms,
-    Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor, GpuView, GpuViewMut, PagedAttention,
+    add_rms_norm, add_sigmoid_gated, embedding, gather_rows, gelu_tanh_and_mul, linear, linear_gated,
+    linear_qkv_rope_cache, moe, qkv_rope_cache, reshape_and_cache, rms_norm, rms_norm_inplace, rope, silu_and_mul,
+    split_qkv, GemmTuning, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuExperts, GpuMoeScratch, GpuRopeTable,
+    GpuTensor, GpuView, GpuViewMut, PagedAttention,
 };
 use crate::device::{
-    unfused_attention_input, AttentionInput, Device, GatedActivation, LayerAttention, Linear, Precision,
-    RopeFrequencies, Shaped,
+    unfused_attention_input, AttentionInput, Device, GatedActivation, LayerAttention, Linear, MoeInput, MoeShape,
+    Precision, RopeFrequencies, Shaped,
 };
 use crate::{DType, HostTensor};
 
@@ -155,6 +156,7 @@ impl Device for Cuda {
     type Rope = GpuRopeTable;
     type KvLayer = CudaKvLayer;
     type Batch<'a> = CudaBatch<'a>;
+    type MoeScratch = GpuMoeScratch;
 
     fn tensor(&self, precision: Precision, capacity: usize, cols: usize) -> Result<CudaTensor, GpuError> {
         // Every buffer is written before it is read: no zeroing needed.
@@ -309,6 +311,32 @@ impl Device for Cuda {
             GatedActivation::Silu => silu_and_mul(&self.gpu, gate_up.view(), inter, out.view_mut()),
             GatedActivation::GeluTanh => gelu_tanh_and_mul(&self.gpu, gate_up.view(), inter, out.view_mut()),
         }
+    }
+
+    fn moe_scratch(&self, tokens: usize, shape: MoeShape) -> Result<GpuMoeScratch, GpuError> {
+        GpuMoeScratch::new(&self.gpu, self.dtype, tokens, shape)
+    }
+
+    fn moe_scratch_bytes(&self, tokens: usize, shape: MoeShape) -> usize {
+        GpuMoeScratch::bytes(self.dtype, tokens, shape)
+    }
+
+    fn moe(&self, _batch: &CudaBatch<'_>, a: MoeInput<'_, Cuda>) -> Result<(), GpuError> {
+        let ex = a.experts;
+        let experts = GpuExperts {
+            gate_up: ex.gate_up.view(),
+            down: ex.down.view(),
+            shape: ex.shape(),
+            norm_topk_prob: ex.norm_topk_prob,
+            activation: ex.activation,
+        };
+        moe(&self.gpu, a.x.view(), a.router_logits.view(), &experts, a.scratch, a.out.view_mut())
+    }
+
+    fn add_sigmoid_gated(&self, out: &mut CudaTensor, x: &CudaTensor, gate: &CudaTensor) -> Result<(), GpuError> {
+        assert_eq!(gate.cols, 1, "add_sigmoid_gated: gate has {} columns, not 1", gate.cols);
+        let width = out.cols;
+        add_sigmoid_gated(&self.gpu, out.view_mut(), x.view(), gate.view(), width)
     }
 
     fn gather_logits_rows(&self, b: &CudaBatch<'_>, src: &CudaTensor, dst: &mut CudaTensor) -> Result<(), GpuError> {
