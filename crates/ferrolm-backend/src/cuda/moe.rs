@@ -6,8 +6,8 @@
 //! tokens: nothing waits for the device and the launch shapes depend on T alone, so that a
 //! captured decode step replays whatever the routing. Which kernels run is [`moe_path`]'s
 //! choice:
-//! - [`MoePath::Gemv`] for few slots (`T * top_k` up to [`GEMV_MAX_SLOTS`]): three launches,
-//!   bound by reading the chosen experts' weights once;
+//! - [`MoePath::Gemv`] for few slots per expert (see [`GEMV_MAX_SLOTS_PER_EXPERT`]): three
+//!   launches, bound by reading the chosen experts' weights once;
 //! - [`MoePath::Grouped`] otherwise: one grouped tensor-core GEMM per projection over every
 //!   expert's row tiles, then a kernel that sums each token's slots.
 //!
@@ -43,9 +43,17 @@ pub(crate) const KERNELS: &[KernelFamilies] = &[KernelFamilies {
     large_shared: false,
 }];
 
-/// Slots (`T * top_k`) up to which a step takes the GEMV kernels: a batch-1 decode of
-/// Qwen3-30B-A3B (8 slots) to 8 tokens, Mixtral's (2 slots) to 32.
-pub const GEMV_MAX_SLOTS: usize = 64;
+/// Mean slots per expert (`T * top_k / num_experts`) up to which a step takes the GEMV kernels.
+/// On an H100 (examples/moe_bench.rs), Qwen3-30B-A3B's experts (128, top 8) at 8 and 16 tokens
+/// (0.5 and 1 per expert) took 178 and 284 us there against 276 and 436 on the grouped GEMM, and
+/// about the same at 64 (4 per expert: 658 against 630); Mixtral's (8, top 2) at 8 tokens (2 per
+/// expert) 882 against 1404 us, at 32 (8 per expert) 2075 against 1557.
+pub const GEMV_MAX_SLOTS_PER_EXPERT: usize = 2;
+/// Mean slots per expert up to which the grouped GEMM takes row tiles of 16, of 64 past it. On
+/// the H100, tiles of 16 against 64: Qwen3-30B-A3B at 64 tokens (4 per expert) 630 against 635
+/// us, at 256 (16) 703 against 658; Mixtral at 32 tokens (8) 1557 against 1623, at 64 (16) 1972
+/// against 1635.
+const SMALL_TILE_MAX_SLOTS_PER_EXPERT: usize = 8;
 /// Most experts and most choices per token the kernels take (`MOE_MAX_EXPERTS`,
 /// `MOE_MAX_TOP_K`).
 const MAX_EXPERTS: usize = 1024;
@@ -71,21 +79,17 @@ pub enum MoePath {
     Grouped { block_m: usize },
 }
 
-/// The kernels a step of `tokens` tokens takes. The grouped GEMM's row tile follows the mean
-/// rows per expert: a decode of 256 tokens of Qwen3-30B-A3B gives 16, where a tile of 16 rows
-/// reads each expert's weights about once; a prefill chunk gives hundreds, where tiles of 64
-/// reuse each weight tile over more rows.
+/// The kernels a step of `tokens` tokens takes, by the mean slots per expert (see
+/// [`GEMV_MAX_SLOTS_PER_EXPERT`]): the GEMV kernels for a few, then the grouped GEMM with row
+/// tiles of 16, and of 64 where the experts have more rows than that to share each weight tile.
+/// Tiles of 32 are there for comparison (`moe_on_path`).
 pub fn moe_path(tokens: usize, shape: MoeShape) -> MoePath {
     let slots = tokens * shape.top_k;
-    if slots <= GEMV_MAX_SLOTS {
+    let experts = shape.num_experts.max(1);
+    if slots <= GEMV_MAX_SLOTS_PER_EXPERT * experts {
         return MoePath::Gemv;
     }
-    let per_expert = slots / shape.num_experts.max(1);
-    let block_m = match per_expert {
-        0..=24 => 16,
-        25..=48 => 32,
-        _ => 64,
-    };
+    let block_m = if slots <= SMALL_TILE_MAX_SLOTS_PER_EXPERT * experts { 16 } else { 64 };
     MoePath::Grouped { block_m }
 }
 
@@ -457,12 +461,14 @@ mod tests {
     #[test]
     fn few_slots_take_the_gemv_and_row_tiles_follow_the_rows_per_expert() {
         assert_eq!(moe_path(1, QWEN3_30B), MoePath::Gemv);
-        assert_eq!(moe_path(8, QWEN3_30B), MoePath::Gemv);
-        assert_eq!(moe_path(9, QWEN3_30B), MoePath::Grouped { block_m: 16 });
-        assert_eq!(moe_path(256, QWEN3_30B), MoePath::Grouped { block_m: 16 });
-        assert_eq!(moe_path(512, QWEN3_30B), MoePath::Grouped { block_m: 32 });
+        assert_eq!(moe_path(32, QWEN3_30B), MoePath::Gemv);
+        assert_eq!(moe_path(33, QWEN3_30B), MoePath::Grouped { block_m: 16 });
+        assert_eq!(moe_path(128, QWEN3_30B), MoePath::Grouped { block_m: 16 });
+        assert_eq!(moe_path(129, QWEN3_30B), MoePath::Grouped { block_m: 64 });
         assert_eq!(moe_path(8192, QWEN3_30B), MoePath::Grouped { block_m: 64 });
-        assert_eq!(moe_path(32, MIXTRAL), MoePath::Gemv);
+        assert_eq!(moe_path(8, MIXTRAL), MoePath::Gemv);
+        assert_eq!(moe_path(9, MIXTRAL), MoePath::Grouped { block_m: 16 });
+        assert_eq!(moe_path(32, MIXTRAL), MoePath::Grouped { block_m: 16 });
         assert_eq!(moe_path(256, MIXTRAL), MoePath::Grouped { block_m: 64 });
     }
 

@@ -11,13 +11,13 @@
 // and a token's slots are summed in j order.
 //
 // Two paths, chosen on the host from T alone (graphs capture a step's launches):
-// - few slots: moe_route_align (one block routes and groups), moe_gate_up_gemv (a block per
-//   (column group, active expert) loops over that expert's tokens, so each chosen expert's
-//   gate/up rows are read once), moe_down_gemv (a block per (row group, token) sums the token's
-//   top_k slots in registers and writes `out`: no atomics, no second pass). Blocks of one row
-//   group are adjacent for every token, so an expert two tokens chose is read from the L2 the
-//   second time.
-// - many slots: moe_route (a warp per token), moe_align (one block), the grouped GEMMs
+// - few slots per expert: moe_route_align (one block routes and groups), moe_gate_up_gemv (a
+//   block per (column group, active expert) loops over that expert's tokens, so each chosen
+//   expert's gate/up rows are read once), moe_down_gemv (a block per (row group, token) sums
+//   the token's top_k slots in registers and writes `out`: no atomics, no second pass). Blocks
+//   of one row group are adjacent for every token, so an expert two tokens chose is read from
+//   the L2 the second time.
+// - more: moe_route (a warp per token), moe_align (one block), the grouped GEMMs
 //   moe_gate_up_gemm and moe_down_gemm (a block per (column tile, row tile), the row tiles cut
 //   per expert by moe_align; one launch per projection over every expert, sized for the most
 //   tiles T can give, surplus blocks exit), then moe_combine.
