@@ -101,25 +101,15 @@ impl<'a> RopeFrequencies<'a> {
     }
 }
 
-/// The attention block's input step: project the normed hidden states to q, k and v, apply the
-/// q/k norms, rotate q and k, write k and v to the layer's cache, and leave q in `q`.
-pub struct AttentionInput<'a, D: Device + ?Sized> {
-    /// `[T, hidden]`
-    pub x: &'a D::Tensor,
-    /// `[q_size + 2 * kv_size, hidden]`
-    pub qkv_proj: &'a Linear<D>,
-    /// f32 `[head_dim]` each, applied per head before the rotation.
-    pub qk_norm: Option<(&'a D::Vector, &'a D::Vector)>,
-    pub eps: f32,
-    pub heads: Heads,
-    pub rope: &'a D::Rope,
-    /// `[T, q_size + 2 * kv_size]`, `[T, kv_size]`, `[T, kv_size]`: scratch of the unfused form.
-    pub qkv: &'a mut D::Tensor,
-    pub k: &'a mut D::Tensor,
-    pub v: &'a mut D::Tensor,
-    /// `[T, q_size]`: the rotated queries.
-    pub q: &'a mut D::Tensor,
-    pub kv: &'a mut D::KvLayer,
+/// The shape of a mixture-of-experts MLP's routed experts (see [`Experts`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MoeShape {
+    pub num_experts: usize,
+    /// Experts each token is routed to.
+    pub top_k: usize,
+    /// Each expert's intermediate size.
+    pub inter: usize,
+    pub hidden: usize,
 }
 
 /// The routed experts of a mixture-of-experts MLP on a device, stacked: expert `e`'s gate rows
@@ -143,14 +133,6 @@ pub struct Experts<D: Device + ?Sized> {
     pub activation: GatedActivation,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct MoeShape {
-    pub num_experts: usize,
-    pub top_k: usize,
-    pub inter: usize,
-    pub hidden: usize,
-}
-
 impl<D: Device + ?Sized> Experts<D> {
     pub fn shape(&self) -> MoeShape {
         MoeShape { num_experts: self.num_experts, top_k: self.top_k, inter: self.inter, hidden: self.hidden }
@@ -161,6 +143,10 @@ impl<D: Device + ?Sized> Experts<D> {
 /// of `router_logits` (f32 arithmetic; ties to the lower expert id), and write
 /// `out[t] = sum_j w[t, j] * down_e(act(gate_e x[t]) * up_e x[t])` over its chosen experts `e`
 /// with weights `w` (the top-k probabilities, renormalized when `norm_topk_prob`).
+///
+/// The routing is Hugging Face's: `p = softmax(router_logits[t])` in f32; the `top_k` experts
+/// by `p`, ties to the lower expert id; weights `p[e]`, divided by their sum when
+/// `norm_topk_prob`. The weighted sum is accumulated in f32 and written in `out`'s dtype.
 pub struct MoeInput<'a, D: Device + ?Sized> {
     /// `[T, hidden]`
     pub x: &'a D::Tensor,
@@ -171,6 +157,27 @@ pub struct MoeInput<'a, D: Device + ?Sized> {
     pub scratch: &'a mut D::MoeScratch,
     /// `[T, hidden]`, overwritten.
     pub out: &'a mut D::Tensor,
+}
+
+/// The attention block's input step: project the normed hidden states to q, k and v, apply the
+/// q/k norms, rotate q and k, write k and v to the layer's cache, and leave q in `q`.
+pub struct AttentionInput<'a, D: Device + ?Sized> {
+    /// `[T, hidden]`
+    pub x: &'a D::Tensor,
+    /// `[q_size + 2 * kv_size, hidden]`
+    pub qkv_proj: &'a Linear<D>,
+    /// f32 `[head_dim]` each, applied per head before the rotation.
+    pub qk_norm: Option<(&'a D::Vector, &'a D::Vector)>,
+    pub eps: f32,
+    pub heads: Heads,
+    pub rope: &'a D::Rope,
+    /// `[T, q_size + 2 * kv_size]`, `[T, kv_size]`, `[T, kv_size]`: scratch of the unfused form.
+    pub qkv: &'a mut D::Tensor,
+    pub k: &'a mut D::Tensor,
+    pub v: &'a mut D::Tensor,
+    /// `[T, q_size]`: the rotated queries.
+    pub q: &'a mut D::Tensor,
+    pub kv: &'a mut D::KvLayer,
 }
 
 /// A device the decoder runs on.
@@ -209,6 +216,11 @@ pub trait Device {
     fn kv_layer(&self, num_slots: usize, kv_width: usize) -> Result<Self::KvLayer, Self::Error>;
     /// The dtype activations (and the KV cache) are computed in.
     fn compute_dtype(&self) -> DType;
+    /// Scratch for MoE steps of up to `tokens` tokens over experts of this shape
+    /// (`num_experts`, `top_k`, `inter`, `hidden` as in [`Experts`]).
+    fn moe_scratch(&self, tokens: usize, shape: MoeShape) -> Result<Self::MoeScratch, Self::Error>;
+    /// Bytes a [`Self::moe_scratch`] of this size takes.
+    fn moe_scratch_bytes(&self, tokens: usize, shape: MoeShape) -> usize;
     /// Whether [`Self::attention_input`] needs its split scratch (`k`, `v`: `[T, kv_size]`)
     /// for a model with (or without) q/k norms: the unfused default always does; a fused form
     /// that writes K and V from the projection does not.
@@ -301,14 +313,18 @@ pub trait Device {
         out: &mut Self::Tensor,
     ) -> Result<(), Self::Error>;
 
-    /// Scratch for MoE steps of up to `tokens` tokens over experts of this shape
-    /// (`num_experts`, `top_k`, `inter`, `hidden` as in [`Experts`]).
-    fn moe_scratch(&self, tokens: usize, shape: MoeShape) -> Result<Self::MoeScratch, Self::Error>;
-    /// Bytes a [`Self::moe_scratch`] of this size takes.
-    fn moe_scratch_bytes(&self, tokens: usize, shape: MoeShape) -> usize;
+    /// `dst[i, :] = src[logits_indices[i], :]`: the rows whose logits the step wants.
+    fn gather_logits_rows(
+        &self,
+        batch: &Self::Batch<'_>,
+        src: &Self::Tensor,
+        dst: &mut Self::Tensor,
+    ) -> Result<(), Self::Error>;
+
     /// The routed experts of a MoE MLP (see [`MoeInput`]). Issues device work only (CUDA graphs
     /// capture it): the routing is data-dependent, the launch shapes must not be.
     fn moe(&self, batch: &Self::Batch<'_>, args: MoeInput<'_, Self>) -> Result<(), Self::Error>;
+
     /// `out[r, :] += sigmoid(gate[r, 0]) * x[r, :]` (Qwen2-MoE's shared expert);
     /// `gate`: f32 `[T, 1]`.
     fn add_sigmoid_gated(
@@ -316,14 +332,6 @@ pub trait Device {
         out: &mut Self::Tensor,
         x: &Self::Tensor,
         gate: &Self::Tensor,
-    ) -> Result<(), Self::Error>;
-
-    /// `dst[i, :] = src[logits_indices[i], :]`: the rows whose logits the step wants.
-    fn gather_logits_rows(
-        &self,
-        batch: &Self::Batch<'_>,
-        src: &Self::Tensor,
-        dst: &mut Self::Tensor,
     ) -> Result<(), Self::Error>;
 
     // Fused forms.
