@@ -29,6 +29,7 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 L1B=(--model-config bench-configs/llama-3.2-1b.json)
 L8B=(--model-config bench-configs/llama-3.1-8b.json)
 DECODE=(--input-len 128 --output-len 256 --num-iters 3)
+Q30B=(--model-config bench-configs/qwen3-30b-a3b.json)
 
 row_args() { # row -> the bench arguments
     case $1 in
@@ -42,6 +43,12 @@ row_args() { # row -> the bench arguments
         t1000) echo throughput "${L8B[@]}" --num-prompts 1000 --input-len 1000 --output-len 1000 --max-num-seqs 384 \
             --max-num-batched-tokens 8192 ;;
         t1000-512) echo throughput "${L8B[@]}" --num-prompts 1000 --input-len 1000 --output-len 1000 \
+            --max-num-seqs 512 --max-num-batched-tokens 8192 --kv-cache-fraction 1.0 ;;
+        q30b) echo latency "${Q30B[@]}" "${DECODE[@]}" ;;
+        mixtral) echo latency --model-config bench-configs/mixtral-8x7b.json "${DECODE[@]}" ;;
+        gemma2) echo latency --model-config bench-configs/gemma-2-9b.json "${DECODE[@]}" ;;
+        gemma3) echo latency --model-config bench-configs/gemma-3-1b.json "${DECODE[@]}" ;;
+        q30b-t1000) echo throughput "${Q30B[@]}" --num-prompts 1000 --input-len 1000 --output-len 1000 \
             --max-num-seqs 512 --max-num-batched-tokens 8192 --kv-cache-fraction 1.0 ;;
         *) echo "unknown row $1" >&2; return 1 ;;
     esac

@@ -31,6 +31,7 @@ mod flash_attention;
 mod gemm_tune;
 mod gpu;
 mod linear;
+mod moe;
 mod ops;
 mod read_rate;
 mod rope;
@@ -41,9 +42,10 @@ mod tensor;
 pub use crate::GatedActivation;
 
 /// The entry points every op family loads, by kernel file (`Gpu::new` loads them all).
-const KERNELS: [&[compile::KernelFamilies]; 7] = [
+const KERNELS: [&[compile::KernelFamilies]; 8] = [
     ops::KERNELS,
     linear::KERNELS,
+    moe::KERNELS,
     rope::KERNELS,
     attention::KERNELS,
     flash_attention::KERNELS,
@@ -65,6 +67,9 @@ pub use gpu::{Gpu, GpuGraph, GpuOptions};
 pub use linear::{linear, linear_gated};
 #[cfg(feature = "bench-internals")]
 pub use linear::{linear_cublas, linear_gemv_ksplit, GEMV_MAX_M};
+#[cfg(feature = "bench-internals")]
+pub use moe::moe_on_path;
+pub use moe::{add_sigmoid_gated, moe, moe_path, GpuExperts, GpuMoeScratch, MoePath, GEMV_MAX_SLOTS_PER_EXPERT};
 pub use ops::{
     add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, split_qkv,
 };

@@ -2047,3 +2047,365 @@ fn masked_sampling_edges_match_the_host() -> Result<(), GpuError> {
     }
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------------
+// Mixture of experts
+
+use ferrolm_backend::cuda::{GpuExperts, GpuMoeScratch, MoePath};
+use ferrolm_backend::{GatedActivation, MoeShape};
+use rayon::prelude::*;
+
+/// One MoE layer under test: its shape, routing and the token counts it is run at.
+struct MoeCase {
+    name: &'static str,
+    shape: MoeShape,
+    norm_topk_prob: bool,
+    activation: GatedActivation,
+    /// An expert every token picks (its logit above every other).
+    hot_expert: Option<usize>,
+    tokens: &'static [usize],
+}
+
+const MOE_TOKENS: &[usize] = &[1, 2, 7, 64, 300, 2048];
+
+const MOE_CASES: [MoeCase; 6] = [
+    // Rows that end inside a 32-wide k tile and a column tile (72, 40).
+    MoeCase {
+        name: "small",
+        shape: MoeShape { num_experts: 8, top_k: 2, inter: 40, hidden: 72 },
+        norm_topk_prob: true,
+        activation: GatedActivation::Silu,
+        hot_expert: None,
+        tokens: MOE_TOKENS,
+    },
+    MoeCase {
+        name: "top-1",
+        shape: MoeShape { num_experts: 16, top_k: 1, inter: 48, hidden: 64 },
+        norm_topk_prob: false,
+        activation: GatedActivation::GeluTanh,
+        hot_expert: None,
+        tokens: MOE_TOKENS,
+    },
+    // Qwen3-30B-A3B's routing (128 experts, top 8) on narrower experts.
+    MoeCase {
+        name: "qwen3-like",
+        shape: MoeShape { num_experts: 128, top_k: 8, inter: 104, hidden: 256 },
+        norm_topk_prob: true,
+        activation: GatedActivation::Silu,
+        hot_expert: None,
+        tokens: MOE_TOKENS,
+    },
+    MoeCase {
+        name: "qwen3-like, hot expert, no renormalization",
+        shape: MoeShape { num_experts: 128, top_k: 8, inter: 104, hidden: 256 },
+        norm_topk_prob: false,
+        activation: GatedActivation::Silu,
+        hot_expert: Some(77),
+        tokens: &[1, 7, 300],
+    },
+    // Rows long enough for the GEMV kernels' unrolled loads, and the down rows of a token
+    // (4 x 2048) split over two warps.
+    MoeCase {
+        name: "long rows",
+        shape: MoeShape { num_experts: 16, top_k: 4, inter: 2048, hidden: 1024 },
+        norm_topk_prob: true,
+        activation: GatedActivation::Silu,
+        hot_expert: None,
+        tokens: &[1, 7, 64],
+    },
+    // Gate/up rows of 8192 split over two warps.
+    MoeCase {
+        name: "wide",
+        shape: MoeShape { num_experts: 4, top_k: 2, inter: 64, hidden: 8192 },
+        norm_topk_prob: false,
+        activation: GatedActivation::GeluTanh,
+        hot_expert: None,
+        tokens: &[1, 7, 64],
+    },
+];
+
+/// `value` as stored in `dtype`.
+fn round_to(value: f32, dtype: DType) -> f32 {
+    rounded(&[value], dtype)[0]
+}
+
+/// Router logits `[tokens, num_experts]`: each row a shuffle of evenly spaced values (so no two
+/// probabilities are within rounding of each other), with the hot expert above them all, and in
+/// every third row the top_k-th and the next logit made equal (the tie goes to the lower id).
+fn moe_logits(rng: &mut ChaCha8Rng, case: &MoeCase, tokens: usize) -> Vec<f32> {
+    let (e, k) = (case.shape.num_experts, case.shape.top_k);
+    let mut logits = Vec::with_capacity(tokens * e);
+    for t in 0..tokens {
+        let mut ranks: Vec<usize> = (0..e).collect();
+        ranks.shuffle(rng);
+        let mut row: Vec<f32> = ranks.iter().map(|&r| (r as f32 - e as f32 / 2.0) * 4.0 / e as f32).collect();
+        if let Some(hot) = case.hot_expert {
+            row[hot] = 3.0;
+        }
+        if t % 3 == 0 && k < e {
+            let mut order: Vec<usize> = (0..e).collect();
+            order.sort_by(|&a, &b| row[b].total_cmp(&row[a]));
+            row[order[k]] = row[order[k - 1]];
+        }
+        logits.extend(row);
+    }
+    logits
+}
+
+/// HF's routing: the top_k experts by softmax probability (ties to the lower id) and their
+/// weights, renormalized when asked.
+fn moe_route(logits: &[f32], top_k: usize, normalize: bool) -> Vec<(usize, f32)> {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |m, &l| m.max(l));
+    let exps: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    let mut order: Vec<(usize, f32)> = exps.iter().map(|&e| e / sum).enumerate().collect();
+    order.sort_by(|a, b| b.1.total_cmp(&a.1));
+    order.truncate(top_k);
+    if normalize {
+        let total: f32 = order.iter().map(|&(_, p)| p).sum();
+        order.iter_mut().for_each(|(_, p)| *p /= total);
+    }
+    order
+}
+
+/// The spacing of `dtype`'s values at `|v|` (0 for f32, whose rounding the order term of
+/// `moe_reference` covers).
+fn spacing(v: f32, dtype: DType) -> f32 {
+    match dtype {
+        DType::F32 => 0.0,
+        DType::BF16 => {
+            let b = bf16::from_f32(v.abs());
+            bf16::from_bits(b.to_bits() + 1).to_f32() - b.to_f32()
+        }
+        DType::F16 => {
+            let h = f16::from_f32(v.abs());
+            f16::from_bits(h.to_bits() + 1).to_f32() - h.to_f32()
+        }
+    }
+}
+
+/// The MoE layer token by token on the host, in f32 on inputs already rounded to the dtype,
+/// rounding where the GPU stores an intermediate: gate and up, the activation, and (the grouped
+/// path, `round_y`) each expert's down projection. Returns the output and, per element, the
+/// slack the GPU's may need beyond the check's tolerance: its f32 sums run in another order,
+/// so they differ in their last bits, and a stored intermediate near a rounding boundary may
+/// round the other way. Per chosen expert, weighted: 2^-20 of the sums of |products| through
+/// both projections (the gate and up sums' carried through the activation), four spacings of
+/// the activation times the largest |down| weight (a gate, up or activation that rounded the
+/// other way), and one spacing of the down projection when it is stored.
+fn moe_reference(
+    case: &MoeCase,
+    x: &[f32],
+    logits: &[f32],
+    gate_up: &[f32],
+    down: &[f32],
+    dtype: DType,
+    round_y: bool,
+) -> (Vec<f32>, Vec<f32>) {
+    let MoeShape { num_experts, top_k, inter, hidden } = case.shape;
+    let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(a, b)| a * b).sum::<f32>();
+    let token = |t: usize| {
+        let x = &x[t * hidden..][..hidden];
+        let mut out = vec![0.0f32; hidden];
+        let mut slack = vec![0.0f32; hidden];
+        for (e, weight) in moe_route(&logits[t * num_experts..][..num_experts], top_k, case.norm_topk_prob) {
+            let rows = &gate_up[e * 2 * inter * hidden..][..2 * inter * hidden];
+            // Each gate and up sum, and the sum of its |products|.
+            let sums: Vec<(f32, f32)> = rows
+                .chunks_exact(hidden)
+                .map(|w| (dot(w, x), w.iter().zip(x).map(|(w, x)| (w * x).abs()).sum::<f32>()))
+                .collect();
+            let gu: Vec<f32> = sums.iter().map(|&(v, _)| round_to(v, dtype)).collect();
+            // How far each activation moves per unit of error of its gate and up sums: the
+            // activations' slopes are below 1.2 and their values below |gate| + 1.
+            let act_order: Vec<f32> = (0..inter)
+                .map(|c| {
+                    let ((g, g_mag), (u, u_mag)) = (sums[c], sums[inter + c]);
+                    1.2 * u.abs() * g_mag + (g.abs() + 1.0) * u_mag
+                })
+                .collect();
+            let mut act = vec![0.0; inter];
+            match case.activation {
+                GatedActivation::Silu => cpu::silu_and_mul(&gu, inter, &mut act),
+                GatedActivation::GeluTanh => cpu::gelu_tanh_and_mul(&gu, inter, &mut act),
+            }
+            let act = rounded(&act, dtype);
+            let rows = &down[e * hidden * inter..][..hidden * inter];
+            for ((o, s), w) in out.iter_mut().zip(slack.iter_mut()).zip(rows.chunks_exact(inter)) {
+                let y = dot(w, &act);
+                let stored = if round_y { round_to(y, dtype) } else { y };
+                *o += weight * stored;
+                let magnitude: f32 =
+                    w.iter().zip(&act).zip(&act_order).map(|((w, a), o)| (w * a).abs() + w.abs() * o).sum();
+                let flip = w.iter().zip(&act).fold(0.0f32, |m, (w, a)| m.max(w.abs() * spacing(*a, dtype)));
+                let y_flip = if round_y { spacing(y, dtype) } else { 0.0 };
+                *s += weight * (magnitude * 2f32.powi(-20) + 4.0 * flip + y_flip);
+            }
+        }
+        out.into_iter().zip(slack)
+    };
+    (0..x.len() / hidden).into_par_iter().flat_map_iter(token).unzip()
+}
+
+/// [`check`] with a slack per element: `|got - want|` beyond `slack` is held to `tol`.
+fn check_with_slack(what: &str, got: &[f32], want: &[f32], slack: &[f32], tol: f32) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let scale = want.iter().fold(0.0f32, |m, w| m.max(w.abs()));
+    let floor = (1e-2 * scale).max(f32::MIN_POSITIVE);
+    let mut worst = (0.0f32, 0usize);
+    for (i, ((&g, &w), &s)) in got.iter().zip(want).zip(slack).enumerate() {
+        assert!(!g.is_nan(), "{what}: element {i} is NaN (want {w})");
+        let err = ((g - w).abs() - s).max(0.0) / w.abs().max(floor);
+        if err > worst.0 {
+            worst = (err, i);
+        }
+    }
+    let (err, i) = worst;
+    assert!(
+        err <= tol,
+        "{what}: max relative error {err:e} at element {i}: got {}, want {} (slack {})",
+        got[i],
+        want[i],
+        slack[i]
+    );
+}
+
+/// The paths a step of `tokens` tokens is checked on: its own, and every other.
+fn moe_paths(tokens: usize, shape: MoeShape) -> Vec<MoePath> {
+    let mut paths = vec![cuda::moe_path(tokens, shape)];
+    for path in [
+        MoePath::Gemv,
+        MoePath::Grouped { block_m: 16 },
+        MoePath::Grouped { block_m: 32 },
+        MoePath::Grouped { block_m: 64 },
+    ] {
+        if !paths.contains(&path) {
+            paths.push(path);
+        }
+    }
+    paths
+}
+
+fn check_moe_case(gpu: &Gpu, case: &MoeCase, seed: u64) -> Result<(), GpuError> {
+    let mut rng = rng(seed);
+    let MoeShape { num_experts, inter, hidden, .. } = case.shape;
+    let gate_up = random_vec(&mut rng, num_experts * 2 * inter * hidden, 2.0 / (hidden as f32).sqrt());
+    let down = random_vec(&mut rng, num_experts * hidden * inter, 2.0 / (inter as f32).sqrt());
+    let max_tokens = case.tokens.iter().copied().max().unwrap_or(0);
+    let x = random_vec(&mut rng, max_tokens * hidden, 1.0);
+    let logits = moe_logits(&mut rng, case, max_tokens);
+    let logits_dev = GpuTensor::from_f32(gpu, &logits, DType::F32)?;
+    for (dtype, tol) in DTYPES {
+        let (gate_up_dev, gate_up_r) = upload(gpu, &gate_up, dtype)?;
+        let (down_dev, down_r) = upload(gpu, &down, dtype)?;
+        let (x_dev, x_r) = upload(gpu, &x, dtype)?;
+        let experts = GpuExperts {
+            gate_up: gate_up_dev.view(),
+            down: down_dev.view(),
+            shape: case.shape,
+            norm_topk_prob: case.norm_topk_prob,
+            activation: case.activation,
+        };
+        // One scratch for every step of the case, as a model keeps one for its largest step.
+        let mut scratch = GpuMoeScratch::new(gpu, dtype, max_tokens, case.shape)?;
+        for &tokens in case.tokens {
+            let x_view = x_dev.slice(0..tokens * hidden);
+            let logits_view = logits_dev.slice(0..tokens * num_experts);
+            let (x_t, logits_t) = (&x_r[..tokens * hidden], &logits[..tokens * num_experts]);
+            let gemv_want = moe_reference(case, x_t, logits_t, &gate_up_r, &down_r, dtype, false);
+            let grouped_want = match dtype {
+                DType::F32 => gemv_want.clone(),
+                _ => moe_reference(case, x_t, logits_t, &gate_up_r, &down_r, dtype, true),
+            };
+            for path in moe_paths(tokens, case.shape) {
+                let mut out = nan_tensor(gpu, dtype, tokens * hidden)?;
+                cuda::moe_on_path(gpu, x_view, logits_view, &experts, &mut scratch, out.view_mut(), path)?;
+                let (want, slack) = if matches!(path, MoePath::Gemv) { &gemv_want } else { &grouped_want };
+                let what = format!("moe {} {dtype:?} T={tokens} {path:?}", case.name);
+                check_with_slack(&what, &out.to_f32_vec(gpu)?, want, slack, tol);
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn moe_of_small_experts_matches_a_host_reference() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    for (i, case) in MOE_CASES[..2].iter().enumerate() {
+        check_moe_case(&gpu, case, 40 + i as u64)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn moe_with_qwen3_routing_matches_a_host_reference() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    for (i, case) in MOE_CASES[2..4].iter().enumerate() {
+        check_moe_case(&gpu, case, 50 + i as u64)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn moe_of_long_rows_matches_a_host_reference() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    for (i, case) in MOE_CASES[4..].iter().enumerate() {
+        check_moe_case(&gpu, case, 60 + i as u64)?;
+    }
+    Ok(())
+}
+
+/// A step of no tokens writes nothing and fails nothing; one past the scratch's tokens panics.
+#[test]
+fn moe_of_no_tokens_is_a_no_op() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let shape = MoeShape { num_experts: 4, top_k: 2, inter: 8, hidden: 16 };
+    let gate_up = GpuTensor::zeros(&gpu, DType::BF16, 4 * 2 * 8 * 16)?;
+    let down = GpuTensor::zeros(&gpu, DType::BF16, 4 * 16 * 8)?;
+    let experts = GpuExperts {
+        gate_up: gate_up.view(),
+        down: down.view(),
+        shape,
+        norm_topk_prob: true,
+        activation: GatedActivation::Silu,
+    };
+    let mut scratch = GpuMoeScratch::new(&gpu, DType::BF16, 4, shape)?;
+    let (x, logits) = (GpuTensor::zeros(&gpu, DType::BF16, 0)?, GpuTensor::zeros(&gpu, DType::F32, 0)?);
+    let mut out = GpuTensor::zeros(&gpu, DType::BF16, 0)?;
+    cuda::moe(&gpu, x.view(), logits.view(), &experts, &mut scratch, out.view_mut())?;
+    gpu.synchronize()?;
+    let (x, logits) = (GpuTensor::zeros(&gpu, DType::BF16, 5 * 16)?, GpuTensor::zeros(&gpu, DType::F32, 5 * 4)?);
+    let mut out = GpuTensor::zeros(&gpu, DType::BF16, 5 * 16)?;
+    let past = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        cuda::moe(&gpu, x.view(), logits.view(), &experts, &mut scratch, out.view_mut())
+    }));
+    assert!(past.is_err(), "5 tokens in a scratch for 4 should panic");
+    Ok(())
+}
+
+#[test]
+fn add_sigmoid_gated_matches_the_host() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(70);
+    for (rows, width) in [(1, 8), (7, 2048), (300, 1000)] {
+        let out0 = random_vec(&mut rng, rows * width, 2.0);
+        let x = random_vec(&mut rng, rows * width, 2.0);
+        let mut gate = random_vec(&mut rng, rows, 6.0);
+        // Saturating gates: 0 and 1, no NaN.
+        gate[0] = -200.0;
+        if rows > 1 {
+            gate[1] = 200.0;
+        }
+        let gate_dev = GpuTensor::from_f32(&gpu, &gate, DType::F32)?;
+        for (dtype, tol) in DTYPES {
+            let (mut out_dev, out_r) = upload(&gpu, &out0, dtype)?;
+            let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
+            cuda::add_sigmoid_gated(&gpu, out_dev.view_mut(), x_dev.view(), gate_dev.view(), width)?;
+            let want: Vec<f32> =
+                (0..rows * width).map(|i| out_r[i] + x_r[i] / (1.0 + (-gate[i / width]).exp())).collect();
+            check(&format!("add_sigmoid_gated {dtype:?} [{rows}, {width}]"), &out_dev.to_f32_vec(&gpu)?, &want, tol);
+        }
+    }
+    Ok(())
+}

@@ -11,9 +11,10 @@
 use cudarc::driver::CudaView;
 
 use super::{
-    add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, linear, linear_gated, linear_qkv_rope_cache,
-    qkv_rope_cache, reshape_and_cache, rms_norm, rms_norm_inplace, rope, silu_and_mul, split_qkv, GemmTuning, Gemms,
-    Gpu, GpuAttentionMetadata, GpuError, GpuRopeTable, GpuTensor, GpuView, GpuViewMut, PagedAttention,
+    add_rms_norm, add_sigmoid_gated, embedding, gather_rows, gelu_tanh_and_mul, linear, linear_gated,
+    linear_qkv_rope_cache, moe, qkv_rope_cache, reshape_and_cache, rms_norm, rms_norm_inplace, rope, silu_and_mul,
+    split_qkv, GemmTuning, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuExperts, GpuMoeScratch, GpuRopeTable,
+    GpuTensor, GpuView, GpuViewMut, PagedAttention,
 };
 use crate::device::{
     unfused_attention_input, AttentionInput, Device, GatedActivation, LayerAttention, Linear, MoeInput, MoeShape,
@@ -143,11 +144,6 @@ impl CudaBatch<'_> {
     }
 }
 
-/// The error of the MoE ops, which have no CUDA kernels yet.
-fn moe_unsupported(op: &'static str) -> GpuError {
-    GpuError::Unsupported { op, reason: "mixture-of-experts models run on the CPU only for now".into() }
-}
-
 fn bias_view(l: &Linear<Cuda>) -> Option<GpuView<'_>> {
     l.bias.as_ref().map(GpuTensor::view)
 }
@@ -160,8 +156,7 @@ impl Device for Cuda {
     type Rope = GpuRopeTable;
     type KvLayer = CudaKvLayer;
     type Batch<'a> = CudaBatch<'a>;
-    /// Mixture-of-experts models do not run on the GPU yet: the MoE ops answer `Unsupported`.
-    type MoeScratch = ();
+    type MoeScratch = GpuMoeScratch;
 
     fn tensor(&self, precision: Precision, capacity: usize, cols: usize) -> Result<CudaTensor, GpuError> {
         // Every buffer is written before it is read: no zeroing needed.
@@ -208,14 +203,6 @@ impl Device for Cuda {
 
     fn compute_dtype(&self) -> DType {
         self.dtype
-    }
-
-    fn moe_scratch(&self, _tokens: usize, _shape: MoeShape) -> Result<(), GpuError> {
-        Err(moe_unsupported("moe_scratch"))
-    }
-
-    fn moe_scratch_bytes(&self, _tokens: usize, _shape: MoeShape) -> usize {
-        0
     }
 
     /// Only models with q/k norms take the unfused attention input (see `attention_input`).
@@ -326,16 +313,34 @@ impl Device for Cuda {
         }
     }
 
+    fn moe_scratch(&self, tokens: usize, shape: MoeShape) -> Result<GpuMoeScratch, GpuError> {
+        GpuMoeScratch::new(&self.gpu, self.dtype, tokens, shape)
+    }
+
+    fn moe_scratch_bytes(&self, tokens: usize, shape: MoeShape) -> usize {
+        GpuMoeScratch::bytes(self.dtype, tokens, shape)
+    }
+
+    fn moe(&self, _batch: &CudaBatch<'_>, a: MoeInput<'_, Cuda>) -> Result<(), GpuError> {
+        let ex = a.experts;
+        let experts = GpuExperts {
+            gate_up: ex.gate_up.view(),
+            down: ex.down.view(),
+            shape: ex.shape(),
+            norm_topk_prob: ex.norm_topk_prob,
+            activation: ex.activation,
+        };
+        moe(&self.gpu, a.x.view(), a.router_logits.view(), &experts, a.scratch, a.out.view_mut())
+    }
+
+    fn add_sigmoid_gated(&self, out: &mut CudaTensor, x: &CudaTensor, gate: &CudaTensor) -> Result<(), GpuError> {
+        assert_eq!(gate.cols, 1, "add_sigmoid_gated: gate has {} columns, not 1", gate.cols);
+        let width = out.cols;
+        add_sigmoid_gated(&self.gpu, out.view_mut(), x.view(), gate.view(), width)
+    }
+
     fn gather_logits_rows(&self, b: &CudaBatch<'_>, src: &CudaTensor, dst: &mut CudaTensor) -> Result<(), GpuError> {
         gather_rows(&self.gpu, src.view(), src.cols, &b.logits_indices, dst.view_mut())
-    }
-
-    fn moe(&self, _b: &CudaBatch<'_>, _args: MoeInput<'_, Cuda>) -> Result<(), GpuError> {
-        Err(moe_unsupported("moe"))
-    }
-
-    fn add_sigmoid_gated(&self, _out: &mut CudaTensor, _x: &CudaTensor, _gate: &CudaTensor) -> Result<(), GpuError> {
-        Err(moe_unsupported("add_sigmoid_gated"))
     }
 
     fn attention_input(&self, b: &CudaBatch<'_>, a: AttentionInput<'_, Cuda>) -> Result<(), GpuError> {
