@@ -16,6 +16,7 @@ mod kv_cache;
 mod linear;
 mod norm;
 mod rope;
+mod softcap;
 #[cfg(test)]
 mod testutil;
 mod weights;
@@ -28,6 +29,7 @@ pub use kv_cache::reshape_and_cache;
 pub use linear::{linear, linear_gemm, linear_gemv, GEMV_MAX_M};
 pub use norm::{add_rms_norm, rms_norm, rms_norm_inplace};
 pub use rope::rope;
+pub use softcap::softcap;
 
 /// Element count below which an op runs on the calling thread: for a decode step's few rows,
 /// handing work to the thread pool costs more than it saves.

@@ -66,7 +66,8 @@ pub use linear::{linear, linear_gated};
 #[cfg(feature = "bench-internals")]
 pub use linear::{linear_cublas, linear_gemv_ksplit, GEMV_MAX_M};
 pub use ops::{
-    add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, split_qkv,
+    add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, softcap,
+    split_qkv,
 };
 pub use read_rate::read_rate;
 #[cfg(feature = "bench-internals")]

@@ -311,6 +311,7 @@ impl ModelConfig {
             heads: self.heads(),
             sliding_window: self.layer_window(layer),
             scale: 1.0 / (self.head_dim as f32).sqrt(),
+            softcap: None,
         }
     }
 
