@@ -94,7 +94,7 @@ macro_rules! golden {
     )*};
 }
 
-golden!(llama, llama3_gqa, mistral_swa, qwen2_tied, qwen3_qknorm, phi3_fused, gemma_geglu);
+golden!(llama, llama3_gqa, mistral_swa, qwen2_tied, qwen3_qknorm, phi3_fused, gemma_geglu, gemma2_softcap, gemma3_text);
 
 /// All four prompts of a fixture in one flattened batch give the same logits as each alone.
 #[test]

@@ -190,7 +190,17 @@ macro_rules! fixture {
     )*};
 }
 
-fixture!(llama, llama3_gqa, mistral_swa, qwen2_tied, qwen3_qknorm, phi3_fused, gemma_geglu);
+fixture!(
+    llama,
+    llama3_gqa,
+    mistral_swa,
+    qwen2_tied,
+    qwen3_qknorm,
+    phi3_fused,
+    gemma_geglu,
+    gemma2_softcap,
+    gemma3_text
+);
 
 /// Greedy tokens of `prompts`, decoded `steps` tokens each, in one shared batch (`together`) or
 /// one by one, and the margin (top-1 minus top-2 logprob) of each step when run alone.
