@@ -18,6 +18,7 @@ mod linear;
 mod moe;
 mod norm;
 mod rope;
+mod softcap;
 #[cfg(test)]
 mod testutil;
 mod weights;
@@ -31,6 +32,7 @@ pub use linear::{linear, linear_gemm, linear_gemv, GEMV_MAX_M};
 pub use moe::{add_sigmoid_gated, moe, CpuMoeScratch, MoeWeights};
 pub use norm::{add_rms_norm, rms_norm, rms_norm_inplace};
 pub use rope::rope;
+pub use softcap::softcap;
 
 /// Element count below which an op runs on the calling thread: for a decode step's few rows,
 /// handing work to the thread pool costs more than it saves.

@@ -78,6 +78,9 @@ pub struct LayerAttention {
     pub sliding_window: Option<usize>,
     /// Softmax scale, usually `1 / sqrt(head_dim)`.
     pub scale: f32,
+    /// Attention-logit soft-cap (Gemma 2's `attn_logit_softcapping`): each scaled score `s`
+    /// becomes `cap * tanh(s / cap)` before the mask and the softmax.
+    pub softcap: Option<f32>,
 }
 
 /// The rotary frequencies of a model, as the device is given them.
@@ -254,8 +257,13 @@ pub trait Device {
         out: &mut Self::Tensor,
     ) -> Result<(), Self::Error>;
 
-    /// RMSNorm in place over every `w`-long piece of each row (per head: q/k norms).
+    /// RMSNorm in place over every `w`-long piece of each row: per head (q/k norms), or over
+    /// whole rows (Gemma 2/3's norms of a sub-layer's output).
     fn rms_norm_heads(&self, x: &mut Self::Tensor, w: &Self::Vector, eps: f32) -> Result<(), Self::Error>;
+
+    /// `x = cap * tanh(x / cap)` in place (`cap > 0`); `x`: f32 `[rows, cols]` (the logits:
+    /// Gemma 2's `final_logit_softcapping`).
+    fn softcap(&self, x: &mut Self::Tensor, cap: f32) -> Result<(), Self::Error>;
 
     /// `y = x W^T (+ b)`; `y` in its own precision (f32 logits from a compute-dtype `x`).
     fn linear(&self, x: &Self::Tensor, w: &Linear<Self>, y: &mut Self::Tensor) -> Result<(), Self::Error>;

@@ -67,11 +67,20 @@ fn upload(gpu: &Gpu, data: &[f32], dtype: DType) -> Result<(GpuTensor, Vec<f32>)
 /// `|got - want| / max(|want|, 1e-2 * max|want|)`, is at most `tol`. Returns that error.
 fn check(what: &str, got: &[f32], want: &[f32], tol: f32) -> f32 {
     assert_eq!(got.len(), want.len(), "{what}: length");
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        assert!(!g.is_nan() || w.is_nan(), "{what}: element {i} is NaN (want {w})");
+    }
+    let (err, i) = worst_relative_error(got, want);
+    assert!(err <= tol, "{what}: max relative error {err:e} at element {i}: got {}, want {}", got[i], want[i]);
+    err
+}
+
+/// The largest relative error of `got` against `want` as [`check`] measures it, and where.
+fn worst_relative_error(got: &[f32], want: &[f32]) -> (f32, usize) {
     let scale = want.iter().fold(0.0f32, |m, w| m.max(w.abs()));
     let floor = (1e-2 * scale).max(f32::MIN_POSITIVE);
     let mut worst = (0.0f32, 0usize);
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        assert!(!g.is_nan() || w.is_nan(), "{what}: element {i} is NaN (want {w})");
         if g == w {
             continue;
         }
@@ -80,9 +89,7 @@ fn check(what: &str, got: &[f32], want: &[f32], tol: f32) -> f32 {
             worst = (err, i);
         }
     }
-    let (err, i) = worst;
-    assert!(err <= tol, "{what}: max relative error {err:e} at element {i}: got {}, want {}", got[i], want[i]);
-    err
+    worst
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -702,7 +709,20 @@ fn compare_attention(
     tol: f32,
     max_query_len: usize,
 ) -> Result<f32, GpuError> {
-    let scale = 1.0 / (heads.head_dim as f32).sqrt();
+    let want = cpu_attention(batch, heads, block_size, window, None);
+    let got = gpu_attention(kernel, gpu, batch, heads, block_size, window, dtype, max_query_len)?;
+    let what = format!("paged_attention {dtype:?} {heads:?} window {window:?} max_query_len {max_query_len}");
+    Ok(check(&what, &got, &want, tol))
+}
+
+/// The CPU op on `batch` (scale `1 / sqrt(head_dim)`), scores soft-capped at `softcap`.
+fn cpu_attention(
+    batch: &Batch,
+    heads: Heads,
+    block_size: usize,
+    window: Option<usize>,
+    softcap: Option<f32>,
+) -> Vec<f32> {
     let meta = cpu::AttentionMetadata {
         query_start_loc: &batch.query_start_loc,
         seq_lens: &batch.seq_lens,
@@ -710,22 +730,13 @@ fn compare_attention(
         max_blocks_per_seq: batch.max_blocks_per_seq,
         block_size,
         sliding_window: window,
-        scale,
+        scale: 1.0 / (heads.head_dim as f32).sqrt(),
+        softcap,
     };
-    let mut want = vec![0.0; batch.q.len()];
-    cpu::paged_attention(
-        &batch.q,
-        &batch.k_cache,
-        &batch.v_cache,
-        &meta,
-        heads.num_heads,
-        heads.num_kv_heads,
-        heads.head_dim,
-        &mut want,
-    );
-    let got = gpu_attention(kernel, gpu, batch, heads, block_size, window, dtype, max_query_len)?;
-    let what = format!("paged_attention {dtype:?} {heads:?} window {window:?} max_query_len {max_query_len}");
-    Ok(check(&what, &got, &want, tol))
+    let mut out = vec![0.0; batch.q.len()];
+    let (h, kv, d) = (heads.num_heads, heads.num_kv_heads, heads.head_dim);
+    cpu::paged_attention(&batch.q, &batch.k_cache, &batch.v_cache, &meta, h, kv, d, &mut out);
+    out
 }
 
 /// The GPU op on `kernel` on `batch`, its output as f32.
@@ -737,6 +748,22 @@ fn gpu_attention(
     heads: Heads,
     block_size: usize,
     window: Option<usize>,
+    dtype: DType,
+    max_query_len: usize,
+) -> Result<Vec<f32>, GpuError> {
+    gpu_attention_capped(kernel, gpu, batch, heads, block_size, window, None, dtype, max_query_len)
+}
+
+/// [`gpu_attention`] with the scores soft-capped at `softcap`.
+#[allow(clippy::too_many_arguments)]
+fn gpu_attention_capped(
+    kernel: AttentionKernel,
+    gpu: &Gpu,
+    batch: &Batch,
+    heads: Heads,
+    block_size: usize,
+    window: Option<usize>,
+    softcap: Option<f32>,
     dtype: DType,
     max_query_len: usize,
 ) -> Result<Vec<f32>, GpuError> {
@@ -752,6 +779,7 @@ fn gpu_attention(
         block_size,
         sliding_window: window,
         scale: 1.0 / (heads.head_dim as f32).sqrt(),
+        softcap,
         work: &Default::default(),
     };
     let q = GpuTensor::from_f32(gpu, &batch.q, dtype)?;
@@ -1109,6 +1137,7 @@ fn paged_attention_work_list_is_shared_by_a_steps_layers() -> Result<(), GpuErro
         block_size,
         sliding_window: None,
         scale,
+        softcap: None,
         work: &Default::default(),
     };
     for (i, (heads, batch)) in shapes.iter().zip(&batches).enumerate() {
@@ -1121,6 +1150,7 @@ fn paged_attention_work_list_is_shared_by_a_steps_layers() -> Result<(), GpuErro
             block_size,
             sliding_window: None,
             scale,
+            softcap: None,
         };
         let mut want = vec![0.0; batch.q.len()];
         let (h, kv, d) = (heads.num_heads, heads.num_kv_heads, heads.head_dim);
@@ -1134,6 +1164,96 @@ fn paged_attention_work_list_is_shared_by_a_steps_layers() -> Result<(), GpuErro
             let (q, k, v) = (q.view(), k_cache.view(), v_cache.view());
             attention.run_on(kernel, &gpu, q, k, v, &meta, *heads, out.view_mut())?;
             check(&format!("layer {i} {heads:?} general {general}"), &out.to_f32_vec(&gpu)?, &want, tol);
+        }
+    }
+    Ok(())
+}
+
+/// The soft-cap of the tests below: scores are about +-0.5 (queries up to 1.5, keys up to 1,
+/// scale `1 / sqrt(head_dim)`), so a cap of 0.5 moves every output far past the tolerances.
+const SOFTCAP: f32 = 0.5;
+
+/// Gemma 2's attention-logit soft-cap on every kernel `PagedAttention` can take, against the CPU:
+/// each case names the path it is meant to reach, and first checks that the cap moves the
+/// reference by several tolerances (so that a kernel ignoring it fails). Head shapes of Gemma 2
+/// 9B (16 heads over 8 KV heads of 256: the CUDA-core decode kernel, which keeps batch-1 decodes
+/// fast, and the flash kernel of head size 256) and 27B (32 over 16 of 128: the tensor-core
+/// decode kernels and the flash kernel of head size 128); the general kernel in f32 and forced.
+#[test]
+fn paged_attention_softcap_on_every_kernel() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(21);
+    let gemma_9b = Heads { num_heads: 16, num_kv_heads: 8, head_dim: 256 };
+    let gemma_27b = Heads { num_heads: 32, num_kv_heads: 16, head_dim: 128 };
+    let (f32_, bf16, f16) = (DTYPES[0], DTYPES[1], DTYPES[2]);
+    let (one, deep, many) = ([(37, 1)], DEEP_DECODE, many_decodes());
+    let general = AttentionKernel::General;
+    let cases = [
+        ("CUDA-core decode kernel, batch 1", PICKED, gemma_9b, &one[..], None, bf16),
+        ("CUDA-core decode kernel, split context", PICKED, gemma_9b, &deep[..], Some(1000), bf16),
+        ("CUDA-core decode kernel", PICKED, gemma_9b, &DECODES[..], Some(50), f16),
+        ("CUDA-core decode kernel in f32", PICKED, gemma_27b, &DECODES[..], None, f32_),
+        ("tensor-core decode kernel, batch 1", PICKED, gemma_27b, &one[..], None, bf16),
+        ("tensor-core decode kernel, split context", PICKED, gemma_27b, &deep[..], None, bf16),
+        ("tensor-core decode kernels, 300 decodes", PICKED, gemma_27b, &many[..], Some(50), f16),
+        ("flash prefill kernel of head size 256", PICKED, gemma_9b, &MIXED[..], Some(50), bf16),
+        ("flash prefill kernel of head size 128", PICKED, gemma_27b, &MIXED[..], None, f16),
+        ("general kernel in f32", PICKED, gemma_9b, &MIXED[..], Some(50), f32_),
+        ("general kernel, forced", general, gemma_27b, &MIXED[..], None, bf16),
+    ];
+    for (path, kernel, heads, requests, window, (dtype, tol)) in cases {
+        check_softcapped(&gpu, &mut rng, path, kernel, heads, requests, window, dtype, tol)?;
+    }
+    if gpu.compute_capability().0 >= 9 {
+        let copies = AttentionKernel::TensorCopies;
+        for requests in [&deep[..], &DECODES[..], &many[..]] {
+            let path = "tensor-copy decode kernel (sm_90)";
+            check_softcapped(&gpu, &mut rng, path, copies, gemma_27b, requests, None, DType::BF16, DTYPES[1].1)?;
+        }
+    }
+    Ok(())
+}
+
+/// One case of [`paged_attention_softcap_on_every_kernel`]: `requests` in blocks of 16 on
+/// `kernel`, scores capped at [`SOFTCAP`].
+#[allow(clippy::too_many_arguments)]
+fn check_softcapped(
+    gpu: &Gpu,
+    rng: &mut ChaCha8Rng,
+    path: &str,
+    kernel: AttentionKernel,
+    heads: Heads,
+    requests: &[(usize, usize)],
+    window: Option<usize>,
+    dtype: DType,
+    tol: f32,
+) -> Result<(), GpuError> {
+    let what = format!("softcap on the {path}: {dtype:?} {heads:?} window {window:?}");
+    let batch = Batch::random(rng, heads, requests, 16, dtype);
+    let want = cpu_attention(&batch, heads, 16, window, Some(SOFTCAP));
+    let (moved, _) = worst_relative_error(&cpu_attention(&batch, heads, 16, window, None), &want);
+    assert!(moved > 4.0 * tol, "{what}: the cap moves the reference by only {moved:e}, too little to test");
+    let max_query_len = batch.max_query_len;
+    let got = gpu_attention_capped(kernel, gpu, &batch, heads, 16, window, Some(SOFTCAP), dtype, max_query_len)?;
+    check(&what, &got, &want, tol);
+    Ok(())
+}
+
+/// The logits' soft-cap in place against the CPU op: values up to +-150 under Gemma 2's cap of
+/// 30 and a cap of 0.5, over Gemma 3's 262,144-token vocabulary, Gemma 2's 256,000 and a few
+/// odd widths.
+#[test]
+fn softcap_matches_cpu() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(22);
+    for (rows, vocab) in [(1, 7), (3, 1000), (2, 262_144), (5, 256_000)] {
+        for cap in [30.0, 0.5] {
+            let x = random_vec(&mut rng, rows * vocab, 150.0);
+            let mut want = x.clone();
+            cpu::softcap(&mut want, cap);
+            let mut logits = GpuTensor::from_f32(&gpu, &x, DType::F32)?;
+            cuda::softcap(&gpu, logits.view_mut(), cap)?;
+            check(&format!("softcap {cap} of [{rows}, {vocab}]"), &logits.to_f32_vec(&gpu)?, &want, 1e-6);
         }
     }
     Ok(())
@@ -1571,7 +1691,8 @@ fn sampling_matches_the_host_sampler() -> Result<(), GpuError> {
     let mut rng = rng(16);
     let mut sampler = cuda::GpuSampler::new();
     // Several launches per size on one sampler: later ones find earlier results in the buffers.
-    for (vocab, launches, rows) in [(7, 6, 40), (1000, 6, 40), (32_001, 4, 24), (128_256, 3, 16)] {
+    // Up to Gemma 3's 262,144 tokens.
+    for (vocab, launches, rows) in [(7, 6, 40), (1000, 6, 40), (32_001, 4, 24), (128_256, 3, 16), (262_144, 2, 8)] {
         for _ in 0..launches {
             check_sampling_launch(&gpu, &mut sampler, &mut rng, vocab, rows, DType::F32)?;
         }

@@ -133,7 +133,17 @@ const MOE_FIXTURES: [&str; 3] = ["qwen2_moe", "qwen3_moe", "mixtral_moe"];
 
 #[test]
 fn concurrent_requests_match_reference_on_every_fixture() {
-    let dense = ["llama", "llama3_gqa", "mistral_swa", "qwen2_tied", "qwen3_qknorm", "phi3_fused", "gemma_geglu"];
+    let dense = [
+        "llama",
+        "llama3_gqa",
+        "mistral_swa",
+        "qwen2_tied",
+        "qwen3_qknorm",
+        "phi3_fused",
+        "gemma_geglu",
+        "gemma2_softcap",
+        "gemma3_text",
+    ];
     for name in dense.into_iter().chain(MOE_FIXTURES) {
         check_concurrent_greedy(name, Setup::default());
     }
@@ -178,9 +188,12 @@ fn moe_fixtures_match_reference_alone_batched_chunked_and_preempted() {
 
 #[test]
 fn chunked_prefill_gives_the_same_tokens() {
-    // A budget of 8 tokens a step splits the 33- and 50-token prompts into many chunks that
-    // share steps with the other requests' decodes.
-    check_concurrent_greedy("mistral_swa", Setup { max_num_batched_tokens: 8, block_size: 4, ..Setup::default() });
+    // A budget of 8 tokens a step splits the longer prompts (33 and 50 tokens; 40 and 77 for the
+    // Gemma fixtures) into many chunks that share steps with the other requests' decodes, and
+    // that cross the sliding windows (24; 12 and 10 on Gemma's local layers).
+    for name in ["mistral_swa", "gemma2_softcap", "gemma3_text"] {
+        check_concurrent_greedy(name, Setup { max_num_batched_tokens: 8, block_size: 4, ..Setup::default() });
+    }
 }
 
 #[test]
@@ -436,8 +449,9 @@ fn a_full_queue_pushes_back() {
     wait_idle(&engine);
 }
 
-/// 32 greedy requests of mixed lengths (deterministic pseudo-random prompts).
-fn mixed_prompts() -> Vec<(Vec<u32>, u32)> {
+/// `count` greedy requests of mixed lengths (deterministic pseudo-random prompts of 1 to 60
+/// tokens below 320, 1 to 24 tokens out); the first 32 are the same for any count.
+fn mixed_prompts(count: usize) -> Vec<(Vec<u32>, u32)> {
     let mut state = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move |bound: u64| {
         state ^= state << 13;
@@ -445,7 +459,7 @@ fn mixed_prompts() -> Vec<(Vec<u32>, u32)> {
         state ^= state << 17;
         state % bound
     };
-    (0..32).map(|_| ((0..1 + next(60)).map(|_| 3 + next(317) as u32).collect(), 1 + next(24) as u32)).collect()
+    (0..count).map(|_| ((0..1 + next(60)).map(|_| 3 + next(317) as u32).collect(), 1 + next(24) as u32)).collect()
 }
 
 fn run_batch(name: &str, setup: Setup, prompts: &[(Vec<u32>, u32)], together: bool) -> (Vec<Vec<u32>>, u64) {
@@ -468,7 +482,7 @@ fn run_batch(name: &str, setup: Setup, prompts: &[(Vec<u32>, u32)], together: bo
 
 #[test]
 fn batch_invariance_of_32_mixed_requests() {
-    let prompts = mixed_prompts();
+    let prompts = mixed_prompts(32);
     let name = "llama3_gqa";
     let (alone, _) = run_batch(name, Setup::default(), &prompts, false);
     for (i, (out, (_, n))) in alone.iter().zip(&prompts).enumerate() {
@@ -484,6 +498,40 @@ fn batch_invariance_of_32_mixed_requests() {
     let (tiny, preemptions) = run_batch(name, tiny, &prompts, true);
     assert!(preemptions > 0, "the tiny pool should force preemption");
     assert_eq!(tiny, alone, "tiny pool with preemption");
+}
+
+/// Gemma 2 and 3 mix sliding-window layers (windows of 12 and 10) with global ones. Each
+/// reference case alone gives the reference tokens; 64 requests of 1 to 60 prompt tokens (most
+/// cross the windows) give the tokens each gives alone when all 64 run at once, when read in
+/// chunks of 7 tokens over blocks of 4, and when a pool of 24 blocks of 4 preempts them.
+#[test]
+fn sliding_and_global_layers_give_the_same_tokens_however_batched() {
+    for name in ["gemma2_softcap", "gemma3_text"] {
+        let (engine, _) = start(name, Setup::default());
+        for (i, (prompt, want)) in cases(name).into_iter().enumerate() {
+            let params = greedy(want.len() as u32);
+            let stream = engine.submit(GenerateRequest { prompt_token_ids: prompt, params, grammar: None });
+            assert_eq!(tokens(&collect(stream.expect("submit"))[0]), want, "{name} case {i} alone");
+        }
+        wait_idle(&engine);
+
+        let prompts = mixed_prompts(64);
+        let (alone, _) = run_batch(name, Setup::default(), &prompts, false);
+        for (i, (out, (_, n))) in alone.iter().zip(&prompts).enumerate() {
+            assert_eq!(out.len(), *n as usize, "{name} request {i}");
+        }
+        let roomy = Setup { num_blocks: 512, ..Setup::default() };
+        let (together, preemptions) = run_batch(name, roomy, &prompts, true);
+        assert_eq!(preemptions, 0, "{name}: 64 requests fit the pool at once");
+        assert_eq!(together, alone, "{name}: 64 at once");
+        let chunked = Setup { max_num_batched_tokens: 7, block_size: 4, ..Setup::default() };
+        assert_eq!(run_batch(name, chunked, &prompts, true).0, alone, "{name}: chunked prefill, 7 tokens a step");
+        // The longest request (84 tokens, 21 blocks of 4) fits alone; the batch does not.
+        let tiny = Setup { num_blocks: 24, block_size: 4, ..Setup::default() };
+        let (tiny, preemptions) = run_batch(name, tiny, &prompts, true);
+        assert!(preemptions > 0, "{name}: the tiny pool should force preemption");
+        assert_eq!(tiny, alone, "{name}: tiny pool with preemption");
+    }
 }
 
 /// A CPU runner that can fail one step, to drive the engine's device paths without a GPU.
@@ -702,7 +750,7 @@ fn seen(outputs: Vec<Vec<RequestOutput>>) -> Seen {
 fn steps_launched_ahead_give_the_outputs_of_steps_run_one_at_a_time() {
     let run = |overlap_steps: bool| {
         let (engine, _) = start("llama3_gqa", Setup { overlap_steps, max_num_seqs: 12, ..Setup::default() });
-        let streams: Vec<_> = mixed_prompts()
+        let streams: Vec<_> = mixed_prompts(32)
             .into_iter()
             .enumerate()
             .map(|(i, (prompt, n))| {

@@ -12,7 +12,7 @@ use ferrolm_sampling::GenerationDefaults;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::rope::RopeScaling;
+use crate::rope::{RopeParams, RopeScaling};
 use crate::ModelError;
 
 mod moe;
@@ -28,19 +28,24 @@ pub enum Architecture {
     Qwen3,
     Phi3,
     Gemma,
+    Gemma2,
+    /// Gemma 3's text model (`Gemma3ForCausalLM`).
+    Gemma3,
     Qwen2Moe,
     Qwen3Moe,
     Mixtral,
 }
 
 impl Architecture {
-    pub const SUPPORTED: [(&'static str, Architecture); 9] = [
+    pub const SUPPORTED: [(&'static str, Architecture); 11] = [
         ("LlamaForCausalLM", Architecture::Llama),
         ("MistralForCausalLM", Architecture::Mistral),
         ("Qwen2ForCausalLM", Architecture::Qwen2),
         ("Qwen3ForCausalLM", Architecture::Qwen3),
         ("Phi3ForCausalLM", Architecture::Phi3),
         ("GemmaForCausalLM", Architecture::Gemma),
+        ("Gemma2ForCausalLM", Architecture::Gemma2),
+        ("Gemma3ForCausalLM", Architecture::Gemma3),
         ("Qwen2MoeForCausalLM", Architecture::Qwen2Moe),
         ("Qwen3MoeForCausalLM", Architecture::Qwen3Moe),
         ("MixtralForCausalLM", Architecture::Mixtral),
@@ -86,8 +91,12 @@ pub struct ModelConfig {
     pub o_bias: bool,
     /// Biases on gate/up/down (Llama's `mlp_bias`).
     pub mlp_bias: bool,
-    /// RMSNorm of each q and k head before RoPE (Qwen3, Qwen3-MoE).
+    /// RMSNorm of each q and k head before RoPE (Qwen3, Qwen3-MoE, Gemma 3).
     pub qk_norm: bool,
+    /// Each sub-layer's output is normed before it joins the residual, and the MLP has an input
+    /// norm of its own (Gemma 2/3: `post_attention_layernorm` on the attention output,
+    /// `pre_feedforward_layernorm`, `post_feedforward_layernorm`).
+    pub sandwich_norms: bool,
     /// Norm weights are stored as `w - 1` and applied as `(1 + w)` (Gemma).
     pub norm_unit_offset: bool,
     /// Embeddings are multiplied by `sqrt(hidden_size)` (Gemma).
@@ -98,10 +107,20 @@ pub struct ModelConfig {
     /// Mistral-style models; alternating or patterned for the families that mix windowed and
     /// global layers). All false when `sliding_window` is `None`.
     pub sliding_layers: Vec<bool>,
+    /// The softmax scale is `query_pre_attn_scalar^-0.5` rather than `head_dim^-0.5` (Gemma 2/3).
+    pub query_pre_attn_scalar: Option<f32>,
+    /// Attention scores soft-capped at this value (Gemma 2's `attn_logit_softcapping`).
+    pub attn_logit_softcapping: Option<f32>,
+    /// Logits soft-capped at this value (Gemma 2's `final_logit_softcapping`).
+    pub final_logit_softcapping: Option<f32>,
+    /// The RoPE of every layer but those that take `sliding_rope`.
     pub rope_theta: f32,
     /// Fraction of each head that rotates (Phi-3's `partial_rotary_factor`).
     pub partial_rotary_factor: f32,
     pub rope_scaling: RopeScaling,
+    /// The RoPE of the sliding-window layers where it is not the others' (Gemma 3: base
+    /// `rope_local_base_freq`, no scaling).
+    pub sliding_rope: Option<RopeParams>,
     /// Weights stored with `qkv_proj` and `gate_up_proj` fused (Phi-3).
     pub fused_projections: bool,
     /// Routed experts in the MLPs of the sparse layers ([`ModelConfig::layer_is_sparse`]).
@@ -134,7 +153,12 @@ struct RawConfig {
     mlp_bias: Option<bool>,
     sliding_window: Option<usize>,
     use_sliding_window: Option<bool>,
+    layer_types: Option<Vec<String>>,
+    sliding_window_pattern: Option<usize>,
+    #[serde(rename = "_sliding_window_pattern")]
+    sliding_window_pattern_private: Option<usize>,
     rope_theta: Option<f64>,
+    rope_local_base_freq: Option<f64>,
     rope_scaling: Option<Value>,
     rope_parameters: Option<Value>,
     partial_rotary_factor: Option<f64>,
@@ -214,7 +238,8 @@ impl ModelConfig {
         positive("num_hidden_layers", raw.num_hidden_layers)?;
         positive("intermediate_size", raw.intermediate_size)?;
 
-        let is_gemma = architecture == Architecture::Gemma;
+        let is_gemma = matches!(architecture, Architecture::Gemma | Architecture::Gemma2 | Architecture::Gemma3);
+        let gemma_2_or_3 = matches!(architecture, Architecture::Gemma2 | Architecture::Gemma3);
         // Gemma's MLP is GELU-tanh whatever `hidden_act` says (HF overrides the exact "gelu").
         let act_name = raw.hidden_activation.clone().or(raw.hidden_act.clone()).unwrap_or_else(|| "silu".into());
         let activation = match (is_gemma, act_name.as_str()) {
@@ -231,17 +256,36 @@ impl ModelConfig {
             {
                 raw.sliding_window
             }
+            // HF's default window for both.
+            Architecture::Gemma2 | Architecture::Gemma3 => Some(raw.sliding_window.unwrap_or(4096)),
             _ => None,
         };
+        if sliding_window == Some(0) {
+            return Err(ModelError::Config("`sliding_window` must be positive".into()));
+        }
+        let sliding_layers = match sliding_layer_types(&raw, architecture)? {
+            Some(layers) => layers,
+            None => vec![sliding_window.is_some(); raw.num_hidden_layers],
+        };
 
-        // Rope parameters: new style `rope_parameters` (holds `rope_theta` too) or old style.
-        let rope_params = raw.rope_parameters.clone().or(raw.rope_scaling.clone()).filter(|v| v.is_object());
+        // Rope parameters: new style `rope_parameters` (holds `rope_theta` too; one set per
+        // layer type where the layer types differ, as in Gemma 3's) or old style.
+        let per_layer_type = raw
+            .rope_parameters
+            .as_ref()
+            .filter(|p| p.get("full_attention").is_some() || p.get("sliding_attention").is_some());
+        let rope_params = match per_layer_type {
+            Some(p) => p.get("full_attention").cloned(),
+            None => raw.rope_parameters.clone().or(raw.rope_scaling.clone()),
+        }
+        .filter(|v| v.is_object());
+        let default_theta = if architecture == Architecture::Gemma3 { 1_000_000.0 } else { 10000.0 };
         let rope_theta = rope_params
             .as_ref()
             .and_then(|p| p.get("rope_theta"))
             .and_then(Value::as_f64)
             .or(raw.rope_theta)
-            .unwrap_or(10000.0) as f32;
+            .unwrap_or(default_theta) as f32;
         let partial_rotary_factor = rope_params
             .as_ref()
             .and_then(|p| p.get("partial_rotary_factor"))
@@ -254,6 +298,39 @@ impl ModelConfig {
             max_position_embeddings,
             raw.original_max_position_embeddings,
         )?;
+        // Gemma 3's local layers: `rope_local_base_freq` and no scaling in the old style, their
+        // own entry in the new.
+        let local_theta = raw.rope_local_base_freq.unwrap_or(10000.0);
+        let sliding_rope = match (per_layer_type.and_then(|p| p.get("sliding_attention")), architecture) {
+            (Some(p), _) => Some(RopeParams {
+                theta: p.get("rope_theta").and_then(Value::as_f64).unwrap_or(local_theta) as f32,
+                scaling: RopeScaling::from_params(
+                    Some(p),
+                    max_position_embeddings,
+                    raw.original_max_position_embeddings,
+                )?,
+            }),
+            (None, Architecture::Gemma3) => Some(RopeParams { theta: local_theta as f32, scaling: RopeScaling::None }),
+            (None, _) => None,
+        };
+
+        // HF's defaults where a Gemma 2/3 config leaves these out (Gemma 2's caps 50 and 30,
+        // none for Gemma 3, a scalar of 256 for both); `null` turns a soft-cap off. The other
+        // families have none of them.
+        let (attn_cap, final_cap, pre_attn_scalar) = match architecture {
+            Architecture::Gemma2 => (Some(50.0), Some(30.0), Some(256.0)),
+            _ => (None, None, Some(256.0)),
+        };
+        let gemma_key = |key: &str, default: Option<f64>| {
+            if gemma_2_or_3 {
+                positive_or_default(&value, key, default)
+            } else {
+                Ok(None)
+            }
+        };
+        let attn_logit_softcapping = gemma_key("attn_logit_softcapping", attn_cap)?;
+        let final_logit_softcapping = gemma_key("final_logit_softcapping", final_cap)?;
+        let query_pre_attn_scalar = gemma_key("query_pre_attn_scalar", pre_attn_scalar)?;
 
         let dtype_name = raw.dtype.clone().or(raw.torch_dtype.clone()).unwrap_or_else(|| "bfloat16".into());
         let dtype =
@@ -283,14 +360,19 @@ impl ModelConfig {
             qkv_bias,
             o_bias: matches!(architecture, Architecture::Llama) && attention_bias,
             mlp_bias: raw.mlp_bias.unwrap_or(false),
-            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe),
+            qk_norm: matches!(architecture, Architecture::Qwen3 | Architecture::Qwen3Moe | Architecture::Gemma3),
+            sandwich_norms: gemma_2_or_3,
             norm_unit_offset: is_gemma,
             embedding_multiplier: if is_gemma { (hidden_size as f32).sqrt() } else { 1.0 },
             sliding_window,
-            sliding_layers: vec![sliding_window.is_some(); raw.num_hidden_layers],
+            sliding_layers,
+            query_pre_attn_scalar,
+            attn_logit_softcapping,
+            final_logit_softcapping,
             rope_theta,
             partial_rotary_factor,
             rope_scaling,
+            sliding_rope,
             fused_projections: architecture == Architecture::Phi3,
             moe,
             dtype,
@@ -329,13 +411,25 @@ impl ModelConfig {
         self.sliding_window.filter(|_| self.sliding_layers.get(layer).copied().unwrap_or(false))
     }
 
+    /// Whether layer `layer` rotates with `sliding_rope` rather than `rope_theta` /
+    /// `rope_scaling`: a sliding layer of a model whose sliding layers have a RoPE of their own.
+    pub fn layer_takes_sliding_rope(&self, layer: usize) -> bool {
+        self.sliding_rope.is_some() && self.sliding_layers.get(layer).copied().unwrap_or(false)
+    }
+
     /// What attention layer `layer` computes over the shared batch metadata: its window
-    /// ([`Self::layer_window`]) and softmax scale.
+    /// ([`Self::layer_window`]), softmax scale and soft-cap.
     pub fn layer_attention(&self, layer: usize) -> LayerAttention {
+        let scale = match self.query_pre_attn_scalar {
+            // As HF: `query_pre_attn_scalar**-0.5` in double precision, used as an f32.
+            Some(s) => (1.0 / f64::from(s).sqrt()) as f32,
+            None => 1.0 / (self.head_dim as f32).sqrt(),
+        };
         LayerAttention {
             heads: self.heads(),
             sliding_window: self.layer_window(layer),
-            scale: 1.0 / (self.head_dim as f32).sqrt(),
+            scale,
+            softcap: self.attn_logit_softcapping,
         }
     }
 
@@ -407,7 +501,57 @@ impl ModelConfig {
     /// out).
     pub fn num_parameters(&self) -> usize {
         let h = self.hidden_size;
-        self.matrix_elements() + self.num_hidden_layers * 2 * h + h
+        let norms = if self.sandwich_norms { 4 * h } else { 2 * h } + if self.qk_norm { 2 * self.head_dim } else { 0 };
+        self.matrix_elements() + self.num_hidden_layers * norms + h
+    }
+}
+
+/// `[num_hidden_layers]`: which layers slide, for the families that mix sliding-window and
+/// global layers (Gemma 2 and 3): `layer_types` where the config has it, else HF's pattern of
+/// the family (Gemma 2: every even layer; Gemma 3: all but every `sliding_window_pattern`-th).
+/// `None` for the other families: all their layers slide, or none.
+fn sliding_layer_types(raw: &RawConfig, architecture: Architecture) -> Result<Option<Vec<bool>>, ModelError> {
+    let n = raw.num_hidden_layers;
+    if !matches!(architecture, Architecture::Gemma2 | Architecture::Gemma3) {
+        return Ok(None);
+    }
+    if let Some(types) = &raw.layer_types {
+        if types.len() != n {
+            return Err(ModelError::Config(format!(
+                "`layer_types` has {} entries for {n} layers (num_hidden_layers)",
+                types.len()
+            )));
+        }
+        let slides = |t: &String| match t.as_str() {
+            "sliding_attention" => Ok(true),
+            "full_attention" => Ok(false),
+            other => Err(ModelError::Config(format!(
+                "unsupported layer type `{other}` in `layer_types` (sliding_attention or full_attention)"
+            ))),
+        };
+        return types.iter().map(slides).collect::<Result<Vec<_>, _>>().map(Some);
+    }
+    let pattern = match architecture {
+        Architecture::Gemma2 => 2,
+        _ => raw.sliding_window_pattern.or(raw.sliding_window_pattern_private).unwrap_or(6),
+    };
+    if pattern == 0 {
+        return Err(ModelError::Config("`sliding_window_pattern` must be positive".into()));
+    }
+    Ok(Some((0..n).map(|i| (i + 1) % pattern != 0).collect()))
+}
+
+/// The positive number under `key`: `default` where the config leaves the key out (HF's default
+/// for the class), none where it is `null`.
+fn positive_or_default(value: &Value, key: &str, default: Option<f64>) -> Result<Option<f32>, ModelError> {
+    let number = match value.get(key) {
+        None => default,
+        Some(Value::Null) => None,
+        Some(v) => Some(v.as_f64().ok_or_else(|| ModelError::Config(format!("`{key}` must be a number, not {v}")))?),
+    };
+    match number {
+        Some(x) if !x.is_finite() || x <= 0.0 => Err(ModelError::Config(format!("`{key}` must be positive, not {x}"))),
+        _ => Ok(number.map(|x| x as f32)),
     }
 }
 
@@ -520,6 +664,170 @@ mod tests {
         v["architectures"] = json!(["MistralForCausalLM"]);
         v["sliding_window"] = json!(24);
         assert_eq!(ModelConfig::from_value(v)?.sliding_window, Some(24));
+        Ok(())
+    }
+
+    /// `base()` as a Gemma 2 or 3 of `layers` layers with a window of 8.
+    fn gemma(arch: &str, layers: usize) -> Value {
+        let mut v = base();
+        v["architectures"] = json!([arch]);
+        v["num_hidden_layers"] = json!(layers);
+        v["sliding_window"] = json!(8);
+        v
+    }
+
+    fn windows(c: &ModelConfig) -> Vec<Option<usize>> {
+        (0..c.num_hidden_layers).map(|i| c.layer_window(i)).collect()
+    }
+
+    #[test]
+    fn gemma2_layers_alternate_unless_layer_types_say_otherwise() -> Result<(), ModelError> {
+        // HF's default: layer i slides when i is even.
+        let c = ModelConfig::from_value(gemma("Gemma2ForCausalLM", 5))?;
+        assert_eq!(windows(&c), [Some(8), None, Some(8), None, Some(8)]);
+        assert!(c.sandwich_norms && c.norm_unit_offset && !c.qk_norm && c.sliding_rope.is_none());
+
+        let mut v = gemma("Gemma2ForCausalLM", 3);
+        v["layer_types"] = json!(["full_attention", "sliding_attention", "sliding_attention"]);
+        assert_eq!(windows(&ModelConfig::from_value(v.clone())?), [None, Some(8), Some(8)]);
+
+        v["layer_types"] = json!(["full_attention", "sliding_attention"]);
+        let err = ModelConfig::from_value(v.clone()).unwrap_err().to_string();
+        assert!(err.contains("`layer_types` has 2 entries for 3 layers"), "{err}");
+        v["layer_types"] = json!(["full_attention", "chunked_attention", "full_attention"]);
+        let err = ModelConfig::from_value(v).unwrap_err().to_string();
+        assert!(err.contains("chunked_attention"), "{err}");
+
+        // No window in the config: HF's 4096.
+        let mut v = gemma("Gemma2ForCausalLM", 2);
+        v.as_object_mut().map(|o| o.remove("sliding_window"));
+        assert_eq!(windows(&ModelConfig::from_value(v)?), [Some(4096), None]);
+        Ok(())
+    }
+
+    #[test]
+    fn gemma3_layers_follow_the_pattern_or_layer_types() -> Result<(), ModelError> {
+        // HF: layer i slides unless (i + 1) % pattern == 0; the pattern defaults to 6.
+        let c = ModelConfig::from_value(gemma("Gemma3ForCausalLM", 7))?;
+        let local = Some(8);
+        assert_eq!(windows(&c), [local, local, local, local, local, None, local]);
+        assert!(c.qk_norm && c.sandwich_norms && c.norm_unit_offset);
+
+        let mut v = gemma("Gemma3ForCausalLM", 6);
+        v["sliding_window_pattern"] = json!(3);
+        assert_eq!(windows(&ModelConfig::from_value(v)?), [local, local, None, local, local, None]);
+        let mut v = gemma("Gemma3ForCausalLM", 4);
+        v["_sliding_window_pattern"] = json!(2);
+        assert_eq!(windows(&ModelConfig::from_value(v.clone())?), [local, None, local, None]);
+        // `layer_types` wins over the pattern.
+        v["layer_types"] = json!(["full_attention", "full_attention", "sliding_attention", "full_attention"]);
+        assert_eq!(windows(&ModelConfig::from_value(v)?), [None, None, local, None]);
+
+        let mut v = gemma("Gemma3ForCausalLM", 4);
+        v["sliding_window_pattern"] = json!(0);
+        assert!(ModelConfig::from_value(v).is_err());
+        Ok(())
+    }
+
+    /// Gemma 3 4B's text config in the old style (`rope_theta`, `rope_scaling`,
+    /// `rope_local_base_freq`) and the new (`rope_parameters` per layer type) give the same
+    /// RoPEs: linear scaling by 8 on the global layers only, base 10000 unscaled on the local.
+    #[test]
+    fn gemma3_ropes_in_both_styles() -> Result<(), ModelError> {
+        let mut old = gemma("Gemma3ForCausalLM", 6);
+        old["rope_theta"] = json!(1_000_000.0);
+        old["rope_local_base_freq"] = json!(10000.0);
+        old["rope_scaling"] = json!({"rope_type": "linear", "factor": 8.0});
+        let mut new = gemma("Gemma3ForCausalLM", 6);
+        new["rope_parameters"] = json!({
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        });
+        for v in [old, new] {
+            let c = ModelConfig::from_value(v)?;
+            assert_eq!((c.rope_theta, &c.rope_scaling), (1_000_000.0, &RopeScaling::Linear { factor: 8.0 }));
+            assert_eq!(c.sliding_rope, Some(RopeParams { theta: 10000.0, scaling: RopeScaling::None }));
+            let sliding: Vec<bool> = (0..6).map(|i| c.layer_takes_sliding_rope(i)).collect();
+            assert_eq!(sliding, [true, true, true, true, true, false]);
+            // The global layers' frequencies are scaled, the local layers' are not.
+            let global = c.rope_scaling.tables(c.rope_theta, c.rotary_dim())?;
+            let local = c.sliding_rope.as_ref().map(|r| r.scaling.tables(r.theta, c.rotary_dim())).transpose()?;
+            assert_eq!(global.inv_freq[0], 1.0 / 8.0);
+            assert_eq!(local.map(|t| t.inv_freq[0]), Some(1.0));
+        }
+
+        // Gemma 3 1B: no scaling, HF's defaults for the bases.
+        let c = ModelConfig::from_value(gemma("Gemma3ForCausalLM", 2))?;
+        assert_eq!((c.rope_theta, &c.rope_scaling), (1_000_000.0, &RopeScaling::None));
+        assert_eq!(c.sliding_rope, Some(RopeParams { theta: 10000.0, scaling: RopeScaling::None }));
+        // Gemma 2 rotates every layer alike.
+        let c = ModelConfig::from_value(gemma("Gemma2ForCausalLM", 2))?;
+        assert!(c.sliding_rope.is_none() && !c.layer_takes_sliding_rope(0));
+        Ok(())
+    }
+
+    #[test]
+    fn gemma_softcaps_and_attention_scale() -> Result<(), ModelError> {
+        let mut v = gemma("Gemma2ForCausalLM", 2);
+        v["query_pre_attn_scalar"] = json!(144);
+        v["attn_logit_softcapping"] = json!(50.0);
+        v["final_logit_softcapping"] = json!(30.0);
+        let c = ModelConfig::from_value(v)?;
+        assert_eq!((c.attn_logit_softcapping, c.final_logit_softcapping), (Some(50.0), Some(30.0)));
+        let a = c.layer_attention(0);
+        assert_eq!((a.scale, a.softcap, a.sliding_window), (1.0 / 12.0, Some(50.0), Some(8)));
+        assert_eq!(c.layer_attention(1).sliding_window, None);
+
+        // Left out: HF's Gemma 2 defaults. `null`: off.
+        let c = ModelConfig::from_value(gemma("Gemma2ForCausalLM", 2))?;
+        assert_eq!((c.attn_logit_softcapping, c.final_logit_softcapping), (Some(50.0), Some(30.0)));
+        assert_eq!(c.layer_attention(0).scale, 1.0 / 16.0);
+        let mut v = gemma("Gemma2ForCausalLM", 2);
+        v["attn_logit_softcapping"] = Value::Null;
+        v["final_logit_softcapping"] = Value::Null;
+        let c = ModelConfig::from_value(v)?;
+        assert_eq!((c.attn_logit_softcapping, c.final_logit_softcapping), (None, None));
+
+        // Gemma 3 has none by default, and takes them if set.
+        let c = ModelConfig::from_value(gemma("Gemma3ForCausalLM", 2))?;
+        assert_eq!((c.layer_attention(0).softcap, c.final_logit_softcapping), (None, None));
+        let mut v = gemma("Gemma3ForCausalLM", 2);
+        v["attn_logit_softcapping"] = json!(20.0);
+        v["final_logit_softcapping"] = json!(15.0);
+        let c = ModelConfig::from_value(v)?;
+        assert_eq!((c.layer_attention(1).softcap, c.final_logit_softcapping), (Some(20.0), Some(15.0)));
+
+        // Gemma 1 and the others: 1 / sqrt(head_dim), no caps whatever the keys say.
+        let mut v = base();
+        v["architectures"] = json!(["GemmaForCausalLM"]);
+        v["attn_logit_softcapping"] = json!(50.0);
+        let c = ModelConfig::from_value(v)?;
+        assert_eq!((c.layer_attention(0).scale, c.layer_attention(0).softcap), (0.25, None));
+
+        for bad in [json!(0.0), json!(-30.0), json!("30")] {
+            let mut v = gemma("Gemma2ForCausalLM", 2);
+            v["final_logit_softcapping"] = bad.clone();
+            let err = ModelConfig::from_value(v).unwrap_err().to_string();
+            assert!(err.contains("final_logit_softcapping"), "{bad}: {err}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn the_fixture_configs_of_gemma_2_and_3_read_as_hf_reads_them() -> Result<(), ModelError> {
+        let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../testdata/fixtures");
+        let c = ModelConfig::from_dir(&fixtures.join("gemma2_softcap"))?;
+        assert_eq!(c.architecture, Architecture::Gemma2);
+        assert_eq!(windows(&c), [Some(12), None, Some(12), None]);
+        assert_eq!((c.layer_attention(0).scale, c.layer_attention(0).softcap), (0.25, Some(50.0)));
+        assert_eq!(c.final_logit_softcapping, Some(30.0));
+
+        let c = ModelConfig::from_dir(&fixtures.join("gemma3_text"))?;
+        assert_eq!(c.architecture, Architecture::Gemma3);
+        assert_eq!(windows(&c), [Some(10), Some(10), None, Some(10), None]);
+        assert_eq!((c.rope_theta, &c.rope_scaling), (1_000_000.0, &RopeScaling::None));
+        assert_eq!(c.sliding_rope, Some(RopeParams { theta: 10000.0, scaling: RopeScaling::None }));
+        assert_eq!((c.layer_attention(2).softcap, c.final_logit_softcapping), (None, None));
         Ok(())
     }
 

@@ -6,9 +6,10 @@
 //! two GEMMs where HF runs three and two. What differs between families is stated once, here
 //! and in the config: biases (`qkv_bias`, `o_bias`, `mlp_bias`), q/k norms, checkpoints with
 //! fused projections, Gemma's `(1 + w)` norms (folded into the weights at load) and scaled
-//! embedding, the gated activation, tied embeddings, each layer's attention (window, scale:
-//! [`ModelConfig::layer_attention`]) and each layer's MLP, dense or a mixture of experts
-//! ([`Mlp`], in `mlp`).
+//! embedding, Gemma 2/3's sandwich norms and Gemma 2's soft-capped logits, the gated
+//! activation, tied embeddings, each layer's attention (window, scale, soft-cap:
+//! [`ModelConfig::layer_attention`]) and RoPE (Gemma 3's local layers have their own), and each
+//! layer's MLP, dense or a mixture of experts ([`Mlp`], in `mlp`).
 //!
 //! [`Decoder::run`] only issues device work, so a step can be captured as a CUDA graph.
 
@@ -32,11 +33,25 @@ pub struct Layer<D: Device> {
     /// f32 `[head_dim]` each.
     qk_norm: Option<(D::Vector, D::Vector)>,
     attention: LayerAttention,
+    /// Which of the decoder's `ropes` rotates q and k.
+    rope: usize,
     /// `[hidden, q_size]`
     o_proj: Linear<D>,
-    /// f32 `[hidden]`
+    /// f32 `[hidden]`: the norm of the MLP's input (HF's `post_attention_layernorm`; Gemma 2/3's
+    /// `pre_feedforward_layernorm`).
     post_attention_layernorm: D::Vector,
+    /// Gemma 2/3's norms of the attention and MLP outputs.
+    sandwich_norms: Option<SandwichNorms<D>>,
     mlp: Mlp<D>,
+}
+
+/// The norms of each sub-layer's output before it joins the residual (Gemma 2/3), f32
+/// `[hidden]` each.
+struct SandwichNorms<D: Device> {
+    /// HF's `post_attention_layernorm`, on the attention output.
+    attention_output: D::Vector,
+    /// `post_feedforward_layernorm`, on the MLP output.
+    mlp_output: D::Vector,
 }
 
 /// A model's weights on device `D`, and the step that runs them.
@@ -49,7 +64,9 @@ pub struct Decoder<D: Device> {
     norm: D::Vector,
     /// `[vocab, hidden]`; `None` when tied to `embed_tokens`.
     lm_head: Option<Linear<D>>,
-    rope: D::Rope,
+    /// The model's RoPE tables: the global one, then the sliding layers' where they have their
+    /// own (`ModelConfig::sliding_rope`).
+    ropes: Vec<D::Rope>,
     weight_bytes: usize,
 }
 
@@ -77,15 +94,19 @@ where
         let norm = loader.norm("model.norm.weight", h)?;
         let lm_head =
             if config.tie_word_embeddings { None } else { Some(loader.linear(&[("lm_head".into(), v)], h, false)?) };
-        let tables = config.rope_scaling.tables(config.rope_theta, config.rotary_dim())?;
-        let rope = dev.rope(tables.frequencies())?;
+        let rotary_dim = config.rotary_dim();
+        let global = config.rope_scaling.tables(config.rope_theta, rotary_dim)?;
+        let mut ropes = vec![dev.rope(global.frequencies())?];
+        if let Some(sliding) = &config.sliding_rope {
+            ropes.push(dev.rope(sliding.scaling.tables(sliding.theta, rotary_dim)?.frequencies())?);
+        }
         let matrices = layers
             .iter()
             .flat_map(|l| [&l.qkv_proj.weight, &l.o_proj.weight].into_iter().chain(l.mlp.matrices()))
             .chain([&embed_tokens.weight])
             .chain(lm_head.as_ref().map(|l| &l.weight));
         let weight_bytes = matrices.map(|m| dev.matrix_bytes(m)).sum();
-        Ok(Decoder { config, embed_tokens, layers, norm, lm_head, rope, weight_bytes })
+        Ok(Decoder { config, embed_tokens, layers, norm, lm_head, ropes, weight_bytes })
     }
 }
 
@@ -141,7 +162,7 @@ impl<D: Device> Decoder<D> {
                 qk_norm: layer.qk_norm.as_ref().map(|(q, k)| (q, k)),
                 eps,
                 heads: layer.attention.heads,
-                rope: &self.rope,
+                rope: &self.ropes[layer.rope],
                 qkv: &mut a.qkv,
                 k: &mut a.k,
                 v: &mut a.v,
@@ -151,8 +172,14 @@ impl<D: Device> Decoder<D> {
             dev.attention_input(batch, input)?;
             dev.attention(batch, &layer.attention, &a.q, kv, &mut a.attn)?;
             dev.linear(&a.attn, &layer.o_proj, &mut a.o)?;
+            if let Some(s) = &layer.sandwich_norms {
+                dev.rms_norm_heads(&mut a.o, &s.attention_output, eps)?;
+            }
             dev.add_rms_norm(&mut a.residual, &a.o, &layer.post_attention_layernorm, eps, &mut a.normed)?;
             layer.mlp.forward(dev, batch, cfg.activation, a)?;
+            if let Some(s) = &layer.sandwich_norms {
+                dev.rms_norm_heads(&mut a.pending, &s.mlp_output, eps)?;
+            }
         }
 
         // Only the rows whose logits are wanted go through the final norm and the LM head.
@@ -172,7 +199,11 @@ impl<D: Device> Decoder<D> {
         }
         // Logits only for the ids the model may output (`output_vocab_size`): rows padding the
         // vocabulary past the tokenizer are never computed, so never sampled.
-        dev.linear_prefix(&a.final_normed, self.lm_head(), &mut a.logits)
+        dev.linear_prefix(&a.final_normed, self.lm_head(), &mut a.logits)?;
+        match cfg.final_logit_softcapping {
+            Some(cap) => dev.softcap(&mut a.logits, cap),
+            None => Ok(()),
+        }
     }
 }
 
@@ -211,13 +242,26 @@ where
         } else {
             None
         };
+        let layer_norm = |n: &str| self.norm(&format!("{p}.{n}.weight"), h);
+        let (post_attention_layernorm, sandwich_norms) = if cfg.sandwich_norms {
+            let sandwich = SandwichNorms {
+                attention_output: layer_norm("post_attention_layernorm")?,
+                mlp_output: layer_norm("post_feedforward_layernorm")?,
+            };
+            (layer_norm("pre_feedforward_layernorm")?, Some(sandwich))
+        } else {
+            (layer_norm("post_attention_layernorm")?, None)
+        };
         Ok(Layer {
-            input_layernorm: self.norm(&format!("{p}.input_layernorm.weight"), h)?,
+            input_layernorm: layer_norm("input_layernorm")?,
             qkv_proj,
             qk_norm,
             attention: cfg.layer_attention(i),
+            // The sliding layers' own RoPE is the decoder's second.
+            rope: usize::from(cfg.layer_takes_sliding_rope(i)),
             o_proj: self.linear(&[(format!("{p}.self_attn.o_proj"), h)], q, cfg.o_bias)?,
-            post_attention_layernorm: self.norm(&format!("{p}.post_attention_layernorm.weight"), h)?,
+            post_attention_layernorm,
+            sandwich_norms,
             mlp: self.mlp(i, &p)?,
         })
     }

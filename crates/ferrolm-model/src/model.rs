@@ -78,6 +78,7 @@ fn cpu_batch(input: &ModelInput, block_size: usize) -> CpuBatch<'_> {
             // Set per layer by the decoder (`LayerAttention`).
             sliding_window: None,
             scale: 1.0,
+            softcap: None,
         },
     }
 }

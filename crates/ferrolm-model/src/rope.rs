@@ -39,6 +39,14 @@ pub enum RopeScaling {
     },
 }
 
+/// One RoPE of a model: its base and its scaling (a model whose layers rotate differently has
+/// more than one: Gemma 3's local layers).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RopeParams {
+    pub theta: f32,
+    pub scaling: RopeScaling,
+}
+
 /// The tables the RoPE op needs: one set of inverse frequencies, or two (LongRoPE) with the
 /// position from which the second applies.
 #[derive(Clone, Debug)]

@@ -198,6 +198,8 @@ fixture!(
     qwen3_qknorm,
     phi3_fused,
     gemma_geglu,
+    gemma2_softcap,
+    gemma3_text,
     qwen2_moe,
     qwen3_moe,
     mixtral_moe

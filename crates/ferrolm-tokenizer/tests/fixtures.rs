@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use ferrolm_tokenizer::{ChatMessage, Tokenizer, TokenizerError};
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/fixtures");
-const FIXTURE_NAMES: [&str; 10] = [
+const FIXTURE_NAMES: [&str; 12] = [
     "llama",
     "llama3_gqa",
     "mistral_swa",
@@ -16,6 +16,8 @@ const FIXTURE_NAMES: [&str; 10] = [
     "qwen3_qknorm",
     "phi3_fused",
     "gemma_geglu",
+    "gemma2_softcap",
+    "gemma3_text",
     "qwen2_moe",
     "qwen3_moe",
     "mixtral_moe",
@@ -200,6 +202,23 @@ fn decode_rejects_unknown_ids() -> TestResult {
     let err = tokenizer.decode(&[5, 320], false).err().ok_or("decode accepted id 320")?;
     assert!(matches!(err, TokenizerError::UnknownTokenId { id: 320, vocab_size: 320 }), "{err}");
     assert_eq!(err.to_string(), "token id 320 is out of vocabulary: the tokenizer has 320 tokens");
+    Ok(())
+}
+
+/// The Gemma 2 and 3 fixtures share a byte-level BPE of 384 tokens: ids past the older
+/// fixtures' 320 are tokens of their own (383 is `attn`), and 384 is out of vocabulary.
+#[test]
+fn the_384_token_vocabulary_of_the_newer_fixtures() -> TestResult {
+    for name in ["gemma2_softcap", "gemma3_text"] {
+        let tokenizer = Tokenizer::from_dir(&fixture(name))?;
+        assert_eq!(tokenizer.vocab_size(), 384, "{name}");
+        assert_eq!(tokenizer.id_to_token(383).as_deref(), Some("attn"), "{name}");
+        assert_eq!(tokenizer.id_to_token(384), None, "{name}");
+        assert_eq!(tokenizer.encode("attn", false)?, [383], "{name}");
+        assert_eq!(tokenizer.decode(&[320, 383], false)?, "chattn", "{name}");
+        let err = tokenizer.decode(&[383, 384], false).err().ok_or("decode accepted id 384")?;
+        assert!(matches!(err, TokenizerError::UnknownTokenId { id: 384, vocab_size: 384 }), "{name}: {err}");
+    }
     Ok(())
 }
 

@@ -220,6 +220,7 @@ impl StepBuffers {
             block_size: BLOCK_SIZE,
             sliding_window: None,
             scale: 1.0 / (HEAD_DIM as f32).sqrt(),
+            softcap: None,
             work: &self.work,
         }
     }

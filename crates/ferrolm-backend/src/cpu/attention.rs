@@ -3,8 +3,9 @@
 //! Invariants: the cache already holds every token of each request up to `seq_lens[r]`
 //! (written by `reshape_and_cache`); the `q_len` query rows of request `r` are its last `q_len`
 //! positions, so a row at position `p` sees keys `0..=p`, or `p - window < j <= p` with a sliding
-//! window. Work is split over (query row, KV head) so that the query heads sharing a KV head
-//! (GQA) read each key and value once.
+//! window. A layer with a soft-cap (Gemma 2) caps each scaled score before the mask. Work is
+//! split over (query row, KV head) so that the query heads sharing a KV head (GQA) read each key
+//! and value once.
 
 use rayon::prelude::*;
 
@@ -24,6 +25,9 @@ pub struct AttentionMetadata<'a> {
     pub sliding_window: Option<usize>,
     /// Softmax scale, usually `1 / sqrt(head_dim)`.
     pub scale: f32,
+    /// Attention-logit soft-cap (Gemma 2): each scaled score `s` becomes `cap * tanh(s / cap)`
+    /// before the mask and the softmax.
+    pub softcap: Option<f32>,
 }
 
 /// Causal attention of every query row over its request's paged K/V (which must already hold the
@@ -62,6 +66,7 @@ pub fn paged_attention(
             kv_offset: kv_head * head_dim,
             shape: &shape,
             scale: meta.scale,
+            softcap: meta.softcap,
         };
         task.run(scratch, out_group);
     });
@@ -117,6 +122,7 @@ fn check_batch(
     assert_eq!(k_cache.len() % shape.kv_width, 0, "paged_attention: cache is not whole slots");
     let num_blocks = k_cache.len() / shape.kv_width / meta.block_size;
     assert!(meta.sliding_window != Some(0), "paged_attention: sliding window of 0 sees nothing");
+    assert!(meta.softcap.is_none_or(|c| c > 0.0), "paged_attention: a soft-cap must be positive");
 
     let mut row_request = Vec::with_capacity(num_tokens);
     for r in 0..num_reqs {
@@ -154,6 +160,7 @@ struct GroupTask<'a> {
     kv_offset: usize,
     shape: &'a AttentionShape,
     scale: f32,
+    softcap: Option<f32>,
 }
 
 impl GroupTask<'_> {
@@ -187,6 +194,10 @@ impl GroupTask<'_> {
             for (g, q) in self.q.chunks_exact(dim).enumerate() {
                 weights[g * n + i] = dot(q, k) * self.scale;
             }
+        }
+        if let Some(cap) = self.softcap {
+            // In HF's order: divide, tanh, multiply.
+            weights.iter_mut().for_each(|s| *s = (*s / cap).tanh() * cap);
         }
         for (w, inv_sum) in weights.chunks_exact_mut(n).zip(inv_sums.iter_mut()) {
             let max = w.iter().copied().fold(f32::NEG_INFINITY, f32::max);

@@ -6,7 +6,7 @@ use std::convert::Infallible;
 
 use super::{
     add_rms_norm, add_sigmoid_gated, embedding, gelu_tanh_and_mul, linear, moe, paged_attention, reshape_and_cache,
-    rms_norm, rms_norm_inplace, rope, silu_and_mul, AttentionMetadata, CpuMoeScratch, MoeWeights,
+    rms_norm, rms_norm_inplace, rope, silu_and_mul, softcap, AttentionMetadata, CpuMoeScratch, MoeWeights,
 };
 use crate::device::{
     Device, GatedActivation, LayerAttention, Linear, MoeInput, MoeShape, Precision, RopeFrequencies, Shaped,
@@ -95,7 +95,7 @@ pub struct CpuBatch<'a> {
     pub slot_mapping: &'a [i64],
     /// `[rows]`
     pub logits_indices: &'a [u32],
-    /// Its `sliding_window` and `scale` are replaced per layer ([`LayerAttention`]).
+    /// Its `sliding_window`, `scale` and `softcap` are replaced per layer ([`LayerAttention`]).
     pub attention: AttentionMetadata<'a>,
 }
 
@@ -186,6 +186,11 @@ impl Device for Cpu {
         Ok(())
     }
 
+    fn softcap(&self, x: &mut CpuTensor, cap: f32) -> Result<(), Infallible> {
+        softcap(x.as_mut_slice(), cap);
+        Ok(())
+    }
+
     fn linear(&self, x: &CpuTensor, w: &Linear<Cpu>, y: &mut CpuTensor) -> Result<(), Infallible> {
         assert_eq!(x.cols, w.in_features, "linear: x has {} columns, the weight takes {}", x.cols, w.in_features);
         assert_eq!(y.cols, w.out_features, "linear: y has {} columns, the weight gives {}", y.cols, w.out_features);
@@ -256,7 +261,12 @@ impl Device for Cpu {
         kv: &CpuKvLayer,
         out: &mut CpuTensor,
     ) -> Result<(), Infallible> {
-        let meta = AttentionMetadata { sliding_window: layer.sliding_window, scale: layer.scale, ..b.attention };
+        let meta = AttentionMetadata {
+            sliding_window: layer.sliding_window,
+            scale: layer.scale,
+            softcap: layer.softcap,
+            ..b.attention
+        };
         let h = layer.heads;
         paged_attention(q.as_slice(), &kv.k, &kv.v, &meta, h.num_heads, h.num_kv_heads, h.head_dim, out.as_mut_slice());
         Ok(())

@@ -41,6 +41,7 @@ pub(crate) fn empty_batch() -> super::CpuBatch<'static> {
             block_size: 16,
             sliding_window: None,
             scale: 1.0,
+            softcap: None,
         },
     }
 }

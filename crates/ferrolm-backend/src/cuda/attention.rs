@@ -17,7 +17,9 @@
 //! Prefill chunks and mixed batches in bf16 or f16 take the tensor-core kernel of
 //! [`super::flash_attention`] where it has the head size; everything else goes to the general
 //! kernel, which tiles query rows and keys through shared memory in f32. All compute the same
-//! function for any batch; `max_query_len` and the dtype only pick the kernel.
+//! function for any batch; `max_query_len` and the dtype only pick the kernel. Each kernel takes
+//! a layer's soft-cap of the scores (Gemma 2: `float softcap`, 0 for none) and applies it where
+//! it forms a score, so a soft-capped layer runs on whichever kernel its batch would take.
 
 use cudarc::driver::sys::{
     cuTensorMapEncodeTiled, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
@@ -170,6 +172,9 @@ pub struct GpuAttentionMetadata<'a> {
     pub sliding_window: Option<usize>,
     /// Softmax scale, usually `1 / sqrt(head_dim)`.
     pub scale: f32,
+    /// Attention-logit soft-cap (Gemma 2): each scaled score `s` becomes `cap * tanh(s / cap)`
+    /// before the mask. Every kernel applies it where it forms the score.
+    pub softcap: Option<f32>,
     /// Starts empty (`AttentionWork::default()`); filled by the first call that needs it, and
     /// shared by every layer's metadata of the step.
     pub work: &'a AttentionWork,
@@ -364,6 +369,7 @@ impl PagedAttention {
         );
         assert!(meta.block_size > 0, "{op}: block_size is 0");
         assert!(meta.sliding_window != Some(0), "{op}: sliding window of 0 sees nothing");
+        assert!(meta.softcap.is_none_or(|c| c > 0.0), "{op}: a soft-cap must be positive");
         let kv_width = num_kv_heads * head_dim;
         assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
         assert_eq!(k_cache.len() % kv_width, 0, "{op}: cache is not whole slots");
@@ -575,6 +581,11 @@ fn decode_shared_bytes(elem_size: usize, g: usize, head_dim: usize) -> usize {
     ring.max(merge)
 }
 
+/// The `float softcap` every attention kernel takes: 0 for none.
+pub(crate) fn softcap_arg(meta: &GpuAttentionMetadata<'_>) -> f32 {
+    meta.softcap.unwrap_or(0.0)
+}
+
 /// The arguments both kernels take after their pointers, in order.
 fn shape_args(
     op: &str,
@@ -692,7 +703,7 @@ impl PagedAttention {
         let tables_ptr = gpu.index_ptr(&meta.block_tables);
         let reqs = to_u32(op, "num_reqs", num_reqs);
         let args = shape_args(op, meta, num_heads, num_kv_heads, head_dim, num_blocks);
-        let part_len = to_u32(op, "partition length", split.part_len);
+        let (part_len, softcap) = (to_u32(op, "partition length", split.part_len), softcap_arg(meta));
         let name = tensor_copies.unwrap_or(match (kernel, g) {
             (DecodeKernel::TensorCore(_, warp_name), _) if per_warp => warp_name,
             (DecodeKernel::TensorCore(name, _), _) => name,
@@ -707,7 +718,7 @@ impl PagedAttention {
         for a in &args {
             launch.arg(a);
         }
-        launch.arg(&meta.scale).arg(&part_len);
+        launch.arg(&meta.scale).arg(&softcap).arg(&part_len);
         // The tensor-copy form takes the caches' tensor maps after the others.
         let maps = match tensor_copies {
             Some(_) => Some((
@@ -806,13 +817,14 @@ fn paged_general(gpu: &Gpu, operands: &Operands<'_>, out: GpuViewMut<'_>) -> Res
     let (reqs, tokens) = (to_u32(op, "num_reqs", num_reqs), to_u32(op, "num_tokens", num_tokens));
     let args = shape_args(op, meta, num_heads, num_kv_heads, head_dim, num_blocks);
     let (q_tile, heads_per_block) = (shape.q_tile as u32, shape.heads_per_block as u32);
+    let softcap = softcap_arg(meta);
     let mut launch = gpu.launch_builder(op, q.dtype());
     launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&out_ptr).arg(&qsl_ptr).arg(&lens_ptr).arg(&tables_ptr);
     launch.arg(&reqs).arg(&tokens);
     for a in &args {
         launch.arg(a);
     }
-    launch.arg(&meta.scale).arg(&q_tile).arg(&heads_per_block);
+    launch.arg(&meta.scale).arg(&softcap).arg(&q_tile).arg(&heads_per_block);
     // SAFETY: the arguments match the kernel's parameters in order; the tile shape keeps every
     // block's accumulators within `threads * ACC_PER_THREAD` and its shared memory as computed.
     unsafe { launch.launch(cfg) }?;

@@ -13,8 +13,8 @@ use cudarc::driver::CudaView;
 use super::{
     add_rms_norm, add_sigmoid_gated, embedding, gather_rows, gelu_tanh_and_mul, linear, linear_gated,
     linear_qkv_rope_cache, moe, qkv_rope_cache, reshape_and_cache, rms_norm, rms_norm_inplace, rope, silu_and_mul,
-    split_qkv, GemmTuning, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuExperts, GpuMoeScratch, GpuRopeTable,
-    GpuTensor, GpuView, GpuViewMut, PagedAttention,
+    softcap, split_qkv, GemmTuning, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuExperts, GpuMoeScratch,
+    GpuRopeTable, GpuTensor, GpuView, GpuViewMut, PagedAttention,
 };
 use crate::device::{
     unfused_attention_input, AttentionInput, Device, GatedActivation, LayerAttention, Linear, MoeInput, MoeShape,
@@ -121,12 +121,13 @@ pub struct CudaBatch<'a> {
     pub slot_mapping: CudaView<'a, i64>,
     /// `[rows]`
     pub logits_indices: CudaView<'a, u32>,
-    /// Its `sliding_window` and `scale` are replaced per layer ([`LayerAttention`]).
+    /// Its `sliding_window`, `scale` and `softcap` are replaced per layer ([`LayerAttention`]).
     pub attention: GpuAttentionMetadata<'a>,
 }
 
 impl CudaBatch<'_> {
-    /// The attention metadata with `layer`'s window and scale (the work list stays shared).
+    /// The attention metadata with `layer`'s window, scale and soft-cap (the work list stays
+    /// shared).
     fn layer_metadata(&self, layer: &LayerAttention) -> GpuAttentionMetadata<'_> {
         let m = &self.attention;
         GpuAttentionMetadata {
@@ -139,6 +140,7 @@ impl CudaBatch<'_> {
             block_size: m.block_size,
             sliding_window: layer.sliding_window,
             scale: layer.scale,
+            softcap: layer.softcap,
             work: m.work,
         }
     }
@@ -238,6 +240,10 @@ impl Device for Cuda {
 
     fn rms_norm_heads(&self, x: &mut CudaTensor, w: &GpuTensor, eps: f32) -> Result<(), GpuError> {
         rms_norm_inplace(&self.gpu, x.view_mut(), w.view(), eps)
+    }
+
+    fn softcap(&self, x: &mut CudaTensor, cap: f32) -> Result<(), GpuError> {
+        softcap(&self.gpu, x.view_mut(), cap)
     }
 
     fn linear(&self, x: &CudaTensor, w: &Linear<Cuda>, y: &mut CudaTensor) -> Result<(), GpuError> {

@@ -13,7 +13,7 @@ use std::fmt;
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::attention::Operands;
+use super::attention::{softcap_arg, Operands};
 use super::compile::{self, KernelFamilies};
 use super::gpu::to_u32;
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
@@ -236,7 +236,7 @@ pub(crate) fn paged_flash(
         // 0 is "no window"; a window past u32 sees everything, as no window does.
         meta.sliding_window.map_or(0, |w| u32::try_from(w).unwrap_or(0)),
     ];
-    let scale_log2 = meta.scale * std::f32::consts::LOG2_E;
+    let (scale_log2, softcap) = (meta.scale * std::f32::consts::LOG2_E, softcap_arg(meta));
     let (heads_per_tile, head_chunks) = (rows.heads_per_tile as u32, rows.head_chunks as u32);
     let mut launch = gpu.launch_builder(kernel.name, q.dtype());
     launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&out_ptr).arg(&work_ptr);
@@ -244,7 +244,7 @@ pub(crate) fn paged_flash(
     for a in &args {
         launch.arg(a);
     }
-    launch.arg(&scale_log2).arg(&heads_per_tile).arg(&head_chunks);
+    launch.arg(&scale_log2).arg(&softcap).arg(&heads_per_tile).arg(&head_chunks);
     // SAFETY: the arguments match the kernel's parameters in order; `kernel_for` checked the
     // dtype, head size and alignment; every work item lies inside its request's query rows
     // (`work_items` over the checked `query_start_loc_host`, or one item per request without a

@@ -1,5 +1,5 @@
 //! The row-wise ops: embedding lookup, RMSNorm (plain, fused with the residual add, and per
-//! head), the q/k/v split, the gated activations and the row gather. One block per row (the
+//! head), the q/k/v split, the gated activations, the row gather and the soft-cap of f32 rows. One block per row (the
 //! gated activations: a row spread over several).
 
 use cudarc::driver::{DevicePtr, LaunchConfig};
@@ -28,7 +28,15 @@ pub(crate) const KERNELS: &[KernelFamilies] = &[
     },
     KernelFamilies {
         source: &compile::ELEMENTWISE,
-        names: &["embedding", "embedding_to_f32", "split_qkv", "silu_and_mul", "gelu_tanh_and_mul", "gather_rows"],
+        names: &[
+            "embedding",
+            "embedding_to_f32",
+            "split_qkv",
+            "silu_and_mul",
+            "gelu_tanh_and_mul",
+            "gather_rows",
+            "softcap",
+        ],
         large_shared: false,
     },
 ];
@@ -205,6 +213,23 @@ pub fn gather_rows(
     launch.arg(&src_ptr).arg(&idx_ptr).arg(&dst_ptr).arg(&width_u32).arg(&src_rows);
     // SAFETY: the arguments match the kernel's parameters; the kernel checks each index.
     unsafe { launch.launch(rows_config(indices.len(), width)) }?;
+    Ok(())
+}
+
+/// `x = cap * tanh(x / cap)` in place, as [`crate::cpu::softcap`]; `x` f32 (the logits), `cap > 0`.
+pub fn softcap(gpu: &Gpu, x: GpuViewMut<'_>, cap: f32) -> Result<(), GpuError> {
+    assert!(cap > 0.0, "softcap: the cap must be positive, not {cap}");
+    assert_eq!(x.dtype(), DType::F32, "softcap: f32 values only, not {:?}", x.dtype());
+    if x.is_empty() {
+        return Ok(());
+    }
+    let (x_ptr, n) = (x.ptr(), x.len() as u64);
+    let mut launch = gpu.launch_builder("softcap", DType::F32);
+    launch.arg(&x_ptr).arg(&n).arg(&cap);
+    let blocks = x.len().div_ceil(256).min(4096);
+    let cfg = LaunchConfig { grid_dim: (blocks as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's parameters; the kernel reads and writes `n` floats.
+    unsafe { launch.launch(cfg) }?;
     Ok(())
 }
 

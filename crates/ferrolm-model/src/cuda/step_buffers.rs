@@ -119,6 +119,7 @@ impl StepBuffers {
                 block_size,
                 sliding_window: None,
                 scale: 1.0,
+                softcap: None,
                 work,
             },
         }

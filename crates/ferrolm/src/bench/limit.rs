@@ -113,10 +113,13 @@ impl RunWork {
         let active: usize = (0..config.num_hidden_layers).map(|i| config.layer_active_matrix_elements(i)).sum();
         let flops_per_token = 2.0 * active as f64;
         let head_flops_per_row = 2.0 * (config.output_vocab_size * config.hidden_size) as f64;
-        // Per token of context attended to: Q K^T and P V over every query head.
-        let attention_flops_per_pair = 4.0 * config.q_size() as f64 * layers;
-        let window = config.sliding_window.unwrap_or(usize::MAX);
+        // Per token of context one layer attends to: Q K^T and P V over every query head.
+        let attention_flops_per_pair = 4.0 * config.q_size() as f64;
+        // One layer's share of a token's K and V.
+        let kv_bytes_per_layer_token = kv_bytes_per_token as f64 / layers.max(1.0);
+        let windows = layer_windows(config);
 
+        // Pairs and decode context are summed over the layers, each within its own window.
         let (mut gemm_flops, mut pairs, mut decode_context) = (0.0, 0.0, 0.0);
         let (mut tokens, mut request_steps, mut longest) = (0usize, 0usize, 0usize);
         let budget = caps.max_num_batched_tokens.max(1);
@@ -126,8 +129,10 @@ impl RunWork {
             gemm_flops += fed as f64 * flops_per_token + s.output_len as f64 * head_flops_per_row;
             // Token i (1-based) of the sequence attends over min(i, window) tokens; the decode
             // tokens are those past the prompt.
-            pairs += attended(fed, window);
-            decode_context += attended(fed, window) - attended(s.prompt_len, window);
+            for &(window, count) in &windows {
+                pairs += count * attended(fed, window);
+                decode_context += count * (attended(fed, window) - attended(s.prompt_len, window));
+            }
             tokens += fed;
             let steps = s.prompt_len.div_ceil(budget).max(1) + s.output_len - 1;
             request_steps += steps;
@@ -138,13 +143,27 @@ impl RunWork {
         RunWork {
             gemm_flops,
             attention_flops: pairs * attention_flops_per_pair,
-            kv_read_bytes: decode_context * kv_bytes_per_token as f64,
+            kv_read_bytes: decode_context * kv_bytes_per_layer_token,
             weight_read_bytes: min_steps as f64 * weights.bytes(mean_step_tokens),
             min_steps,
             mean_step_tokens,
             experts_per_step: weights.experts(mean_step_tokens),
         }
     }
+}
+
+/// Each window the layers attend within (`usize::MAX` for global layers) and how many layers
+/// have it.
+fn layer_windows(config: &ModelConfig) -> Vec<(usize, f64)> {
+    let mut windows: Vec<(usize, f64)> = Vec::new();
+    for layer in 0..config.num_hidden_layers {
+        let window = config.layer_window(layer).unwrap_or(usize::MAX);
+        match windows.iter_mut().find(|(w, _)| *w == window) {
+            Some((_, count)) => *count += 1.0,
+            None => windows.push((window, 1.0)),
+        }
+    }
+    windows
 }
 
 /// Σ_{i=1..=n} min(i, window): the (query, key) pairs of n tokens of causal attention.
@@ -437,6 +456,27 @@ mod tests {
         // 18 + 3 pairs; decodes: 18 - attended(5) = 18 - 12 = 6 tokens of K/V read.
         assert_eq!(work.attention_flops, 21.0 * 64.0);
         assert_eq!(work.kv_read_bytes, 6.0);
+    }
+
+    /// Gemma 2 alternates windowed and global layers: layer 0 attends within 3 tokens, layer 1
+    /// over the whole context.
+    #[test]
+    fn each_layer_attends_within_its_own_window() {
+        let c = ModelConfig::from_value(json!({
+            "architectures": ["Gemma2ForCausalLM"], "vocab_size": 100, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+            "max_position_embeddings": 64, "sliding_window": 3,
+        }))
+        .expect("valid config");
+        assert_eq!((c.layer_window(0), c.layer_window(1)), (Some(3), None));
+        let caps = StepCaps { max_num_seqs: 8, max_num_batched_tokens: 64 };
+        let work = RunWork::of(&c, &SERVED, caps, &dense(1.0), 10);
+        // Pairs 18 + 3 in the windowed layer, 28 + 3 in the global one, at 4 x 8 (query
+        // width) each.
+        assert_eq!(work.attention_flops, (21.0 + 31.0) * 32.0);
+        // Decode tokens read 6 tokens of K/V in the windowed layer and 13 in the global one, at
+        // 10 / 2 bytes per token and layer.
+        assert_eq!(work.kv_read_bytes, (6.0 + 13.0) * 5.0);
     }
 
     #[test]

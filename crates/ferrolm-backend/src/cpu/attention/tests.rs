@@ -40,6 +40,17 @@ impl Request {
 
 /// Dense attention of one request in f64: `[q_len, num_heads, head_dim]`.
 fn dense_attention(req: &Request, heads: &Heads, window: Option<usize>, scale: f32) -> Vec<f32> {
+    dense_attention_capped(req, heads, window, scale, None)
+}
+
+/// [`dense_attention`] with each scaled score soft-capped at `softcap`.
+fn dense_attention_capped(
+    req: &Request,
+    heads: &Heads,
+    window: Option<usize>,
+    scale: f32,
+    softcap: Option<f32>,
+) -> Vec<f32> {
     let (d, kv_width) = (heads.head_dim, heads.num_kv_heads * heads.head_dim);
     let group = heads.num_heads / heads.num_kv_heads;
     let mut out = Vec::with_capacity(req.q.len());
@@ -53,7 +64,8 @@ fn dense_attention(req: &Request, heads: &Heads, window: Option<usize>, scale: f
                 .iter()
                 .map(|&j| {
                     let k = &req.k[j * kv_width + kvh * d..][..d];
-                    q.iter().zip(k).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale as f64
+                    let s = q.iter().zip(k).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() * scale as f64;
+                    softcap.map_or(s, |cap| cap as f64 * (s / cap as f64).tanh())
                 })
                 .collect();
             let max = scores.iter().copied().fold(f64::NEG_INFINITY, f64::max);
@@ -78,6 +90,19 @@ fn run_paged(
     block_size: usize,
     window: Option<usize>,
     scale: f32,
+) -> Vec<f32> {
+    run_paged_capped(rng, requests, heads, block_size, window, scale, None)
+}
+
+/// [`run_paged`] with the scores soft-capped at `softcap`.
+fn run_paged_capped(
+    rng: &mut ChaCha8Rng,
+    requests: &[Request],
+    heads: &Heads,
+    block_size: usize,
+    window: Option<usize>,
+    scale: f32,
+    softcap: Option<f32>,
 ) -> Vec<f32> {
     let kv_width = heads.num_kv_heads * heads.head_dim;
     let blocks_per_req: Vec<usize> = requests.iter().map(|r| r.seq_len.div_ceil(block_size)).collect();
@@ -112,6 +137,7 @@ fn run_paged(
         block_size,
         sliding_window: window,
         scale,
+        softcap,
     };
     let mut out = nan_vec(q.len());
     paged_attention(&q, &k_cache, &v_cache, &meta, heads.num_heads, heads.num_kv_heads, heads.head_dim, &mut out);
@@ -146,6 +172,25 @@ fn mixed_batch_matches_dense_attention() {
                 assert_close(&got, &want, 1e-5, &what);
             }
         }
+    }
+}
+
+/// Scores of about +-2 (scale 1), capped at 1.5: the batch matches dense attention with the
+/// same cap and differs from it without one.
+#[test]
+fn softcapped_scores_match_dense_attention() {
+    let mut rng = rng(12);
+    let heads = Heads { num_heads: 6, num_kv_heads: 2, head_dim: 16 };
+    let (scale, cap) = (1.0, 1.5);
+    for window in [None, Some(5)] {
+        let requests: Vec<Request> = BATCH.iter().map(|&(s, q)| Request::random(&mut rng, &heads, s, q)).collect();
+        let got = run_paged_capped(&mut rng, &requests, &heads, 4, window, scale, Some(cap));
+        let want: Vec<f32> =
+            requests.iter().flat_map(|r| dense_attention_capped(r, &heads, window, scale, Some(cap))).collect();
+        assert_close(&got, &want, 1e-5, &format!("softcap {cap}, window {window:?}"));
+        let uncapped: Vec<f32> = requests.iter().flat_map(|r| dense_attention(r, &heads, window, scale)).collect();
+        let moved = got.iter().zip(&uncapped).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(moved > 1e-2, "the cap changed nothing (window {window:?}): {moved}");
     }
 }
 
@@ -192,6 +237,7 @@ fn rejects_more_queries_than_context() {
         block_size: 4,
         sliding_window: None,
         scale: 1.0,
+        softcap: None,
     };
     paged_attention(&[0.0; 3], &[0.0; 4], &[0.0; 4], &meta, 1, 1, 1, &mut [0.0; 3]);
 }

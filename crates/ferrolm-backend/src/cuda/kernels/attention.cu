@@ -36,7 +36,8 @@ FOR_EACH_DTYPE(RESHAPE_AND_CACHE)
 // ATTN_TILE keys staged in shared memory as f32.
 //
 // q, out: [T, num_heads, head_dim]; query_start_loc: [num_reqs + 1]; seq_lens: [num_reqs];
-// block_tables: [num_reqs, max_blocks_per_seq]. `window` 0 means no sliding window.
+// block_tables: [num_reqs, max_blocks_per_seq]. `window` 0 means no sliding window; `softcap` 0
+// means no soft-cap of the scaled scores (`soft_cap`).
 //
 // Grid: (ceil(T / q_tile), num_kv_heads, ceil(group / heads_per_block)). A block takes `q_tile`
 // consecutive tokens and `heads_per_block` query heads of one KV head (GQA: query head `h` reads
@@ -53,7 +54,8 @@ __device__ __forceinline__ void paged_attention_impl(const T* q, const T* k_cach
                                                      const u32* block_tables, u32 num_reqs, u32 num_tokens,
                                                      u32 num_heads, u32 num_kv_heads, u32 head_dim,
                                                      u32 max_blocks_per_seq, u32 block_size, u32 num_blocks,
-                                                     u32 window, float scale, u32 q_tile, u32 heads_per_block) {
+                                                     u32 window, float scale, float softcap, u32 q_tile,
+                                                     u32 heads_per_block) {
     extern __shared__ float smem[];
     const u32 D = head_dim;
     const u32 group = num_heads / num_kv_heads;
@@ -138,7 +140,7 @@ __device__ __forceinline__ void paged_attention_impl(const T* q, const T* k_cach
                     const float* kr = k_s + j * (D + 1);
                     float dot = 0.f;
                     for (u32 d = 0; d < D; d++) dot += qr[d] * kr[d];
-                    score = dot * scale;
+                    score = soft_cap(dot * scale, softcap);
                 }
                 s_s[e] = score;
             }
@@ -194,12 +196,12 @@ __device__ __forceinline__ void paged_attention_impl(const T* q, const T* k_cach
     extern "C" __global__ void __launch_bounds__(256) paged_attention_##S( \
         const T* q, const T* k_cache, const T* v_cache, T* out, const u32* query_start_loc, const u32* seq_lens, \
         const u32* block_tables, u32 num_reqs, u32 num_tokens, u32 num_heads, u32 num_kv_heads, u32 head_dim, \
-        u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, float scale, u32 q_tile, \
+        u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, float scale, float softcap, u32 q_tile, \
         u32 heads_per_block) { \
         pdl_enter(); \
         paged_attention_impl<T>(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, num_reqs, \
                                 num_tokens, num_heads, num_kv_heads, head_dim, max_blocks_per_seq, block_size, \
-                                num_blocks, window, scale, q_tile, heads_per_block); \
+                                num_blocks, window, scale, softcap, q_tile, heads_per_block); \
     }
 FOR_EACH_DTYPE(PAGED_ATTENTION)
 
@@ -454,7 +456,8 @@ __device__ __forceinline__ void decode_copy_tile(T* k_s, T* v_s, const T* k_cach
 // part_ml: [T, num_heads, num_parts, 2] f32 (base-2 max and sum of exp2); counters: [T * num_kv_heads *
 // head_chunks] u32, all 0 (and left so); the three unused with one partition.
 // Grid: (T * num_kv_heads * head_chunks, num_parts), head blocks fastest; DECODE_WARPS warps.
-// head_dim / 8 must be a power of two of at most 32. Partition p covers keys [begin + p *
+// head_dim / 8 must be a power of two of at most 32. `softcap` 0 means no soft-cap of the scaled
+// scores (`soft_cap`, applied in base 2). Partition p covers keys [begin + p *
 // part_len, begin + (p + 1) * part_len) of the visible range, and the last partition everything
 // past that.
 // Shared memory: the ring, DECODE_STAGES * 2 * DECODE_TILE_ELEMS elements of T; after the loop
@@ -466,7 +469,7 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
                                                   const u32* seq_lens, const u32* block_tables, u32 num_reqs,
                                                   u32 num_heads, u32 num_kv_heads, u32 head_dim,
                                                   u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window,
-                                                  float scale, u32 part_len) {
+                                                  float scale, float softcap, u32 part_len) {
     extern __shared__ __align__(16) unsigned char decode_smem[];
     const u32 D = head_dim;
     const u32 L = D / 8;           // lanes per key
@@ -507,7 +510,7 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
 
     // This lane's 8 elements of each head's query, pre-scaled (by log2(e) too: base-2 scores);
     // heads past nh stay zero.
-    const float q_scale = scale * 1.4426950408889634f;
+    const float q_scale = scale * 1.4426950408889634f, cap_log2 = softcap * 1.4426950408889634f;
     float qr[G][8];
 #pragma unroll
     for (int g = 0; g < G; g++) {
@@ -559,7 +562,7 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
                 for (int o = 16; o > 0; o >>= 1) {
                     if ((u32)o < L) dot += __shfl_xor_sync(0xffffffffu, dot, o);
                 }
-                s[u][g] = k0 + j < end ? dot : NEG_INF;
+                s[u][g] = k0 + j < end ? soft_cap(dot, cap_log2) : NEG_INF;
             }
         }
 #pragma unroll
@@ -638,11 +641,11 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
         const T* q, const T* k_cache, const T* v_cache, T* out, float* part_out, float* part_ml, u32* counters, \
         const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, u32 num_reqs, u32 num_heads, \
         u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, \
-        float scale, u32 part_len) { \
+        float scale, float softcap, u32 part_len) { \
         pdl_enter(); \
         paged_decode_impl<T, G>(q, k_cache, v_cache, out, part_out, part_ml, counters, query_start_loc, seq_lens, \
                                 block_tables, num_reqs, num_heads, num_kv_heads, head_dim, max_blocks_per_seq, \
-                                block_size, num_blocks, window, scale, part_len); \
+                                block_size, num_blocks, window, scale, softcap, part_len); \
     }
 #define PAGED_DECODE_G1(T, S) PAGED_DECODE(T, S, 1, 3)
 #define PAGED_DECODE_G2(T, S) PAGED_DECODE(T, S, 2, 3)

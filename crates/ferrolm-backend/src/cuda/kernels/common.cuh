@@ -37,6 +37,12 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// Soft-capping (Gemma 2): `cap * tanh(x / cap)`, in the order HF computes it (divide, tanh,
+// multiply); a cap of 0 leaves `x` as it is. Attention kernels that keep scores in base 2 (scaled
+// by log2(e)) cap them with the cap scaled the same way: c' tanh(s' / c') with s' = log2(e) s and
+// c' = log2(e) c is log2(e) c tanh(s / c).
+__device__ __forceinline__ float soft_cap(float x, float cap) { return cap > 0.f ? tanhf(x / cap) * cap : x; }
+
 // Sum of `v` over the whole block, returned to every thread. `scratch`: 32 floats of shared memory.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;

@@ -110,7 +110,8 @@ template <typename T, bool SWIZZLED> __device__ __forceinline__ u32 tile_step(u3
 // tile_step and flash_attention.cu).
 template <typename T, int D, bool SWIZZLED = false>
 __device__ __forceinline__ void decode_mma_keys(u32 kb, u32 vb, u32 kx, u32 vx, u32 key0, u32 end, u32 tig,
-                                                float scale_log2, const u32 (&qf)[D / 16][4], float (&o)[D / 8][4],
+                                                float scale_log2, float cap_log2, const u32 (&qf)[D / 16][4],
+                                                float (&o)[D / 8][4],
                                                 float& m_lo, float& m_hi, float& l_lo, float& l_hi) {
     float s[2][4];
 #pragma unroll
@@ -132,7 +133,7 @@ __device__ __forceinline__ void decode_mma_keys(u32 kb, u32 vb, u32 kx, u32 vx, 
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             const u32 key = key0 + nt * 8 + tig * 2 + (i & 1);
-            s[nt][i] = key < end ? s[nt][i] * scale_log2 : NEG_INF;
+            s[nt][i] = key < end ? soft_cap(s[nt][i] * scale_log2, cap_log2) : NEG_INF;
         }
         mx_lo = fmaxf(mx_lo, fmaxf(s[nt][0], s[nt][1]));
         mx_hi = fmaxf(mx_hi, fmaxf(s[nt][2], s[nt][3]));
@@ -180,7 +181,7 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
                                                       const u32* __restrict__ block_tables, u32 num_reqs,
                                                       u32 num_heads, u32 num_kv_heads, u32 max_blocks_per_seq,
                                                       u32 block_size, u32 num_blocks, u32 window, float scale,
-                                                      u32 part_len) {
+                                                      float softcap, u32 part_len) {
     constexpr int STRIDE = D + 8;              // elements per shared-memory row
     constexpr int TILE = DM_TILE_KEYS * STRIDE;
     constexpr int STAGES = DecodeMmaStages<D>::value;
@@ -229,7 +230,7 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
     const bool has_lo = gid < nh, has_hi = gid + 8 < nh;
     u32 qf[KSTEPS][4];
     load_q_fragments<T, D>(q + ((u64)t * num_heads + head0) * D, gid, tig, has_lo, has_hi, qf);
-    const float scale_log2 = scale * 1.4426950408889634f;
+    const float scale_log2 = scale * 1.4426950408889634f, cap_log2 = softcap * 1.4426950408889634f;
 
     float o[DT][4];
 #pragma unroll
@@ -257,7 +258,7 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
         if (key0 >= end) continue;  // warp-uniform: none of this warp's keys in the partition
         const u32 kb = smem_addr(ring + (tile % STAGES) * 2 * TILE) + k_lane;
         const u32 vb = smem_addr(ring + (tile % STAGES) * 2 * TILE + TILE) + v_lane;
-        decode_mma_keys<T, D>(kb, vb, 0, 0, key0, end, tig, scale_log2, qf, o, m_lo, m_hi, l_lo, l_hi);
+        decode_mma_keys<T, D>(kb, vb, 0, 0, key0, end, tig, scale_log2, cap_log2, qf, o, m_lo, m_hi, l_lo, l_hi);
     }
     // Every copy has landed and every warp is done with the ring before red_s reuses it.
     cp_async_wait<0>();
@@ -332,7 +333,8 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
                                                            const u32* __restrict__ block_tables, u32 num_reqs,
                                                            u32 num_heads, u32 num_kv_heads, u32 max_blocks_per_seq,
                                                            u32 block_size, u32 num_blocks, u32 window, float scale,
-                                                           const TensorMap* k_map, const TensorMap* v_map) {
+                                                           float softcap, const TensorMap* k_map,
+                                                           const TensorMap* v_map) {
     constexpr bool SWIZZLED = LOAD == DM_LOAD_TENSOR;
     constexpr int STRIDE = SWIZZLED ? D : D + 8;  // elements per shared-memory row
     constexpr int TILE = DM_KEYS * STRIDE;        // one warp's 16 keys
@@ -466,7 +468,7 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
     const bool has_lo = gid < nh, has_hi = gid + 8 < nh;
     u32 qf[KSTEPS][4];
     load_q_fragments<T, D>(q + ((u64)t * num_heads + head0) * D, gid, tig, has_lo, has_hi, qf);
-    const float scale_log2 = scale * 1.4426950408889634f;
+    const float scale_log2 = scale * 1.4426950408889634f, cap_log2 = softcap * 1.4426950408889634f;
 
     float o[DT][4];
 #pragma unroll
@@ -497,7 +499,8 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
         const u32 key0 = start + tile * DM_KEYS;
         const u32 kb = smem_addr(ring + (tile % STAGES) * 2 * TILE) + k_lane;
         const u32 vb = smem_addr(ring + (tile % STAGES) * 2 * TILE + TILE) + v_lane;
-        decode_mma_keys<T, D, SWIZZLED>(kb, vb, kx, vx, key0, end, tig, scale_log2, qf, o, m_lo, m_hi, l_lo, l_hi);
+        decode_mma_keys<T, D, SWIZZLED>(kb, vb, kx, vx, key0, end, tig, scale_log2, cap_log2, qf, o, m_lo, m_hi, l_lo,
+                                        l_hi);
     }
     // No copy is left in flight when the warp exits (the last groups are empty).
     if (LOAD == DM_LOAD_CP_ASYNC) cp_async_wait<0>();
@@ -530,7 +533,7 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
 #define DM_TENSOR_BODY(T, D) \
     paged_decode_mma_warp_impl<T, D, DM_LOAD_TENSOR>(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, \
                                                      num_reqs, num_heads, num_kv_heads, max_blocks_per_seq, block_size, \
-                                                     num_blocks, window, scale, &k_map, &v_map);
+                                                     num_blocks, window, scale, softcap, &k_map, &v_map);
 #else
 #define DM_LOAD_WARP DM_LOAD_CP_ASYNC
 #define DM_TENSOR_BODY(T, D) __trap();
@@ -543,10 +546,10 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
         const T* q, const T* k_cache, const T* v_cache, T* out, float* part_out, float* part_ml, u32* counters, \
         const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, u32 num_reqs, u32 num_heads, \
         u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, \
-        float scale, u32 part_len) { \
+        float scale, float softcap, u32 part_len) { \
         paged_decode_mma_impl<T, D>(q, k_cache, v_cache, out, part_out, part_ml, counters, query_start_loc, \
                                     seq_lens, block_tables, num_reqs, num_heads, num_kv_heads, max_blocks_per_seq, \
-                                    block_size, num_blocks, window, scale, part_len); \
+                                    block_size, num_blocks, window, scale, softcap, part_len); \
     }
 // paged_decode_mma_warp_d{D}_{bf16,f16}: the decode kernel's parameters but the partition
 // workspace (part_out, part_ml, counters, part_len: unused, one partition).
@@ -555,11 +558,11 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
         const T* q, const T* k_cache, const T* v_cache, T* out, float* part_out, float* part_ml, u32* counters, \
         const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, u32 num_reqs, u32 num_heads, \
         u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, \
-        float scale, u32 part_len) { \
+        float scale, float softcap, u32 part_len) { \
         paged_decode_mma_warp_impl<T, D, DM_LOAD_WARP>(q, k_cache, v_cache, out, query_start_loc, seq_lens, \
                                                        block_tables, num_reqs, num_heads, num_kv_heads, \
                                                        max_blocks_per_seq, block_size, num_blocks, window, scale, \
-                                                       nullptr, nullptr); \
+                                                       softcap, nullptr, nullptr); \
     }
 // paged_decode_mma_tensor_d{D}_{bf16,f16}: the per-warp kernel's parameters, then the tensor maps
 // of the K and V caches (3-d: D columns, num_kv_heads heads, num_blocks * 16 slots; boxes of 64
@@ -569,7 +572,8 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
         const T* q, const T* k_cache, const T* v_cache, T* out, float* part_out, float* part_ml, u32* counters, \
         const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, u32 num_reqs, u32 num_heads, \
         u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, \
-        float scale, u32 part_len, const __grid_constant__ TensorMap k_map, const __grid_constant__ TensorMap v_map) { \
+        float scale, float softcap, u32 part_len, const __grid_constant__ TensorMap k_map, \
+        const __grid_constant__ TensorMap v_map) { \
         DM_TENSOR_BODY(T, D) \
     }
 #define PAGED_DECODE_MMA_HEAD_DIMS(T, S) \

@@ -1,5 +1,5 @@
 // Row-wise copies and element-wise ops: embedding lookup, the q/k/v split, gated activations,
-// bias add and row gather. One block per row (gated activations: a few) and threads striding
+// bias add, row gather and soft-capping. One block per row (gated activations: a few) and threads striding
 // over the row's columns.
 
 // ids: [T]; table: [vocab, hidden]; out: [T, hidden] (in T, or f32 for an f32 residual
@@ -126,6 +126,17 @@ FOR_EACH_DTYPE(BIAS_ADD)
         } \
     }
 FOR_EACH_DTYPE(GATHER_ROWS)
+
+// x[i] = cap * tanh(x[i] / cap) (`soft_cap`) over n f32 values (the logits, whatever the
+// activation dtype: T is unused), a grid-stride loop.
+#define SOFTCAP(T, S) \
+    extern "C" __global__ void softcap_##S(float* x, u64 n, float cap) { \
+        pdl_enter(); \
+        for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < n; i += (u64)gridDim.x * blockDim.x) { \
+            x[i] = soft_cap(x[i], cap); \
+        } \
+    }
+FOR_EACH_DTYPE(SOFTCAP)
 
 // The XOR of src's n16 16-byte words into sink[0..4], read with streaming loads (evict-first,
 // no L1): a grid-stride loop of one 16-byte load per thread per step, each block's XOR folded

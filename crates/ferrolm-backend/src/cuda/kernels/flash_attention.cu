@@ -131,7 +131,8 @@ __device__ __forceinline__ u32 window_start(u32 pos, u32 window) {
 // has more than one row (item i is then request i); query_start_loc: [num_reqs + 1]; seq_lens:
 // [num_reqs]; block_tables: [num_reqs, max_blocks_per_seq].
 // Grid: num_items * num_kv_heads * head_chunks blocks of FA_THREADS, the KV head and head chunk
-// fastest. `scale_log2` is the softmax scale times log2(e); `window` 0 means none; `bs_mul`,
+// fastest. `scale_log2` is the softmax scale times log2(e); `softcap` 0 means no soft-cap of the
+// scaled scores (`soft_cap`); `window` 0 means none; `bs_mul`,
 // `bs_shift` divide by block_size (see fast_div): positions stay below 2^31.
 template <typename T, int D, int BN, bool Q_IN_REGS>
 __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, const T* __restrict__ k_cache,
@@ -142,7 +143,8 @@ __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, co
                                                      const u32* __restrict__ block_tables, u32 num_heads,
                                                      u32 num_kv_heads, u32 max_blocks_per_seq, u32 block_size,
                                                      u32 bs_mul, u32 bs_shift, u32 num_blocks, u32 window,
-                                                     float scale_log2, u32 heads_per_tile, u32 head_chunks) {
+                                                     float scale_log2, float softcap, u32 heads_per_tile,
+                                                     u32 head_chunks) {
     constexpr int STRIDE = D + 8;        // elements per shared-memory row
     constexpr int CH = D / 8;            // 16-byte chunks per row
     constexpr int TILE = BN * STRIDE;    // elements of one K or V buffer
@@ -158,6 +160,7 @@ __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, co
     T* q_s = Q_IN_REGS ? k_s + TILE : v_s + 2 * TILE;
 
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const float cap_log2 = softcap * 1.4426950408889634f;
     const u32 heads_per_item = num_kv_heads * head_chunks;
     const u32 item = blockIdx.x / heads_per_item, rest = blockIdx.x % heads_per_item;
     const u32 kv_head = rest / head_chunks, chunk = rest % head_chunks;
@@ -301,7 +304,7 @@ __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, co
             for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
-                    float x = s[nt][i] * scale_log2;
+                    float x = soft_cap(s[nt][i] * scale_log2, cap_log2);
                     if (need_mask) {
                         const u32 key = key0 + nt * 8 + tig * 2 + (i & 1);
                         const u32 pos = i < 2 ? pos_lo : pos_hi, ws = i < 2 ? ws_lo : ws_hi;
@@ -376,13 +379,13 @@ __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, co
     extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) flash_attention_d##D##_##S( \
         const T* q, const T* k_cache, const T* v_cache, T* out, const u32* work, const u32* query_start_loc, \
         const u32* seq_lens, const u32* block_tables, u32 num_heads, u32 num_kv_heads, u32 max_blocks_per_seq, \
-        u32 block_size, u32 bs_mul, u32 bs_shift, u32 num_blocks, u32 window, float scale_log2, u32 heads_per_tile, \
-        u32 head_chunks) { \
+        u32 block_size, u32 bs_mul, u32 bs_shift, u32 num_blocks, u32 window, float scale_log2, float softcap, \
+        u32 heads_per_tile, u32 head_chunks) { \
         pdl_enter(); \
         flash_attention_impl<T, D, BN, Q_IN_REGS>(q, k_cache, v_cache, out, work, query_start_loc, seq_lens, \
                                                   block_tables, num_heads, num_kv_heads, max_blocks_per_seq, \
                                                   block_size, bs_mul, bs_shift, num_blocks, window, scale_log2, \
-                                                  heads_per_tile, head_chunks); \
+                                                  softcap, heads_per_tile, head_chunks); \
     }
 #define FLASH_ATTENTION_HEAD_DIMS(T, S) \
     FLASH_ATTENTION(T, S, 64, 64, true) \
