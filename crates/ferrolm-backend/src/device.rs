@@ -78,6 +78,9 @@ pub struct LayerAttention {
     pub sliding_window: Option<usize>,
     /// Softmax scale, usually `1 / sqrt(head_dim)`.
     pub scale: f32,
+    /// The KV cache group whose block tables and slot mapping the layer's batch carries (layers
+    /// of one window share a group; the decoder hands each layer its group's batch).
+    pub kv_group: usize,
 }
 
 /// The rotary frequencies of a model, as the device is given them.

@@ -469,7 +469,7 @@ impl ferrolm_model::ModelRunner for DeviceLikeRunner {
         "test device".into()
     }
 
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), ferrolm_model::ModelError> {
+    fn allocate_kv_cache(&mut self, num_blocks: &[usize], block_size: usize) -> Result<(), ferrolm_model::ModelError> {
         self.inner.allocate_kv_cache(num_blocks, block_size)
     }
 

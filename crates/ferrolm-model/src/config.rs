@@ -305,12 +305,13 @@ impl ModelConfig {
     }
 
     /// What attention layer `layer` computes over the shared batch metadata: its window
-    /// ([`Self::layer_window`]) and softmax scale.
+    /// ([`Self::layer_window`]), softmax scale and KV cache group ([`Self::kv_cache_groups`]).
     pub fn layer_attention(&self, layer: usize) -> LayerAttention {
         LayerAttention {
             heads: self.heads(),
             sliding_window: self.layer_window(layer),
             scale: 1.0 / (self.head_dim as f32).sqrt(),
+            kv_group: self.kv_cache_group_of(layer),
         }
     }
 

@@ -283,7 +283,7 @@ fn cuda_place(
     let activations = runner.activation_bytes(args.max_num_batched_tokens, step_logits_rows(args));
     let reserve = 2 * activations + (512 << 20);
     let budget = (free.saturating_sub(reserve) as f64 * args.kv_cache_fraction) as usize;
-    let per_block = runner.kv_bytes_per_block(BLOCK_SIZE);
+    let per_block: usize = runner.kv_bytes_per_block(BLOCK_SIZE).iter().sum();
     let blocks = budget / per_block.max(1);
     tracing::info!(
         device = %runner.device(),

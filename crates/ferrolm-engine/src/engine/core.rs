@@ -119,7 +119,7 @@ impl Engine {
     ) -> Result<Engine, EngineError> {
         let scheduler = Scheduler::new(config.scheduler.clone())?;
         runner
-            .allocate_kv_cache(config.scheduler.num_blocks, config.scheduler.block_size)
+            .allocate_kv_cache(&[config.scheduler.num_blocks], config.scheduler.block_size)
             .map_err(|e| EngineError::Device(e.to_string()))?;
         stats.num_blocks.store(config.scheduler.num_blocks as u64, Ordering::Relaxed);
         Ok(Engine {
