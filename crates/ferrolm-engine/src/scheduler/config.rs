@@ -8,8 +8,8 @@
 //! being at most its argument plus `(bs - 1) / bs`, that is at most `(R (w + 2 bs - 3) + M) / bs`
 //! blocks. With `R = max_num_seqs` and `M` two steps' budgets (a step in flight and one scheduled
 //! ahead of it) this is what the group is given when it is not the model's only group
-//! ([`SchedulerConfig::sliding_group_blocks`]), so that it never preempts before the group of
-//! full attention does.
+//! ([`SchedulerConfig::sliding_group_blocks`]): every step `schedule()` can make finds its blocks
+//! there, and so does a step scheduled ahead while no seat changes hands.
 //! NOTE: the rounder `max_num_seqs * (ceil(w / bs) + 1) + ceil(M / bs)` falls short when many
 //! requests run short prompt chunks: a chunk of 3 tokens may cross a block boundary that a
 //! decode would not. A step scheduled ahead may also seat new requests in the seats of requests
@@ -132,7 +132,8 @@ impl SchedulerConfig {
     /// The KV cache groups of a model whose groups attend through `windows`: the first (full
     /// attention, or the one group of a model whose layers all slide) with `num_blocks` blocks,
     /// a sliding group after it with what it needs ([`Self::sliding_group_blocks`]), at most
-    /// `num_blocks`: it never holds more blocks than the first group for the same requests.
+    /// `num_blocks`: its tables hold real blocks only at positions where the first group's do,
+    /// so more would sit idle.
     pub fn kv_cache_groups_for(&self, windows: &[Option<usize>], num_blocks: usize) -> Vec<KvCacheGroupConfig> {
         let sized = |(i, window): (usize, &Option<usize>)| match window {
             Some(w) if i > 0 => KvCacheGroupConfig::sliding(*w, self.sliding_group_blocks(*w).min(num_blocks)),
