@@ -81,6 +81,9 @@ pub struct LayerAttention {
     /// Attention-logit soft-cap (Gemma 2's `attn_logit_softcapping`): each scaled score `s`
     /// becomes `cap * tanh(s / cap)` before the mask and the softmax.
     pub softcap: Option<f32>,
+    /// The KV cache group whose block tables and slot mapping the layer's batch carries (layers
+    /// of one window share a group; the decoder hands each layer its group's batch).
+    pub kv_group: usize,
 }
 
 /// The rotary frequencies of a model, as the device is given them.

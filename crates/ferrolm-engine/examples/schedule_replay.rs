@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::process::ExitCode;
 
-use ferrolm_engine::{Request, RequestId, Scheduler, SchedulerConfig};
+use ferrolm_engine::{KvCacheGroupConfig, Request, RequestId, Scheduler, SchedulerConfig};
 
 /// `--name value` flags with their defaults.
 const FLAGS: [(&str, f64); 11] = [
@@ -84,7 +84,7 @@ fn main() -> ExitCode {
         max_num_seqs: int("max-num-seqs").max(1),
         max_num_batched_tokens: int("max-num-batched-tokens").max(1),
         block_size: BLOCK_SIZE,
-        num_blocks: int("kv-tokens") / BLOCK_SIZE,
+        kv_cache_groups: vec![KvCacheGroupConfig::full(int("kv-tokens") / BLOCK_SIZE)],
         max_model_len: input + output,
         long_prefill_token_threshold: None,
         max_prompt_logprob_rows: 256,

@@ -16,7 +16,7 @@ pub use engine::{
     resolve_max_tokens, EngineConfig, EngineError, EngineHandle, EngineStats, EngineStatsSnapshot, GenerateRequest,
     Load, PromptLogprob, RequestOutput, RequestStream, StepTimesSnapshot, STEP_BUCKET_SEQS,
 };
-pub use kv::{BlockHash, BlockId, BlockPool, ComputedBlocks, KvCacheManager, PrefixCacheStats};
+pub use kv::{BlockHash, BlockId, BlockPool, ComputedBlocks, KvCacheGroupConfig, KvCacheManager, PrefixCacheStats};
 pub use request::{FinishReason, Request, RequestId, RequestStatus};
 pub use scheduler::{
     ScheduledRequest, Scheduler, SchedulerConfig, SchedulerError, SchedulerOutput, SchedulerStats, BLOCK_SIZE,

@@ -33,14 +33,17 @@
 //!
 //! Step protocol: `schedule()`, run the batch, then `update_from_output()` with the sampled
 //! tokens. Only then do computed tokens advance and full blocks enter the prefix cache, so no
-//! request can hit a block whose K and V are not written yet. Calling `schedule()` again
-//! without an update drops the previous step: its tokens are scheduled anew.
+//! request can hit a block whose K and V are not written yet, and only then do sliding-window
+//! groups release the blocks their windows have passed (`kv::group`), so no step in flight
+//! loses a block it reads. Calling `schedule()` again without an update drops the previous step:
+//! its tokens are scheduled anew.
 //!
 //! Scheduling ahead: while a step runs, `schedule_ahead()` may schedule the next one before the
 //! step's tokens are known, taking them as computed (see there). Its decodes' tokens are
 //! [`UNKNOWN_TOKEN`]: the runner takes them from the step before. The next `update_from_output()` applies the step in flight and makes
 //! the one scheduled ahead the step in flight; `schedule()` is not called in between.
 
+mod config;
 mod output;
 #[cfg(test)]
 mod proptests;
@@ -50,111 +53,12 @@ mod waiting;
 
 use std::collections::HashMap;
 
+pub use config::{SchedulerConfig, BLOCK_SIZE};
 pub use output::{ScheduledRequest, SchedulerOutput, UNKNOWN_TOKEN};
 
 use crate::kv::{BlockId, ComputedBlocks, KvCacheManager, PrefixCacheStats};
 use crate::request::{FinishReason, Request, RequestId, RequestStatus};
 use waiting::WaitingQueue;
-
-/// Tokens per KV block unless measured otherwise; the binary sizes its KV cache with it.
-pub const BLOCK_SIZE: usize = 16;
-
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct SchedulerConfig {
-    /// Most requests running at once.
-    pub max_num_seqs: usize,
-    /// Token budget of one step, summed over all scheduled requests.
-    pub max_num_batched_tokens: usize,
-    /// Tokens per KV block.
-    pub block_size: usize,
-    /// Blocks in the KV pool.
-    pub num_blocks: usize,
-    /// Longest sequence (prompt + outputs) a request may reach.
-    pub max_model_len: usize,
-    /// Most tokens one request gets in a step, so that one long prompt cannot take the whole
-    /// budget from the prompts queued behind it.
-    pub long_prefill_token_threshold: Option<usize>,
-    /// Most prompt rows a step computes logits of for requests that ask for prompt logprobs
-    /// (their prompts run in chunks of at most this many tokens in all).
-    pub max_prompt_logprob_rows: usize,
-    pub enable_prefix_caching: bool,
-}
-
-impl SchedulerConfig {
-    /// Most prompt tokens of requests that ask for prompt logprobs that one step runs (each
-    /// needs its row's logits): `max_prompt_logprob_rows`, at most the token budget.
-    pub fn prompt_logprob_rows(&self) -> usize {
-        self.max_prompt_logprob_rows.min(self.max_num_batched_tokens)
-    }
-
-    /// Most logits rows one step has: one for each request that samples, and the prompt rows of
-    /// requests that ask for prompt logprobs.
-    pub fn max_logits_rows(&self) -> usize {
-        (self.max_num_seqs + self.prompt_logprob_rows()).min(self.max_num_batched_tokens)
-    }
-
-    /// Defaults for everything but the pool size and the model's length: 256 sequences,
-    /// 2048 tokens a step, blocks of 16 tokens, no per-request chunk cap, 256 prompt-logprob
-    /// rows a step, prefix caching on.
-    pub fn new(num_blocks: usize, max_model_len: usize) -> Self {
-        SchedulerConfig {
-            max_num_seqs: 256,
-            max_num_batched_tokens: 2048,
-            block_size: BLOCK_SIZE,
-            num_blocks,
-            max_model_len,
-            long_prefill_token_threshold: None,
-            max_prompt_logprob_rows: 256,
-            enable_prefix_caching: true,
-        }
-    }
-
-    /// KV blocks a request of this length may hold at its longest. The last sampled token is
-    /// never run, so at most `num_prompt_tokens + max_tokens - 1` tokens hold K and V.
-    pub fn max_blocks_of(&self, num_prompt_tokens: usize, max_tokens: usize) -> usize {
-        (num_prompt_tokens + max_tokens).saturating_sub(1).div_ceil(self.block_size)
-    }
-
-    /// Refuses a request that could never run alone in the whole pool. Checking the worst case
-    /// keeps the guarantee that a lone request always finishes, rather than preempting itself
-    /// forever. The one admission rule: the engine's handle and the scheduler both ask it.
-    pub fn check_fits_kv_cache(
-        &self,
-        request_id: RequestId,
-        num_prompt_tokens: usize,
-        max_tokens: usize,
-    ) -> Result<(), SchedulerError> {
-        let num_blocks_needed = self.max_blocks_of(num_prompt_tokens, max_tokens);
-        if num_blocks_needed > self.num_blocks {
-            return Err(SchedulerError::ExceedsKvCache { request_id, num_blocks_needed, num_blocks: self.num_blocks });
-        }
-        Ok(())
-    }
-
-    pub fn validate(&self) -> Result<(), SchedulerError> {
-        let positive = [
-            (self.max_num_seqs, "max_num_seqs"),
-            (self.max_num_batched_tokens, "max_num_batched_tokens"),
-            (self.block_size, "block_size"),
-            (self.num_blocks, "num_blocks"),
-            (self.max_model_len, "max_model_len"),
-            (self.long_prefill_token_threshold.unwrap_or(1), "long_prefill_token_threshold"),
-            (self.max_prompt_logprob_rows, "max_prompt_logprob_rows"),
-        ];
-        if let Some((_, name)) = positive.iter().find(|(v, _)| *v == 0) {
-            return Err(SchedulerError::InvalidConfig(format!("{name} must be at least 1")));
-        }
-        // Block ids are u32 with u32::MAX reserved as the free list's end marker.
-        if self.num_blocks >= u32::MAX as usize {
-            return Err(SchedulerError::InvalidConfig(format!(
-                "num_blocks must be below {}, got {}",
-                u32::MAX,
-                self.num_blocks
-            )));
-        }
-        Ok(())
-    }
-}
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum SchedulerError {
@@ -185,7 +89,7 @@ pub enum SchedulerError {
 pub struct SchedulerStats {
     pub num_running: usize,
     pub num_waiting: usize,
-    /// Fraction of KV blocks held by requests.
+    /// Fraction of KV blocks held by requests, in the KV cache group where it is highest.
     pub kv_cache_usage: f64,
     pub prefix_cache: PrefixCacheStats,
     /// Preemptions since start.
@@ -213,7 +117,7 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self, SchedulerError> {
         config.validate()?;
-        let kv = KvCacheManager::new(config.num_blocks, config.block_size, config.enable_prefix_caching);
+        let kv = KvCacheManager::new(&config.kv_cache_groups, config.block_size, config.enable_prefix_caching);
         Ok(Scheduler {
             config,
             kv,
@@ -236,7 +140,7 @@ impl Scheduler {
     }
 
     /// Queues a request, or rejects one that could never run: longer than `max_model_len`,
-    /// or needing more blocks than the whole pool.
+    /// or needing more blocks than a group's whole pool.
     pub fn add_request(&mut self, mut request: Request) -> Result<(), SchedulerError> {
         let request_id = request.request_id();
         if self.requests.contains_key(&request_id) {
@@ -284,9 +188,8 @@ impl Scheduler {
             }
             let scheduled = loop {
                 let none = ComputedBlocks::default();
-                if let Some(table) = self.kv.allocate_slots(&self.requests[&id], n, &none) {
-                    let table = table.to_vec();
-                    break Some(table);
+                if let Some(tables) = self.kv.allocate_slots(&self.requests[&id], n, &none) {
+                    break Some(tables.to_vec());
                 }
                 // `i < running.len()`, so there is always a newest one to take blocks from.
                 let Some(victim) = self.running.pop() else {
@@ -298,12 +201,12 @@ impl Scheduler {
                     break None;
                 }
             };
-            let Some(table) = scheduled else {
+            let Some(tables) = scheduled else {
                 // It preempted itself: it was the newest, nothing left behind it.
                 break;
             };
             let req = &self.requests[&id];
-            out.scheduled.push(scheduled_request(req, start, n, table, false));
+            out.scheduled.push(scheduled_request(req, start, n, tables, false));
             budget.take(req, start, n);
             i += 1;
         }
@@ -366,12 +269,13 @@ impl Scheduler {
             plan.push((id, start, n, unknown));
             budget.take(req, start, n);
         }
-        if num_new_blocks > self.kv.block_pool().num_free_blocks() {
+        // Every group's tables lack the same entries.
+        if num_new_blocks > self.kv.num_free_blocks() {
             return None;
         }
         let mut out = SchedulerOutput::default();
         for (id, start, n, unknown) in plan {
-            let table = self.kv.allocate_ahead(id, start + n).expect("the free blocks were counted").to_vec();
+            let tables = self.kv.allocate_ahead(id, start + n).expect("the free blocks were counted").to_vec();
             let token_ids = if unknown {
                 vec![UNKNOWN_TOKEN]
             } else {
@@ -383,7 +287,7 @@ impl Scheduler {
                 num_computed_tokens: start,
                 num_scheduled_tokens: n,
                 token_ids,
-                block_table: table,
+                block_tables: tables,
                 is_new: false,
                 samples_next_token,
             });
@@ -413,10 +317,10 @@ impl Scheduler {
                 // Out of prompt-logprob rows: it waits for the next step, and nobody jumps it.
                 break;
             }
-            let Some(table) = self.kv.allocate_slots(req, n, &hit) else {
+            let Some(tables) = self.kv.allocate_slots(req, n, &hit) else {
                 break;
             };
-            let table = table.to_vec();
+            let tables = tables.to_vec();
             self.waiting.pop_front();
             self.running.push(id);
             let Some(req) = self.requests.get_mut(&id) else {
@@ -425,7 +329,7 @@ impl Scheduler {
             req.status = RequestStatus::Running;
             req.num_computed_tokens = start;
             req.num_cached_tokens.get_or_insert(start);
-            out.scheduled.push(scheduled_request(req, start, n, table, true));
+            out.scheduled.push(scheduled_request(req, start, n, tables, true));
             budget.take(req, start, n);
         }
     }
@@ -470,6 +374,9 @@ impl Scheduler {
             };
             req.num_computed_tokens += n;
             self.kv.cache_blocks(req, req.num_computed_tokens);
+            // NOTE: the step scheduled ahead, now in flight, starts at the new computed tokens,
+            // so it reads none of the blocks its windows have passed.
+            self.kv.remove_skipped_blocks(id, req.num_computed_tokens);
             if req.num_computed_tokens < req.num_tokens() {
                 continue;
             }
@@ -599,7 +506,7 @@ fn scheduled_request(
     req: &Request,
     start: usize,
     n: usize,
-    block_table: Vec<BlockId>,
+    block_tables: Vec<Vec<BlockId>>,
     is_new: bool,
 ) -> ScheduledRequest {
     ScheduledRequest {
@@ -607,7 +514,7 @@ fn scheduled_request(
         num_computed_tokens: start,
         num_scheduled_tokens: n,
         token_ids: req.all_token_ids()[start..start + n].to_vec(),
-        block_table,
+        block_tables,
         is_new,
         samples_next_token: start + n == req.num_tokens(),
     }

@@ -47,18 +47,24 @@ impl Default for Setup {
 
 fn start(name: &str, setup: Setup) -> (EngineHandle, Arc<Tokenizer>) {
     let dir = fixture(name);
-    let model = Model::from_dir(&dir).expect("model");
-    let tokenizer = Arc::new(Tokenizer::from_dir(&dir).expect("tokenizer"));
+    start_model(Model::from_dir(&dir).expect("model"), name, setup)
+}
+
+/// [`start`] on `model`, which has fixture `name`'s tokenizer. The KV cache groups are the
+/// model's, the first with `setup.num_blocks` blocks.
+fn start_model(model: Model, name: &str, setup: Setup) -> (EngineHandle, Arc<Tokenizer>) {
+    let tokenizer = Arc::new(Tokenizer::from_dir(&fixture(name)).expect("tokenizer"));
     let scheduler = SchedulerConfig {
         max_num_seqs: setup.max_num_seqs,
         max_num_batched_tokens: setup.max_num_batched_tokens,
         block_size: setup.block_size,
-        num_blocks: setup.num_blocks,
+        kv_cache_groups: Vec::new(),
         max_model_len: 512,
         long_prefill_token_threshold: None,
         max_prompt_logprob_rows: setup.max_prompt_logprob_rows,
         enable_prefix_caching: true,
-    };
+    }
+    .with_kv_cache_groups(&model.config.kv_cache_windows(), setup.num_blocks);
     let config = EngineConfig {
         scheduler,
         max_pending: setup.max_pending,
@@ -194,6 +200,113 @@ fn chunked_prefill_gives_the_same_tokens() {
     for name in ["mistral_swa", "gemma2_softcap", "gemma3_text"] {
         check_concurrent_greedy(name, Setup { max_num_batched_tokens: 8, block_size: 4, ..Setup::default() });
     }
+}
+
+/// Every case four times at once (the copies share their prompts through the prefix cache)
+/// with `setup`: each request's tokens and finish, and the engine's preemptions.
+fn run_cases_four_times(engine: &EngineHandle, cases: &[(Vec<u32>, Vec<u32>)]) -> Vec<Vec<u32>> {
+    let streams: Vec<_> = (0..4)
+        .flat_map(|_| cases.iter())
+        .map(|(prompt, want)| {
+            let request =
+                GenerateRequest { prompt_token_ids: prompt.clone(), params: greedy(want.len() as u32), grammar: None };
+            engine.submit(request).expect("submit")
+        })
+        .collect();
+    streams
+        .into_iter()
+        .map(|s| {
+            let out = collect(s);
+            assert_eq!(out[0].last().and_then(|o| o.finish_reason), Some(FinishReason::Length));
+            tokens(&out[0])
+        })
+        .collect()
+}
+
+/// Every layer of `mistral_swa` slides (window 24): its one KV cache group keeps a request's
+/// blocks of the last 24 positions and the step's chunk, so a request of 61 positions (16 blocks
+/// of 4) runs in a pool of 12, and 16 requests in chunks of 8 tokens a step preempt each other
+/// there. Every one gives HF's greedy tokens.
+#[test]
+fn a_sliding_window_model_runs_in_a_pool_smaller_than_its_sequences() {
+    let setup = Setup { num_blocks: 12, block_size: 4, max_num_batched_tokens: 8, ..Setup::default() };
+    let (engine, _) = start("mistral_swa", setup);
+    let cases = cases("mistral_swa");
+    assert!(cases.iter().any(|(p, g)| (p.len() + g.len() - 1).div_ceil(4) > 12), "a case longer than the pool");
+    let outs = run_cases_four_times(&engine, &cases);
+    for (i, (out, (_, want))) in outs.iter().zip(cases.iter().cycle()).enumerate() {
+        assert_eq!(out, want, "request {i}");
+    }
+    wait_idle(&engine);
+    let stats = engine.stats();
+    assert!(stats.num_preemptions > 0, "the pool should have forced a preemption");
+    assert!(stats.prefix_cache_hits > 0, "the copies should have hit the cache");
+    assert_eq!(stats.num_blocks, 12);
+}
+
+/// `mistral_swa` with its middle layer made global: a full-attention group (layer 1) and a
+/// sliding one (layers 0 and 2). With small blocks, chunks of 8 tokens, a pool that forces
+/// preemption and prefix hits, the engine gives the tokens of the model run over each whole
+/// sequence on a fresh cache, without paging: no layer ever lost a block it reads.
+#[test]
+fn a_hybrid_model_gives_the_tokens_of_the_unpaged_model() {
+    let dir = fixture("mistral_swa");
+    let load = || {
+        let mut config = ferrolm_model::ModelConfig::from_dir(&dir).expect("config");
+        config.sliding_layers = vec![true, false, true];
+        let weights = ferrolm_model::WeightSource::open_dir(&dir).expect("weights");
+        Model::load(&ferrolm_backend::cpu::Cpu, config, &weights).expect("model")
+    };
+    let mut model = load();
+    assert_eq!(model.config.kv_cache_windows(), vec![None, Some(24)]);
+    // As the engine does: no logits for ids the tokenizer cannot decode.
+    model.config.limit_output_vocab(Tokenizer::from_dir(&dir).expect("tokenizer").vocab_size());
+    let all_sliding = cases("mistral_swa");
+    let cases: Vec<(Vec<u32>, Vec<u32>)> =
+        all_sliding.iter().map(|(p, g)| (p.clone(), greedy_unpaged(&model, p, g.len()))).collect();
+    let setup = Setup { num_blocks: 24, block_size: 4, max_num_batched_tokens: 8, ..Setup::default() };
+    let (engine, _) = start_model(load(), "mistral_swa", setup);
+    let outs = run_cases_four_times(&engine, &cases);
+    for (i, (out, (_, want))) in outs.iter().zip(cases.iter().cycle()).enumerate() {
+        assert_eq!(out, want, "request {i}");
+    }
+    wait_idle(&engine);
+    let stats = engine.stats();
+    assert!(stats.num_preemptions > 0 && stats.prefix_cache_hits > 0, "{stats:?}");
+    // Past 24 tokens the global layer sees more than the model whose layers all slide.
+    assert_ne!(cases, all_sliding, "the middle layer's window should change some tokens");
+}
+
+/// Greedy tokens of `model` after `prompt`, each from a forward pass over the whole sequence on
+/// a fresh cache, one block table for every group.
+fn greedy_unpaged(model: &Model, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut seq = prompt.to_vec();
+    for _ in 0..n {
+        let num_blocks = seq.len().div_ceil(16);
+        let mut kv = model.new_kv_cache(num_blocks, 16);
+        let table: Vec<u32> = (0..num_blocks as u32).collect();
+        let mut input = ferrolm_model::ModelInput::default();
+        input.push_request(&seq, 0, &table, 16, true, false);
+        let logits = model.forward(&input, &mut kv);
+        let argmax = (0..logits.len()).fold(0, |best, i| if logits[i] > logits[best] { i } else { best });
+        seq.push(argmax as u32);
+    }
+    seq.split_off(prompt.len())
+}
+
+/// The engine refuses KV cache groups that are not the model's.
+#[test]
+fn kv_cache_groups_must_be_the_models() {
+    let model = Model::from_dir(&fixture("mistral_swa")).expect("model");
+    let config = EngineConfig {
+        scheduler: SchedulerConfig::new(64, 512),
+        max_pending: Load { sequences: 8, prompt_tokens: 1024 },
+        eos_token_ids: vec![1],
+        overlap_steps: true,
+    };
+    let err =
+        EngineHandle::start(model, None::<Arc<Tokenizer>>, config).err().expect("a full group for a sliding model");
+    assert!(err.to_string().contains("[None]") && err.to_string().contains("[Some(24)]"), "{err}");
 }
 
 #[test]
@@ -558,7 +671,7 @@ impl ferrolm_model::ModelRunner for DeviceLikeRunner {
         "test device".into()
     }
 
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), ferrolm_model::ModelError> {
+    fn allocate_kv_cache(&mut self, num_blocks: &[usize], block_size: usize) -> Result<(), ferrolm_model::ModelError> {
         self.inner.allocate_kv_cache(num_blocks, block_size)
     }
 
@@ -594,6 +707,7 @@ fn start_device_like(name: &str, fail_at_call: Option<usize>) -> EngineHandle {
 /// [`start_device_like`], with the flag its runner sets when it is freed.
 fn start_watched(name: &str, fail_at_call: Option<usize>) -> (EngineHandle, Arc<AtomicBool>) {
     let model = Model::from_dir(&fixture(name)).expect("model");
+    let windows = model.config.kv_cache_windows();
     let freed = Arc::new(AtomicBool::new(false));
     let inner = ferrolm_model::CpuRunner::new(model);
     let runner = DeviceLikeRunner { inner, calls: 0, fail_at_call, freed: Arc::clone(&freed) };
@@ -601,12 +715,13 @@ fn start_watched(name: &str, fail_at_call: Option<usize>) -> (EngineHandle, Arc<
         max_num_seqs: 64,
         max_num_batched_tokens: 2048,
         block_size: 16,
-        num_blocks: 256,
+        kv_cache_groups: Vec::new(),
         max_model_len: 512,
         long_prefill_token_threshold: None,
         max_prompt_logprob_rows: 256,
         enable_prefix_caching: true,
-    };
+    }
+    .with_kv_cache_groups(&windows, 256);
     let config = EngineConfig {
         scheduler,
         max_pending: Load { sequences: 1024, prompt_tokens: 1 << 20 },

@@ -418,7 +418,8 @@ impl ModelConfig {
     }
 
     /// What attention layer `layer` computes over the shared batch metadata: its window
-    /// ([`Self::layer_window`]), softmax scale and soft-cap.
+    /// ([`Self::layer_window`]), softmax scale, soft-cap and KV cache group
+    /// ([`Self::kv_cache_groups`]).
     pub fn layer_attention(&self, layer: usize) -> LayerAttention {
         let scale = match self.query_pre_attn_scalar {
             // As HF: `query_pre_attn_scalar**-0.5` in double precision, used as an f32.
@@ -430,6 +431,7 @@ impl ModelConfig {
             sliding_window: self.layer_window(layer),
             scale,
             softcap: self.attn_logit_softcapping,
+            kv_group: self.kv_cache_group_of(layer),
         }
     }
 

@@ -20,7 +20,7 @@ use crate::activations::Activations;
 use crate::config::ModelConfig;
 use crate::decoder::Decoder;
 use crate::input::ModelInput;
-use crate::runner::ModelRunner;
+use crate::runner::{check_kv_groups, ModelRunner};
 use crate::weights::WeightSource;
 use crate::ModelError;
 
@@ -28,7 +28,7 @@ use crate::ModelError;
 pub struct CudaRunner {
     dev: Cuda,
     decoder: Decoder<Cuda>,
-    /// Per layer: K and V caches, `[num_blocks * block_size, kv_size]` each.
+    /// Per layer: K and V caches, `[num_blocks of its KV cache group * block_size, kv_size]` each.
     kv: Vec<CudaKvLayer>,
     block_size: usize,
     /// Reused by every step; `None` until the first.
@@ -171,9 +171,11 @@ impl CudaRunner {
         self.decoder.weight_bytes()
     }
 
-    /// Device bytes of one KV block of `block_size` tokens, over all layers.
-    pub fn kv_bytes_per_block(&self, block_size: usize) -> usize {
-        self.decoder.config.kv_bytes_per_block(block_size, self.dtype())
+    /// Device bytes of one KV block of `block_size` tokens over the layers of each KV cache
+    /// group ([`ModelConfig::kv_cache_groups`]).
+    pub fn kv_bytes_per_block(&self, block_size: usize) -> Vec<usize> {
+        let config = &self.decoder.config;
+        config.kv_cache_groups().iter().map(|g| g.kv_bytes_per_block(config, block_size, self.dtype())).collect()
     }
 
     /// Device bytes of the activations of a step of `tokens` tokens and `rows` logits rows.
@@ -201,9 +203,9 @@ impl CudaRunner {
             self.previous.write(self.dev.gpu(), &self.sampler, vocab, input, buffers)?;
             let step = StepShape::of(input);
             let work = AttentionWork::default();
-            let batch = buffers.batch(&step, self.block_size, &work);
+            let batches = buffers.batches(&step, self.block_size, &work);
             let acts = self.acts.as_mut().expect("activations were just ensured");
-            return self.decoder.run(&self.dev, &batch, step.rows, &mut self.kv, acts);
+            return self.decoder.run(&self.dev, &batches, step.rows, &mut self.kv, acts);
         };
         let padded = shape.pad(input);
         self.ensure_activations(shape.batch, shape.batch)?;
@@ -220,8 +222,8 @@ impl CudaRunner {
         let acts = self.acts.as_mut().expect("activations were just ensured");
         let (dev, decoder, kv) = (&self.dev, &self.decoder, &mut self.kv);
         let work = AttentionWork::default();
-        let batch = buffers.batch(&step, self.block_size, &work);
-        match dev.gpu().capture(|| decoder.run(dev, &batch, step.rows, kv, acts)) {
+        let batches = buffers.batches(&step, self.block_size, &work);
+        match dev.gpu().capture(|| decoder.run(dev, &batches, step.rows, kv, acts)) {
             Ok(graph) => {
                 graph.launch()?;
                 self.graphs.graphs.insert(shape, DecodeGraph { buffers, graph });
@@ -231,7 +233,7 @@ impl CudaRunner {
                 tracing::warn!("CUDA graph capture failed ({err}); decode steps run without graphs");
                 self.graphs.clear();
                 self.graphs.disabled = true;
-                decoder.run(dev, &batch, step.rows, kv, acts)
+                decoder.run(dev, &batches, step.rows, kv, acts)
             }
         }
     }
@@ -271,11 +273,12 @@ impl ModelRunner for CudaRunner {
         format!("cuda:0 ({})", self.gpu().name())
     }
 
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), ModelError> {
+    fn allocate_kv_cache(&mut self, num_blocks: &[usize], block_size: usize) -> Result<(), ModelError> {
+        check_kv_groups(&self.decoder.config, num_blocks)?;
         // Free the old cache first so that its memory can be reused; graphs that wrote it go too.
         self.graphs.clear();
         self.kv.clear();
-        self.kv = self.decoder.kv_cache(&self.dev, num_blocks * block_size)?;
+        self.kv = self.decoder.kv_cache(&self.dev, num_blocks, block_size)?;
         self.block_size = block_size;
         self.gpu().synchronize()?;
         Ok(())

@@ -127,18 +127,22 @@ impl<D: Device> Decoder<D> {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens)
     }
 
-    /// A KV cache of `num_slots` slots (blocks x block size) per layer.
-    pub fn kv_cache(&self, dev: &D, num_slots: usize) -> Result<Vec<D::KvLayer>, D::Error> {
-        (0..self.layers.len()).map(|_| dev.kv_layer(num_slots, self.config.kv_size())).collect()
+    /// A KV cache of `num_blocks[g]` blocks of `block_size` tokens for each layer of KV cache
+    /// group `g` ([`ModelConfig::kv_cache_groups`]); one count serves every group.
+    pub fn kv_cache(&self, dev: &D, num_blocks: &[usize], block_size: usize) -> Result<Vec<D::KvLayer>, D::Error> {
+        let slots = |layer: &Layer<D>| group_entry(num_blocks, layer.attention.kv_group) * block_size;
+        self.layers.iter().map(|l| dev.kv_layer(slots(l), self.config.kv_size())).collect()
     }
 
     /// Issues one step: every layer, then the final norm and the LM head on the step's logits
     /// rows, whose f32 logits end in `a.logits` (`[rows.logits, output_vocab_size]`). `a` must
-    /// have room for the step (see [`Activations::ensure`]).
+    /// have room for the step (see [`Activations::ensure`]). `batches` holds the step once per
+    /// KV cache group, with that group's block tables and slot mapping (one serves every group);
+    /// each layer reads its group's.
     pub fn run(
         &self,
         dev: &D,
-        batch: &D::Batch<'_>,
+        batches: &[D::Batch<'_>],
         rows: StepRows,
         kv: &mut [D::KvLayer],
         a: &mut Activations<D>,
@@ -147,9 +151,18 @@ impl<D: Device> Decoder<D> {
         let eps = cfg.rms_norm_eps;
         let layers = self.layers.len();
         assert_eq!(kv.len(), layers, "Decoder::run: a KV cache of {} layers for {layers}", kv.len());
+        let num_groups = self.layers.iter().map(|l| l.attention.kv_group + 1).max().unwrap_or(1);
+        assert!(
+            batches.len() == 1 || batches.len() == num_groups,
+            "Decoder::run: a batch of {} KV cache groups for a model of {num_groups}",
+            batches.len()
+        );
+        // The group-independent ops read the first group's batch.
+        let batch = &batches[0];
         a.set_rows(rows.tokens, rows.logits);
         dev.embedding(batch, &self.embed_tokens.weight, cfg.embedding_multiplier, &mut a.residual)?;
         for (i, (layer, kv)) in self.layers.iter().zip(kv.iter_mut()).enumerate() {
+            let batch = group_entry(batches, layer.attention.kv_group);
             // The previous layer's MLP output joins the residual stream in this layer's norm.
             if i == 0 {
                 dev.rms_norm(&a.residual, &layer.input_layernorm, eps, &mut a.normed)?;
@@ -212,6 +225,15 @@ impl<D: Device> Layer<D> {
     /// ([`Mlp::projections`]).
     pub fn projections(&self) -> Vec<&Linear<D>> {
         [&self.qkv_proj, &self.o_proj].into_iter().chain(self.mlp.projections()).collect()
+    }
+}
+
+/// Group `group`'s entry of a per-group list, where one entry serves every group.
+fn group_entry<T>(per_group: &[T], group: usize) -> &T {
+    if per_group.len() == 1 {
+        &per_group[0]
+    } else {
+        &per_group[group]
     }
 }
 

@@ -1,8 +1,11 @@
 //! The flattened batch the model runs each step, and the paged KV cache it reads and writes.
 //!
 //! Names follow vLLM: requests sit back to back in `token_ids`; request `r` owns rows
-//! `query_start_loc[r]..query_start_loc[r + 1]`; `slot_mapping[t] = block_id * block_size + offset`
-//! says where token `t`'s K and V go.
+//! `query_start_loc[r]..query_start_loc[r + 1]`; `slot_mapping[g][t] = block_id * block_size +
+//! offset` says where token `t`'s K and V go in KV cache group `g`'s cache. Every group has its
+//! own block tables ([`crate::kv_groups`]), which cover the same positions: a sliding group's
+//! hold its null block where the window has passed, so that an entry's index is its position's
+//! block in every group.
 
 use ferrolm_backend::cpu::CpuKvLayer;
 
@@ -20,11 +23,14 @@ pub struct ModelInput {
     pub query_start_loc: Vec<u32>,
     /// `[num_reqs]`: context length after this step.
     pub seq_lens: Vec<u32>,
-    /// `[num_reqs, max_blocks_per_seq]`, padded with 0.
-    pub block_tables: Vec<u32>,
+    /// `[num_groups][num_reqs * max_blocks_per_seq]`: each KV cache group's block tables, padded
+    /// with 0. A batch with one group's serves every group of the model.
+    pub block_tables: Vec<Vec<u32>>,
+    /// Width of every group's block tables.
     pub max_blocks_per_seq: usize,
-    /// `[T]`; negative = padding, not written.
-    pub slot_mapping: Vec<i64>,
+    /// `[num_groups][T]`: where each token's K and V go in each group's cache; negative =
+    /// padding, not written.
+    pub slot_mapping: Vec<Vec<i64>>,
     /// Rows whose logits are wanted, in output order.
     pub logits_indices: Vec<u32>,
     /// Tokens not known when the step was built (a step scheduled ahead of the one before it):
@@ -40,6 +46,11 @@ impl ModelInput {
 
     pub fn num_reqs(&self) -> usize {
         self.seq_lens.len()
+    }
+
+    /// KV cache groups the batch has tables for.
+    pub fn num_groups(&self) -> usize {
+        self.block_tables.len()
     }
 
     /// The step's token and logits rows, as the decoder takes them.
@@ -71,9 +82,9 @@ impl ModelInput {
         Ok(())
     }
 
-    /// Appends one request's scheduled tokens. `block_table` must cover `start + tokens.len()`
-    /// positions; the last row's logits are requested when `want_logits` (all rows when
-    /// `all_logits`).
+    /// Appends one request's scheduled tokens with one block table, which serves every KV cache
+    /// group (a model of one group, or a batch that does not page the groups apart). See
+    /// [`Self::push_request_tables`].
     pub fn push_request(
         &mut self,
         tokens: &[u32],
@@ -83,16 +94,50 @@ impl ModelInput {
         want_logits: bool,
         all_logits: bool,
     ) {
+        self.push_request_tables(tokens, start, &[block_table], block_size, want_logits, all_logits);
+    }
+
+    /// Appends one request's scheduled tokens. `block_tables` holds its table in each KV cache
+    /// group (block ids, or anything that converts to them), as many as the requests before it
+    /// had, each covering `start + tokens.len()` positions; the last row's logits are requested
+    /// when `want_logits` (all rows when `all_logits`).
+    ///
+    /// # Panics
+    /// When `block_tables` holds another number of groups than the requests before it.
+    pub fn push_request_tables<T: AsRef<[B]>, B: Copy + Into<u32>>(
+        &mut self,
+        tokens: &[u32],
+        start: usize,
+        block_tables: &[T],
+        block_size: usize,
+        want_logits: bool,
+        all_logits: bool,
+    ) {
         if self.query_start_loc.is_empty() {
             self.query_start_loc.push(0);
+            self.block_tables = vec![Vec::new(); block_tables.len()];
+            self.slot_mapping = vec![Vec::new(); block_tables.len()];
         }
+        assert_eq!(
+            block_tables.len(),
+            self.block_tables.len(),
+            "push_request: block tables of {} groups after requests of {}",
+            block_tables.len(),
+            self.block_tables.len()
+        );
         let first_row = self.token_ids.len() as u32;
         for (i, &tok) in tokens.iter().enumerate() {
             let pos = start + i;
             self.token_ids.push(tok);
             self.positions.push(pos as u32);
-            let block = block_table[pos / block_size] as i64;
-            self.slot_mapping.push(block * block_size as i64 + (pos % block_size) as i64);
+        }
+        for (table, slots) in block_tables.iter().zip(&mut self.slot_mapping) {
+            let table = table.as_ref();
+            slots.extend(
+                (start..start + tokens.len()).map(|pos| {
+                    i64::from(table[pos / block_size].into()) * block_size as i64 + (pos % block_size) as i64
+                }),
+            );
         }
         let end_row = self.token_ids.len() as u32;
         self.query_start_loc.push(end_row);
@@ -103,29 +148,32 @@ impl ModelInput {
             self.logits_indices.push(end_row - 1);
         }
         // Re-pad the block tables to the widest request.
-        let width = self.max_blocks_per_seq.max(block_table.len());
-        if width != self.max_blocks_per_seq {
-            let old = std::mem::take(&mut self.block_tables);
-            let rows = self.seq_lens.len() - 1;
-            for r in 0..rows {
-                let row = &old[r * self.max_blocks_per_seq..(r + 1) * self.max_blocks_per_seq];
-                self.block_tables.extend_from_slice(row);
-                self.block_tables.resize((r + 1) * width, 0);
+        let num_reqs = self.seq_lens.len();
+        let old_width = self.max_blocks_per_seq;
+        let width = block_tables.iter().map(|t| t.as_ref().len()).fold(old_width, usize::max);
+        for (table, tables) in block_tables.iter().zip(&mut self.block_tables) {
+            if width != old_width {
+                let old = std::mem::take(tables);
+                for r in 0..num_reqs - 1 {
+                    tables.extend_from_slice(&old[r * old_width..(r + 1) * old_width]);
+                    tables.resize((r + 1) * width, 0);
+                }
             }
-            self.max_blocks_per_seq = width;
+            tables.extend(table.as_ref().iter().map(|&b| b.into()));
+            tables.resize(num_reqs * width, 0);
         }
-        self.block_tables.extend_from_slice(block_table);
-        self.block_tables.resize(self.seq_lens.len() * width, 0);
+        self.max_blocks_per_seq = width;
     }
 }
 
 /// The paged K/V cache of every layer on the CPU.
 pub struct KvCache {
-    pub num_blocks: usize,
+    /// `[num_kv_cache_groups]`: blocks of each group's layers.
+    pub num_blocks: Vec<usize>,
     pub block_size: usize,
     /// `num_kv_heads * head_dim`
     pub kv_width: usize,
-    /// Per layer: K and V, each `[num_blocks * block_size, kv_width]`.
+    /// Per layer: K and V, each `[num_blocks of its group * block_size, kv_width]`.
     pub layers: Vec<CpuKvLayer>,
 }
 
@@ -159,9 +207,9 @@ mod tests {
         assert_eq!(input.positions, vec![17, 0, 1, 2]);
         assert_eq!(input.query_start_loc, vec![0, 1, 4]);
         assert_eq!(input.seq_lens, vec![18, 3]);
-        assert_eq!(input.slot_mapping, vec![5 * 16 + 1, 7 * 16, 7 * 16 + 1, 7 * 16 + 2]);
+        assert_eq!(input.slot_mapping, vec![vec![5 * 16 + 1, 7 * 16, 7 * 16 + 1, 7 * 16 + 2]]);
         assert_eq!(input.max_blocks_per_seq, 2);
-        assert_eq!(input.block_tables, vec![3, 5, 7, 0]);
+        assert_eq!(input.block_tables, vec![vec![3, 5, 7, 0]]);
         assert_eq!(input.logits_indices, vec![0, 1, 2, 3]);
     }
 
@@ -170,7 +218,21 @@ mod tests {
         let mut input = ModelInput::default();
         input.push_request(&[1], 0, &[9], 4, true, false);
         input.push_request(&[2], 8, &[1, 2, 3], 4, false, false);
-        assert_eq!(input.block_tables, vec![9, 0, 0, 1, 2, 3]);
+        assert_eq!(input.block_tables, vec![vec![9, 0, 0, 1, 2, 3]]);
         assert_eq!(input.logits_indices, vec![0]);
+    }
+
+    #[test]
+    fn each_group_gets_its_tables_and_slots() {
+        let mut input = ModelInput::default();
+        // Two groups; the second is a sliding group whose window passed the first block (null 0).
+        input.push_request_tables(&[1, 2], 5, &[[4u32, 6], [0, 3]], 4, true, false);
+        input.push_request_tables(&[3], 0, &[[8u32], [1]], 4, true, false);
+        input.push_request_tables(&[4], 9, &[vec![2u32, 5, 7], vec![0, 0, 9]], 4, true, false);
+        assert_eq!(input.num_groups(), 2);
+        assert_eq!(input.max_blocks_per_seq, 3);
+        assert_eq!(input.block_tables, vec![vec![4, 6, 0, 8, 0, 0, 2, 5, 7], vec![0, 3, 0, 1, 0, 0, 0, 0, 9]]);
+        assert_eq!(input.slot_mapping, vec![vec![6 * 4 + 1, 6 * 4 + 2, 8 * 4, 7 * 4 + 1], vec![13, 14, 4, 37]]);
+        assert_eq!(input.positions, vec![5, 6, 0, 9]);
     }
 }

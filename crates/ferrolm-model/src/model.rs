@@ -27,9 +27,18 @@ impl Decoder<Cpu> {
         Model::load(&Cpu, config, &src)
     }
 
-    /// A KV cache of `num_blocks` blocks of `block_size` tokens.
+    /// A KV cache of `num_blocks` blocks of `block_size` tokens in every KV cache group.
     pub fn new_kv_cache(&self, num_blocks: usize, block_size: usize) -> KvCache {
-        let Ok(layers) = self.kv_cache(&Cpu, num_blocks * block_size);
+        let groups = self.config.kv_cache_groups().len();
+        self.new_grouped_kv_cache(&vec![num_blocks; groups], block_size)
+    }
+
+    /// A KV cache of `num_blocks[g]` blocks of `block_size` tokens for the layers of KV cache
+    /// group `g` ([`ModelConfig::kv_cache_groups`]); one count serves every group.
+    pub fn new_grouped_kv_cache(&self, num_blocks: &[usize], block_size: usize) -> KvCache {
+        let groups = self.config.kv_cache_groups().len();
+        let num_blocks = if num_blocks.len() == 1 { vec![num_blocks[0]; groups] } else { num_blocks.to_vec() };
+        let Ok(layers) = self.kv_cache(&Cpu, &num_blocks, block_size);
         KvCache { num_blocks, block_size, kv_width: self.config.kv_size(), layers }
     }
 
@@ -50,10 +59,10 @@ impl Decoder<Cpu> {
         let rows = input.step_rows();
         let Ok(_) = Activations::ensure(acts, &Cpu, &self.config, rows.tokens, rows.logits);
         let acts = acts.as_mut().expect("activations were just ensured");
-        let batch = cpu_batch(input, kv.block_size);
+        let batches = cpu_batches(input, kv.block_size);
         acts.set_rows(rows.tokens, rows.logits);
         if rows.tokens > 0 {
-            let Ok(()) = self.run(&Cpu, &batch, rows, &mut kv.layers, acts);
+            let Ok(()) = self.run(&Cpu, &batches, rows, &mut kv.layers, acts);
         } else {
             // Nothing to run: no logits rows either.
             debug_assert_eq!(rows, StepRows { tokens: 0, logits: 0, identity: true });
@@ -62,17 +71,17 @@ impl Decoder<Cpu> {
     }
 }
 
-/// `input` as the CPU device reads it.
-fn cpu_batch(input: &ModelInput, block_size: usize) -> CpuBatch<'_> {
-    CpuBatch {
+/// `input` as the CPU device reads it, once per KV cache group.
+fn cpu_batches<'a>(input: &'a ModelInput, block_size: usize) -> Vec<CpuBatch<'a>> {
+    let batch = |(block_tables, slot_mapping): (&'a Vec<u32>, &'a Vec<i64>)| CpuBatch {
         token_ids: &input.token_ids,
         positions: &input.positions,
-        slot_mapping: &input.slot_mapping,
+        slot_mapping,
         logits_indices: &input.logits_indices,
         attention: AttentionMetadata {
             query_start_loc: &input.query_start_loc,
             seq_lens: &input.seq_lens,
-            block_tables: &input.block_tables,
+            block_tables,
             max_blocks_per_seq: input.max_blocks_per_seq,
             block_size,
             // Set per layer by the decoder (`LayerAttention`).
@@ -80,5 +89,6 @@ fn cpu_batch(input: &ModelInput, block_size: usize) -> CpuBatch<'_> {
             scale: 1.0,
             softcap: None,
         },
-    }
+    };
+    input.block_tables.iter().zip(&input.slot_mapping).map(batch).collect()
 }

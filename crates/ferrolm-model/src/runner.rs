@@ -27,8 +27,10 @@ pub trait ModelRunner: Send {
     /// Where it runs, for logs and reports: `cpu`, `cuda:0 (NVIDIA H200)`.
     fn device(&self) -> String;
 
-    /// Allocates (or replaces) the KV cache: `num_blocks` blocks of `block_size` tokens.
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), ModelError>;
+    /// Allocates (or replaces) the KV cache: `num_blocks[g]` blocks of `block_size` tokens for
+    /// the layers of KV cache group `g` ([`ModelConfig::kv_cache_groups`]); one count serves
+    /// every group.
+    fn allocate_kv_cache(&mut self, num_blocks: &[usize], block_size: usize) -> Result<(), ModelError>;
 
     /// Computes logits, from the next launch on, only for ids below `num_ids` (a tokenizer's
     /// size) where the model has more ([`ModelConfig::limit_output_vocab`]): ids a tokenizer
@@ -77,6 +79,16 @@ pub trait ModelRunner: Send {
         self.launch(input, rows)?;
         self.set_token_masks(masks)?;
         self.collect()
+    }
+}
+
+/// Checks that `num_blocks` gives one count per KV cache group of `config`, or one for all.
+pub(crate) fn check_kv_groups(config: &ModelConfig, num_blocks: &[usize]) -> Result<(), ModelError> {
+    let groups = config.kv_cache_groups().len();
+    if num_blocks.len() == 1 || num_blocks.len() == groups {
+        Ok(())
+    } else {
+        Err(ModelError::Config(format!("KV cache sizes for {} groups, the model has {groups}", num_blocks.len())))
     }
 }
 
@@ -183,8 +195,9 @@ impl ModelRunner for CpuRunner {
         "cpu".into()
     }
 
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), ModelError> {
-        self.kv = Some(self.model.new_kv_cache(num_blocks, block_size));
+    fn allocate_kv_cache(&mut self, num_blocks: &[usize], block_size: usize) -> Result<(), ModelError> {
+        check_kv_groups(&self.model.config, num_blocks)?;
+        self.kv = Some(self.model.new_grouped_kv_cache(num_blocks, block_size));
         Ok(())
     }
 

@@ -51,7 +51,7 @@ fn every_id_of_a_262144_token_vocabulary_gets_a_capped_logit() -> Result<(), Box
     assert!(order[..5].iter().any(|&id| id >= 1 << 16), "this seed's top 5 {:?} stay below 2^16", &order[..5]);
 
     let mut runner = CpuRunner::new(model);
-    runner.allocate_kv_cache(4, BLOCK_SIZE)?;
+    runner.allocate_kv_cache(&[4], BLOCK_SIZE)?;
     let params = SamplingParams { temperature: 0.0, logprobs: Some(5), ..SamplingParams::default() };
     let plan = RequestSampler::new(&params, &[], 0)?.plan(&[]);
     let mut input = ModelInput::default();

@@ -61,7 +61,7 @@ fn greedy(runner: &mut dyn ModelRunner, prompt: &[u32], steps: usize) -> Result<
     let plan = RequestSampler::new(&params, &[], 0).map_err(|e| e.to_string())?.plan(&[]);
     let num_blocks = (prompt.len() + steps).div_ceil(BLOCK_SIZE);
     let table: Vec<u32> = (0..num_blocks as u32).rev().collect();
-    runner.allocate_kv_cache(num_blocks, BLOCK_SIZE).map_err(|e| e.to_string())?;
+    runner.allocate_kv_cache(&[num_blocks], BLOCK_SIZE).map_err(|e| e.to_string())?;
     let mut out: Vec<TokenLogprobs> = Vec::new();
     for step in 0..steps {
         let mut input = ModelInput::default();

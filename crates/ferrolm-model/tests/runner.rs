@@ -119,7 +119,7 @@ fn check_fixture(name: &str) {
             let table = block_table(num_blocks, pool);
 
             // Teacher-forced prompt logprobs, read in chunks of 7 tokens, every row in full.
-            runner.allocate_kv_cache(pool, BLOCK_SIZE).expect("kv cache");
+            runner.allocate_kv_cache(&[pool], BLOCK_SIZE).expect("kv cache");
             let want: Vec<f64> =
                 case["prompt_logprobs"].as_array().expect("lp")[1..].iter().map(|v| v.as_f64().expect("f")).collect();
             let mut start = 0;
@@ -145,7 +145,7 @@ fn check_fixture(name: &str) {
 
             // Greedy decoding with the argmax picked by the runner, teacher-forced on the
             // reference tokens so that later steps stay comparable.
-            runner.allocate_kv_cache(pool, BLOCK_SIZE).expect("kv cache");
+            runner.allocate_kv_cache(&[pool], BLOCK_SIZE).expect("kv cache");
             let plan = greedy_plan(0);
             let mut input = ModelInput::default();
             input.push_request(&prompt, 0, &table, BLOCK_SIZE, true, false);
@@ -221,7 +221,7 @@ fn greedy_batch(
         if together { vec![(0..prompts.len()).collect()] } else { (0..prompts.len()).map(|i| vec![i]).collect() };
     let mut out = vec![Vec::new(); prompts.len()];
     for group in groups {
-        runner.allocate_kv_cache(pool, BLOCK_SIZE).expect("kv cache");
+        runner.allocate_kv_cache(&[pool], BLOCK_SIZE).expect("kv cache");
         let mut next: Vec<u32> = Vec::new();
         for step in 0..=steps {
             let mut input = ModelInput::default();
@@ -264,7 +264,7 @@ fn decode(runner: &mut dyn ModelRunner, prompts: &[Vec<u32>], lens: &[usize], ah
     let blocks_each =
         (prompts.iter().map(Vec::len).max().unwrap_or(0) + lens.iter().max().unwrap_or(&0)).div_ceil(BLOCK_SIZE);
     let tables: Vec<Vec<u32>> = (0..n).map(|i| (0..blocks_each).map(|b| (b * n + i) as u32).collect()).collect();
-    runner.allocate_kv_cache(blocks_each * n, BLOCK_SIZE).expect("kv cache");
+    runner.allocate_kv_cache(&[blocks_each * n], BLOCK_SIZE).expect("kv cache");
     let plan = greedy_plan(1);
     let rows = |k: usize| vec![RowRequest::Sample(&plan); k];
     let mut out: Vec<Vec<(u32, f32)>> = vec![Vec::new(); n];
@@ -392,7 +392,7 @@ fn cuda_graph_decode_steps_equal_eager_steps() {
                     (0..n as u32).map(|i| (0..5 + 3 * i).map(|j| 1 + (i * 131 + j * 17) % 500).collect()).collect();
                 let steps = 40;
                 let blocks_each = (5 + 3 * n + steps).div_ceil(BLOCK_SIZE);
-                runner.allocate_kv_cache(blocks_each * n + 1, BLOCK_SIZE).expect("kv cache");
+                runner.allocate_kv_cache(&[blocks_each * n + 1], BLOCK_SIZE).expect("kv cache");
                 let tables: Vec<Vec<u32>> =
                     (0..n).map(|i| (0..blocks_each).map(|b| (1 + b * n + i) as u32).collect()).collect();
                 let mut input = ModelInput::default();
@@ -459,7 +459,7 @@ fn staggered(runner: &mut dyn ModelRunner, ahead: bool) -> Vec<Vec<(u32, f64, f6
         (0..n as u32).map(|i| (0..5 + 3 * i).map(|j| 1 + (i * 131 + j * 17) % 500).collect()).collect();
     let blocks_each = (5 + 3 * n + len).div_ceil(BLOCK_SIZE);
     let tables: Vec<Vec<u32>> = (0..n).map(|i| (0..blocks_each).map(|b| (b * n + i) as u32).collect()).collect();
-    runner.allocate_kv_cache(blocks_each * n, BLOCK_SIZE).expect("kv cache");
+    runner.allocate_kv_cache(&[blocks_each * n], BLOCK_SIZE).expect("kv cache");
     let plan = greedy_plan(2);
     let mut out: Vec<Vec<(u32, f64, f64)>> = vec![Vec::new(); n];
     let record = |runner: &mut dyn ModelRunner, in_flight: &[usize], out: &mut Vec<Vec<(u32, f64, f64)>>| {
@@ -559,7 +559,7 @@ fn constrained(runner: &mut dyn ModelRunner, ahead: bool) -> Vec<Vec<(u32, f32)>
         (0..n as u32).map(|i| (0..4 + 3 * i).map(|j| 1 + (i * 131 + j * 17) % 500).collect()).collect();
     let blocks_each = (4 + 3 * n + steps).div_ceil(BLOCK_SIZE);
     let tables: Vec<Vec<u32>> = (0..n).map(|i| (0..blocks_each).map(|b| (b * n + i) as u32).collect()).collect();
-    runner.allocate_kv_cache(blocks_each * n, BLOCK_SIZE).expect("kv cache");
+    runner.allocate_kv_cache(&[blocks_each * n], BLOCK_SIZE).expect("kv cache");
     let greedy = greedy_plan(1);
     let masked = SamplePlan { masked: true, ..greedy.clone() };
     let is_masked = |i: usize, step: usize| [0, 1, 3].contains(&i) && step % 5 != 4;
@@ -756,7 +756,7 @@ fn seeded_sampling_gives_the_host_tokens() {
         if matches!(rule, Rule::Bf16) {
             continue; // bf16 logits move probability mass by more than any fragility margin
         }
-        runner.allocate_kv_cache(blocks_each * n, BLOCK_SIZE).expect("kv cache");
+        runner.allocate_kv_cache(&[blocks_each * n], BLOCK_SIZE).expect("kv cache");
         let mut ours = samplers();
         let (mut compared, mut fragile_misses) = (0, 0);
         for (step, wanted) in want.iter().enumerate() {

@@ -8,7 +8,7 @@ use clap::builder::BoolishValueParser;
 use clap::{ArgAction, Args, ValueEnum};
 use ferrolm_backend::cpu::Cpu;
 use ferrolm_backend::DType;
-use ferrolm_engine::{EngineConfig, EngineHandle, Load, SchedulerConfig, BLOCK_SIZE};
+use ferrolm_engine::{EngineConfig, EngineHandle, KvCacheGroupConfig, Load, SchedulerConfig, BLOCK_SIZE};
 use ferrolm_model::config::parse_dtype;
 use ferrolm_model::{CpuRunner, GenerationConfig, Model, ModelConfig, ModelRunner, WeightSource};
 use ferrolm_sampling::GenerationDefaults;
@@ -187,11 +187,12 @@ pub fn eos_token_ids(config: &ModelConfig, generation: &GenerationConfig, tokeni
     ids
 }
 
-/// A model placed on the device `args` ask for, with the KV cache size that device allows
-/// (`None`: sized from --kv-cache-memory-gb, on the CPU).
+/// A model placed on the device `args` ask for, with the memory that device leaves the KV cache
+/// (`None`: --kv-cache-memory-gb, on the CPU).
 pub struct Placed {
     pub runner: Box<dyn ModelRunner>,
-    pub device_kv_blocks: Option<usize>,
+    /// Bytes the KV cache may take on the device, and the dtype it is kept in there.
+    pub device_kv_bytes: Option<(usize, DType)>,
     /// Bytes of weight matrices on the device, and the dtype they are kept in there.
     pub weight_bytes: usize,
     pub weight_dtype: DType,
@@ -220,7 +221,7 @@ fn cpu_runner(config: ModelConfig, weights: &WeightSource) -> Result<Placed> {
     tracing::info!(device = "cpu", seconds = started.elapsed().as_secs_f64(), "model placed");
     // The dtype the checkpoint (or --dummy-weights) stores the matrices in.
     let (weight_bytes, weight_dtype) = (model.weight_bytes(), model.lm_head().weight.dtype());
-    Ok(Placed { runner: Box::new(CpuRunner::new(model)), device_kv_blocks: None, weight_bytes, weight_dtype })
+    Ok(Placed { runner: Box::new(CpuRunner::new(model)), device_kv_bytes: None, weight_bytes, weight_dtype })
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -283,8 +284,6 @@ fn cuda_place(
     let activations = runner.activation_bytes(args.max_num_batched_tokens, step_logits_rows(args));
     let reserve = 2 * activations + (512 << 20);
     let budget = (free.saturating_sub(reserve) as f64 * args.kv_cache_fraction) as usize;
-    let per_block = runner.kv_bytes_per_block(BLOCK_SIZE);
-    let blocks = budget / per_block.max(1);
     tracing::info!(
         device = %runner.device(),
         dtype = ?dtype,
@@ -292,15 +291,11 @@ fn cuda_place(
         activations_gib = activations as f64 / (1u64 << 30) as f64,
         free_gib = free as f64 / (1u64 << 30) as f64,
         total_gib = total as f64 / (1u64 << 30) as f64,
-        kv_blocks = blocks,
-        kv_tokens = blocks * BLOCK_SIZE,
+        kv_cache_gib = budget as f64 / (1u64 << 30) as f64,
         "model placed on the GPU"
     );
-    if blocks == 0 {
-        bail!("no GPU memory left for the KV cache after the weights ({free} bytes free)");
-    }
     let weight_bytes = runner.weight_bytes();
-    Ok(Placed { runner: Box::new(runner), device_kv_blocks: Some(blocks), weight_bytes, weight_dtype: dtype })
+    Ok(Placed { runner: Box::new(runner), device_kv_bytes: Some((budget, dtype)), weight_bytes, weight_dtype: dtype })
 }
 
 /// Most prompt rows a step computes logits of for prompt logprobs (the scheduler's
@@ -329,7 +324,7 @@ pub fn start_engine(
     eos_token_ids: Vec<u32>,
     args: &EngineArgs,
 ) -> Result<EngineHandle> {
-    let Placed { runner, device_kv_blocks, .. } = placed;
+    let Placed { runner, device_kv_bytes, .. } = placed;
     let config = runner.config().clone();
     let config = &config;
     let max_model_len = match args.max_model_len {
@@ -340,29 +335,47 @@ pub fn start_engine(
         Some(n) => n,
         None => config.max_position_embeddings,
     };
-    // The CPU cache is f32.
-    let bytes_per_block = config.kv_bytes_per_block(BLOCK_SIZE, DType::F32);
-    let num_blocks = match (args.num_kv_blocks, device_kv_blocks) {
-        (Some(n), _) => n,
-        (None, Some(device)) => device.min((args.max_num_seqs * max_model_len).div_ceil(BLOCK_SIZE)),
-        (None, None) => {
-            let budget = (args.kv_cache_memory_gb * (1u64 << 30) as f64) as usize / bytes_per_block;
-            // At least one full-length sequence, at most what the longest batch could use.
-            let most = (args.max_num_seqs * max_model_len).div_ceil(BLOCK_SIZE);
-            budget.max(max_model_len.div_ceil(BLOCK_SIZE)).min(most)
-        }
-    };
     let scheduler = SchedulerConfig {
         max_num_seqs: args.max_num_seqs,
         max_num_batched_tokens: args.max_num_batched_tokens,
         block_size: BLOCK_SIZE,
-        num_blocks,
+        kv_cache_groups: Vec::new(),
         max_model_len,
         long_prefill_token_threshold: None,
         max_prompt_logprob_rows: prompt_logprob_rows(args),
         enable_prefix_caching: true,
     };
-    tracing::info!(num_blocks, kv_tokens = num_blocks * BLOCK_SIZE, max_model_len, "engine configured");
+    // The first group's blocks: a sliding group after it takes what its window needs (see
+    // `SchedulerConfig::kv_cache_groups_for`), within the same memory.
+    let groups = config.kv_cache_groups();
+    let windows: Vec<Option<usize>> = groups.iter().map(|g| g.sliding_window).collect();
+    // At most what the longest batch could use; at least one full-length sequence (in a
+    // sliding group, what a request holds at once).
+    let first = KvCacheGroupConfig { sliding_window: windows[0], num_blocks: 0 };
+    let most = match first.sliding_window {
+        None => (args.max_num_seqs * max_model_len).div_ceil(BLOCK_SIZE),
+        Some(_) => scheduler.max_blocks_of(&first, max_model_len, 1).saturating_mul(args.max_num_seqs),
+    };
+    let within = |budget: usize, dtype: DType| {
+        let bytes: Vec<usize> = groups.iter().map(|g| g.kv_bytes_per_block(config, BLOCK_SIZE, dtype)).collect();
+        scheduler.num_blocks_within(&windows, &bytes, budget).min(most)
+    };
+    let num_blocks = match (args.num_kv_blocks, device_kv_bytes) {
+        (Some(n), _) => n,
+        (None, Some((budget, dtype))) => match within(budget, dtype) {
+            0 => bail!("no GPU memory left for the KV cache after the weights ({budget} bytes for it)"),
+            n => n,
+        },
+        // The CPU cache is f32.
+        (None, None) => within((args.kv_cache_memory_gb * (1u64 << 30) as f64) as usize, DType::F32)
+            .max(scheduler.max_blocks_of(&first, max_model_len, 1)),
+    };
+    let scheduler = scheduler.with_kv_cache_groups(&windows, num_blocks);
+    for group in &scheduler.kv_cache_groups {
+        let (window, blocks) = (group.sliding_window, group.num_blocks);
+        tracing::info!(?window, blocks, kv_tokens = blocks * BLOCK_SIZE, "KV cache group");
+    }
+    tracing::info!(num_blocks, max_model_len, "engine configured");
     let engine = EngineHandle::start(
         runner,
         tokenizer,

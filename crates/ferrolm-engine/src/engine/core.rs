@@ -23,8 +23,9 @@ use super::handle::{Command, EngineConfig, EngineError, GenerateRequest};
 use super::launch::Launched;
 use super::output_stage::{OutputEvent, OutputSender};
 use super::state::{EngineStats, PromptLogprob, RequestOutput};
+use crate::kv::KvCacheGroupConfig;
 use crate::request::{FinishReason, Request, RequestId};
-use crate::scheduler::Scheduler;
+use crate::scheduler::{Scheduler, SchedulerError};
 
 /// Sequence ids are the client id shifted left by this, plus the sequence index (`n <= 256`).
 const SEQ_BITS: u32 = 8;
@@ -117,11 +118,19 @@ impl Engine {
         stats: Arc<EngineStats>,
         pending: Arc<PendingLoad>,
     ) -> Result<Engine, EngineError> {
+        let groups = &config.scheduler.kv_cache_groups;
+        let windows: Vec<Option<usize>> = groups.iter().map(|g| g.sliding_window).collect();
+        let model_windows = runner.config().kv_cache_windows();
+        if windows != model_windows {
+            let message = format!("KV cache groups of windows {windows:?}, the model's are {model_windows:?}");
+            return Err(SchedulerError::InvalidConfig(message).into());
+        }
         let scheduler = Scheduler::new(config.scheduler.clone())?;
+        let num_cache_blocks: Vec<usize> = groups.iter().map(KvCacheGroupConfig::num_cache_blocks).collect();
         runner
-            .allocate_kv_cache(config.scheduler.num_blocks, config.scheduler.block_size)
+            .allocate_kv_cache(&num_cache_blocks, config.scheduler.block_size)
             .map_err(|e| EngineError::Device(e.to_string()))?;
-        stats.num_blocks.store(config.scheduler.num_blocks as u64, Ordering::Relaxed);
+        stats.num_blocks.store(groups[0].num_blocks as u64, Ordering::Relaxed);
         Ok(Engine {
             scheduler,
             runner,

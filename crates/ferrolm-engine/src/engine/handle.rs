@@ -149,8 +149,9 @@ struct HandleInner {
 }
 
 impl EngineHandle {
-    /// Starts the engine thread, which owns `model` and a KV cache of
-    /// `config.scheduler.num_blocks` blocks.
+    /// Starts the engine thread, which owns `model` and a KV cache of the blocks of
+    /// `config.scheduler.kv_cache_groups`, whose windows must be the model's
+    /// (`ModelConfig::kv_cache_groups`).
     ///
     /// Without a tokenizer (random-weight benchmarks) outputs carry token ids only: their `text`
     /// stays empty and stop strings never match. With one, the runner computes logits only for

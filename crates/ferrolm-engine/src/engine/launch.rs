@@ -115,11 +115,10 @@ impl Engine {
     ) -> ModelInput {
         let mut input = ModelInput::default();
         for (s, rows) in out.scheduled.iter().zip(&layout.requests) {
-            let table = s.block_ids();
-            input.push_request(
+            input.push_request_tables(
                 &s.token_ids,
                 s.num_computed_tokens,
-                &table,
+                &s.block_tables,
                 self.block_size,
                 s.samples_next_token,
                 rows.all_rows(),

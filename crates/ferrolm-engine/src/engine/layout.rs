@@ -80,7 +80,7 @@ mod tests {
             num_computed_tokens,
             num_scheduled_tokens,
             token_ids: vec![0; num_scheduled_tokens],
-            block_table: Vec::new(),
+            block_tables: Vec::new(),
             is_new: false,
             samples_next_token: samples,
         }

@@ -33,7 +33,7 @@ pub struct RequestOutput {
 pub struct EngineStats {
     pub num_running: AtomicU64,
     pub num_waiting: AtomicU64,
-    /// Fraction of KV blocks in use, as `f64` bits.
+    /// Fraction of KV blocks in use (in the KV cache group where it is highest), as `f64` bits.
     kv_usage_bits: AtomicU64,
     pub prefix_cache_queries: AtomicU64,
     pub prefix_cache_hits: AtomicU64,
@@ -46,6 +46,8 @@ pub struct EngineStats {
     /// Microseconds from collecting a step (none launched ahead) to launching the next one while
     /// requests were running: the host's time between steps, when the device has nothing to do.
     pub host_gap_us: AtomicU64,
+    /// Blocks of the first KV cache group's pool (full attention, or a model's one sliding
+    /// group): `--num-kv-blocks`, or what the memory budget gave it.
     pub num_blocks: AtomicU64,
     pub step_times: StepTimes,
     /// Steps with grammar-constrained rows, and the microseconds spent computing their token

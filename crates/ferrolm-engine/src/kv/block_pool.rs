@@ -11,7 +11,11 @@
 //!   ([`BlockPool::touch`]) can take them back out of the middle until they are evicted.
 //! - `cached[h] == b` iff `blocks[b].hash == Some(h)`: one block per hash, one hash per block.
 //!
-//! No block is reserved: block 0 is an ordinary block and the first one handed out.
+//! A pool made by [`BlockPool::new`] reserves no block: block 0 is an ordinary block and the first
+//! one handed out. A sliding-window group's pool ([`BlockPool::with_null_block`]) reserves block 0
+//! as its null block: the entry of a block table whose block the window has passed, so that table
+//! positions stay aligned. It is never handed out, never referenced, never written, and never in
+//! the free list; free + referenced + 1 = `num_ids`.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -25,6 +29,13 @@ pub struct BlockId(pub u32);
 impl BlockId {
     pub fn index(self) -> usize {
         self.0 as usize
+    }
+}
+
+/// The id as the backend's block tables hold it.
+impl From<BlockId> for u32 {
+    fn from(block: BlockId) -> u32 {
+        block.0
     }
 }
 
@@ -57,6 +68,8 @@ pub struct BlockPool {
     free_tail: u32,
     num_free: usize,
     cached: HashMap<BlockHash, BlockId>,
+    /// Block 0 when the pool reserves it (see the module header).
+    null_block: Option<BlockId>,
 }
 
 impl BlockPool {
@@ -66,24 +79,40 @@ impl BlockPool {
     /// If `block_size` is 0 or `num_blocks` does not fit below `u32::MAX`; the scheduler
     /// validates its config before building a pool.
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        Self::with_reserved(num_blocks, block_size, false)
+    }
+
+    /// A pool whose block 0 is the null block (see the module header), then `num_blocks` free
+    /// blocks `1..=num_blocks` of `block_size` tokens, free list in id order.
+    ///
+    /// # Panics
+    /// As [`BlockPool::new`], for `num_blocks + 1` blocks.
+    pub fn with_null_block(num_blocks: usize, block_size: usize) -> Self {
+        Self::with_reserved(num_blocks, block_size, true)
+    }
+
+    fn with_reserved(num_blocks: usize, block_size: usize, null_block: bool) -> Self {
         assert!(block_size > 0, "block_size must be positive");
-        assert!(num_blocks < NIL as usize, "num_blocks must be below u32::MAX");
-        let n = num_blocks as u32;
+        let first = u32::from(null_block);
+        let num_ids = num_blocks + first as usize;
+        assert!(num_ids < NIL as usize, "num_blocks must be below u32::MAX");
+        let n = num_ids as u32;
         let blocks = (0..n)
             .map(|i| BlockMeta {
                 ref_cnt: 0,
                 hash: None,
-                prev: if i == 0 { NIL } else { i - 1 },
-                next: if i + 1 == n { NIL } else { i + 1 },
+                prev: if i <= first { NIL } else { i - 1 },
+                next: if i < first || i + 1 == n { NIL } else { i + 1 },
             })
             .collect();
         BlockPool {
             block_size,
             blocks,
-            free_head: if n == 0 { NIL } else { 0 },
-            free_tail: if n == 0 { NIL } else { n - 1 },
+            free_head: if num_blocks == 0 { NIL } else { first },
+            free_tail: if num_blocks == 0 { NIL } else { n - 1 },
             num_free: num_blocks,
             cached: HashMap::new(),
+            null_block: null_block.then_some(BlockId(0)),
         }
     }
 
@@ -91,8 +120,20 @@ impl BlockPool {
         self.block_size
     }
 
+    /// Blocks it hands out (the null block is not one of them).
     pub fn num_blocks(&self) -> usize {
+        self.blocks.len() - usize::from(self.null_block.is_some())
+    }
+
+    /// Ids of its blocks, `0..num_ids()`, the null block's included: the group's KV cache holds
+    /// this many blocks.
+    pub fn num_ids(&self) -> usize {
         self.blocks.len()
+    }
+
+    /// The block that stands for blocks a sliding window has passed, if the pool has one.
+    pub fn null_block(&self) -> Option<BlockId> {
+        self.null_block
     }
 
     pub fn num_free_blocks(&self) -> usize {
@@ -104,12 +145,12 @@ impl BlockPool {
         self.cached.len()
     }
 
-    /// Fraction of blocks referenced by some request. Cached free blocks count as free.
+    /// Fraction of the blocks it hands out that some request references. Cached free blocks
+    /// count as free.
     pub fn usage(&self) -> f64 {
-        if self.blocks.is_empty() {
-            0.0
-        } else {
-            1.0 - self.num_free as f64 / self.blocks.len() as f64
+        match self.num_blocks() {
+            0 => 0.0,
+            n => 1.0 - self.num_free as f64 / n as f64,
         }
     }
 
@@ -163,6 +204,7 @@ impl BlockPool {
     /// so that they can no longer be evicted.
     pub fn touch(&mut self, blocks: &[BlockId]) {
         for &b in blocks {
+            assert!(Some(b) != self.null_block, "the null block is never referenced");
             if self.blocks[b.index()].ref_cnt == 0 {
                 self.unlink(b.0);
             }
@@ -174,9 +216,11 @@ impl BlockPool {
     /// free list in the order given, keeping their cached content.
     ///
     /// # Panics
-    /// If a block is already free: a double free means a block table is corrupt.
+    /// If a block is already free (or is the null block): a double free means a block table is
+    /// corrupt.
     pub fn free(&mut self, blocks: impl IntoIterator<Item = BlockId>) {
         for b in blocks {
+            assert!(Some(b) != self.null_block, "free of the null block {b:?}");
             let meta = &mut self.blocks[b.index()];
             assert!(meta.ref_cnt > 0, "double free of {b:?}");
             meta.ref_cnt -= 1;
@@ -265,7 +309,14 @@ impl BlockPool {
         if count != self.num_free {
             return Err(format!("free list holds {count} blocks, counter says {}", self.num_free));
         }
-        if let Some(i) = (0..n).find(|&i| !in_list[i] && self.blocks[i].ref_cnt == 0) {
+        let reserved = self.null_block.map(BlockId::index);
+        if let Some(i) = reserved {
+            let meta = &self.blocks[i];
+            if in_list[i] || meta.ref_cnt != 0 || meta.hash.is_some() {
+                return Err(format!("the null block B{i} is in use: {meta:?}, in the free list: {}", in_list[i]));
+            }
+        }
+        if let Some(i) = (0..n).find(|&i| !in_list[i] && self.blocks[i].ref_cnt == 0 && Some(i) != reserved) {
             return Err(format!("B{i} has ref count 0 but is not in the free list"));
         }
         for (&hash, &b) in &self.cached {
@@ -378,6 +429,31 @@ mod tests {
     #[should_panic(expected = "double free")]
     fn double_free_panics() {
         let mut pool = BlockPool::new(1, 4);
+        pool.free([BlockId(0)]);
+    }
+
+    #[test]
+    fn the_null_block_is_never_handed_out() -> Result<(), String> {
+        let mut pool = BlockPool::with_null_block(3, 4);
+        assert_eq!((pool.num_blocks(), pool.num_ids(), pool.null_block()), (3, 4, Some(BlockId(0))));
+        assert_eq!(free_list(&pool), ids(&[1, 2, 3]));
+        assert_eq!(pool.allocate(3), Some(ids(&[1, 2, 3])));
+        assert_eq!(pool.allocate(1), None);
+        assert_eq!(pool.usage(), 1.0);
+        pool.free(ids(&[3, 1]));
+        assert_eq!(free_list(&pool), ids(&[3, 1]));
+        assert_eq!(pool.ref_count(BlockId(0)), 0);
+        pool.check_invariants()?;
+        let mut empty = BlockPool::with_null_block(0, 4);
+        assert_eq!(empty.allocate(1), None);
+        assert_eq!(empty.usage(), 0.0);
+        empty.check_invariants()
+    }
+
+    #[test]
+    #[should_panic(expected = "null block")]
+    fn freeing_the_null_block_panics() {
+        let mut pool = BlockPool::with_null_block(2, 4);
         pool.free([BlockId(0)]);
     }
 

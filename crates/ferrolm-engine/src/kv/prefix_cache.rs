@@ -6,9 +6,16 @@
 //! runs and processes. Only full blocks are hashed; the partial tail of a sequence never is.
 //!
 //! The map from hash to block lives in [`BlockPool`](super::BlockPool), next to the free list,
-//! because handing out a free block must drop its hash in the same move.
+//! because handing out a free block must drop its hash in the same move; each KV cache group has
+//! its own pool, so a prefix is cached per group. What a group must hold of a prefix depends on
+//! what its layers read ([`longest_cache_hit`]): a full-attention group every block before the
+//! prefix's end, a sliding-window group only the blocks of the window before it. A hit on
+//! `k` blocks is thus not always a hit on fewer in a sliding group, and the manager looks for the
+//! longest prefix on which every group agrees.
 
 use std::fmt;
+
+use super::block_pool::{BlockId, BlockPool};
 
 /// Hash of a full block's tokens chained to the hash of the block before it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -47,6 +54,89 @@ pub fn hash_block_tokens(parent: Option<BlockHash>, token_ids: &[u32]) -> BlockH
         h = mum(h ^ P2, (lo | (hi << 32)) ^ P3);
     }
     BlockHash(mum(h ^ P0, P1 ^ seed.rotate_left(17)))
+}
+
+/// The chained hashes of a sequence's full blocks, computed as far as lookups ask.
+pub(super) struct PrefixHashes<'a> {
+    tokens: &'a [u32],
+    block_size: usize,
+    hashes: Vec<BlockHash>,
+}
+
+impl<'a> PrefixHashes<'a> {
+    pub(super) fn new(tokens: &'a [u32], block_size: usize) -> Self {
+        PrefixHashes { tokens, block_size, hashes: Vec::new() }
+    }
+
+    /// The hash of block `i`, which must be full.
+    pub(super) fn get(&mut self, i: usize) -> BlockHash {
+        while self.hashes.len() <= i {
+            let j = self.hashes.len();
+            let chunk = &self.tokens[j * self.block_size..(j + 1) * self.block_size];
+            self.hashes.push(hash_block_tokens(self.hashes.last().copied(), chunk));
+        }
+        self.hashes[i]
+    }
+
+    /// The hashes of the first `n` blocks.
+    pub(super) fn first(mut self, n: usize) -> Vec<BlockHash> {
+        if n > 0 {
+            self.get(n - 1);
+        }
+        self.hashes.truncate(n);
+        self.hashes
+    }
+}
+
+/// The longest prefix of at most `max_blocks` full blocks that `pool` can supply to layers
+/// attending through `window` (`None`: every earlier position): its length in blocks.
+/// - Full attention: the blocks before it are all cached; a hit on `k` blocks is one on fewer.
+/// - A sliding window: the blocks of its last `window - 1` positions are cached, which with the
+///   first position after it make the first query's window. Found from the right: the first run of
+///   that many cached blocks ends the longest prefix; a run reaching block 0 is a prefix too.
+pub(super) fn longest_cache_hit(
+    pool: &BlockPool,
+    window: Option<usize>,
+    hashes: &mut PrefixHashes<'_>,
+    max_blocks: usize,
+) -> usize {
+    let cached = |hashes: &mut PrefixHashes<'_>, i| pool.lookup(hashes.get(i)).is_some();
+    let Some(window) = window else {
+        return (0..max_blocks).find(|&i| !cached(hashes, i)).unwrap_or(max_blocks);
+    };
+    let needed = (window - 1).div_ceil(pool.block_size());
+    if needed == 0 {
+        return max_blocks;
+    }
+    let mut run = 0;
+    for i in (0..max_blocks).rev() {
+        if cached(hashes, i) {
+            run += 1;
+            if run == needed {
+                return i + needed;
+            }
+        } else {
+            run = 0;
+        }
+    }
+    run
+}
+
+/// The blocks of a hit of `num_blocks` blocks ([`longest_cache_hit`]) as a block table: a full
+/// group's cached blocks, a sliding group's null block where its window does not reach.
+/// `None` if a block it needs is not cached.
+pub(super) fn hit_blocks(
+    pool: &BlockPool,
+    window: Option<usize>,
+    hashes: &[BlockHash],
+    num_blocks: usize,
+) -> Option<Vec<BlockId>> {
+    let first_read = match (window, pool.null_block()) {
+        (Some(w), Some(_)) => (num_blocks * pool.block_size() + 1).saturating_sub(w) / pool.block_size(),
+        _ => 0,
+    };
+    let null = pool.null_block();
+    (0..num_blocks).map(|i| if i < first_read { null } else { pool.lookup(hashes[i]) }).collect()
 }
 
 /// Prefix-cache lookups, in tokens: `queries` prompt tokens were looked up when requests were

@@ -6,7 +6,9 @@
 //!   order they were admitted. A request appears at most once; preempted ones not at all.
 //! - `total_num_scheduled_tokens` is the sum of `num_scheduled_tokens`, at most
 //!   `max_num_batched_tokens`, and each request has at least one token.
-//! - Each `block_table` covers `num_computed_tokens + num_scheduled_tokens` positions.
+//! - Each of `block_tables` (one per KV cache group) covers
+//!   `num_computed_tokens + num_scheduled_tokens` positions, and none maps a scheduled position
+//!   to a sliding group's null block.
 
 use crate::kv::BlockId;
 use crate::request::RequestId;
@@ -26,8 +28,9 @@ pub struct ScheduledRequest {
     /// `num_computed_tokens..num_computed_tokens + num_scheduled_tokens`; [`UNKNOWN_TOKEN`] in a
     /// step scheduled ahead.
     pub token_ids: Vec<u32>,
-    /// The request's whole block table after this step's allocation.
-    pub block_table: Vec<BlockId>,
+    /// `[num_kv_cache_groups]`: the request's whole block table in each group after this step's
+    /// allocation.
+    pub block_tables: Vec<Vec<BlockId>>,
     /// Admitted from the waiting queue this step, fresh or resumed after preemption: the
     /// engine holds no per-step state for it yet.
     pub is_new: bool,
@@ -42,16 +45,12 @@ impl ScheduledRequest {
         self.num_computed_tokens + self.num_scheduled_tokens
     }
 
-    /// Block table as plain ids, the form the backend's block tables take.
-    pub fn block_ids(&self) -> Vec<u32> {
-        self.block_table.iter().map(|b| b.0).collect()
-    }
-
-    /// `[num_scheduled_tokens]`: where each scheduled token's K and V are written,
-    /// `block_id * block_size + offset`.
-    pub fn slot_mapping(&self, block_size: usize) -> Vec<usize> {
+    /// `[num_scheduled_tokens]`: where each scheduled token's K and V are written in group
+    /// `group`, `block_id * block_size + offset`.
+    pub fn slot_mapping(&self, group: usize, block_size: usize) -> Vec<usize> {
+        let table = &self.block_tables[group];
         (self.num_computed_tokens..self.seq_len())
-            .map(|pos| self.block_table[pos / block_size].index() * block_size + pos % block_size)
+            .map(|pos| table[pos / block_size].index() * block_size + pos % block_size)
             .collect()
     }
 }

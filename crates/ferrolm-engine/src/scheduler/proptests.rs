@@ -1,9 +1,12 @@
 //! Property tests: random arrivals, prompts with shared prefixes, aborts and tiny block pools,
-//! driven by a fake model whose next token depends on the whole context. After every
-//! `schedule()` and every `update_from_output()` the block accounting is checked in full; a
-//! fake KV cache checks that every position a request attends to holds that request's token,
-//! which catches a wrong prefix hit, slot mapping or block table. Every request must finish
-//! with exactly the outputs it would produce alone.
+//! driven by a fake model whose next token depends on the whole context, over three layouts of
+//! KV cache groups: one of full attention, one sliding window (every layer slides), and both
+//! (hybrid models). After every `schedule()` and every `update_from_output()` the block
+//! accounting is checked in full, in every group; a fake KV cache per group checks that every
+//! position a request attends to (in a sliding group, its window) holds that request's token,
+//! which catches a wrong prefix hit, slot mapping or block table, and a block released while a
+//! step still reads it. Every request must finish with exactly the outputs it would produce
+//! alone.
 
 use std::collections::{HashMap, HashSet};
 
@@ -11,7 +14,7 @@ use proptest::prelude::*;
 
 use super::tests::{reference_outputs, sample};
 use super::*;
-use crate::kv::hash_block_tokens;
+use crate::kv::{hash_block_tokens, KvCacheGroupConfig};
 
 /// Small, so that stop tokens are sampled now and then.
 const VOCAB: u32 = 16;
@@ -72,9 +75,21 @@ fn event() -> impl Strategy<Value = Event> {
     ]
 }
 
+/// The KV cache groups of a model: one of full attention, one sliding window, or both (the
+/// sliding group's pool sized apart, small ones included, so that either group may run short).
+fn kv_cache_groups() -> impl Strategy<Value = Vec<KvCacheGroupConfig>> {
+    (1..=24usize, 0..3u8, 1..=24usize, 1..=24usize).prop_map(
+        |(num_blocks, layout, window, sliding_blocks)| match layout {
+            0 => vec![KvCacheGroupConfig::full(num_blocks)],
+            1 => vec![KvCacheGroupConfig::sliding(window, num_blocks)],
+            _ => vec![KvCacheGroupConfig::full(num_blocks), KvCacheGroupConfig::sliding(window, sliding_blocks)],
+        },
+    )
+}
+
 fn config() -> impl Strategy<Value = SchedulerConfig> {
     (
-        1..=24usize,
+        kv_cache_groups(),
         prop::sample::select(vec![1usize, 2, 4, 8]),
         1..=6usize,
         1..=40usize,
@@ -84,12 +99,12 @@ fn config() -> impl Strategy<Value = SchedulerConfig> {
         any::<bool>(),
     )
         .prop_map(
-            |(num_blocks, block_size, max_num_seqs, budget, threshold, max_model_len, logprob_rows, caching)| {
+            |(kv_cache_groups, block_size, max_num_seqs, budget, threshold, max_model_len, logprob_rows, caching)| {
                 SchedulerConfig {
                     max_num_seqs,
                     max_num_batched_tokens: budget,
                     block_size,
-                    num_blocks,
+                    kv_cache_groups,
                     max_model_len,
                     long_prefill_token_threshold: threshold,
                     max_prompt_logprob_rows: logprob_rows,
@@ -128,13 +143,21 @@ fn expected_admission(
             max_model_len: cfg.max_model_len,
         });
     }
-    let needed = (prompt_len + max_tokens - 1).div_ceil(cfg.block_size);
-    if needed > cfg.num_blocks {
-        return Err(SchedulerError::ExceedsKvCache {
-            request_id: id,
-            num_blocks_needed: needed,
-            num_blocks: cfg.num_blocks,
-        });
+    // At its longest, all but its last token hold K and V; in a sliding group, at most those of
+    // the window before a step's chunk and the chunk: the blocks touching `w + chunk - 1`
+    // positions.
+    let bs = cfg.block_size;
+    let whole = (prompt_len + max_tokens - 1).div_ceil(bs);
+    let chunk = cfg.long_prefill_token_threshold.unwrap_or(usize::MAX).min(cfg.max_num_batched_tokens);
+    for group in &cfg.kv_cache_groups {
+        let needed = group.sliding_window.map_or(whole, |w| whole.min((w + chunk - 2).div_ceil(bs) + 1));
+        if needed > group.num_blocks {
+            return Err(SchedulerError::ExceedsKvCache {
+                request_id: id,
+                num_blocks_needed: needed,
+                num_blocks: group.num_blocks,
+            });
+        }
     }
     Ok(())
 }
@@ -143,17 +166,22 @@ fn fail(msg: String) -> Result<(), TestCaseError> {
     Err(TestCaseError::fail(msg))
 }
 
+/// The first table entry a request that has computed `c` tokens still reads in a group of
+/// `window` (`None`: full attention): the blocks before it hold only keys below `c - w + 1`.
+fn first_read_block(window: Option<usize>, c: usize, block_size: usize) -> usize {
+    window.map_or(0, |w| (c + 1).saturating_sub(w) / block_size)
+}
+
 /// Block accounting and request state, checked after every `schedule()` (with the steps in
-/// flight: one, or two when one was scheduled ahead) and every `update_from_output()`.
+/// flight: one, or two when one was scheduled ahead) and every `update_from_output()`, in every
+/// KV cache group.
 fn check_invariants(
     s: &Scheduler,
     in_flight: &[&SchedulerOutput],
     live: &HashSet<RequestId>,
 ) -> Result<(), TestCaseError> {
     let kv = s.kv_cache_manager();
-    let pool = kv.block_pool();
-    let bs = pool.block_size();
-    pool.check_invariants().map_err(TestCaseError::fail)?;
+    let bs = kv.block_size();
 
     let running: HashSet<RequestId> = s.running().iter().copied().collect();
     let waiting: Vec<RequestId> = s.waiting().collect();
@@ -169,44 +197,69 @@ fn check_invariants(
     prop_assert!(queued.is_disjoint(&running));
     queued.extend(running.iter().copied());
     prop_assert_eq!(&queued, live, "live requests are exactly the running and waiting ones");
-
-    let mut refs = vec![0u32; pool.num_blocks()];
-    for &id in s.running() {
-        let req = s.request(id).ok_or_else(|| TestCaseError::fail(format!("{id} unknown")))?;
-        prop_assert_eq!(req.status(), RequestStatus::Running);
-        let table = kv.block_table(id);
-        let distinct: HashSet<BlockId> = table.iter().copied().collect();
-        prop_assert_eq!(distinct.len(), table.len(), "{} holds a block twice: {:?}", id, table);
-        for b in table {
-            refs[b.index()] += 1;
-        }
-        let scheduled: usize = in_flight.iter().filter_map(|o| o.get(id)).map(|r| r.num_scheduled_tokens).sum();
-        let covered = req.num_computed_tokens() + scheduled;
-        // A step scheduled ahead runs the token the step before it samples.
-        prop_assert!(covered <= req.num_tokens() + in_flight.len().saturating_sub(1));
-        prop_assert_eq!(table.len(), covered.div_ceil(bs), "{} table {:?} vs {} tokens", id, table, covered);
-        // A cached block's hash must be the chained hash of this request's tokens.
-        let mut parent = None;
-        for (i, chunk) in req.all_token_ids().chunks_exact(bs).take(req.num_computed_tokens() / bs).enumerate() {
-            let h = hash_block_tokens(parent, chunk);
-            if let Some(cached) = pool.block_hash(table[i]) {
-                prop_assert_eq!(cached, h, "{} block {} holds another prefix", id, i);
-            }
-            parent = Some(h);
-        }
-    }
     for &id in &waiting {
         let req = s.request(id).ok_or_else(|| TestCaseError::fail(format!("{id} unknown")))?;
         prop_assert!(matches!(req.status(), RequestStatus::Waiting | RequestStatus::Preempted));
         prop_assert_eq!(req.num_computed_tokens(), 0);
     }
-    let mut referenced = 0;
-    for (i, &r) in refs.iter().enumerate() {
-        let b = BlockId(i as u32);
-        prop_assert_eq!(pool.ref_count(b), r, "ref count of {:?}", b);
-        referenced += usize::from(r > 0);
+
+    for g in 0..kv.num_groups() {
+        let pool = kv.block_pool(g);
+        let window = kv.sliding_window(g);
+        let null = pool.null_block();
+        prop_assert_eq!(null.is_some(), window.is_some(), "group {}: a null block iff it slides", g);
+        pool.check_invariants().map_err(TestCaseError::fail)?;
+        let mut refs = vec![0u32; pool.num_ids()];
+        // Entries of real blocks and tokens in flight, over the running requests.
+        let (mut num_real, mut num_in_flight) = (0, 0);
+        for &id in s.running() {
+            let req = s.request(id).ok_or_else(|| TestCaseError::fail(format!("{id} unknown")))?;
+            prop_assert_eq!(req.status(), RequestStatus::Running);
+            let table = kv.block_table(id, g);
+            let real: Vec<BlockId> = table.iter().copied().filter(|&b| Some(b) != null).collect();
+            let distinct: HashSet<BlockId> = real.iter().copied().collect();
+            prop_assert_eq!(distinct.len(), real.len(), "{} holds a block twice in group {}: {:?}", id, g, table);
+            for b in &real {
+                refs[b.index()] += 1;
+            }
+            let scheduled: usize = in_flight.iter().filter_map(|o| o.get(id)).map(|r| r.num_scheduled_tokens).sum();
+            num_real += real.len();
+            num_in_flight += scheduled;
+            let covered = req.num_computed_tokens() + scheduled;
+            // A step scheduled ahead runs the token the step before it samples.
+            prop_assert!(covered <= req.num_tokens() + in_flight.len().saturating_sub(1));
+            prop_assert_eq!(table.len(), covered.div_ceil(bs), "{} table {:?} vs {} tokens", id, table, covered);
+            // A sliding group holds the null block exactly where no query to come reads: its
+            // real blocks cover the window of the next query and everything after.
+            let first_read = first_read_block(window, req.num_computed_tokens(), bs);
+            for (i, &b) in table.iter().enumerate() {
+                prop_assert_eq!(Some(b) == null, i < first_read, "{} group {} entry {}: {:?}", id, g, i, table);
+            }
+            // A cached block's hash must be the chained hash of this request's tokens.
+            let mut parent = None;
+            for (i, chunk) in req.all_token_ids().chunks_exact(bs).take(req.num_computed_tokens() / bs).enumerate() {
+                let h = hash_block_tokens(parent, chunk);
+                if let Some(cached) = pool.block_hash(table[i]).filter(|_| Some(table[i]) != null) {
+                    prop_assert_eq!(cached, h, "{} block {} of group {} holds another prefix", id, i, g);
+                }
+                parent = Some(h);
+            }
+        }
+        if let Some(w) = window {
+            // What sizes a sliding group (`scheduler/config.rs`): `R` requests with `M` tokens in
+            // flight hold at most `(R (w + 2 bs - 3) + M) / bs` blocks.
+            let bound = (s.running().len() * (w + 2 * bs - 3) + num_in_flight) / bs;
+            prop_assert!(num_real <= bound, "group {}: {} blocks held, bound {}", g, num_real, bound);
+        }
+        let mut referenced = 0;
+        for (i, &r) in refs.iter().enumerate() {
+            let b = BlockId(i as u32);
+            prop_assert_eq!(pool.ref_count(b), r, "ref count of {:?} in group {}", b, g);
+            referenced += usize::from(r > 0);
+        }
+        prop_assert_eq!(pool.num_free_blocks() + referenced, pool.num_blocks(), "group {}", g);
+        prop_assert_eq!(pool.num_ids(), pool.num_blocks() + usize::from(null.is_some()));
     }
-    prop_assert_eq!(pool.num_free_blocks() + referenced, pool.num_blocks());
     Ok(())
 }
 
@@ -279,7 +332,7 @@ fn check_ahead(
         prop_assert!(!seen_new || r.is_new, "running requests come before new ones");
         seen_new |= r.is_new;
         prop_assert!(r.num_scheduled_tokens >= 1);
-        prop_assert_eq!(&r.block_table[..], s.kv_cache_manager().block_table(r.request_id));
+        prop_assert_eq!(&r.block_tables[..], s.kv_cache_manager().block_tables(r.request_id));
         if r.is_new {
             prop_assert_eq!(&r.token_ids[..], &req.all_token_ids()[r.num_computed_tokens..r.seq_len()]);
             prop_assert_eq!(r.samples_next_token, r.seq_len() == req.num_tokens());
@@ -308,20 +361,43 @@ fn check_ahead(
     Ok(())
 }
 
-/// Writes `(token, position)` where the model would write K and V, after checking that every
-/// earlier position the request attends to holds its own token. Requests that ended since the
-/// step was scheduled (ahead) are skipped.
-fn fake_forward(s: &Scheduler, out: &SchedulerOutput, kv: &mut [Option<(u32, usize)>]) -> Result<(), TestCaseError> {
+/// Writes `(token, position)` where the model would write K and V in each KV cache group, after
+/// checking that every earlier position the request attends to there (in a sliding group, the
+/// step's first query's window) holds its own token. The step writes no null block. Requests that
+/// ended since the step was scheduled (ahead) are skipped.
+fn fake_forward(
+    s: &Scheduler,
+    out: &SchedulerOutput,
+    kv: &mut [Vec<Option<(u32, usize)>>],
+) -> Result<(), TestCaseError> {
     let bs = s.config().block_size;
     for r in &out.scheduled {
         let Some(req) = s.request(r.request_id) else { continue };
         let tokens = req.all_token_ids();
-        for (pos, &token) in tokens.iter().enumerate().take(r.num_computed_tokens) {
-            let slot = r.block_table[pos / bs].index() * bs + pos % bs;
-            prop_assert_eq!(kv[slot], Some((token, pos)), "{} reads a wrong KV at position {}", r.request_id, pos);
-        }
-        for (pos, slot) in (r.num_computed_tokens..r.seq_len()).zip(r.slot_mapping(bs)) {
-            kv[slot] = Some((tokens[pos], pos));
+        for (g, (table, cache)) in r.block_tables.iter().zip(kv.iter_mut()).enumerate() {
+            let window = s.kv_cache_manager().sliding_window(g);
+            let null = s.kv_cache_manager().block_pool(g).null_block();
+            let first_key = window.map_or(0, |w| (r.num_computed_tokens + 1).saturating_sub(w));
+            for (pos, &token) in tokens.iter().enumerate().take(r.num_computed_tokens).skip(first_key) {
+                let slot = table[pos / bs].index() * bs + pos % bs;
+                prop_assert_eq!(
+                    cache[slot],
+                    Some((token, pos)),
+                    "{} reads a wrong KV at {} in group {}",
+                    r.request_id,
+                    pos,
+                    g
+                );
+            }
+            for (pos, slot) in (r.num_computed_tokens..r.seq_len()).zip(r.slot_mapping(g, bs)) {
+                prop_assert!(
+                    Some(table[pos / bs]) != null,
+                    "{} writes position {} to the null block",
+                    r.request_id,
+                    pos
+                );
+                cache[slot] = Some((tokens[pos], pos));
+            }
         }
     }
     Ok(())
@@ -330,7 +406,8 @@ fn fake_forward(s: &Scheduler, out: &SchedulerOutput, kv: &mut [Option<(u32, usi
 fn run(scenario: &Scenario) -> Result<(), TestCaseError> {
     let cfg = &scenario.config;
     let mut s = Scheduler::new(cfg.clone()).map_err(|e| TestCaseError::fail(e.to_string()))?;
-    let mut kv = vec![None; cfg.num_blocks * cfg.block_size];
+    let mut kv: Vec<Vec<_>> =
+        cfg.kv_cache_groups.iter().map(|g| vec![None; g.num_cache_blocks() * cfg.block_size]).collect();
     let mut live: HashSet<RequestId> = HashSet::new();
     let mut live_order: Vec<RequestId> = Vec::new();
     let mut expected: HashMap<RequestId, Vec<u32>> = HashMap::new();
@@ -375,7 +452,7 @@ fn run(scenario: &Scenario) -> Result<(), TestCaseError> {
                     let req =
                         s.finish_request(id, reason).ok_or_else(|| TestCaseError::fail(format!("{id} unknown")))?;
                     prop_assert_eq!(req.status(), RequestStatus::Finished(reason));
-                    prop_assert!(s.kv_cache_manager().block_table(id).is_empty());
+                    prop_assert!(s.kv_cache_manager().block_tables(id).is_empty());
                 }
             }
         }
@@ -413,8 +490,10 @@ fn run(scenario: &Scenario) -> Result<(), TestCaseError> {
         check_invariants(&s, ahead.as_slice().iter().collect::<Vec<_>>().as_slice(), &live)?;
         step += 1;
     }
-    let pool = s.kv_cache_manager().block_pool();
-    prop_assert_eq!(pool.num_free_blocks(), pool.num_blocks(), "blocks leaked");
+    for g in 0..s.kv_cache_manager().num_groups() {
+        let pool = s.kv_cache_manager().block_pool(g);
+        prop_assert_eq!(pool.num_free_blocks(), pool.num_blocks(), "blocks leaked in group {}", g);
+    }
     prop_assert_eq!(s.kv_cache_usage(), 0.0);
     Ok(())
 }

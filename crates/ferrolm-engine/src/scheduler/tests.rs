@@ -1,7 +1,7 @@
 //! Exact step-by-step expectations for the scheduler, driven by a fake model on the CPU.
 
 use super::*;
-use crate::kv::hash_block_tokens;
+use crate::kv::{hash_block_tokens, KvCacheGroupConfig};
 
 type TestResult = Result<(), Box<dyn std::error::Error>>;
 
@@ -118,7 +118,7 @@ fn chunked_prefill_runs_beside_decodes() -> TestResult {
         let long = out.get(RequestId(3)).ok_or("request 3 not scheduled")?;
         assert_eq!(long.is_new, i == 0);
         assert_eq!(long.samples_next_token, i >= 2);
-        assert_eq!(long.block_table.len(), long.seq_len().div_ceil(16));
+        assert_eq!(long.block_tables[0].len(), long.seq_len().div_ceil(16));
         assert_eq!(
             long.token_ids,
             s.request(RequestId(3)).ok_or("gone")?.all_token_ids()[long.num_computed_tokens..long.seq_len()]
@@ -182,7 +182,7 @@ fn preempts_the_newest_request_which_resumes_and_finishes() -> TestResult {
     let (pa, pb) = (seq(0, 7), seq(100, 7));
     s.add_request(req(1, pa.clone(), 8))?;
     s.add_request(req(2, pb.clone(), 8))?;
-    let tables = |s: &Scheduler, id| s.kv_cache_manager().block_table(RequestId(id)).to_vec();
+    let tables = |s: &Scheduler, id| s.kv_cache_manager().block_table(RequestId(id), 0).to_vec();
 
     let (out, _) = step(&mut s)?;
     assert_eq!(summary(&out), vec![(1, 0, 7), (2, 0, 7)]);
@@ -195,12 +195,12 @@ fn preempts_the_newest_request_which_resumes_and_finishes() -> TestResult {
     let (out, _) = step(&mut s)?;
     assert_eq!(summary(&out), vec![(1, 8, 1)]);
     assert_eq!(out.preempted, vec![RequestId(2)]);
-    assert_eq!(out.scheduled[0].block_table, ids(&[0, 1, 3]));
+    assert_eq!(out.scheduled[0].block_tables, [ids(&[0, 1, 3])]);
     let b = s.request(RequestId(2)).ok_or("gone")?;
     assert_eq!((b.status(), b.num_computed_tokens()), (RequestStatus::Preempted, 0));
     assert_eq!(b.num_output_tokens(), 2, "outputs survive preemption");
     assert_eq!(s.waiting().collect::<Vec<_>>(), vec![RequestId(2)]);
-    assert_eq!(s.kv_cache_manager().block_table(RequestId(2)), &[]);
+    assert!(s.kv_cache_manager().block_tables(RequestId(2)).is_empty());
 
     // Request 2 hits its own cached first block but cannot get the two it lacks until
     // request 1 finishes (after taking block 2 for position 12).
@@ -214,11 +214,11 @@ fn preempts_the_newest_request_which_resumes_and_finishes() -> TestResult {
         };
         assert_eq!(summary(&out), want, "step {step_no}");
         if step_no == 7 {
-            assert_eq!(out.scheduled[0].block_table, ids(&[0, 1, 3, 2]));
+            assert_eq!(out.scheduled[0].block_tables, [ids(&[0, 1, 3, 2])]);
         }
         if step_no == 9 {
             assert!(out.scheduled[0].is_new);
-            assert_eq!(out.scheduled[0].block_table, ids(&[2, 3, 1]));
+            assert_eq!(out.scheduled[0].block_tables, [ids(&[2, 3, 1])]);
         }
         for r in finished {
             finished_at.push((step_no, r.request_id().0, r.output_token_ids().to_vec()));
@@ -246,7 +246,7 @@ fn the_newest_request_preempts_itself_and_resumes_from_its_cached_blocks() -> Te
     let (out, _) = step(&mut s)?;
     assert_eq!(summary(&out), vec![(1, 5, 1)]);
     assert_eq!(out.preempted, vec![RequestId(2)]);
-    let free: Vec<BlockId> = s.kv_cache_manager().block_pool().free_blocks().collect();
+    let free: Vec<BlockId> = s.kv_cache_manager().block_pool(0).free_blocks().collect();
     assert_eq!(free, ids(&[3, 2]));
 
     // Its two full blocks are still cached but it needs a third, and only two are free.
@@ -256,7 +256,7 @@ fn the_newest_request_preempts_itself_and_resumes_from_its_cached_blocks() -> Te
 
     let (out, finished) = step(&mut s)?;
     assert_eq!(summary(&out), vec![(2, 8, 1)]);
-    assert_eq!(out.scheduled[0].block_table, ids(&[2, 3, 1]));
+    assert_eq!(out.scheduled[0].block_tables, [ids(&[2, 3, 1])]);
     assert!(out.scheduled[0].is_new);
     assert_eq!(finished.len(), 1);
     assert_eq!(finished[0].num_preemptions(), 1);
@@ -295,9 +295,9 @@ fn prefix_hit_starts_a_request_past_the_shared_blocks() -> TestResult {
     let (out, _) = step(&mut s)?;
     assert_eq!(summary(&out), vec![(1, 40, 1), (2, 32, 8)]);
     let new = &out.scheduled[1];
-    assert_eq!(new.block_table, ids(&[0, 1, 3]));
-    assert_eq!(out.scheduled[0].block_table, ids(&[0, 1, 2]));
-    let pool = s.kv_cache_manager().block_pool();
+    assert_eq!(new.block_tables, [ids(&[0, 1, 3])]);
+    assert_eq!(out.scheduled[0].block_tables, [ids(&[0, 1, 2])]);
+    let pool = s.kv_cache_manager().block_pool(0);
     assert_eq!((pool.ref_count(BlockId(0)), pool.ref_count(BlockId(1))), (2, 2));
     assert_eq!(s.request(RequestId(2)).ok_or("gone")?.num_cached_tokens(), Some(32));
     assert_eq!(s.prefix_cache_hit_rate(), 0.4);
@@ -320,14 +320,14 @@ fn abort_frees_blocks_at_once() -> TestResult {
     let aborted = s.abort(RequestId(1)).ok_or("request 1 unknown")?;
     assert_eq!(aborted.status(), RequestStatus::Finished(FinishReason::Abort));
     assert_eq!(s.kv_cache_usage(), 0.0);
-    assert_eq!(s.kv_cache_manager().block_table(RequestId(1)), &[]);
+    assert!(s.kv_cache_manager().block_tables(RequestId(1)).is_empty());
     assert!(s.update_from_output(&[])?.is_empty());
 
     let waiting = s.abort(RequestId(2)).ok_or("request 2 unknown")?;
     assert_eq!(waiting.status(), RequestStatus::Finished(FinishReason::Abort));
     assert!(s.abort(RequestId(2)).is_none());
     assert_eq!((s.num_running(), s.num_waiting()), (0, 0));
-    assert_eq!(s.kv_cache_manager().block_pool().num_free_blocks(), 8);
+    assert_eq!(s.kv_cache_manager().block_pool(0).num_free_blocks(), 8);
     assert!(s.schedule().is_empty());
     Ok(())
 }
@@ -336,7 +336,7 @@ fn abort_frees_blocks_at_once() -> TestResult {
 fn admission_counts_the_blocks_of_all_but_the_last_token() -> TestResult {
     let cfg = config(4, 4, 64);
     // 10 + 7 tokens, the last never run: 16 tokens fill the 4 blocks of 4 exactly.
-    assert_eq!(cfg.max_blocks_of(10, 7), 4);
+    assert_eq!(cfg.max_blocks_of(&cfg.kv_cache_groups[0], 10, 7), 4);
     cfg.check_fits_kv_cache(RequestId(1), 10, 7)?;
     assert_eq!(
         cfg.check_fits_kv_cache(RequestId(2), 10, 8),
@@ -398,7 +398,7 @@ fn stop_tokens_and_finish_request() -> TestResult {
     let done = s.finish_request(RequestId(2), FinishReason::Stop).ok_or("unknown")?;
     assert_eq!(done.status(), RequestStatus::Finished(FinishReason::Stop));
     assert_eq!(s.running(), &[RequestId(3)]);
-    assert_eq!(s.kv_cache_manager().block_table(RequestId(2)), &[]);
+    assert!(s.kv_cache_manager().block_tables(RequestId(2)).is_empty());
     Ok(())
 }
 
@@ -426,8 +426,8 @@ fn scheduling_again_without_update_repeats_the_step() -> TestResult {
     let first = s.schedule();
     let again = s.schedule();
     assert_eq!(summary(&first), summary(&again));
-    assert_eq!(first.scheduled[0].block_table, again.scheduled[0].block_table);
-    assert_eq!(s.kv_cache_manager().block_pool().num_free_blocks(), 14);
+    assert_eq!(first.scheduled[0].block_tables, again.scheduled[0].block_tables);
+    assert_eq!(s.kv_cache_manager().block_pool(0).num_free_blocks(), 14);
     s.update_from_output(&sample(&s, &again, VOCAB))?;
     assert_eq!(s.request(RequestId(1)).ok_or("gone")?.num_computed_tokens(), 6);
     Ok(())
@@ -440,13 +440,12 @@ fn slot_mapping_follows_the_block_table() {
         num_computed_tokens: 14,
         num_scheduled_tokens: 4,
         token_ids: vec![1, 2, 3, 4],
-        block_table: ids(&[7, 3]),
+        block_tables: vec![ids(&[7, 3])],
         is_new: false,
         samples_next_token: true,
     };
     assert_eq!(r.seq_len(), 18);
-    assert_eq!(r.block_ids(), vec![7, 3]);
-    assert_eq!(r.slot_mapping(16), vec![7 * 16 + 14, 7 * 16 + 15, 3 * 16, 3 * 16 + 1]);
+    assert_eq!(r.slot_mapping(0, 16), vec![7 * 16 + 14, 7 * 16 + 15, 3 * 16, 3 * 16 + 1]);
 }
 
 #[test]
@@ -496,8 +495,8 @@ fn a_step_scheduled_ahead_decodes_one_more_token_per_request() -> TestResult {
     assert_eq!(summary(&ahead), vec![(1, 6, 1), (2, 3, 1), (3, 40, 1)]);
     assert!(ahead.scheduled.iter().all(|r| r.token_ids == [UNKNOWN_TOKEN] && r.samples_next_token && !r.is_new));
     // Position 40 is the first of request 3's eleventh block; position 6 and 3 lie in blocks held.
-    assert_eq!(ahead.get(RequestId(3)).ok_or("3")?.block_table.len(), 11);
-    assert_eq!(ahead.get(RequestId(1)).ok_or("1")?.block_table.len(), 2);
+    assert_eq!(ahead.get(RequestId(3)).ok_or("3")?.block_tables[0].len(), 11);
+    assert_eq!(ahead.get(RequestId(1)).ok_or("1")?.block_tables[0].len(), 2);
     assert_eq!(s.schedule_ahead(), None, "one step ahead at most");
 
     let sampled = sample(&s, &first, VOCAB);
@@ -509,7 +508,7 @@ fn a_step_scheduled_ahead_decodes_one_more_token_per_request() -> TestResult {
     let sampled = sample(&s, &ahead, VOCAB);
     let finished = s.update_from_output(&sampled)?;
     assert_eq!(finished.iter().map(|r| r.request_id().0).collect::<Vec<_>>(), vec![2]);
-    assert!(s.kv_cache_manager().block_table(RequestId(2)).is_empty());
+    assert!(s.kv_cache_manager().block_tables(RequestId(2)).is_empty());
 
     // A waiting request is admitted ahead too, behind the decodes.
     s.add_request(req(4, seq(300, 5), 10))?;
@@ -557,7 +556,7 @@ fn prompt_chunks_go_ahead_but_nothing_past_the_pool() -> TestResult {
     s.add_request(req(2, seq(100, 8), 2))?;
     assert_eq!(summary(&s.schedule()), vec![(1, 0, 8), (2, 0, 8)]);
     assert_eq!(s.schedule_ahead(), None, "no free block: the next schedule() preempts");
-    assert_eq!(s.kv_cache_manager().block_pool().num_free_blocks(), 0);
+    assert_eq!(s.kv_cache_manager().block_pool(0).num_free_blocks(), 0);
     Ok(())
 }
 
@@ -578,4 +577,91 @@ fn a_small_client_request_is_not_starved_behind_a_big_one() -> TestResult {
     let (out, _) = step(&mut s)?;
     assert_eq!(summary(&out), vec![(2, 0, 4), (50, 0, 4)], "the other group's turn comes next");
     Ok(())
+}
+
+/// Every layer slides (window 8, blocks of 4, chunks of 8): a request holds at most the blocks
+/// of its window and its chunk, `ceil((8 + 8 - 2) / 4) + 1 = 5`, whatever its length. So one of
+/// 30 + 10 tokens (10 blocks whole) is admitted to a pool of 5 and runs to its end there; a
+/// pool of 4 refuses it.
+#[test]
+fn a_sliding_window_bounds_the_blocks_a_request_holds() -> TestResult {
+    let cfg = SchedulerConfig { kv_cache_groups: vec![KvCacheGroupConfig::sliding(8, 5)], ..config(5, 4, 8) };
+    assert_eq!(cfg.max_blocks_of(&cfg.kv_cache_groups[0], 30, 10), 5);
+    assert_eq!(cfg.max_blocks_of(&cfg.kv_cache_groups[0], 10, 3), 3, "a short request needs its length");
+    let small = SchedulerConfig { kv_cache_groups: vec![KvCacheGroupConfig::sliding(8, 4)], ..cfg.clone() };
+    assert_eq!(
+        Scheduler::new(small)?.add_request(req(1, seq(0, 30), 10)),
+        Err(SchedulerError::ExceedsKvCache { request_id: RequestId(1), num_blocks_needed: 5, num_blocks: 4 })
+    );
+    let mut s = Scheduler::new(cfg)?;
+    s.add_request(req(1, seq(0, 30), 10))?;
+    let mut most = 0;
+    let mut finished = Vec::new();
+    while s.has_unfinished_requests() {
+        let (out, done) = step(&mut s)?;
+        assert!(out.preempted.is_empty());
+        let held = s.kv_cache_manager().block_table(RequestId(1), 0).iter().filter(|b| b.0 != 0).count();
+        most = most.max(held);
+        finished.extend(done);
+    }
+    assert_eq!(most, 3, "after each step: the window of the next query");
+    assert_eq!(finished[0].output_token_ids(), reference_outputs(&seq(0, 30), 10, &[], VOCAB));
+    assert_eq!(s.kv_cache_manager().block_pool(0).num_free_blocks(), 5);
+    Ok(())
+}
+
+/// With a step scheduled ahead, a sliding group releases a block only once the update moves the
+/// computed tokens past it: the step then in flight starts there, so it reads none of them.
+#[test]
+fn a_step_in_flight_keeps_the_blocks_of_its_window() -> TestResult {
+    // Window 4, blocks of 2: a query at `p` reads `p - 3..=p`.
+    let cfg = SchedulerConfig { kv_cache_groups: vec![KvCacheGroupConfig::sliding(4, 10)], ..config(10, 2, 64) };
+    let mut s = Scheduler::new(cfg)?;
+    s.add_request(req(1, seq(0, 6), 10))?;
+    let table = |s: &Scheduler| s.kv_cache_manager().block_table(RequestId(1), 0).to_vec();
+    let first = s.schedule();
+    assert_eq!(summary(&first), vec![(1, 0, 6)]);
+    assert_eq!(table(&s), ids(&[1, 2, 3]));
+    let ahead = s.schedule_ahead().ok_or("the decode goes ahead")?;
+    assert_eq!((summary(&ahead), table(&s)), (vec![(1, 6, 1)], ids(&[1, 2, 3, 4])));
+    // The prompt applied: the step ahead (query 6) reads 3..=6, so block 1 (positions 0-1) goes.
+    s.update_from_output(&sample(&s, &first, VOCAB))?;
+    assert_eq!(table(&s), ids(&[0, 2, 3, 4]));
+    let next = s.schedule_ahead().ok_or("the next decode goes ahead")?;
+    assert_eq!(summary(&next), vec![(1, 7, 1)]);
+    assert_eq!(next.scheduled[0].block_tables, [ids(&[0, 2, 3, 4])]);
+    // Token 6 applied: the step in flight (query 7) reads 4..=7: block 2 goes.
+    s.update_from_output(&sample(&s, &ahead, VOCAB))?;
+    assert_eq!(table(&s), ids(&[0, 0, 3, 4]));
+    let free: Vec<BlockId> = s.kv_cache_manager().block_pool(0).free_blocks().collect();
+    assert_eq!(free, ids(&[5, 6, 7, 8, 9, 10, 1, 2]));
+    Ok(())
+}
+
+/// How the groups' pools are sized: a sliding group beside a full one gets what `max_num_seqs`
+/// requests with two steps in flight can hold, at most the first group's blocks; within a byte
+/// budget, the first group gets what the others leave.
+#[test]
+fn kv_cache_groups_are_sized_from_a_block_count_or_a_byte_budget() {
+    let cfg = SchedulerConfig { max_num_seqs: 4, ..config(1, 4, 16) };
+    // (4 * (8 + 2 * 4 - 3) + 2 * 16) / 4
+    assert_eq!(cfg.sliding_group_blocks(8), 21);
+    let hybrid = [None, Some(8)];
+    assert_eq!(
+        cfg.kv_cache_groups_for(&hybrid, 100),
+        [KvCacheGroupConfig::full(100), KvCacheGroupConfig::sliding(8, 21)]
+    );
+    assert_eq!(
+        cfg.kv_cache_groups_for(&hybrid, 10),
+        [KvCacheGroupConfig::full(10), KvCacheGroupConfig::sliding(8, 10)]
+    );
+    assert_eq!(cfg.kv_cache_groups_for(&[Some(8)], 100), [KvCacheGroupConfig::sliding(8, 100)]);
+    assert_eq!(cfg.kv_cache_groups_for(&[None], 7), [KvCacheGroupConfig::full(7)]);
+    // Blocks of 100 and 300 bytes. 34 full blocks and 21 + 1 (null) sliding ones take 10,000.
+    assert_eq!(cfg.num_blocks_within(&hybrid, &[100, 300], 10_000), 34);
+    // Below 21, the groups grow together: 6 of each (and the null block) take 2,700 of 3,000.
+    assert_eq!(cfg.num_blocks_within(&hybrid, &[100, 300], 3_000), 6);
+    assert_eq!(cfg.num_blocks_within(&[Some(8)], &[300], 3_000), 9);
+    assert_eq!(cfg.num_blocks_within(&[None], &[300], 3_000), 10);
+    assert_eq!(cfg.num_blocks_within(&hybrid, &[100, 300], 200), 0);
 }

@@ -8,7 +8,8 @@
 //! the runner's [`crate::Activations`], which must not move while it lives.
 //!
 //! Padding requests have one token at position 0 with slot -1 (no KV write) and a block table of
-//! block 0, so they read valid memory and write nothing; their logits rows are ignored.
+//! block 0 in every KV cache group, so they read valid memory and write nothing; their logits
+//! rows are ignored.
 
 use std::collections::HashMap;
 
@@ -65,12 +66,20 @@ impl GraphShape {
         let query_start_loc = (0..=b as u32).collect();
         let mut seq_lens = input.seq_lens.clone();
         seq_lens.resize(b, 1);
-        let mut block_tables = vec![0u32; b * w];
-        for (r, row) in input.block_tables.chunks_exact(input.max_blocks_per_seq.max(1)).take(n).enumerate() {
-            block_tables[r * w..r * w + row.len()].copy_from_slice(row);
-        }
-        let mut slot_mapping = input.slot_mapping.clone();
-        slot_mapping.resize(b, -1);
+        let pad_tables = |tables: &Vec<u32>| {
+            let mut padded = vec![0u32; b * w];
+            for (r, row) in tables.chunks_exact(input.max_blocks_per_seq.max(1)).take(n).enumerate() {
+                padded[r * w..r * w + row.len()].copy_from_slice(row);
+            }
+            padded
+        };
+        let block_tables = input.block_tables.iter().map(pad_tables).collect();
+        let pad_slots = |slots: &Vec<i64>| {
+            let mut padded = slots.clone();
+            padded.resize(b, -1);
+            padded
+        };
+        let slot_mapping = input.slot_mapping.iter().map(pad_slots).collect();
         ModelInput {
             token_ids,
             positions,
@@ -157,17 +166,37 @@ mod tests {
         assert_eq!(padded.num_tokens(), 4);
         assert_eq!(&padded.token_ids[..3], &input.token_ids[..]);
         assert_eq!(&padded.positions[..3], &input.positions[..]);
-        assert_eq!(&padded.slot_mapping[..3], &input.slot_mapping[..]);
-        assert_eq!(padded.slot_mapping[3], -1);
+        assert_eq!(&padded.slot_mapping[0][..3], &input.slot_mapping[0][..]);
+        assert_eq!(padded.slot_mapping[0][3], -1);
         assert_eq!(&padded.seq_lens[..3], &input.seq_lens[..]);
         assert_eq!(padded.seq_lens[3], 1);
         assert_eq!(padded.query_start_loc, vec![0, 1, 2, 3, 4]);
         assert_eq!(padded.logits_indices, vec![0, 1, 2, 3]);
         assert_eq!(padded.max_blocks_per_seq, 8);
+        let (tables, input_tables) = (&padded.block_tables[0], &input.block_tables[0]);
         for r in 0..3 {
-            assert_eq!(&padded.block_tables[r * 8..r * 8 + 2], &input.block_tables[r * 2..r * 2 + 2]);
-            assert!(padded.block_tables[r * 8 + 2..(r + 1) * 8].iter().all(|&b| b == 0));
+            assert_eq!(&tables[r * 8..r * 8 + 2], &input_tables[r * 2..r * 2 + 2]);
+            assert!(tables[r * 8 + 2..(r + 1) * 8].iter().all(|&b| b == 0));
         }
-        assert!(padded.block_tables[24..].iter().all(|&b| b == 0));
+        assert!(tables[24..].iter().all(|&b| b == 0));
+    }
+
+    #[test]
+    fn every_kv_cache_group_is_padded() {
+        let mut input = ModelInput::default();
+        // A full group and a sliding one whose window passed the first block (null block 0).
+        input.push_request_tables(&[7], 20, &[[3u32, 4], [0, 9]], 16, true, false);
+        input.push_request_tables(&[8], 5, &[[5u32], [6]], 16, true, false);
+        let shape = GraphShape::of(&input).expect("decodes");
+        assert_eq!(shape, GraphShape { batch: 2, table_width: 8 });
+        let padded = shape.pad(&input);
+        assert_eq!(padded.num_groups(), 2);
+        for g in 0..2 {
+            assert_eq!(padded.block_tables[g].len(), 2 * 8);
+            assert_eq!(&padded.block_tables[g][..2], &input.block_tables[g][..2]);
+            assert_eq!(padded.block_tables[g][8], input.block_tables[g][2]);
+            assert_eq!(padded.slot_mapping[g], input.slot_mapping[g]);
+        }
+        assert_eq!(padded.slot_mapping, vec![vec![4 * 16 + 4, 5 * 16 + 5], vec![9 * 16 + 4, 6 * 16 + 5]]);
     }
 }

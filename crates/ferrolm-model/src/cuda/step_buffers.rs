@@ -34,22 +34,28 @@ impl StepShape {
 pub(super) struct StepBuffers {
     staged: StagedBuffer,
     /// Where each array lies, in the order of [`step_arrays`].
-    parts: [StagedPart; 7],
+    parts: Vec<StagedPart>,
 }
 
+/// Arrays of a step before the per-group ones (see [`step_arrays`]).
+const SHARED_ARRAYS: usize = 5;
+
 /// `input`'s index arrays as bytes: token ids `[T]`, positions `[T]`, query_start_loc
-/// `[num_reqs + 1]`, seq_lens `[num_reqs]`, block tables `[num_reqs, max_blocks_per_seq]`, slot
-/// mapping `[T]` (i64), logits indices `[rows]`.
-fn step_arrays(input: &ModelInput) -> [&[u8]; 7] {
-    [
+/// `[num_reqs + 1]`, seq_lens `[num_reqs]`, logits indices `[rows]`, then for each KV cache group
+/// its block tables `[num_reqs, max_blocks_per_seq]` and slot mapping `[T]` (i64).
+fn step_arrays(input: &ModelInput) -> Vec<&[u8]> {
+    let mut arrays: Vec<&[u8]> = vec![
         bytemuck::cast_slice(&input.token_ids),
         bytemuck::cast_slice(&input.positions),
         bytemuck::cast_slice(&input.query_start_loc),
         bytemuck::cast_slice(&input.seq_lens),
-        bytemuck::cast_slice(&input.block_tables),
-        bytemuck::cast_slice(&input.slot_mapping),
         bytemuck::cast_slice(&input.logits_indices),
-    ]
+    ];
+    for (tables, slots) in input.block_tables.iter().zip(&input.slot_mapping) {
+        arrays.push(bytemuck::cast_slice(tables));
+        arrays.push(bytemuck::cast_slice(slots));
+    }
+    arrays
 }
 
 impl StepBuffers {
@@ -57,7 +63,7 @@ impl StepBuffers {
     pub(super) fn upload(gpu: &Gpu, input: &ModelInput) -> Result<StepBuffers, GpuError> {
         let arrays = step_arrays(input);
         let staged = StagedBuffer::new(gpu, StagedBuffer::bytes_for(arrays.iter().map(|a| a.len())))?;
-        let mut buffers = StepBuffers { staged, parts: [StagedPart::default(); 7] };
+        let mut buffers = StepBuffers { staged, parts: Vec::new() };
         buffers.write(gpu, input)?;
         Ok(buffers)
     }
@@ -75,7 +81,7 @@ impl StepBuffers {
             _ => {
                 // Twice what this step needs, so that slowly growing steps reallocate rarely.
                 let staged = StagedBuffer::new(gpu, 2 * bytes)?;
-                let buffers = this.insert(StepBuffers { staged, parts: [StagedPart::default(); 7] });
+                let buffers = this.insert(StepBuffers { staged, parts: Vec::new() });
                 buffers.write(gpu, input)
             }
         }
@@ -84,36 +90,37 @@ impl StepBuffers {
     /// Overwrites the buffers with `input`'s indices, which must have the lengths of those they
     /// were made for (a captured graph reads them at fixed addresses).
     pub(super) fn copy_from(&mut self, gpu: &Gpu, input: &ModelInput) -> Result<(), GpuError> {
-        let before = self.parts;
+        let before = self.parts.clone();
         self.write(gpu, input)?;
         assert_eq!(before, self.parts, "StepBuffers::copy_from: the step's arrays changed size");
         Ok(())
     }
 
     fn write(&mut self, gpu: &Gpu, input: &ModelInput) -> Result<(), GpuError> {
-        let parts = self.staged.write(gpu, &step_arrays(input))?;
-        self.parts.copy_from_slice(&parts);
+        self.parts = self.staged.write(gpu, &step_arrays(input))?;
         Ok(())
     }
 
-    /// The step as the device reads it. The model-wide attention window and scale are left to
-    /// each layer ([`ferrolm_backend::LayerAttention`]).
-    pub(super) fn batch<'a>(
+    /// The step as the device reads it, once per KV cache group (each with the group's block
+    /// tables and slot mapping). The model-wide attention window and scale are left to each
+    /// layer ([`ferrolm_backend::LayerAttention`]).
+    pub(super) fn batches<'a>(
         &'a self,
         shape: &'a StepShape,
         block_size: usize,
         work: &'a AttentionWork,
-    ) -> CudaBatch<'a> {
-        CudaBatch {
+    ) -> Vec<CudaBatch<'a>> {
+        let num_groups = (self.parts.len() - SHARED_ARRAYS) / 2;
+        let batch = |group: usize| CudaBatch {
             token_ids: self.token_ids(),
             positions: self.view(1),
-            slot_mapping: self.view(5),
-            logits_indices: self.view(6),
+            slot_mapping: self.view(SHARED_ARRAYS + 2 * group + 1),
+            logits_indices: self.view(4),
             attention: GpuAttentionMetadata {
                 query_start_loc: self.view(2),
                 query_start_loc_host: &shape.query_start_loc,
                 seq_lens: self.view(3),
-                block_tables: self.view(4),
+                block_tables: self.view(SHARED_ARRAYS + 2 * group),
                 max_blocks_per_seq: shape.max_blocks_per_seq,
                 max_query_len: shape.max_query_len,
                 block_size,
@@ -122,7 +129,8 @@ impl StepBuffers {
                 softcap: None,
                 work,
             },
-        }
+        };
+        (0..num_groups).map(batch).collect()
     }
 
     fn view<T: bytemuck::Pod>(&self, part: usize) -> CudaView<'_, T> {

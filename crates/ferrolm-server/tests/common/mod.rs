@@ -109,12 +109,13 @@ pub fn load(dir: &Path, opts: &Options) -> (EngineHandle, Arc<Tokenizer>, Genera
         max_num_seqs: opts.max_num_seqs,
         max_num_batched_tokens: 2048,
         block_size: 16,
-        num_blocks: opts.num_blocks,
+        kv_cache_groups: Vec::new(),
         max_model_len: opts.max_model_len,
         long_prefill_token_threshold: None,
         max_prompt_logprob_rows: 256,
         enable_prefix_caching: true,
-    };
+    }
+    .with_kv_cache_groups(&model.config.kv_cache_windows(), opts.num_blocks);
     let config = EngineConfig { scheduler, max_pending: opts.max_pending, eos_token_ids, overlap_steps: true };
     let runner: Box<dyn ModelRunner> = match (opts.panic_at_step, &opts.script) {
         (Some(at), _) => Box::new(PanickingRunner { inner: CpuRunner::new(model), steps: 0, at }),
@@ -260,7 +261,7 @@ impl ModelRunner for PanickingRunner {
         "a runner that panics".into()
     }
 
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), ModelError> {
+    fn allocate_kv_cache(&mut self, num_blocks: &[usize], block_size: usize) -> Result<(), ModelError> {
         self.inner.allocate_kv_cache(num_blocks, block_size)
     }
 

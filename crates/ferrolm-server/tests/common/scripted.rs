@@ -46,7 +46,7 @@ impl ModelRunner for ScriptedRunner {
         "a scripted runner".into()
     }
 
-    fn allocate_kv_cache(&mut self, num_blocks: usize, block_size: usize) -> Result<(), ModelError> {
+    fn allocate_kv_cache(&mut self, num_blocks: &[usize], block_size: usize) -> Result<(), ModelError> {
         self.inner.allocate_kv_cache(num_blocks, block_size)
     }
 

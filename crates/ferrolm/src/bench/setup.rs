@@ -198,7 +198,7 @@ pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(Eng
     drop(weights);
     let (device, weight_bytes, dtype) = (placed.runner.device(), placed.weight_bytes, placed.weight_dtype);
     let activation_dtype =
-        if placed.device_kv_blocks.is_some() { engine_args.dtype().unwrap_or(DType::BF16) } else { DType::F32 };
+        if placed.device_kv_bytes.is_some() { engine_args.dtype().unwrap_or(DType::BF16) } else { DType::F32 };
     config.eos_token_ids = eos.clone();
     let engine = loader::start_engine(placed, tokenizer.clone(), eos, &engine_args)?;
     let model = BenchModel {
