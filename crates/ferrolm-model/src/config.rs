@@ -503,7 +503,7 @@ impl ModelConfig {
     /// out).
     pub fn num_parameters(&self) -> usize {
         let h = self.hidden_size;
-        let norms = if self.sandwich_norms { 4 * h } else { 2 * h } + if self.qk_norm { 2 * self.head_dim } else { 0 };
+        let norms = if self.sandwich_norms { 4 * h } else { 2 * h };
         self.matrix_elements() + self.num_hidden_layers * norms + h
     }
 }
