@@ -4,7 +4,10 @@
 //!
 //! Rules per backend: CPU within 1e-4 and GPU f32 within 1e-3 of the reference logprobs with
 //! equal greedy tokens; GPU bf16 with mean absolute logprob error at most 0.02 and equal greedy
-//! tokens wherever the reference margin exceeds 0.1. Seeded sampling (temperature, top-p, min-p,
+//! tokens wherever the reference margin exceeds 0.1. Where a MoE fixture records that HF's own
+//! bf16 run leaves its f32 token (`bf16_argmax`: a router near a tie swaps experts under bf16
+//! rounding, moving the logits by more than any margin), the bf16 token must be one of the two.
+//! Seeded sampling (temperature, top-p, min-p,
 //! penalties) gives the host sampler's tokens on the CPU and in GPU f32.
 
 use std::path::{Path, PathBuf};
@@ -27,7 +30,8 @@ const BLOCK_SIZE: usize = 4;
 enum Rule {
     /// Every logprob within this much; greedy tokens always equal.
     Close(f64),
-    /// Mean absolute logprob error at most 0.02; greedy equal where the margin exceeds 0.1.
+    /// Mean absolute logprob error at most 0.02; greedy equal where the margin exceeds 0.1 and
+    /// HF's bf16 run keeps its f32 token, else HF's f32 or bf16 token.
     Bf16,
 }
 
@@ -155,12 +159,23 @@ fn check_fixture(name: &str) {
                 let (token, logprob) = (result[0].token, f64::from(result[0].logprob));
                 let margin = step_ref["margin"].as_f64().expect("margin");
                 let want_lp = step_ref["top5"][0][1].as_f64().expect("top1 logprob");
-                let must_match = match rule {
-                    Rule::Close(_) => true,
-                    Rule::Bf16 => margin > BF16_MARGIN,
-                };
-                if must_match {
-                    assert_eq!(token, want_id, "{what} case {case_idx} step {step}: greedy token (margin {margin})");
+                let hf_bf16 = step_ref.get("bf16_argmax").map(|v| v.as_u64().expect("bf16_argmax") as u32);
+                match rule {
+                    Rule::Close(_) => {
+                        assert_eq!(token, want_id, "{what} case {case_idx} step {step}: greedy token (margin {margin})")
+                    }
+                    Rule::Bf16 => match hf_bf16 {
+                        Some(hf) if hf != want_id => assert!(
+                            token == want_id || token == hf,
+                            "{what} case {case_idx} step {step}: greedy token {token}, neither HF's f32 {want_id} nor \
+                             its bf16 {hf}"
+                        ),
+                        _ if margin > BF16_MARGIN => assert_eq!(
+                            token, want_id,
+                            "{what} case {case_idx} step {step}: greedy token (margin {margin})"
+                        ),
+                        _ => {}
+                    },
                 }
                 if token == want_id {
                     let err = (logprob - want_lp).abs();
