@@ -103,7 +103,8 @@ const fn split_heads_bound() -> usize {
         mma
     }
 }
-/// Fewest keys per partition: below this a block's fixed cost outweighs its loads.
+/// Fewest keys per partition: below this a block's fixed cost outweighs its loads
+/// (`DECODE_MIN_PART`; the kernels cut each row's own context with it).
 const DECODE_MIN_PART: usize = 32;
 
 /// The tensor-core decode kernel of each head size it is compiled for, `(head_dim, name)`;

@@ -235,6 +235,8 @@ FOR_EACH_DTYPE(PAGED_ATTENTION)
 #define DECODE_TILE_ELEMS (DECODE_PASSES * DECODE_WARPS * 256)
 // Tiles in the ring (DECODE_STAGES - 1 in flight while one is used).
 #define DECODE_STAGES 4
+// Fewest keys per partition: below this a block's fixed cost outweighs its loads.
+#define DECODE_MIN_PART 32
 
 // The slot of key `key` in the cache, or -1 for a block id past the cache (whose rows read as
 // zeros, as in the general kernel).
@@ -269,10 +271,16 @@ struct DecodeWork {
 };
 
 // The work of head block `block` (blocks of one token's heads consecutive), partition `part` of
-// `num_parts`.
+// `num_parts`. The host sizes partitions for the longest context the block tables can hold
+// (`part_len`, a multiple of 16): it reads no sequence length, so that a graph replays for any.
+// Each row then cuts its own visible range into `num_parts` equal partitions, a multiple of 16
+// and at least `min_part` keys each (at most `part_len`): a short context is spread over
+// several blocks instead of falling whole into the first of many partitions sized for the
+// table's width. Partitions past the range are empty.
 __device__ __forceinline__ DecodeWork decode_work_of(u32 block, u32 part, u32 num_parts, u32 heads,
                                                      const u32* query_start_loc, const u32* seq_lens, u32 num_reqs,
-                                                     u32 num_heads, u32 num_kv_heads, u32 window, u32 part_len) {
+                                                     u32 num_heads, u32 num_kv_heads, u32 window, u32 part_len,
+                                                     u32 min_part) {
     DecodeWork w;
     const u32 group = num_heads / num_kv_heads;
     const u32 head_chunks = (group + heads - 1) / heads;
@@ -306,16 +314,19 @@ __device__ __forceinline__ DecodeWork decode_work_of(u32 block, u32 part, u32 nu
     }
     const u32 pos = seq_len - (q_end - q_begin) + (w.t - q_begin);
     const u32 key_begin = (window != 0 && pos + 1 > window) ? pos + 1 - window : 0;
-    w.start = key_begin + min(w.part * part_len, pos + 1 - key_begin);
-    w.end = w.part + 1 == w.num_parts ? pos + 1 : min(w.start + part_len, pos + 1);
+    const u32 visible = pos + 1 - key_begin;
+    const u32 even = ((visible + num_parts - 1) / num_parts + 15) / 16 * 16;
+    const u32 len = min(max(even, min_part), part_len);
+    w.start = key_begin + min(w.part * len, visible);
+    w.end = w.part + 1 == w.num_parts ? pos + 1 : min(w.start + len, pos + 1);
     return w;
 }
 
 __device__ __forceinline__ DecodeWork decode_work(u32 heads, const u32* query_start_loc, const u32* seq_lens,
                                                   u32 num_reqs, u32 num_heads, u32 num_kv_heads, u32 window,
-                                                  u32 part_len) {
+                                                  u32 part_len, u32 min_part) {
     return decode_work_of(blockIdx.x, blockIdx.y, gridDim.y, heads, query_start_loc, seq_lens, num_reqs, num_heads,
-                          num_kv_heads, window, part_len);
+                          num_kv_heads, window, part_len, min_part);
 }
 
 // Scores are kept in base 2 (the query is pre-scaled by log2(e)), so that each exponential is
@@ -457,9 +468,9 @@ __device__ __forceinline__ void decode_copy_tile(T* k_s, T* v_s, const T* k_cach
 // head_chunks] u32, all 0 (and left so); the three unused with one partition.
 // Grid: (T * num_kv_heads * head_chunks, num_parts), head blocks fastest; DECODE_WARPS warps.
 // head_dim / 8 must be a power of two of at most 32. `softcap` 0 means no soft-cap of the scaled
-// scores (`soft_cap`, applied in base 2). Partition p covers keys [begin + p *
-// part_len, begin + (p + 1) * part_len) of the visible range, and the last partition everything
-// past that.
+// scores (`soft_cap`, applied in base 2). Partition p covers keys [begin + p * len, begin + (p +
+// 1) * len) of the visible range, and the last partition everything past that, with len the
+// row's own partition length (`decode_work_of`).
 // Shared memory: the ring, DECODE_STAGES * 2 * DECODE_TILE_ELEMS elements of T; after the loop
 // the same bytes hold red_s [DECODE_WARPS, G, head_dim] and ml_s [DECODE_WARPS, G, 2] (f32).
 template <typename T, int G>
@@ -477,7 +488,7 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 sub = lane / L, li = lane % L;
     const DecodeWork work =
-        decode_work(G, query_start_loc, seq_lens, num_reqs, num_heads, num_kv_heads, window, part_len);
+        decode_work(G, query_start_loc, seq_lens, num_reqs, num_heads, num_kv_heads, window, part_len, DECODE_MIN_PART);
     const u32 t = work.t, kv_head = work.kv_head, head0 = work.head0, nh = work.nh;
     const u32 part = work.part, num_parts = work.num_parts, start = work.start, end = work.end;
     const u32 kv_width = num_kv_heads * D;

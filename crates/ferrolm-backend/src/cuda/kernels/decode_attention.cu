@@ -195,7 +195,7 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
 
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const DecodeWork work =
-        decode_work(DM_ROWS, query_start_loc, seq_lens, num_reqs, num_heads, num_kv_heads, window, part_len);
+        decode_work(DM_ROWS, query_start_loc, seq_lens, num_reqs, num_heads, num_kv_heads, window, part_len, DM_TILE_KEYS);
     const u32 t = work.t, kv_head = work.kv_head, head0 = work.head0, nh = work.nh;
     const u32 part = work.part, num_parts = work.num_parts, start = work.start, end = work.end;
     const u32 kv_width = num_kv_heads * D;
@@ -356,7 +356,7 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
     // Warp-uniform: the last block's warps past the step's head blocks have nothing to do.
     if (item >= query_start_loc[num_reqs] * heads_total) return;
     const DecodeWork work = decode_work_of(item, 0, 1, DM_ROWS, query_start_loc, seq_lens, num_reqs, num_heads,
-                                           num_kv_heads, window, 0);
+                                           num_kv_heads, window, 0, 0);
     const u32 t = work.t, kv_head = work.kv_head, head0 = work.head0, nh = work.nh;
     const u32 start = work.start, end = work.end;
     const u32 kv_width = num_kv_heads * D;
