@@ -71,13 +71,15 @@ pub use linear::{linear_cublas, linear_gemv_ksplit, GEMV_MAX_M};
 pub use moe::moe_on_path;
 pub use moe::{add_sigmoid_gated, moe, moe_path, GpuExperts, GpuMoeScratch, MoePath, GEMV_MAX_SLOTS_PER_EXPERT};
 pub use ops::{
-    add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace, silu_and_mul, softcap,
-    split_qkv,
+    add_normed_rms_norm, add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace,
+    silu_and_mul, softcap, split_qkv,
 };
 pub use read_rate::read_rate;
 #[cfg(feature = "bench-internals")]
 pub use read_rate::{word_pattern, xor_words};
-pub use rope::{linear_qkv_rope_cache, qkv_rope_cache, rope, GpuRopeTable};
+pub use rope::{
+    linear_qkv_rope_cache, qkv_norm_rope_cache, qkv_norm_rope_cache_fits, qkv_rope_cache, rope, GpuRopeTable, QkNorms,
+};
 pub use sampling::GpuSampler;
 pub use staging::{StagedBuffer, StagedPart};
 pub use tensor::{GpuTensor, GpuView, GpuViewMut};

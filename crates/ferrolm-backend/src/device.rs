@@ -264,6 +264,23 @@ pub trait Device {
     /// whole rows (Gemma 2/3's norms of a sub-layer's output).
     fn rms_norm_heads(&self, x: &mut Self::Tensor, w: &Self::Vector, eps: f32) -> Result<(), Self::Error>;
 
+    /// `residual += rms_norm(x, x_w, eps); out = rms_norm(residual, w, eps)`: a sub-layer's
+    /// output norm (Gemma 2/3) and the residual add with the next norm, which a device may do in
+    /// one pass. `x` may be left holding its normed rows. By default
+    /// [`Device::rms_norm_heads`] on `x` (`x_w` as wide as a row), then [`Device::add_rms_norm`].
+    fn add_normed_rms_norm(
+        &self,
+        residual: &mut Self::Tensor,
+        x: &mut Self::Tensor,
+        x_w: &Self::Vector,
+        w: &Self::Vector,
+        eps: f32,
+        out: &mut Self::Tensor,
+    ) -> Result<(), Self::Error> {
+        self.rms_norm_heads(x, x_w, eps)?;
+        self.add_rms_norm(residual, x, w, eps, out)
+    }
+
     /// `x = cap * tanh(x / cap)` in place (`cap > 0`); `x`: f32 `[rows, cols]` (the logits:
     /// Gemma 2's `final_logit_softcapping`).
     fn softcap(&self, x: &mut Self::Tensor, cap: f32) -> Result<(), Self::Error>;

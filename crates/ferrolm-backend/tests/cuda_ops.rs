@@ -10,7 +10,7 @@
 use ferrolm_backend::cpu;
 use ferrolm_backend::cuda::{
     self, AttentionKernel, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuOptions, GpuRopeTable, GpuTensor,
-    PagedAttention,
+    PagedAttention, QkNorms,
 };
 use ferrolm_backend::{DType, Heads, WeightView};
 use half::{bf16, f16};
@@ -226,6 +226,46 @@ fn add_rms_norm_updates_residual_and_normalizes_it() -> Result<(), GpuError> {
             let what = format!("add_rms_norm {dtype:?} [{rows}, {h}]");
             check(&format!("{what} residual"), &res_dev.to_f32_vec(&gpu)?, &res_r, tol);
             check(&what, &out.to_f32_vec(&gpu)?, &want, tol);
+        }
+    }
+    Ok(())
+}
+
+/// The fused output norm and residual add (Gemma 2/3) against `rms_norm_inplace` then
+/// `add_rms_norm`, with the residual in the layer dtype and in f32, on every norm shape (the
+/// ones that are not whole 16-byte chunks take the op-by-op path).
+#[test]
+fn add_normed_rms_norm_equals_the_ops_it_fuses() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(45);
+    for (rows, h) in NORM_SHAPES {
+        let residual = random_vec(&mut rng, rows * h, 3.0);
+        let x = random_vec(&mut rng, rows * h, 3.0);
+        let x_w = GpuTensor::from_f32(&gpu, &random_vec(&mut rng, h, 2.0), DType::F32)?;
+        let w = GpuTensor::from_f32(&gpu, &random_vec(&mut rng, h, 2.0), DType::F32)?;
+        for (dtype, tol) in DTYPES {
+            for residual_dtype in [dtype, DType::F32] {
+                let what = format!("add_normed_rms_norm {dtype:?} (residual {residual_dtype:?}) [{rows}, {h}]");
+                let mut res_want = GpuTensor::from_f32(&gpu, &residual, residual_dtype)?;
+                let mut x_want = GpuTensor::from_f32(&gpu, &x, dtype)?;
+                let mut want = nan_tensor(&gpu, dtype, rows * h)?;
+                cuda::rms_norm_inplace(&gpu, x_want.view_mut(), x_w.view(), 1e-6)?;
+                cuda::add_rms_norm(&gpu, res_want.view_mut(), x_want.view(), w.view(), 1e-6, want.view_mut())?;
+                let mut res_got = GpuTensor::from_f32(&gpu, &residual, residual_dtype)?;
+                let mut x_got = GpuTensor::from_f32(&gpu, &x, dtype)?;
+                let mut got = nan_tensor(&gpu, dtype, rows * h)?;
+                cuda::add_normed_rms_norm(
+                    &gpu,
+                    res_got.view_mut(),
+                    x_got.view_mut(),
+                    x_w.view(),
+                    w.view(),
+                    1e-6,
+                    got.view_mut(),
+                )?;
+                check(&format!("{what} residual"), &res_got.to_f32_vec(&gpu)?, &res_want.to_f32_vec(&gpu)?, tol);
+                check(&what, &got.to_f32_vec(&gpu)?, &want.to_f32_vec(&gpu)?, tol);
+            }
         }
     }
     Ok(())
@@ -553,6 +593,83 @@ fn qkv_rope_cache_equals_the_ops_it_fuses() -> Result<(), GpuError> {
     Ok(())
 }
 
+/// The q/k-norm form against split, `rms_norm_inplace` on q and k, `rope` on both and
+/// `reshape_and_cache`: every head size it is compiled for, with padding slots, the long RoPE
+/// table, and a batch of one token. Within each dtype's tolerance: the sums of squares are
+/// added in another order, so a bf16 rounding may differ; v and the slots not written are equal.
+#[test]
+fn qkv_norm_rope_cache_equals_the_ops_it_fuses() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(22);
+    // (tokens, heads, kv_heads, head_dim, long_start): Qwen3's 32 + 2 x 4 of 128, Gemma 3 1B's
+    // 4 + 2 x 1 of 256.
+    let cases = [(1, 32, 4, 128, None), (7, 4, 1, 256, Some(200)), (70, 8, 2, 64, None), (3, 6, 3, 128, None)];
+    for (tokens, heads, kv_heads, dim, long_start) in cases {
+        let (q_size, kv_size) = (heads * dim, kv_heads * dim);
+        let num_slots = 3 * tokens + 2;
+        let mut slot_pool: Vec<i64> = (0..num_slots as i64).collect();
+        slot_pool.shuffle(&mut rng);
+        let slots: Vec<i64> = (0..tokens).map(|t| if t % 3 == 1 { -1 } else { slot_pool[t] }).collect();
+        let positions: Vec<u32> = (0..tokens as u32).map(|t| t * 53 + 11).collect();
+        let short = inv_freq(dim, 10000.0);
+        let long: Vec<f32> = short.iter().map(|f| f * 0.25).collect();
+        let table = GpuRopeTable::new(&gpu, &short, long_start.map(|s| (s, long.as_slice())), 1.0)?;
+        let (pos_dev, slots_dev) = (gpu.upload(&positions)?, gpu.upload(&slots)?);
+        let qkv = random_vec(&mut rng, tokens * (q_size + 2 * kv_size), 2.0);
+        let q_w = GpuTensor::from_f32(&gpu, &random_vec(&mut rng, dim, 1.5), DType::F32)?;
+        let k_w = GpuTensor::from_f32(&gpu, &random_vec(&mut rng, dim, 1.5), DType::F32)?;
+        let eps = 1e-6;
+        for (dtype, tol) in DTYPES {
+            let what = format!("qkv_norm_rope_cache {dtype:?} {tokens}x({heads}+2x{kv_heads})x{dim}");
+            let qkv_dev = GpuTensor::from_f32(&gpu, &qkv, dtype)?;
+            let sentinel = |v: f32| GpuTensor::from_f32(&gpu, &vec![v; num_slots * kv_size], dtype);
+            // Op by op.
+            let (mut q, mut k, mut v) = (
+                nan_tensor(&gpu, dtype, tokens * q_size)?,
+                nan_tensor(&gpu, dtype, tokens * kv_size)?,
+                nan_tensor(&gpu, dtype, tokens * kv_size)?,
+            );
+            cuda::split_qkv(&gpu, qkv_dev.view(), q_size, kv_size, q.view_mut(), k.view_mut(), v.view_mut())?;
+            cuda::rms_norm_inplace(&gpu, q.view_mut(), q_w.view(), eps)?;
+            cuda::rms_norm_inplace(&gpu, k.view_mut(), k_w.view(), eps)?;
+            cuda::rope(&gpu, q.view_mut(), &pos_dev, heads, dim, &table)?;
+            cuda::rope(&gpu, k.view_mut(), &pos_dev, kv_heads, dim, &table)?;
+            let (mut kc_want, mut vc_want) = (sentinel(-5.0)?, sentinel(-6.0)?);
+            cuda::reshape_and_cache(
+                &gpu,
+                k.view(),
+                v.view(),
+                &slots_dev,
+                kv_size,
+                kc_want.view_mut(),
+                vc_want.view_mut(),
+            )?;
+            // Fused.
+            let mut q_got = nan_tensor(&gpu, dtype, tokens * q_size)?;
+            let (mut kc_got, mut vc_got) = (sentinel(-5.0)?, sentinel(-6.0)?);
+            assert!(cuda::qkv_norm_rope_cache_fits(dim, &table), "{what}: fits");
+            cuda::qkv_norm_rope_cache(
+                &gpu,
+                qkv_dev.view(),
+                &pos_dev,
+                &slots_dev,
+                heads,
+                kv_heads,
+                dim,
+                &table,
+                QkNorms { q: q_w.view(), k: k_w.view(), eps },
+                q_got.view_mut(),
+                kc_got.view_mut(),
+                vc_got.view_mut(),
+            )?;
+            check(&format!("{what}: q"), &q_got.to_f32_vec(&gpu)?, &q.to_f32_vec(&gpu)?, tol);
+            check(&format!("{what}: k cache"), &kc_got.to_f32_vec(&gpu)?, &kc_want.to_f32_vec(&gpu)?, tol);
+            assert_eq!(vc_got.to_f32_vec(&gpu)?, vc_want.to_f32_vec(&gpu)?, "{what}: v cache");
+        }
+    }
+    Ok(())
+}
+
 #[test]
 fn linear_qkv_rope_cache_equals_linear_then_qkv_rope_cache() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
@@ -689,6 +806,20 @@ impl Batch {
         }
         let max_query_len = requests.iter().map(|&(_, q)| q).max().unwrap_or(0);
         Batch { q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, max_blocks_per_seq, max_query_len }
+    }
+
+    /// The same batch with block tables `width` entries wide (at least its own), the extra
+    /// entries 0: as a CUDA graph pads them for the longest context it may replay.
+    fn widened(mut self, width: usize) -> Batch {
+        assert!(width >= self.max_blocks_per_seq);
+        let old = self.max_blocks_per_seq;
+        self.block_tables = self
+            .block_tables
+            .chunks_exact(old)
+            .flat_map(|row| row.iter().copied().chain(std::iter::repeat_n(0, width - old)))
+            .collect();
+        self.max_blocks_per_seq = width;
+        self
     }
 }
 
@@ -898,6 +1029,35 @@ fn paged_attention_decode_splits_long_contexts() -> Result<(), GpuError> {
     requests.push((3000, 1));
     let batch = Batch::random(&mut rng, heads, &requests, 16, DType::BF16);
     compare_attention(PICKED, &gpu, &batch, heads, 16, None, DType::BF16, 1e-2, 1)?;
+    Ok(())
+}
+
+/// Short decodes in block tables far wider than their contexts (8192 keys, as a graph pads
+/// them): each row cuts its own context into the launch's partitions, whatever the width. Lone
+/// sequences of 1, 17, 130 and 600 keys and four together, with and without windows, on the
+/// CUDA-core kernel (head_dim 256, Gemma's; a single KV head) and the tensor-core one.
+#[test]
+fn paged_attention_decode_splits_short_contexts_in_wide_tables() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(18);
+    let configs = [
+        Heads { num_heads: 4, num_kv_heads: 1, head_dim: 256 },
+        Heads { num_heads: 32, num_kv_heads: 4, head_dim: 128 },
+        Heads { num_heads: 16, num_kv_heads: 8, head_dim: 256 },
+    ];
+    let depths = [1, 17, 130, 600];
+    for heads in configs {
+        let mut batches: Vec<Vec<(usize, usize)>> = depths.iter().map(|&d| vec![(d, 1)]).collect();
+        batches.push(depths.iter().map(|&d| (d, 1)).collect());
+        for (dtype, tol) in DTYPES {
+            for requests in &batches {
+                let batch = Batch::random(&mut rng, heads, requests, 16, dtype).widened(8192 / 16);
+                for window in [None, Some(100), Some(512)] {
+                    compare_attention(PICKED, &gpu, &batch, heads, 16, window, dtype, tol, 1)?;
+                }
+            }
+        }
+    }
     Ok(())
 }
 

@@ -167,7 +167,8 @@ impl<D: Device> Decoder<D> {
             if i == 0 {
                 dev.rms_norm(&a.residual, &layer.input_layernorm, eps, &mut a.normed)?;
             } else {
-                dev.add_rms_norm(&mut a.residual, &a.pending, &layer.input_layernorm, eps, &mut a.normed)?;
+                let out_norm = self.layers[i - 1].mlp_output_norm();
+                add_norm(dev, &mut a.residual, &mut a.pending, out_norm, &layer.input_layernorm, eps, &mut a.normed)?;
             }
             let input = AttentionInput {
                 x: &a.normed,
@@ -185,30 +186,28 @@ impl<D: Device> Decoder<D> {
             dev.attention_input(batch, input)?;
             dev.attention(batch, &layer.attention, &a.q, kv, &mut a.attn)?;
             dev.linear(&a.attn, &layer.o_proj, &mut a.o)?;
-            if let Some(s) = &layer.sandwich_norms {
-                dev.rms_norm_heads(&mut a.o, &s.attention_output, eps)?;
-            }
-            dev.add_rms_norm(&mut a.residual, &a.o, &layer.post_attention_layernorm, eps, &mut a.normed)?;
+            let out_norm = layer.sandwich_norms.as_ref().map(|s| &s.attention_output);
+            add_norm(dev, &mut a.residual, &mut a.o, out_norm, &layer.post_attention_layernorm, eps, &mut a.normed)?;
+            // A sandwich norm of the MLP's output joins the next add (the next layer's or the
+            // final one).
             layer.mlp.forward(dev, batch, cfg.activation, a)?;
-            if let Some(s) = &layer.sandwich_norms {
-                dev.rms_norm_heads(&mut a.pending, &s.mlp_output, eps)?;
-            }
         }
 
         // Only the rows whose logits are wanted go through the final norm and the LM head.
         let (last_residual, last_out) = if rows.identity {
-            (&mut a.residual, &a.pending)
+            (&mut a.residual, &mut a.pending)
         } else {
             dev.gather_logits_rows(batch, &a.residual, &mut a.last_residual)?;
             if !self.layers.is_empty() {
                 dev.gather_logits_rows(batch, &a.pending, &mut a.last_out)?;
             }
-            (&mut a.last_residual, &a.last_out)
+            (&mut a.last_residual, &mut a.last_out)
         };
-        if self.layers.is_empty() {
-            dev.rms_norm(last_residual, &self.norm, eps, &mut a.final_normed)?;
-        } else {
-            dev.add_rms_norm(last_residual, last_out, &self.norm, eps, &mut a.final_normed)?;
+        match self.layers.last() {
+            None => dev.rms_norm(last_residual, &self.norm, eps, &mut a.final_normed)?,
+            Some(last) => {
+                add_norm(dev, last_residual, last_out, last.mlp_output_norm(), &self.norm, eps, &mut a.final_normed)?
+            }
         }
         // Logits only for the ids the model may output (`output_vocab_size`): rows padding the
         // vocabulary past the tokenizer are never computed, so never sampled.
@@ -220,7 +219,29 @@ impl<D: Device> Decoder<D> {
     }
 }
 
+/// `residual += x; out = rms_norm(residual, w)`, with `x` first normed by `x_norm` where the
+/// layer has a norm of its sub-layer's output (Gemma 2/3), in one device op.
+fn add_norm<D: Device>(
+    dev: &D,
+    residual: &mut D::Tensor,
+    x: &mut D::Tensor,
+    x_norm: Option<&D::Vector>,
+    w: &D::Vector,
+    eps: f32,
+    out: &mut D::Tensor,
+) -> Result<(), D::Error> {
+    match x_norm {
+        Some(x_w) => dev.add_normed_rms_norm(residual, x, x_w, w, eps, out),
+        None => dev.add_rms_norm(residual, x, w, eps, out),
+    }
+}
+
 impl<D: Device> Layer<D> {
+    /// The norm of this layer's MLP output, where the layer has sandwich norms.
+    fn mlp_output_norm(&self) -> Option<&D::Vector> {
+        self.sandwich_norms.as_ref().map(|s| &s.mlp_output)
+    }
+
     /// The layer's projections into the compute dtype: qkv, o, and its MLP's
     /// ([`Mlp::projections`]).
     pub fn projections(&self) -> Vec<&Linear<D>> {

@@ -6,15 +6,17 @@
 //!
 //! The fused forms of the interface take today's fused kernels where they apply: the qkv
 //! projection, rotation and cache write in one GEMV kernel (or the projection, then one kernel
-//! for the rest), and the gate/up projection with its activation in one GEMV kernel.
+//! for the rest, with the q/k norms too where a model has them), and the gate/up projection
+//! with its activation in one GEMV kernel.
 
 use cudarc::driver::CudaView;
 
 use super::{
-    add_rms_norm, add_sigmoid_gated, embedding, gather_rows, gelu_tanh_and_mul, linear, linear_gated,
-    linear_qkv_rope_cache, moe, qkv_rope_cache, reshape_and_cache, rms_norm, rms_norm_inplace, rope, silu_and_mul,
-    softcap, split_qkv, GemmTuning, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuExperts, GpuMoeScratch,
-    GpuRopeTable, GpuTensor, GpuView, GpuViewMut, PagedAttention,
+    add_normed_rms_norm, add_rms_norm, add_sigmoid_gated, embedding, gather_rows, gelu_tanh_and_mul, linear,
+    linear_gated, linear_qkv_rope_cache, moe, qkv_norm_rope_cache, qkv_norm_rope_cache_fits, qkv_rope_cache,
+    reshape_and_cache, rms_norm, rms_norm_inplace, rope, silu_and_mul, softcap, split_qkv, GemmTuning, Gemms, Gpu,
+    GpuAttentionMetadata, GpuError, GpuExperts, GpuMoeScratch, GpuRopeTable, GpuTensor, GpuView, GpuViewMut,
+    PagedAttention, QkNorms,
 };
 use crate::device::{
     unfused_attention_input, AttentionInput, Device, GatedActivation, LayerAttention, Linear, MoeInput, MoeShape,
@@ -242,6 +244,18 @@ impl Device for Cuda {
         rms_norm_inplace(&self.gpu, x.view_mut(), w.view(), eps)
     }
 
+    fn add_normed_rms_norm(
+        &self,
+        residual: &mut CudaTensor,
+        x: &mut CudaTensor,
+        x_w: &GpuTensor,
+        w: &GpuTensor,
+        eps: f32,
+        out: &mut CudaTensor,
+    ) -> Result<(), GpuError> {
+        add_normed_rms_norm(&self.gpu, residual.view_mut(), x.view_mut(), x_w.view(), w.view(), eps, out.view_mut())
+    }
+
     fn softcap(&self, x: &mut CudaTensor, cap: f32) -> Result<(), GpuError> {
         softcap(&self.gpu, x.view_mut(), cap)
     }
@@ -352,9 +366,28 @@ impl Device for Cuda {
     fn attention_input(&self, b: &CudaBatch<'_>, a: AttentionInput<'_, Cuda>) -> Result<(), GpuError> {
         let h = a.heads;
         let (gpu, w) = (&self.gpu, a.qkv_proj);
-        if a.qk_norm.is_some() {
-            // q/k norms sit between the split and the rotation: the unfused path.
-            return unfused_attention_input(self, b, a);
+        if let Some((q_norm, k_norm)) = a.qk_norm {
+            // q/k norms sit between the split and the rotation: the projection, then one kernel
+            // for the rest where it takes the head size, else op by op.
+            if !qkv_norm_rope_cache_fits(h.head_dim, a.rope) {
+                return unfused_attention_input(self, b, a);
+            }
+            self.linear(a.x, w, a.qkv)?;
+            let norms = QkNorms { q: q_norm.view(), k: k_norm.view(), eps: a.eps };
+            return qkv_norm_rope_cache(
+                gpu,
+                a.qkv.view(),
+                &b.positions,
+                &b.slot_mapping,
+                h.num_heads,
+                h.num_kv_heads,
+                h.head_dim,
+                a.rope,
+                norms,
+                a.q.view_mut(),
+                a.kv.k.view_mut(),
+                a.kv.v.view_mut(),
+            );
         }
         let (k_cache, v_cache) = (a.kv.k.view_mut(), a.kv.v.view_mut());
         if w.bias.is_none() {

@@ -187,24 +187,12 @@ pub fn moe(
     out: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
     let tokens = x.len() / experts.shape.hidden.max(1);
-    run(gpu, x, router_logits, experts, scratch, out, moe_path(tokens, experts.shape))
+    moe_on_path(gpu, x, router_logits, experts, scratch, out, moe_path(tokens, experts.shape))
 }
 
-/// [`moe`] through the kernels of `path` whatever T is (tests and benchmarks compare the paths).
-#[cfg(feature = "bench-internals")]
+/// [`moe`] through the kernels of `path` whatever T is (tests and benchmarks compare the paths;
+/// exported with the `bench-internals` feature).
 pub fn moe_on_path(
-    gpu: &Gpu,
-    x: GpuView<'_>,
-    router_logits: GpuView<'_>,
-    experts: &GpuExperts<'_>,
-    scratch: &mut GpuMoeScratch,
-    out: GpuViewMut<'_>,
-    path: MoePath,
-) -> Result<(), GpuError> {
-    run(gpu, x, router_logits, experts, scratch, out, path)
-}
-
-fn run(
     gpu: &Gpu,
     x: GpuView<'_>,
     router_logits: GpuView<'_>,
@@ -297,7 +285,7 @@ impl Step<'_, '_> {
         launch.arg(&offsets).arg(&active).arg(&slot_pos).arg(&sorted_token).arg(&meta);
         // SAFETY: the arguments match the kernel's parameters; every list holds T * top_k slots
         // or num_experts (+ 1) entries (`GpuMoeScratch::new`, `check_moe`).
-        unsafe { launch.launch(one_block(ALIGN_THREADS)) }?;
+        unsafe { launch.launch(one_block(route_align_threads(tokens, num_experts))) }?;
 
         let (x_ptr, gate_up, act_ptr) = (x.ptr(), ex.gate_up.ptr(), s.act.view().ptr());
         let act = activation_code(ex.activation);
@@ -400,6 +388,14 @@ impl Step<'_, '_> {
         unsafe { launch.launch(rows_config(tokens, hidden / 8)) }?;
         Ok(())
     }
+}
+
+/// Threads of `moe_route_align`: a thread per expert (its grouping scans one value per expert
+/// and thread) and a warp per token, no more: at batch 1 its few slots are grouped by one or a
+/// few warps rather than waiting on the barriers of 32 (Qwen3-30B-A3B: 128 threads, not 1024).
+fn route_align_threads(tokens: usize, num_experts: usize) -> u32 {
+    let threads = num_experts.max(32 * tokens).next_multiple_of(32).clamp(64, ALIGN_THREADS as usize);
+    threads as u32
 }
 
 fn one_block(threads: u32) -> LaunchConfig {

@@ -23,6 +23,8 @@ pub(crate) const KERNELS: &[KernelFamilies] = &[
             "add_rms_norm_f32_residual",
             "add_rms_norm_vec8",
             "add_rms_norm_f32_residual_vec8",
+            "add_normed_rms_norm_vec8",
+            "add_normed_rms_norm_f32_residual_vec8",
         ],
         large_shared: false,
     },
@@ -143,6 +145,50 @@ pub fn add_rms_norm(
     launch.arg(&res_ptr).arg(&x_ptr).arg(&w_ptr).arg(&out_ptr).arg(&hidden_u32).arg(&eps);
     // SAFETY: the arguments match the kernel's parameters; all buffers hold `rows` rows.
     unsafe { launch.launch(rows_config(rows, width)) }?;
+    Ok(())
+}
+
+/// `residual += rms_norm(x, x_w, eps); out = rms_norm(residual, w, eps)`, the normed x rounded
+/// to its dtype as [`rms_norm_inplace`] would store it: in one kernel where rows are whole
+/// 16-byte chunks, else [`rms_norm_inplace`] on `x` and [`add_rms_norm`] (so `x` may be left
+/// normed). `x_w` and `w` are f32 `[hidden]`; the residual as in [`add_rms_norm`].
+pub fn add_normed_rms_norm(
+    gpu: &Gpu,
+    residual: GpuViewMut<'_>,
+    mut x: GpuViewMut<'_>,
+    x_w: GpuView<'_>,
+    w: GpuView<'_>,
+    eps: f32,
+    out: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    let op = "add_normed_rms_norm";
+    let hidden = check_rows(op, residual.len(), w);
+    assert_eq!(x_w.len(), hidden, "{op}: x's norm weight has {} elements, rows {hidden}", x_w.len());
+    assert_eq!(x_w.dtype(), DType::F32, "{op}: x's norm weight must be f32, not {:?}", x_w.dtype());
+    assert_eq!(x.len(), residual.len(), "{op}: x has {} elements, residual {}", x.len(), residual.len());
+    assert_eq!(out.len(), residual.len(), "{op}: out has {} elements, residual {}", out.len(), residual.len());
+    same_dtype(op, x.dtype(), out.dtype());
+    let kernel = if residual.dtype() == DType::F32 && x.dtype() != DType::F32 {
+        "add_normed_rms_norm_f32_residual_vec8"
+    } else {
+        same_dtype(op, residual.dtype(), x.dtype());
+        "add_normed_rms_norm_vec8"
+    };
+    let (res_ptr, x_ptr, xw_ptr, w_ptr, out_ptr) = (residual.ptr(), x.ptr(), x_w.ptr(), w.ptr(), out.ptr());
+    if !hidden.is_multiple_of(8) || ![res_ptr, x_ptr, xw_ptr, w_ptr, out_ptr].iter().all(|p| p.is_multiple_of(16)) {
+        rms_norm_inplace(gpu, x.reborrow(), x_w, eps)?;
+        return add_rms_norm(gpu, residual, x.as_view(), w, eps, out);
+    }
+    let rows = residual.len() / hidden;
+    if rows == 0 {
+        return Ok(());
+    }
+    let hidden_u32 = to_u32(op, "hidden", hidden);
+    let mut launch = gpu.launch_builder(kernel, x.dtype());
+    launch.arg(&res_ptr).arg(&x_ptr).arg(&xw_ptr).arg(&w_ptr).arg(&out_ptr).arg(&hidden_u32).arg(&eps);
+    // SAFETY: the arguments match the kernel's parameters; all buffers hold `rows` rows, both
+    // weights `hidden` floats, and every row is whole 16-byte chunks.
+    unsafe { launch.launch(rows_config(rows, hidden / 8)) }?;
     Ok(())
 }
 

@@ -5,6 +5,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 use super::gpu::{rows_config, to_u32};
 use super::ops::same_dtype;
 use super::{Gemms, Gpu, GpuError, GpuView, GpuViewMut};
+use crate::DType;
 
 use super::compile::{self, KernelFamilies};
 
@@ -12,7 +13,14 @@ use super::compile::{self, KernelFamilies};
 pub(crate) const KERNELS: &[KernelFamilies] = &[
     KernelFamilies {
         source: &compile::ROPE,
-        names: &["rope", "qkv_rope_cache", "qkv_rope_cache_vec8"],
+        names: &[
+            "rope",
+            "qkv_rope_cache",
+            "qkv_rope_cache_vec8",
+            "qkv_norm_rope_cache_d64",
+            "qkv_norm_rope_cache_d128",
+            "qkv_norm_rope_cache_d256",
+        ],
         large_shared: false,
     },
     KernelFamilies {
@@ -156,6 +164,91 @@ pub fn qkv_rope_cache(
     // SAFETY: the arguments match the kernel's parameters; qkv and q_out hold `tokens` rows, and
     // the kernel checks every slot against the cache.
     unsafe { launch.launch(qkv_rope_cache_config(tokens, work)) }?;
+    Ok(())
+}
+
+/// The per-head RMS norms of q and k (`[head_dim]` f32 weights each) and their epsilon.
+#[derive(Clone, Copy)]
+pub struct QkNorms<'a> {
+    pub q: GpuView<'a>,
+    pub k: GpuView<'a>,
+    pub eps: f32,
+}
+
+/// Head sizes [`qkv_norm_rope_cache`] is compiled for (every dim rotated).
+const QK_NORM_HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// Warps per block of `qkv_norm_rope_cache` (`QKN_WARPS`), one per head.
+const QK_NORM_WARPS: usize = 4;
+
+/// Whether [`qkv_norm_rope_cache`] takes heads of `head_dim` rotated by `table`.
+pub fn qkv_norm_rope_cache_fits(head_dim: usize, table: &GpuRopeTable) -> bool {
+    QK_NORM_HEAD_DIMS.contains(&head_dim) && table.rotary_dim() == head_dim
+}
+
+/// [`qkv_rope_cache`] with q and k each RMS-normed per head before the rotation, as
+/// [`super::rms_norm_inplace`] on q and k between the split and the rotation would (rounded to
+/// the dtype in between; only the order of the sum of squares differs), in one launch: a warp
+/// per head. Needs [`qkv_norm_rope_cache_fits`].
+#[allow(clippy::too_many_arguments)]
+pub fn qkv_norm_rope_cache(
+    gpu: &Gpu,
+    qkv: GpuView<'_>,
+    positions: &impl DevicePtr<u32>,
+    slot_mapping: &impl DevicePtr<i64>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+    table: &GpuRopeTable,
+    norms: QkNorms<'_>,
+    q_out: GpuViewMut<'_>,
+    k_cache: GpuViewMut<'_>,
+    v_cache: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    let op = "qkv_norm_rope_cache";
+    let tokens = positions.len();
+    let (q_size, kv_size) = (num_heads * head_dim, num_kv_heads * head_dim);
+    assert!(qkv_norm_rope_cache_fits(head_dim, table), "{op}: head_dim {head_dim} with {} rotated", table.rotary_dim());
+    assert!(kv_size > 0, "{op}: no KV heads");
+    assert_eq!(slot_mapping.len(), tokens, "{op}: {} slots for {tokens} positions", slot_mapping.len());
+    assert_eq!(qkv.len(), tokens * (q_size + 2 * kv_size), "{op}: qkv is not [{tokens}, q + 2 kv]");
+    assert_eq!(q_out.len(), tokens * q_size, "{op}: q_out is not [{tokens}, {q_size}]");
+    assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
+    assert_eq!(k_cache.len() % kv_size, 0, "{op}: cache is not whole slots of {kv_size}");
+    for (what, w) in [("q", norms.q), ("k", norms.k)] {
+        assert_eq!(w.dtype(), DType::F32, "{op}: the {what} norm's weight is not f32");
+        assert_eq!(w.len(), head_dim, "{op}: the {what} norm's weight is not [{head_dim}]");
+    }
+    for dtype in [q_out.dtype(), k_cache.dtype(), v_cache.dtype()] {
+        same_dtype(op, qkv.dtype(), dtype);
+    }
+    if tokens == 0 {
+        return Ok(());
+    }
+    let (qkv_ptr, pos_ptr, slots_ptr, freq_ptr) =
+        (qkv.ptr(), gpu.index_ptr(positions), gpu.index_ptr(slot_mapping), gpu.index_ptr(&table.inv_freq));
+    let (qn_ptr, kn_ptr) = (norms.q.ptr(), norms.k.ptr());
+    let (q_ptr, kc_ptr, vc_ptr) = (q_out.ptr(), k_cache.ptr(), v_cache.ptr());
+    let (heads, kv_heads) = (to_u32(op, "num_heads", num_heads), to_u32(op, "num_kv_heads", num_kv_heads));
+    let num_slots = (k_cache.len() / kv_size) as i64;
+    let kernel = match head_dim {
+        64 => "qkv_norm_rope_cache_d64",
+        128 => "qkv_norm_rope_cache_d128",
+        _ => "qkv_norm_rope_cache_d256",
+    };
+    let mut launch = gpu.launch_builder(kernel, qkv.dtype());
+    launch.arg(&qkv_ptr).arg(&pos_ptr).arg(&slots_ptr).arg(&freq_ptr).arg(&table.long_start);
+    launch.arg(&qn_ptr).arg(&kn_ptr).arg(&norms.eps);
+    launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&heads).arg(&kv_heads);
+    launch.arg(&table.attention_scaling).arg(&num_slots);
+    let units = num_heads + 2 * num_kv_heads;
+    let cfg = LaunchConfig {
+        grid_dim: (to_u32(op, "tokens", tokens), to_u32(op, "head groups", units.div_ceil(QK_NORM_WARPS)), 1),
+        block_dim: ((QK_NORM_WARPS * 32) as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's parameters; qkv and q_out hold `tokens` rows, the
+    // norms `head_dim` floats each, and the kernel checks every slot against the cache.
+    unsafe { launch.launch(cfg) }?;
     Ok(())
 }
 

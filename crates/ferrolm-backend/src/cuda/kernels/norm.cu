@@ -204,3 +204,63 @@ __device__ __forceinline__ void add_rms_norm_vec8_impl(R* residual, const T* x, 
         add_rms_norm_vec8_impl<float, T>(residual, x, w, out, hidden, eps); \
     }
 FOR_EACH_DTYPE(ADD_RMS_NORM)
+
+// residual, x, out: [rows, hidden]; x_w, w: f32 [hidden]. `residual += rms_norm(x, x_w)` (the
+// normed x rounded to T, as `rms_norm` would store it, the sum rounded to R), then `out =
+// rms_norm(residual, w)`: Gemma 2/3's norm of a sub-layer's output fused into the residual add
+// and norm after it. By 8-element chunks (hidden a multiple of 8, rows 16-byte aligned): a
+// first pass sums x's squares, then `add_rms_norm_vec8`'s pass with x normed on the way in.
+template <typename R, typename T>
+__device__ __forceinline__ void add_normed_rms_norm_vec8_impl(R* residual, const T* x, const float* x_w,
+                                                              const float* w, T* out, u32 hidden, float eps) {
+    __shared__ float x_scratch[32];
+    const u64 base = (u64)blockIdx.x * hidden;
+    const u32 chunks = hidden / 8;
+    pdl_enter();
+    float sum_sq = 0.f;
+    for (u32 j = threadIdx.x; j < chunks; j += blockDim.x) {
+        Raw8<T> raw;
+        load_raw(x + base + 8 * (u64)j, raw);
+        float v[8];
+        unpack8(raw, v);
+#pragma unroll
+        for (int k = 0; k < 8; k++) sum_sq += v[k] * v[k];
+    }
+    sum_sq = block_sum(sum_sq, x_scratch);
+    const float x_inv_rms = 1.f / sqrtf(sum_sq / (float)hidden + eps);
+    auto add = [&](u64 i, float (&v)[8]) {
+        Raw8<R> r_raw;
+        Raw8<T> x_raw;
+        Raw8<float> w_raw;
+        load_raw(residual + i, r_raw);
+        load_raw(x + i, x_raw);
+        load_raw(x_w + (i - base), w_raw);
+        float r[8], xs[8], xw[8];
+        unpack8(r_raw, r);
+        unpack8(x_raw, xs);
+        unpack8(w_raw, xw);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const float normed = to_float(from_float<T>(xs[k] * x_inv_rms * xw[k]));
+            v[k] = to_float(from_float<R>(r[k] + normed));
+        }
+        store8(residual + i, v);  // exact: every v[k] is already an R
+    };
+    auto read = [&](u64 i, float (&v)[8]) {
+        Raw8<R> raw;
+        load_raw(residual + i, raw);
+        unpack8(raw, v);
+    };
+    rms_norm_row8<T>(add, read, w, out, hidden, eps);
+}
+
+#define ADD_NORMED_RMS_NORM(T, S) \
+    extern "C" __global__ void __launch_bounds__(1024) add_normed_rms_norm_vec8_##S( \
+        T* residual, const T* x, const float* x_w, const float* w, T* out, u32 hidden, float eps) { \
+        add_normed_rms_norm_vec8_impl<T, T>(residual, x, x_w, w, out, hidden, eps); \
+    } \
+    extern "C" __global__ void __launch_bounds__(1024) add_normed_rms_norm_f32_residual_vec8_##S( \
+        float* residual, const T* x, const float* x_w, const float* w, T* out, u32 hidden, float eps) { \
+        add_normed_rms_norm_vec8_impl<float, T>(residual, x, x_w, w, out, hidden, eps); \
+    }
+FOR_EACH_DTYPE(ADD_NORMED_RMS_NORM)

@@ -189,3 +189,69 @@ __device__ __forceinline__ void qkv_rope_cache_vec8_impl(const T* qkv, const u32
                                     num_heads, num_kv_heads, head_dim, half, attention_scaling, num_slots); \
     }
 FOR_EACH_DTYPE(QKV_ROPE_CACHE)
+
+// `qkv_rope_cache` with the per-head RMS norms of q and k (Qwen3, Gemma 3) between the split and
+// the rotation, for head size D with every dim rotated: each q and k head is normalised as
+// `rms_norm` does (x * (1 / sqrt(mean(x^2) + eps)) * w in f32, rounded to T as the unfused op
+// stores it; only the order of the sum of squares differs), then rotated and stored; v is
+// copied. One warp per head, lane l holding dims l + 32 j: since half = D / 2 is a multiple of
+// 32, both dims of a rotated pair sit in one lane. Units: the q heads, the k heads, then the v
+// heads. q_norm, k_norm: f32 [D]. Grid: (T, ceil((num_heads + 2 * num_kv_heads) / QKN_WARPS)).
+#define QKN_WARPS 4
+template <typename T, int D>
+__device__ __forceinline__ void qkv_norm_rope_cache_impl(const T* qkv, const u32* positions, const i64* slot_mapping,
+                                                         const float* inv_freq, u32 long_start, const float* q_norm,
+                                                         const float* k_norm, float eps, T* q_out, T* k_cache,
+                                                         T* v_cache, u32 num_heads, u32 num_kv_heads,
+                                                         float attention_scaling, i64 num_slots) {
+    constexpr int PER = D / 32, HALF = PER / 2;
+    static_assert(D % 64 == 0, "pairs within a lane");
+    const QkvRopeToken<T> tok(qkv, positions, slot_mapping, inv_freq, long_start, num_heads, num_kv_heads, D, D / 2,
+                              num_slots);
+    const u32 lane = threadIdx.x & 31, unit = blockIdx.y * QKN_WARPS + (threadIdx.x >> 5);
+    const u32 heads = num_heads + num_kv_heads;
+    if (unit >= heads + num_kv_heads || (unit >= num_heads && !tok.write_kv)) return;
+    if (unit >= heads) {
+        const u32 base = (unit - heads) * D;
+#pragma unroll
+        for (int j = 0; j < PER; j++) *tok.v_out(v_cache, base + lane + 32 * j) = *tok.v_in(base + lane + 32 * j);
+        return;
+    }
+    const T* src = tok.head_in(unit);
+    T* dst = tok.head_out(unit, q_out, k_cache);
+    const float* w = unit < num_heads ? q_norm : k_norm;
+    float x[PER];
+    float sum_sq = 0.f;
+#pragma unroll
+    for (int j = 0; j < PER; j++) {
+        x[j] = to_float(src[lane + 32 * j]);
+        sum_sq += x[j] * x[j];
+    }
+    sum_sq = warp_sum(sum_sq);
+    const float inv_rms = 1.f / sqrtf(sum_sq / (float)D + eps);
+#pragma unroll
+    for (int j = 0; j < PER; j++) x[j] = to_float(from_float<T>(x[j] * inv_rms * w[lane + 32 * j]));
+#pragma unroll
+    for (int j = 0; j < HALF; j++) {
+        const u32 i = lane + 32 * j;
+        float y0, y1;
+        rope_pair(x[j], x[j + HALF], tok.pos, tok.freq[i], attention_scaling, y0, y1);
+        dst[i] = from_float<T>(y0);
+        dst[i + D / 2] = from_float<T>(y1);
+    }
+}
+
+#define QKV_NORM_ROPE_CACHE_D(T, S, D) \
+    extern "C" __global__ void __launch_bounds__(QKN_WARPS * 32) qkv_norm_rope_cache_d##D##_##S( \
+        const T* qkv, const u32* positions, const i64* slot_mapping, const float* inv_freq, u32 long_start, \
+        const float* q_norm, const float* k_norm, float eps, T* q_out, T* k_cache, T* v_cache, u32 num_heads, \
+        u32 num_kv_heads, float attention_scaling, i64 num_slots) { \
+        pdl_enter(); \
+        qkv_norm_rope_cache_impl<T, D>(qkv, positions, slot_mapping, inv_freq, long_start, q_norm, k_norm, eps, q_out, \
+                                       k_cache, v_cache, num_heads, num_kv_heads, attention_scaling, num_slots); \
+    }
+#define QKV_NORM_ROPE_CACHE(T, S) \
+    QKV_NORM_ROPE_CACHE_D(T, S, 64) \
+    QKV_NORM_ROPE_CACHE_D(T, S, 128) \
+    QKV_NORM_ROPE_CACHE_D(T, S, 256)
+FOR_EACH_DTYPE(QKV_NORM_ROPE_CACHE)
