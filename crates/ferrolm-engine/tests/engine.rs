@@ -134,23 +134,22 @@ fn check_concurrent_greedy(name: &str, setup: Setup) -> EngineHandle {
     engine
 }
 
+macro_rules! fixtures {
+    ($($name:ident),*) => {
+        /// Every fixture model.
+        const FIXTURES: &[&str] = &[$(stringify!($name)),*];
+    };
+}
+include!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/fixtures/names.rs"));
+
 /// The fixtures whose MLPs route through experts.
-const MOE_FIXTURES: [&str; 3] = ["qwen2_moe", "qwen3_moe", "mixtral_moe"];
+fn moe_fixtures() -> impl Iterator<Item = &'static str> {
+    FIXTURES.iter().copied().filter(|name| name.ends_with("_moe"))
+}
 
 #[test]
 fn concurrent_requests_match_reference_on_every_fixture() {
-    let dense = [
-        "llama",
-        "llama3_gqa",
-        "mistral_swa",
-        "qwen2_tied",
-        "qwen3_qknorm",
-        "phi3_fused",
-        "gemma_geglu",
-        "gemma2_softcap",
-        "gemma3_text",
-    ];
-    for name in dense.into_iter().chain(MOE_FIXTURES) {
+    for &name in FIXTURES {
         check_concurrent_greedy(name, Setup::default());
     }
 }
@@ -168,7 +167,7 @@ fn run_cases(name: &str, setup: Setup, copies: usize, together: bool) -> (Vec<Ve
 /// and a pool so small that requests are preempted and recomputed all give the reference.
 #[test]
 fn moe_fixtures_match_reference_alone_batched_chunked_and_preempted() {
-    for name in MOE_FIXTURES {
+    for name in moe_fixtures() {
         let want: Vec<Vec<u32>> = cases(name).into_iter().map(|(_, greedy)| greedy).collect();
         let (alone, _) = run_cases(name, Setup::default(), 1, false);
         assert_eq!(alone, want, "{name}: one request at a time");

@@ -85,7 +85,7 @@ fn check_fixture(name: &str) {
     }
 }
 
-macro_rules! golden {
+macro_rules! fixtures {
     ($($name:ident),*) => {$(
         #[test]
         fn $name() {
@@ -94,20 +94,7 @@ macro_rules! golden {
     )*};
 }
 
-golden!(
-    llama,
-    llama3_gqa,
-    mistral_swa,
-    qwen2_tied,
-    qwen3_qknorm,
-    phi3_fused,
-    gemma_geglu,
-    gemma2_softcap,
-    gemma3_text,
-    qwen2_moe,
-    qwen3_moe,
-    mixtral_moe
-);
+include!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/fixtures/names.rs"));
 
 /// All four prompts of a fixture in one flattened batch give the same logits as each alone.
 #[test]

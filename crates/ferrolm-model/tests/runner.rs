@@ -196,7 +196,7 @@ fn check_fixture(name: &str) {
     }
 }
 
-macro_rules! fixture {
+macro_rules! fixtures {
     ($($name:ident),*) => {$(
         #[test]
         fn $name() {
@@ -205,20 +205,7 @@ macro_rules! fixture {
     )*};
 }
 
-fixture!(
-    llama,
-    llama3_gqa,
-    mistral_swa,
-    qwen2_tied,
-    qwen3_qknorm,
-    phi3_fused,
-    gemma_geglu,
-    gemma2_softcap,
-    gemma3_text,
-    qwen2_moe,
-    qwen3_moe,
-    mixtral_moe
-);
+include!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/fixtures/names.rs"));
 
 /// Greedy tokens of `prompts`, decoded `steps` tokens each, in one shared batch (`together`) or
 /// one by one, and the margin (top-1 minus top-2 logprob) of each step when run alone.

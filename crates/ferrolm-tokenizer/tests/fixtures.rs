@@ -8,20 +8,12 @@ use std::path::{Path, PathBuf};
 use ferrolm_tokenizer::{ChatMessage, Tokenizer, TokenizerError};
 
 const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/fixtures");
-const FIXTURE_NAMES: [&str; 12] = [
-    "llama",
-    "llama3_gqa",
-    "mistral_swa",
-    "qwen2_tied",
-    "qwen3_qknorm",
-    "phi3_fused",
-    "gemma_geglu",
-    "gemma2_softcap",
-    "gemma3_text",
-    "qwen2_moe",
-    "qwen3_moe",
-    "mixtral_moe",
-];
+macro_rules! fixtures {
+    ($($name:ident),*) => {
+        const FIXTURE_NAMES: &[&str] = &[$(stringify!($name)),*];
+    };
+}
+include!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/fixtures/names.rs"));
 
 type BoxError = Box<dyn std::error::Error>;
 type TestResult = Result<(), BoxError>;
@@ -56,7 +48,7 @@ fn scratch_copy() -> Result<tempfile::TempDir, BoxError> {
 
 #[test]
 fn tokenization_matches_reference_for_every_fixture() -> TestResult {
-    for name in FIXTURE_NAMES {
+    for &name in FIXTURE_NAMES {
         let tokenizer = Tokenizer::from_dir(&fixture(name))?;
         let cases = reference_tokenization(name)?;
         assert!(!cases.is_empty(), "{name}: no reference texts");
@@ -124,7 +116,7 @@ fn reference_tokenization_or_empty(dir: &Path) -> Result<Vec<String>, BoxError> 
 
 #[test]
 fn decode_round_trips_reference_texts() -> TestResult {
-    for name in FIXTURE_NAMES {
+    for &name in FIXTURE_NAMES {
         let tokenizer = Tokenizer::from_dir(&fixture(name))?;
         for (text, ids) in reference_tokenization(name)? {
             assert_eq!(tokenizer.decode(&ids, false)?, text, "{name}");
@@ -138,7 +130,7 @@ fn decode_round_trips_reference_texts() -> TestResult {
 /// 384 for the later ones (the MoE and Gemma 2/3 models), with the same special ids.
 #[test]
 fn every_fixture_tokenizer_spans_its_model_vocabulary() -> TestResult {
-    for name in FIXTURE_NAMES {
+    for &name in FIXTURE_NAMES {
         let tokenizer = Tokenizer::from_dir(&fixture(name))?;
         let config: serde_json::Value = serde_json::from_str(&fs::read_to_string(fixture(name).join("config.json"))?)?;
         let vocab = config["vocab_size"].as_u64().ok_or("config.json has no vocab_size")? as usize;
@@ -247,7 +239,7 @@ fn vocab_size_covers_added_tokens_past_the_base_vocabulary() -> TestResult {
 fn fixture_chat_templates_render_as_hf() -> TestResult {
     let conversation = [ChatMessage::new("user", "Hello"), ChatMessage::new("assistant", "Hi there")];
     let without_prompt = "<s>user\nHello</s>\n<s>assistant\nHi there</s>\n";
-    for name in FIXTURE_NAMES {
+    for &name in FIXTURE_NAMES {
         let tokenizer = Tokenizer::from_dir(&fixture(name))?;
         let template = tokenizer.chat_template().ok_or(format!("{name}: no chat template"))?;
         assert_eq!(template.render(&conversation, false, None)?, without_prompt, "{name}");
