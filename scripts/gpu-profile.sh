@@ -13,7 +13,8 @@
 # 3. One decode step of 384 requests at context ~1500 in the llama-3.1-8b shape cut to 4 layers
 #    (the per-layer kernels are the 8B's), kernel by kernel without graphs; then the same step's
 #    graph replayed as one workload, against its kernels one by one: what the graph adds or hides.
-# MODELS (default: both) picks the models of part 1; ATTENTION=0 skips part 2, BATCH=0 part 3.
+# MODELS (default: both) picks the models of part 1 (any bench-configs/ name) and OUTPUT_LEN (default
+# 32) their output tokens; ATTENTION=0 skips part 2, BATCH=0 part 3.
 # Logs go to $OUT (default: a new temporary directory).
 set -u
 BIN=${1:-.device-carry}
@@ -32,10 +33,11 @@ ncu_run() { timeout "${PROFILE_TIMEOUT:-200}" "$NCU" --clock-control none --cach
 for model in ${MODELS:-llama-3.2-1b llama-3.1-8b}; do
     FERROLM_CUDA_GRAPHS=0 ncu_run --metrics gpu__time_duration.sum --csv --page raw --log-file "$OUT/$model.csv" \
         "$BIN/ferrolm" bench latency --model-config "bench-configs/$model.json" --dummy-weights --device cuda \
-        --input-len 128 --output-len 32 --num-iters 1 --num-iters-warmup 0 --bandwidth-repetitions 1 \
+        --input-len 128 --output-len "${OUTPUT_LEN:-32}" --num-iters 1 --num-iters-warmup 0 --bandwidth-repetitions 1 \
         >"$OUT/$model.log" 2>&1 || tail -n 5 "$OUT/$model.log"
-    echo "== $model, single-request decode, per step of 31 =="
-    python3 tools/ncu_summary.py "$OUT/$model.csv" --steps 31 --top 25 | tee "$OUT/$model.txt"
+    steps=$((${OUTPUT_LEN:-32} - 1))
+    echo "== $model, single-request decode, per step of $steps =="
+    python3 tools/ncu_summary.py "$OUT/$model.csv" --steps "$steps" --top 25 | tee "$OUT/$model.txt"
 done
 
 if [ "${ATTENTION:-1}" = 1 ] && [ -x "$BIN/attention_bench" ]; then
