@@ -412,6 +412,17 @@ mod tests {
             let hopper = capability.0 >= 9;
             assert_eq!(ptx.contains("cp.async.bulk.shared"), hopper, "{capability:?}");
             assert_eq!(ptx.contains("cp.async.bulk.tensor.3d"), hopper, "{capability:?}");
+            // The GEMV's L2-prefetch experiment compiles in where asked for, and only there.
+            for (defines, prefetches) in [(Vec::new(), false), (vec!["GEMV_L2_PREFETCH=1".to_string()], true)] {
+                for dtype in [DType::BF16, DType::F32] {
+                    let unit = Unit { source: &GEMV, dtype };
+                    let target = Target { capability, defines: defines.clone() };
+                    let Image::Ptx(ptx) = compile(unit, &target, Output::Ptx, false).expect("PTX").image else {
+                        panic!("{unit}: not PTX")
+                    };
+                    assert_eq!(ptx.contains("prefetch.global.L2"), prefetches, "{unit} {defines:?}");
+                }
+            }
         }
     }
 

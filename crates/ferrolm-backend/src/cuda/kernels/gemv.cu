@@ -14,6 +14,17 @@
 // ceil(n / (GEMV_WARPS / ksplit)) blocks of GEMV_WARPS warps.
 
 #define GEMV_WARPS 8
+// An experiment (FERROLM_KERNEL_DEFINES="GEMV_L2_PREFETCH=1"): before waiting on the kernel
+// before, each block also asks the L2 for the rows of the blocks that will run after it on its
+// SM, so that a GEMV's later waves find their weights in the L2 instead of starting to read
+// only when the kernel before has finished. For matrices of at most GEMV_L2_PREFETCH_MAX_BYTES
+// (the L2 holds them); off by default until measured.
+#ifndef GEMV_L2_PREFETCH
+#define GEMV_L2_PREFETCH 0
+#endif
+#ifndef GEMV_L2_PREFETCH_MAX_BYTES
+#define GEMV_L2_PREFETCH_MAX_BYTES (24u << 20)
+#endif
 // Chunks of w each lane loads before it uses them: 8 for one or two rows, 4 for more (their x
 // loads take the registers).
 #define GEMV_UNROLL(M) ((M) <= 2 ? 8 : 4)
@@ -44,6 +55,28 @@ __device__ __forceinline__ void gemv_chunk(const Raw8<T>& wraw, const T* x, u32 
 // [m, 2 n] round trip. A warp then takes both rows of its column.
 template <int ACT> __device__ __forceinline__ float gated(float g, float u) {
     return (ACT == 1 ? silu(g) : gelu_tanh(g)) * u;
+}
+
+// GEMV_L2_PREFETCH: the rows of blocks blockIdx.x + i * wave (i >= 1), `wave` the blocks
+// resident at once if each SM holds two, are brought into the L2, one prefetch per 128-byte
+// line, the block's warps and lanes taking the lines as they take chunks.
+template <typename T, int NW>
+__device__ __forceinline__ void gemv_prefetch_later_blocks(const T* w, u32 k, u32 n, u32 ksplit) {
+    if ((u64)NW * n * k * sizeof(T) > GEMV_L2_PREFETCH_MAX_BYTES) return;
+    u32 num_sms;
+    asm("mov.u32 %0, %%nsmid;" : "=r"(num_sms));
+    const u32 wave = 2 * num_sms, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    constexpr u32 LINE = 128 / sizeof(T);  // elements of a 128-byte line
+    const u32 part = warp % ksplit, lines = (k + LINE - 1) / LINE, stride = 32 * ksplit;
+    for (u32 b = blockIdx.x + wave; b < gridDim.x; b += wave) {
+        const u32 j = b * (GEMV_WARPS / ksplit) + warp / ksplit;
+        if (j >= n) break;
+#pragma unroll
+        for (int h = 0; h < NW; h++) {
+            const T* row = w + ((u64)h * n + j) * k;
+            for (u32 l = part * 32 + lane; l < lines; l += stride) prefetch_l2(row + (u64)l * LINE);
+        }
+    }
 }
 
 // The column sums of the block's warps: for the warp's column j (rows h * n + j of w, h < NW)
@@ -80,6 +113,7 @@ __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n
         }
     };
     if (full) load_w();
+    if constexpr (GEMV_L2_PREFETCH != 0) gemv_prefetch_later_blocks<T, NW>(w, k, n, ksplit);
     pdl_enter();
     if (j < n) {
         while (full) {
