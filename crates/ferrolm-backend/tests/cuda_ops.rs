@@ -9,7 +9,7 @@
 
 use ferrolm_backend::cpu;
 use ferrolm_backend::cuda::{
-    self, AttentionKernel, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuOptions, GpuRopeTable, GpuTensor,
+    self, AttentionKernel, CudaSlice, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuOptions, GpuRopeTable, GpuTensor,
     PagedAttention, QkNorms,
 };
 use ferrolm_backend::{DType, Heads, WeightView};
@@ -516,6 +516,47 @@ fn reshape_and_cache_writes_slots_and_skips_padding() -> Result<(), GpuError> {
 
 /// The fused attention input step gives the bits of split_qkv, rope on q and k and
 /// reshape_and_cache run one after another, padding slots included.
+/// A step's tokens and the attention layer's heads.
+#[derive(Clone, Copy)]
+struct QkvShape {
+    tokens: usize,
+    heads: Heads,
+}
+
+/// The attention block's input step op by op, as the fused kernels are checked against: split,
+/// the q/k norms if any, `rope` on q and k, `reshape_and_cache` into caches of `num_slots`
+/// slots filled with -5 (K) and -6 (V). Returns q and the two caches.
+#[allow(clippy::too_many_arguments)]
+fn unfused_attention_input(
+    gpu: &Gpu,
+    qkv: &GpuTensor,
+    shape: QkvShape,
+    positions: &CudaSlice<u32>,
+    slots: &CudaSlice<i64>,
+    table: &GpuRopeTable,
+    norms: Option<QkNorms<'_>>,
+    num_slots: usize,
+) -> Result<(GpuTensor, GpuTensor, GpuTensor), GpuError> {
+    let QkvShape { tokens, heads: Heads { num_heads, num_kv_heads, head_dim } } = shape;
+    let (q_size, kv_size, dtype) = (num_heads * head_dim, num_kv_heads * head_dim, qkv.dtype());
+    let (mut q, mut k, mut v) = (
+        nan_tensor(gpu, dtype, tokens * q_size)?,
+        nan_tensor(gpu, dtype, tokens * kv_size)?,
+        nan_tensor(gpu, dtype, tokens * kv_size)?,
+    );
+    cuda::split_qkv(gpu, qkv.view(), q_size, kv_size, q.view_mut(), k.view_mut(), v.view_mut())?;
+    if let Some(n) = norms {
+        cuda::rms_norm_inplace(gpu, q.view_mut(), n.q, n.eps)?;
+        cuda::rms_norm_inplace(gpu, k.view_mut(), n.k, n.eps)?;
+    }
+    cuda::rope(gpu, q.view_mut(), positions, num_heads, head_dim, table)?;
+    cuda::rope(gpu, k.view_mut(), positions, num_kv_heads, head_dim, table)?;
+    let mut k_cache = GpuTensor::from_f32(gpu, &vec![-5.0; num_slots * kv_size], dtype)?;
+    let mut v_cache = GpuTensor::from_f32(gpu, &vec![-6.0; num_slots * kv_size], dtype)?;
+    cuda::reshape_and_cache(gpu, k.view(), v.view(), slots, kv_size, k_cache.view_mut(), v_cache.view_mut())?;
+    Ok((q, k_cache, v_cache))
+}
+
 #[test]
 fn qkv_rope_cache_equals_the_ops_it_fuses() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
@@ -547,25 +588,9 @@ fn qkv_rope_cache_equals_the_ops_it_fuses() -> Result<(), GpuError> {
             let what = format!("qkv_rope_cache {dtype:?} {tokens}x({heads}+2x{kv_heads})x{dim} rotary {rotary}");
             let qkv_dev = GpuTensor::from_f32(&gpu, &qkv, dtype)?;
             let sentinel = |v: f32| GpuTensor::from_f32(&gpu, &vec![v; num_slots * kv_size], dtype);
-            // Unfused.
-            let (mut q, mut k, mut v) = (
-                nan_tensor(&gpu, dtype, tokens * q_size)?,
-                nan_tensor(&gpu, dtype, tokens * kv_size)?,
-                nan_tensor(&gpu, dtype, tokens * kv_size)?,
-            );
-            cuda::split_qkv(&gpu, qkv_dev.view(), q_size, kv_size, q.view_mut(), k.view_mut(), v.view_mut())?;
-            cuda::rope(&gpu, q.view_mut(), &pos_dev, heads, dim, &table)?;
-            cuda::rope(&gpu, k.view_mut(), &pos_dev, kv_heads, dim, &table)?;
-            let (mut kc_want, mut vc_want) = (sentinel(-5.0)?, sentinel(-6.0)?);
-            cuda::reshape_and_cache(
-                &gpu,
-                k.view(),
-                v.view(),
-                &slots_dev,
-                kv_size,
-                kc_want.view_mut(),
-                vc_want.view_mut(),
-            )?;
+            let shape = QkvShape { tokens, heads: Heads { num_heads: heads, num_kv_heads: kv_heads, head_dim: dim } };
+            let (q, kc_want, vc_want) =
+                unfused_attention_input(&gpu, &qkv_dev, shape, &pos_dev, &slots_dev, &table, None, num_slots)?;
             // Fused.
             let mut q_got = nan_tensor(&gpu, dtype, tokens * q_size)?;
             let (mut kc_got, mut vc_got) = (sentinel(-5.0)?, sentinel(-6.0)?);
@@ -623,27 +648,10 @@ fn qkv_norm_rope_cache_equals_the_ops_it_fuses() -> Result<(), GpuError> {
             let what = format!("qkv_norm_rope_cache {dtype:?} {tokens}x({heads}+2x{kv_heads})x{dim}");
             let qkv_dev = GpuTensor::from_f32(&gpu, &qkv, dtype)?;
             let sentinel = |v: f32| GpuTensor::from_f32(&gpu, &vec![v; num_slots * kv_size], dtype);
-            // Op by op.
-            let (mut q, mut k, mut v) = (
-                nan_tensor(&gpu, dtype, tokens * q_size)?,
-                nan_tensor(&gpu, dtype, tokens * kv_size)?,
-                nan_tensor(&gpu, dtype, tokens * kv_size)?,
-            );
-            cuda::split_qkv(&gpu, qkv_dev.view(), q_size, kv_size, q.view_mut(), k.view_mut(), v.view_mut())?;
-            cuda::rms_norm_inplace(&gpu, q.view_mut(), q_w.view(), eps)?;
-            cuda::rms_norm_inplace(&gpu, k.view_mut(), k_w.view(), eps)?;
-            cuda::rope(&gpu, q.view_mut(), &pos_dev, heads, dim, &table)?;
-            cuda::rope(&gpu, k.view_mut(), &pos_dev, kv_heads, dim, &table)?;
-            let (mut kc_want, mut vc_want) = (sentinel(-5.0)?, sentinel(-6.0)?);
-            cuda::reshape_and_cache(
-                &gpu,
-                k.view(),
-                v.view(),
-                &slots_dev,
-                kv_size,
-                kc_want.view_mut(),
-                vc_want.view_mut(),
-            )?;
+            let shape = QkvShape { tokens, heads: Heads { num_heads: heads, num_kv_heads: kv_heads, head_dim: dim } };
+            let norms = QkNorms { q: q_w.view(), k: k_w.view(), eps };
+            let (q, kc_want, vc_want) =
+                unfused_attention_input(&gpu, &qkv_dev, shape, &pos_dev, &slots_dev, &table, Some(norms), num_slots)?;
             // Fused.
             let mut q_got = nan_tensor(&gpu, dtype, tokens * q_size)?;
             let (mut kc_got, mut vc_got) = (sentinel(-5.0)?, sentinel(-6.0)?);
@@ -657,7 +665,7 @@ fn qkv_norm_rope_cache_equals_the_ops_it_fuses() -> Result<(), GpuError> {
                 kv_heads,
                 dim,
                 &table,
-                QkNorms { q: q_w.view(), k: k_w.view(), eps },
+                norms,
                 q_got.view_mut(),
                 kc_got.view_mut(),
                 vc_got.view_mut(),
@@ -1005,18 +1013,9 @@ fn paged_attention_decode_splits_long_contexts() -> Result<(), GpuError> {
         Heads { num_heads: 16, num_kv_heads: 2, head_dim: 64 },
     ];
     let depths = [1, 17, 600, 3000];
-    for heads in configs {
-        let mut batches: Vec<Vec<(usize, usize)>> = depths.iter().map(|&d| vec![(d, 1)]).collect();
-        batches.push((0..16).map(|i| (depths[i % 4] + i, 1)).collect());
-        for (dtype, tol) in DTYPES {
-            for requests in &batches {
-                let batch = Batch::random(&mut rng, heads, requests, 16, dtype);
-                for window in [None, Some(50), Some(1000)] {
-                    compare_attention(PICKED, &gpu, &batch, heads, 16, window, dtype, tol, 1)?;
-                }
-            }
-        }
-    }
+    let mut batches: Vec<Vec<(usize, usize)>> = depths.iter().map(|&d| vec![(d, 1)]).collect();
+    batches.push((0..16).map(|i| (depths[i % 4] + i, 1)).collect());
+    compare_decodes(&gpu, &mut rng, &configs, &batches, &[None, Some(50), Some(1000)], None)?;
     let heads = Heads { num_heads: 32, num_kv_heads: 8, head_dim: 128 };
     let requests: Vec<(usize, usize)> = (0..256).map(|i| ([1, 17, 100, 600][i % 4] + i % 7, 1)).collect();
     for (dtype, tol) in [DTYPES[0], DTYPES[1]] {
@@ -1046,14 +1045,30 @@ fn paged_attention_decode_splits_short_contexts_in_wide_tables() -> Result<(), G
         Heads { num_heads: 16, num_kv_heads: 8, head_dim: 256 },
     ];
     let depths = [1, 17, 130, 600];
-    for heads in configs {
-        let mut batches: Vec<Vec<(usize, usize)>> = depths.iter().map(|&d| vec![(d, 1)]).collect();
-        batches.push(depths.iter().map(|&d| (d, 1)).collect());
+    let mut batches: Vec<Vec<(usize, usize)>> = depths.iter().map(|&d| vec![(d, 1)]).collect();
+    batches.push(depths.iter().map(|&d| (d, 1)).collect());
+    compare_decodes(&gpu, &mut rng, &configs, &batches, &[None, Some(100), Some(512)], Some(8192 / 16))
+}
+
+/// Each batch of decodes on each head configuration, in every dtype and window, with 16-token
+/// blocks and block tables `width` entries wide (their own width where `None`).
+fn compare_decodes(
+    gpu: &Gpu,
+    rng: &mut ChaCha8Rng,
+    configs: &[Heads],
+    batches: &[Vec<(usize, usize)>],
+    windows: &[Option<usize>],
+    width: Option<usize>,
+) -> Result<(), GpuError> {
+    for &heads in configs {
         for (dtype, tol) in DTYPES {
-            for requests in &batches {
-                let batch = Batch::random(&mut rng, heads, requests, 16, dtype).widened(8192 / 16);
-                for window in [None, Some(100), Some(512)] {
-                    compare_attention(PICKED, &gpu, &batch, heads, 16, window, dtype, tol, 1)?;
+            for requests in batches {
+                let mut batch = Batch::random(rng, heads, requests, 16, dtype);
+                if let Some(width) = width {
+                    batch = batch.widened(width);
+                }
+                for &window in windows {
+                    compare_attention(PICKED, gpu, &batch, heads, 16, window, dtype, tol, 1)?;
                 }
             }
         }

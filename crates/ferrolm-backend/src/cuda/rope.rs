@@ -5,7 +5,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 use super::gpu::{rows_config, to_u32};
 use super::ops::same_dtype;
 use super::{Gemms, Gpu, GpuError, GpuView, GpuViewMut};
-use crate::DType;
+use crate::{DType, Heads};
 
 use super::compile::{self, KernelFamilies};
 
@@ -130,17 +130,9 @@ pub fn qkv_rope_cache(
 ) -> Result<(), GpuError> {
     let op = "qkv_rope_cache";
     let tokens = positions.len();
-    let (q_size, kv_size) = (num_heads * head_dim, num_kv_heads * head_dim);
-    assert!(kv_size > 0, "{op}: no KV heads");
-    assert_eq!(slot_mapping.len(), tokens, "{op}: {} slots for {tokens} positions", slot_mapping.len());
-    assert_eq!(qkv.len(), tokens * (q_size + 2 * kv_size), "{op}: qkv is not [{tokens}, q + 2 kv]");
-    assert_eq!(q_out.len(), tokens * q_size, "{op}: q_out is not [{tokens}, {q_size}]");
-    assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
-    assert_eq!(k_cache.len() % kv_size, 0, "{op}: cache is not whole slots of {kv_size}");
+    let heads = Heads { num_heads, num_kv_heads, head_dim };
+    let kv_size = check_qkv_operands(op, tokens, slot_mapping.len(), heads, &qkv, &q_out, [&k_cache, &v_cache]);
     assert!(table.rotary_dim() <= head_dim, "{op}: {} frequencies rotate more than head_dim {head_dim}", table.half);
-    for dtype in [q_out.dtype(), k_cache.dtype(), v_cache.dtype()] {
-        same_dtype(op, qkv.dtype(), dtype);
-    }
     if tokens == 0 {
         return Ok(());
     }
@@ -206,20 +198,12 @@ pub fn qkv_norm_rope_cache(
 ) -> Result<(), GpuError> {
     let op = "qkv_norm_rope_cache";
     let tokens = positions.len();
-    let (q_size, kv_size) = (num_heads * head_dim, num_kv_heads * head_dim);
+    let heads = Heads { num_heads, num_kv_heads, head_dim };
+    let kv_size = check_qkv_operands(op, tokens, slot_mapping.len(), heads, &qkv, &q_out, [&k_cache, &v_cache]);
     assert!(qkv_norm_rope_cache_fits(head_dim, table), "{op}: head_dim {head_dim} with {} rotated", table.rotary_dim());
-    assert!(kv_size > 0, "{op}: no KV heads");
-    assert_eq!(slot_mapping.len(), tokens, "{op}: {} slots for {tokens} positions", slot_mapping.len());
-    assert_eq!(qkv.len(), tokens * (q_size + 2 * kv_size), "{op}: qkv is not [{tokens}, q + 2 kv]");
-    assert_eq!(q_out.len(), tokens * q_size, "{op}: q_out is not [{tokens}, {q_size}]");
-    assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
-    assert_eq!(k_cache.len() % kv_size, 0, "{op}: cache is not whole slots of {kv_size}");
     for (what, w) in [("q", norms.q), ("k", norms.k)] {
         assert_eq!(w.dtype(), DType::F32, "{op}: the {what} norm's weight is not f32");
         assert_eq!(w.len(), head_dim, "{op}: the {what} norm's weight is not [{head_dim}]");
-    }
-    for dtype in [q_out.dtype(), k_cache.dtype(), v_cache.dtype()] {
-        same_dtype(op, qkv.dtype(), dtype);
     }
     if tokens == 0 {
         return Ok(());
@@ -250,6 +234,31 @@ pub fn qkv_norm_rope_cache(
     // norms `head_dim` floats each, and the kernel checks every slot against the cache.
     unsafe { launch.launch(cfg) }?;
     Ok(())
+}
+
+/// Checks the operands of the fused attention-input kernels: `qkv`: `[tokens, (num_heads + 2 *
+/// num_kv_heads) * head_dim]`, a slot per token, `q_out`: `[tokens, num_heads * head_dim]`, and
+/// K and V caches of whole slots of the same size, all in one dtype. Returns a slot's width.
+fn check_qkv_operands(
+    op: &str,
+    tokens: usize,
+    slots: usize,
+    heads: Heads,
+    qkv: &GpuView<'_>,
+    q_out: &GpuViewMut<'_>,
+    [k_cache, v_cache]: [&GpuViewMut<'_>; 2],
+) -> usize {
+    let (q_size, kv_size) = (heads.num_heads * heads.head_dim, heads.num_kv_heads * heads.head_dim);
+    assert!(kv_size > 0, "{op}: no KV heads");
+    assert_eq!(slots, tokens, "{op}: {slots} slots for {tokens} positions");
+    assert_eq!(qkv.len(), tokens * (q_size + 2 * kv_size), "{op}: qkv is not [{tokens}, q + 2 kv]");
+    assert_eq!(q_out.len(), tokens * q_size, "{op}: q_out is not [{tokens}, {q_size}]");
+    assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
+    assert_eq!(k_cache.len() % kv_size, 0, "{op}: cache is not whole slots of {kv_size}");
+    for dtype in [q_out.dtype(), k_cache.dtype(), v_cache.dtype()] {
+        same_dtype(op, qkv.dtype(), dtype);
+    }
+    kv_size
 }
 
 /// Threads per block of `qkv_rope_cache` when a token's elements are spread over several blocks.
