@@ -143,8 +143,10 @@ macro_rules! fixtures {
 include!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/fixtures/names.rs"));
 
 /// The fixtures whose MLPs route through experts.
-fn moe_fixtures() -> impl Iterator<Item = &'static str> {
-    FIXTURES.iter().copied().filter(|name| name.ends_with("_moe"))
+fn moe_fixtures() -> Vec<&'static str> {
+    let moe: Vec<&str> = FIXTURES.iter().copied().filter(|name| name.ends_with("_moe")).collect();
+    assert_eq!(moe, ["qwen2_moe", "qwen3_moe", "mixtral_moe"], "the MoE fixtures are named *_moe");
+    moe
 }
 
 #[test]

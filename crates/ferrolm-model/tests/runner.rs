@@ -7,8 +7,8 @@
 //! tokens wherever the reference margin exceeds 0.1. Where a MoE fixture records that HF's own
 //! bf16 run leaves its f32 token (`bf16_argmax`: a router near a tie swaps experts under bf16
 //! rounding, moving the logits by more than any margin), the bf16 token must be one of the two.
-//! Seeded sampling (temperature, top-p, min-p,
-//! penalties) gives the host sampler's tokens on the CPU and in GPU f32.
+//! Seeded sampling (temperature, top-p, min-p, penalties) gives the host sampler's tokens on the
+//! CPU and in GPU f32.
 
 use std::path::{Path, PathBuf};
 

@@ -103,8 +103,9 @@ const fn split_heads_bound() -> usize {
         mma
     }
 }
-/// Fewest keys per partition: below this a block's fixed cost outweighs its loads
-/// (`DECODE_MIN_PART`; the kernels cut each row's own context with it).
+/// Fewest keys per partition of the CUDA-core decode kernel: below this a block's fixed cost
+/// outweighs its loads. The kernel's `DECODE_MIN_PART` is the same: it cuts each row's own
+/// context into partitions of at least this many keys (the tensor-core kernel, of its tile).
 const DECODE_MIN_PART: usize = 32;
 
 /// The tensor-core decode kernel of each head size it is compiled for, `(head_dim, name)`;
@@ -758,8 +759,9 @@ fn warp_items_fill_as_well(items: usize, warps: usize, slots: usize) -> bool {
 
 /// How a decode kernel splits the work: `heads_per_block` query heads of one KV head per block
 /// (the CUDA-core kernel's `G`, or the 16 rows of the tensor-core kernel's tile), `head_chunks`
-/// blocks per KV head, and each row's visible keys in `num_parts` partitions of `part_len` keys
-/// (the last takes whatever remains).
+/// blocks per KV head, and `num_parts` partitions of at most `part_len` keys for the longest
+/// context the tables hold. Each row cuts its own visible keys into the `num_parts` (equal,
+/// the last taking what remains; see `decode_work_of` in kernels/attention.cu).
 #[derive(Debug, PartialEq)]
 struct DecodeSplit {
     heads_per_block: usize,

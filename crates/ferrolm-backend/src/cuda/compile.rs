@@ -412,8 +412,9 @@ mod tests {
             let hopper = capability.0 >= 9;
             assert_eq!(ptx.contains("cp.async.bulk.shared"), hopper, "{capability:?}");
             assert_eq!(ptx.contains("cp.async.bulk.tensor.3d"), hopper, "{capability:?}");
-            // The GEMV's L2-prefetch experiment compiles in where asked for, and only there.
-            for (defines, prefetches) in [(Vec::new(), false), (vec!["GEMV_L2_PREFETCH=1".to_string()], true)] {
+            // The GEMV's experiments compile where asked for (the L2 prefetch shows), and only there.
+            let both = vec!["GEMV_L2_PREFETCH=1".to_string(), "GEMV_TAIL_ROUND=1".to_string()];
+            for (defines, prefetches) in [(Vec::new(), false), (both, true)] {
                 for dtype in [DType::BF16, DType::F32] {
                     let unit = Unit { source: &GEMV, dtype };
                     let target = Target { capability, defines: defines.clone() };

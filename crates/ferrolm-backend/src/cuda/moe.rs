@@ -62,6 +62,8 @@ const MAX_TOP_K: usize = 32;
 /// routing kernel (`MOE_ROUTE_WARPS`), threads of a GEMM block and its tile's columns
 /// (`MOE_GEMM_THREADS`, `MOE_BN`).
 const ALIGN_THREADS: u32 = 1024;
+// The grouping kernels take a thread per expert.
+const _: () = assert!(MAX_EXPERTS <= ALIGN_THREADS as usize);
 const ROUTE_WARPS: usize = 8;
 const GEMM_THREADS: u32 = 128;
 const GEMM_BN: usize = 128;

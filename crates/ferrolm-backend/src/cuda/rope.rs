@@ -217,7 +217,8 @@ pub fn qkv_norm_rope_cache(
     let kernel = match head_dim {
         64 => "qkv_norm_rope_cache_d64",
         128 => "qkv_norm_rope_cache_d128",
-        _ => "qkv_norm_rope_cache_d256",
+        256 => "qkv_norm_rope_cache_d256",
+        _ => unreachable!("{op}: no kernel for head_dim {head_dim} (QK_NORM_HEAD_DIMS)"),
     };
     let mut launch = gpu.launch_builder(kernel, qkv.dtype());
     launch.arg(&qkv_ptr).arg(&pos_ptr).arg(&slots_ptr).arg(&freq_ptr).arg(&table.long_start);

@@ -15,12 +15,18 @@
 
 #define GEMV_WARPS 8
 // An experiment (FERROLM_KERNEL_DEFINES="GEMV_L2_PREFETCH=1"): before waiting on the kernel
-// before, each block also asks the L2 for the rows of the blocks that will run after it on its
-// SM, so that a GEMV's later waves find their weights in the L2 instead of starting to read
-// only when the kernel before has finished. For matrices of at most GEMV_L2_PREFETCH_MAX_BYTES
+// before, the first wave of blocks also asks the L2 for the rows of the later waves, so that
+// those find their weights in the L2 instead of starting to read only when the kernel before
+// has finished. For matrices of at most GEMV_L2_PREFETCH_MAX_BYTES
 // (the L2 holds them); off by default until measured.
 #ifndef GEMV_L2_PREFETCH
 #define GEMV_L2_PREFETCH 0
+#endif
+// An experiment (GEMV_TAIL_ROUND=1): a lane's last chunks, fewer than a round (k = 1152 or 3584
+// leave 4 or 6 of them), are loaded together rather than one after another, each waiting for
+// the last. The same sums; off by default until measured.
+#ifndef GEMV_TAIL_ROUND
+#define GEMV_TAIL_ROUND 0
 #endif
 #ifndef GEMV_L2_PREFETCH_MAX_BYTES
 #define GEMV_L2_PREFETCH_MAX_BYTES (24u << 20)
@@ -57,15 +63,19 @@ template <int ACT> __device__ __forceinline__ float gated(float g, float u) {
     return (ACT == 1 ? silu(g) : gelu_tanh(g)) * u;
 }
 
-// GEMV_L2_PREFETCH: the rows of blocks blockIdx.x + i * wave (i >= 1), `wave` the blocks
-// resident at once if each SM holds two, are brought into the L2, one prefetch per 128-byte
-// line, the block's warps and lanes taking the lines as they take chunks.
+// GEMV_L2_PREFETCH, where block b takes columns b * (GEMV_WARPS / ksplit) on (BLOCK_COLUMNS of
+// gemv_column; not the rope-fused GEMV, whose blocks take pairs of columns): each block of the
+// first wave, `wave` blocks as if each SM held two (%nsmid bounds the SM ids, so at least the
+// SM count), brings the rows of blocks b + i * wave (i >= 1) into the L2, one prefetch per
+// 128-byte line, its warps and lanes taking the lines as they take chunks. Each later block's
+// rows are asked for once.
 template <typename T, int NW>
 __device__ __forceinline__ void gemv_prefetch_later_blocks(const T* w, u32 k, u32 n, u32 ksplit) {
     if ((u64)NW * n * k * sizeof(T) > GEMV_L2_PREFETCH_MAX_BYTES) return;
     u32 num_sms;
     asm("mov.u32 %0, %%nsmid;" : "=r"(num_sms));
     const u32 wave = 2 * num_sms, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (blockIdx.x >= wave) return;
     constexpr u32 LINE = 128 / sizeof(T);  // elements of a 128-byte line
     const u32 part = warp % ksplit, lines = (k + LINE - 1) / LINE, stride = 32 * ksplit;
     for (u32 b = blockIdx.x + wave; b < gridDim.x; b += wave) {
@@ -83,7 +93,7 @@ __device__ __forceinline__ void gemv_prefetch_later_blocks(const T* w, u32 k, u3
 // the dot products with the M rows of x, its ksplit parts met in shared memory. Returns whether
 // this thread holds a column's totals (`sums[h]` of row `lane`): lane < M of the column's first
 // warp, for j < n. Every thread of the block must call it (it synchronizes).
-template <typename T, int M, int NW>
+template <typename T, int M, int NW, bool BLOCK_COLUMNS = true>
 __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n, u32 ksplit, u32 j,
                                             float (&sums)[NW]) {
     constexpr int U = GEMV_UNROLL(M * NW);
@@ -113,7 +123,7 @@ __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n
         }
     };
     if (full) load_w();
-    if constexpr (GEMV_L2_PREFETCH != 0) gemv_prefetch_later_blocks<T, NW>(w, k, n, ksplit);
+    if constexpr (GEMV_L2_PREFETCH != 0 && BLOCK_COLUMNS) gemv_prefetch_later_blocks<T, NW>(w, k, n, ksplit);
     pdl_enter();
     if (j < n) {
         while (full) {
@@ -126,12 +136,31 @@ __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n
             full = c + stride * (U - 1) < chunks;
             if (full) load_w();
         }
-        for (; c < chunks; c += stride) {
+        if constexpr (GEMV_TAIL_ROUND != 0) {
+            // Fewer than U chunks are left (the loop above stops short of a full round): all
+            // loaded at once, then used in order, so the same sums.
 #pragma unroll
             for (int h = 0; h < NW; h++) {
-                Raw8<T> tail;
-                load_raw(wr[h] + (u64)c * 8, tail);
-                gemv_chunk<T, M>(tail, x, k, c, acc[h]);
+#pragma unroll
+                for (int u = 0; u < U - 1; u++) {
+                    if (c + stride * u < chunks) load_raw(wr[h] + (u64)(c + stride * u) * 8, wraw[h][u]);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < U - 1; u++) {
+                if (c + stride * u < chunks) {
+#pragma unroll
+                    for (int h = 0; h < NW; h++) gemv_chunk<T, M>(wraw[h][u], x, k, c + stride * u, acc[h]);
+                }
+            }
+        } else {
+            for (; c < chunks; c += stride) {
+#pragma unroll
+                for (int h = 0; h < NW; h++) {
+                    Raw8<T> tail;
+                    load_raw(wr[h] + (u64)c * 8, tail);
+                    gemv_chunk<T, M>(tail, x, k, c, acc[h]);
+                }
             }
         }
     }
@@ -190,7 +219,7 @@ __device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, T* q_out,
     const u32 n = (num_heads + 2 * num_kv_heads) * head_dim;
     const u32 j = head * head_dim + hi * half + i;
     float s[1];
-    if (gemv_column<T, M, 1>(x, w, k, n, ksplit, j, s)) vals_s[col][lane] = to_float(from_float<T>(s[0]));
+    if (gemv_column<T, M, 1, false>(x, w, k, n, ksplit, j, s)) vals_s[col][lane] = to_float(from_float<T>(s[0]));
     __syncthreads();
     if (hi != 0 || warp % ksplit != 0 || lane >= M || j >= n) return;
     const u32 r = lane;

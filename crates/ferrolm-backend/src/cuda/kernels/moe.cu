@@ -126,8 +126,8 @@ template <int V> __device__ __forceinline__ void moe_block_scan(const u32 (&v)[V
 
 // Groups the n slots by expert (see the header). With block_m > 0 it also cuts each expert's
 // rows into row tiles of block_m for the grouped GEMM: tiles[2 i], tiles[2 i + 1] = (expert,
-// first sorted position) of tile i. One block of MOE_ALIGN_THREADS (at least num_experts)
-// threads; every thread calls it.
+// first sorted position) of tile i. One block of at least num_experts threads
+// (MOE_ALIGN_THREADS at most); every thread calls it.
 __device__ void moe_align_slots(const u32* topk_ids, u32 n, u32 top_k, u32 num_experts, u32 block_m, u32* offsets,
                                 u32* active, u32* slot_pos, u32* sorted_token, u32* tiles, u32* meta) {
     __shared__ u32 count_s[MOE_MAX_EXPERTS];
@@ -174,7 +174,8 @@ __device__ __forceinline__ void moe_route_impl(const float* logits, u32* topk_id
                     topk_weights + (u64)t * top_k);
 }
 
-// moe_route and moe_align in one block of MOE_ALIGN_THREADS, for a few tokens (no row tiles).
+// moe_route and moe_align in one block (a thread per expert and a warp per token, no more: the
+// host sizes it), for a few tokens (no row tiles).
 __device__ __forceinline__ void moe_route_align_impl(const float* logits, u32* topk_ids, float* topk_weights,
                                                      u32 tokens, u32 num_experts, u32 top_k, u32 norm, u32* offsets,
                                                      u32* active, u32* slot_pos, u32* sorted_token, u32* meta) {
