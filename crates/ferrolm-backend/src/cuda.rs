@@ -79,6 +79,7 @@ pub use read_rate::read_rate;
 pub use read_rate::{word_pattern, xor_words};
 pub use rope::{
     linear_qkv_rope_cache, qkv_norm_rope_cache, qkv_norm_rope_cache_fits, qkv_rope_cache, rope, GpuRopeTable, QkNorms,
+    QkvOut, QkvRows,
 };
 pub use sampling::GpuSampler;
 pub use staging::{StagedBuffer, StagedPart};

@@ -10,7 +10,7 @@
 use ferrolm_backend::cpu;
 use ferrolm_backend::cuda::{
     self, AttentionKernel, CudaSlice, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuOptions, GpuRopeTable, GpuTensor,
-    PagedAttention, QkNorms,
+    PagedAttention, QkNorms, QkvOut, QkvRows,
 };
 use ferrolm_backend::{DType, Heads, WeightView};
 use half::{bf16, f16};
@@ -516,28 +516,18 @@ fn reshape_and_cache_writes_slots_and_skips_padding() -> Result<(), GpuError> {
 
 /// The fused attention input step gives the bits of split_qkv, rope on q and k and
 /// reshape_and_cache run one after another, padding slots included.
-/// A step's tokens and the attention layer's heads.
-#[derive(Clone, Copy)]
-struct QkvShape {
-    tokens: usize,
-    heads: Heads,
-}
-
 /// The attention block's input step op by op, as the fused kernels are checked against: split,
 /// the q/k norms if any, `rope` on q and k, `reshape_and_cache` into caches of `num_slots`
 /// slots filled with -5 (K) and -6 (V). Returns q and the two caches.
-#[allow(clippy::too_many_arguments)]
 fn unfused_attention_input(
     gpu: &Gpu,
     qkv: &GpuTensor,
-    shape: QkvShape,
-    positions: &CudaSlice<u32>,
-    slots: &CudaSlice<i64>,
-    table: &GpuRopeTable,
+    rows: &QkvRows<'_, CudaSlice<u32>, CudaSlice<i64>>,
     norms: Option<QkNorms<'_>>,
     num_slots: usize,
 ) -> Result<(GpuTensor, GpuTensor, GpuTensor), GpuError> {
-    let QkvShape { tokens, heads: Heads { num_heads, num_kv_heads, head_dim } } = shape;
+    let Heads { num_heads, num_kv_heads, head_dim } = rows.heads;
+    let tokens = rows.positions.len();
     let (q_size, kv_size, dtype) = (num_heads * head_dim, num_kv_heads * head_dim, qkv.dtype());
     let (mut q, mut k, mut v) = (
         nan_tensor(gpu, dtype, tokens * q_size)?,
@@ -549,12 +539,18 @@ fn unfused_attention_input(
         cuda::rms_norm_inplace(gpu, q.view_mut(), n.q, n.eps)?;
         cuda::rms_norm_inplace(gpu, k.view_mut(), n.k, n.eps)?;
     }
-    cuda::rope(gpu, q.view_mut(), positions, num_heads, head_dim, table)?;
-    cuda::rope(gpu, k.view_mut(), positions, num_kv_heads, head_dim, table)?;
+    cuda::rope(gpu, q.view_mut(), rows.positions, num_heads, head_dim, rows.table)?;
+    cuda::rope(gpu, k.view_mut(), rows.positions, num_kv_heads, head_dim, rows.table)?;
     let mut k_cache = GpuTensor::from_f32(gpu, &vec![-5.0; num_slots * kv_size], dtype)?;
     let mut v_cache = GpuTensor::from_f32(gpu, &vec![-6.0; num_slots * kv_size], dtype)?;
+    let slots = rows.slot_mapping;
     cuda::reshape_and_cache(gpu, k.view(), v.view(), slots, kv_size, k_cache.view_mut(), v_cache.view_mut())?;
     Ok((q, k_cache, v_cache))
+}
+
+/// Views of a q buffer and two caches as a step's outputs.
+fn qkv_out<'a>(q: &'a mut GpuTensor, k_cache: &'a mut GpuTensor, v_cache: &'a mut GpuTensor) -> QkvOut<'a> {
+    QkvOut { q: q.view_mut(), k_cache: k_cache.view_mut(), v_cache: v_cache.view_mut() }
 }
 
 #[test]
@@ -588,25 +584,13 @@ fn qkv_rope_cache_equals_the_ops_it_fuses() -> Result<(), GpuError> {
             let what = format!("qkv_rope_cache {dtype:?} {tokens}x({heads}+2x{kv_heads})x{dim} rotary {rotary}");
             let qkv_dev = GpuTensor::from_f32(&gpu, &qkv, dtype)?;
             let sentinel = |v: f32| GpuTensor::from_f32(&gpu, &vec![v; num_slots * kv_size], dtype);
-            let shape = QkvShape { tokens, heads: Heads { num_heads: heads, num_kv_heads: kv_heads, head_dim: dim } };
-            let (q, kc_want, vc_want) =
-                unfused_attention_input(&gpu, &qkv_dev, shape, &pos_dev, &slots_dev, &table, None, num_slots)?;
+            let heads_of = Heads { num_heads: heads, num_kv_heads: kv_heads, head_dim: dim };
+            let rows = QkvRows { positions: &pos_dev, slot_mapping: &slots_dev, heads: heads_of, table: &table };
+            let (q, kc_want, vc_want) = unfused_attention_input(&gpu, &qkv_dev, &rows, None, num_slots)?;
             // Fused.
             let mut q_got = nan_tensor(&gpu, dtype, tokens * q_size)?;
             let (mut kc_got, mut vc_got) = (sentinel(-5.0)?, sentinel(-6.0)?);
-            cuda::qkv_rope_cache(
-                &gpu,
-                qkv_dev.view(),
-                &pos_dev,
-                &slots_dev,
-                heads,
-                kv_heads,
-                dim,
-                &table,
-                q_got.view_mut(),
-                kc_got.view_mut(),
-                vc_got.view_mut(),
-            )?;
+            cuda::qkv_rope_cache(&gpu, qkv_dev.view(), &rows, qkv_out(&mut q_got, &mut kc_got, &mut vc_got))?;
             let bits = |t: &GpuTensor| -> Result<Vec<u32>, GpuError> {
                 Ok(t.to_f32_vec(&gpu)?.iter().map(|x| x.to_bits()).collect())
             };
@@ -648,28 +632,16 @@ fn qkv_norm_rope_cache_equals_the_ops_it_fuses() -> Result<(), GpuError> {
             let what = format!("qkv_norm_rope_cache {dtype:?} {tokens}x({heads}+2x{kv_heads})x{dim}");
             let qkv_dev = GpuTensor::from_f32(&gpu, &qkv, dtype)?;
             let sentinel = |v: f32| GpuTensor::from_f32(&gpu, &vec![v; num_slots * kv_size], dtype);
-            let shape = QkvShape { tokens, heads: Heads { num_heads: heads, num_kv_heads: kv_heads, head_dim: dim } };
+            let heads_of = Heads { num_heads: heads, num_kv_heads: kv_heads, head_dim: dim };
+            let rows = QkvRows { positions: &pos_dev, slot_mapping: &slots_dev, heads: heads_of, table: &table };
             let norms = QkNorms { q: q_w.view(), k: k_w.view(), eps };
-            let (q, kc_want, vc_want) =
-                unfused_attention_input(&gpu, &qkv_dev, shape, &pos_dev, &slots_dev, &table, Some(norms), num_slots)?;
+            let (q, kc_want, vc_want) = unfused_attention_input(&gpu, &qkv_dev, &rows, Some(norms), num_slots)?;
             // Fused.
             let mut q_got = nan_tensor(&gpu, dtype, tokens * q_size)?;
             let (mut kc_got, mut vc_got) = (sentinel(-5.0)?, sentinel(-6.0)?);
             assert!(cuda::qkv_norm_rope_cache_fits(dim, &table), "{what}: fits");
-            cuda::qkv_norm_rope_cache(
-                &gpu,
-                qkv_dev.view(),
-                &pos_dev,
-                &slots_dev,
-                heads,
-                kv_heads,
-                dim,
-                &table,
-                norms,
-                q_got.view_mut(),
-                kc_got.view_mut(),
-                vc_got.view_mut(),
-            )?;
+            let out = qkv_out(&mut q_got, &mut kc_got, &mut vc_got);
+            cuda::qkv_norm_rope_cache(&gpu, qkv_dev.view(), &rows, norms, out)?;
             check(&format!("{what}: q"), &q_got.to_f32_vec(&gpu)?, &q.to_f32_vec(&gpu)?, tol);
             check(&format!("{what}: k cache"), &kc_got.to_f32_vec(&gpu)?, &kc_want.to_f32_vec(&gpu)?, tol);
             assert_eq!(vc_got.to_f32_vec(&gpu)?, vc_want.to_f32_vec(&gpu)?, "{what}: v cache");
@@ -719,40 +691,15 @@ fn linear_qkv_rope_cache_equals_linear_then_qkv_rope_cache() -> Result<(), GpuEr
                 cuda::linear(&gpu, &gemms, x_dev.view(), m, k, w_dev.view(), n, None, qkv.view_mut())?;
                 let mut q_want = nan_tensor(&gpu, dtype, m * q_size)?;
                 let (mut kc_want, mut vc_want) = (sentinel(-5.0)?, sentinel(-6.0)?);
-                cuda::qkv_rope_cache(
-                    &gpu,
-                    qkv.view(),
-                    &pos_dev,
-                    &slots_dev,
-                    heads,
-                    kv_heads,
-                    dim,
-                    &table,
-                    q_want.view_mut(),
-                    kc_want.view_mut(),
-                    vc_want.view_mut(),
-                )?;
+                let heads_of = Heads { num_heads: heads, num_kv_heads: kv_heads, head_dim: dim };
+                let rows = QkvRows { positions: &pos_dev, slot_mapping: &slots_dev, heads: heads_of, table: &table };
+                cuda::qkv_rope_cache(&gpu, qkv.view(), &rows, qkv_out(&mut q_want, &mut kc_want, &mut vc_want))?;
                 // Fused (or its fallback).
                 let mut scratch = nan_tensor(&gpu, dtype, m * n)?;
                 let mut q_got = nan_tensor(&gpu, dtype, m * q_size)?;
                 let (mut kc_got, mut vc_got) = (sentinel(-5.0)?, sentinel(-6.0)?);
-                cuda::linear_qkv_rope_cache(
-                    &gpu,
-                    &gemms,
-                    x_dev.view(),
-                    k,
-                    w_dev.view(),
-                    &pos_dev,
-                    &slots_dev,
-                    heads,
-                    kv_heads,
-                    dim,
-                    &table,
-                    scratch.view_mut(),
-                    q_got.view_mut(),
-                    kc_got.view_mut(),
-                    vc_got.view_mut(),
-                )?;
+                let out = qkv_out(&mut q_got, &mut kc_got, &mut vc_got);
+                cuda::linear_qkv_rope_cache(&gpu, &gemms, x_dev.view(), w_dev.view(), &rows, scratch.view_mut(), out)?;
                 let bits = |t: &GpuTensor| -> Result<Vec<u32>, GpuError> {
                     Ok(t.to_f32_vec(&gpu)?.iter().map(|x| x.to_bits()).collect())
                 };

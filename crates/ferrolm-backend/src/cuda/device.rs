@@ -16,7 +16,7 @@ use super::{
     linear_gated, linear_qkv_rope_cache, moe, qkv_norm_rope_cache, qkv_norm_rope_cache_fits, qkv_rope_cache,
     reshape_and_cache, rms_norm, rms_norm_inplace, rope, silu_and_mul, softcap, split_qkv, GemmTuning, Gemms, Gpu,
     GpuAttentionMetadata, GpuError, GpuExperts, GpuMoeScratch, GpuRopeTable, GpuTensor, GpuView, GpuViewMut,
-    PagedAttention, QkNorms,
+    PagedAttention, QkNorms, QkvOut, QkvRows,
 };
 use crate::device::{
     unfused_attention_input, AttentionInput, Device, GatedActivation, LayerAttention, Linear, MoeInput, MoeShape,
@@ -364,66 +364,26 @@ impl Device for Cuda {
     }
 
     fn attention_input(&self, b: &CudaBatch<'_>, a: AttentionInput<'_, Cuda>) -> Result<(), GpuError> {
-        let h = a.heads;
         let (gpu, w) = (&self.gpu, a.qkv_proj);
+        let rows = QkvRows { positions: &b.positions, slot_mapping: &b.slot_mapping, heads: a.heads, table: a.rope };
         if let Some((q_norm, k_norm)) = a.qk_norm {
             // q/k norms sit between the split and the rotation: the projection, then one kernel
             // for the rest where it takes the head size, else op by op.
-            if !qkv_norm_rope_cache_fits(h.head_dim, a.rope) {
+            if !qkv_norm_rope_cache_fits(a.heads.head_dim, a.rope) {
                 return unfused_attention_input(self, b, a);
             }
             self.linear(a.x, w, a.qkv)?;
             let norms = QkNorms { q: q_norm.view(), k: k_norm.view(), eps: a.eps };
-            return qkv_norm_rope_cache(
-                gpu,
-                a.qkv.view(),
-                &b.positions,
-                &b.slot_mapping,
-                h.num_heads,
-                h.num_kv_heads,
-                h.head_dim,
-                a.rope,
-                norms,
-                a.q.view_mut(),
-                a.kv.k.view_mut(),
-                a.kv.v.view_mut(),
-            );
+            let out = QkvOut { q: a.q.view_mut(), k_cache: a.kv.k.view_mut(), v_cache: a.kv.v.view_mut() };
+            return qkv_norm_rope_cache(gpu, a.qkv.view(), &rows, norms, out);
         }
-        let (k_cache, v_cache) = (a.kv.k.view_mut(), a.kv.v.view_mut());
+        let out = QkvOut { q: a.q.view_mut(), k_cache: a.kv.k.view_mut(), v_cache: a.kv.v.view_mut() };
         if w.bias.is_none() {
             // Projection, rotation and cache write in one kernel where the GEMV takes the product.
-            return linear_qkv_rope_cache(
-                gpu,
-                &self.gemms,
-                a.x.view(),
-                w.in_features,
-                w.weight.view(),
-                &b.positions,
-                &b.slot_mapping,
-                h.num_heads,
-                h.num_kv_heads,
-                h.head_dim,
-                a.rope,
-                a.qkv.view_mut(),
-                a.q.view_mut(),
-                k_cache,
-                v_cache,
-            );
+            return linear_qkv_rope_cache(gpu, &self.gemms, a.x.view(), w.weight.view(), &rows, a.qkv.view_mut(), out);
         }
         self.linear(a.x, w, a.qkv)?;
-        qkv_rope_cache(
-            gpu,
-            a.qkv.view(),
-            &b.positions,
-            &b.slot_mapping,
-            h.num_heads,
-            h.num_kv_heads,
-            h.head_dim,
-            a.rope,
-            a.q.view_mut(),
-            k_cache,
-            v_cache,
-        )
+        qkv_rope_cache(gpu, a.qkv.view(), &rows, out)
     }
 
     fn gated_mlp(

@@ -110,28 +110,40 @@ pub fn rope(
     Ok(())
 }
 
+/// Where a step's rows sit and what turns their q and k: each row's position and cache slot
+/// (`[T]` each; a negative slot is padding, its K and V not written), the layer's heads and its
+/// RoPE table.
+pub struct QkvRows<'a, P, S> {
+    pub positions: &'a P,
+    pub slot_mapping: &'a S,
+    pub heads: Heads,
+    pub table: &'a GpuRopeTable,
+}
+
+/// Where the attention block's input step writes: q `[T, num_heads * head_dim]`, and the paged
+/// K and V caches, `[num_slots, num_kv_heads * head_dim]` each.
+pub struct QkvOut<'a> {
+    pub q: GpuViewMut<'a>,
+    pub k_cache: GpuViewMut<'a>,
+    pub v_cache: GpuViewMut<'a>,
+}
+
 /// The attention block's input step in one launch: splits `qkv`: `[T, (num_heads + 2 *
-/// num_kv_heads) * head_dim]`, rotates q and k as [`rope`] does, writes q to `q_out`: `[T,
-/// num_heads * head_dim]` and k, v to the paged cache at `slot_mapping` as [`super::reshape_and_cache`]
-/// does (a negative slot is padding). Gives the same bits as those ops one after another.
-#[allow(clippy::too_many_arguments)]
+/// num_kv_heads) * head_dim]`, rotates q and k as [`rope`] does, writes q to `out.q` and k, v to
+/// the paged cache at each row's slot as [`super::reshape_and_cache`] does. Gives the same bits
+/// as those ops one after another.
 pub fn qkv_rope_cache(
     gpu: &Gpu,
     qkv: GpuView<'_>,
-    positions: &impl DevicePtr<u32>,
-    slot_mapping: &impl DevicePtr<i64>,
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-    table: &GpuRopeTable,
-    q_out: GpuViewMut<'_>,
-    k_cache: GpuViewMut<'_>,
-    v_cache: GpuViewMut<'_>,
+    rows: &QkvRows<'_, impl DevicePtr<u32>, impl DevicePtr<i64>>,
+    out: QkvOut<'_>,
 ) -> Result<(), GpuError> {
     let op = "qkv_rope_cache";
+    let QkvRows { positions, slot_mapping, heads, table } = *rows;
+    let Heads { num_heads, num_kv_heads, head_dim } = heads;
+    let QkvOut { q: q_out, k_cache, v_cache } = out;
     let tokens = positions.len();
-    let heads = Heads { num_heads, num_kv_heads, head_dim };
-    let kv_size = check_qkv_operands(op, tokens, slot_mapping.len(), heads, &qkv, &q_out, [&k_cache, &v_cache]);
+    let kv_size = check_qkv_operands(op, rows, &qkv, &q_out, [&k_cache, &v_cache]);
     assert!(table.rotary_dim() <= head_dim, "{op}: {} frequencies rotate more than head_dim {head_dim}", table.half);
     if tokens == 0 {
         return Ok(());
@@ -181,25 +193,19 @@ pub fn qkv_norm_rope_cache_fits(head_dim: usize, table: &GpuRopeTable) -> bool {
 /// [`super::rms_norm_inplace`] on q and k between the split and the rotation would (rounded to
 /// the dtype in between; only the order of the sum of squares differs), in one launch: a warp
 /// per head. Needs [`qkv_norm_rope_cache_fits`].
-#[allow(clippy::too_many_arguments)]
 pub fn qkv_norm_rope_cache(
     gpu: &Gpu,
     qkv: GpuView<'_>,
-    positions: &impl DevicePtr<u32>,
-    slot_mapping: &impl DevicePtr<i64>,
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-    table: &GpuRopeTable,
+    rows: &QkvRows<'_, impl DevicePtr<u32>, impl DevicePtr<i64>>,
     norms: QkNorms<'_>,
-    q_out: GpuViewMut<'_>,
-    k_cache: GpuViewMut<'_>,
-    v_cache: GpuViewMut<'_>,
+    out: QkvOut<'_>,
 ) -> Result<(), GpuError> {
     let op = "qkv_norm_rope_cache";
+    let QkvRows { positions, slot_mapping, heads, table } = *rows;
+    let Heads { num_heads, num_kv_heads, head_dim } = heads;
+    let QkvOut { q: q_out, k_cache, v_cache } = out;
     let tokens = positions.len();
-    let heads = Heads { num_heads, num_kv_heads, head_dim };
-    let kv_size = check_qkv_operands(op, tokens, slot_mapping.len(), heads, &qkv, &q_out, [&k_cache, &v_cache]);
+    let kv_size = check_qkv_operands(op, rows, &qkv, &q_out, [&k_cache, &v_cache]);
     assert!(qkv_norm_rope_cache_fits(head_dim, table), "{op}: head_dim {head_dim} with {} rotated", table.rotary_dim());
     for (what, w) in [("q", norms.q), ("k", norms.k)] {
         assert_eq!(w.dtype(), DType::F32, "{op}: the {what} norm's weight is not f32");
@@ -237,18 +243,17 @@ pub fn qkv_norm_rope_cache(
     Ok(())
 }
 
-/// Checks the operands of the fused attention-input kernels: `qkv`: `[tokens, (num_heads + 2 *
-/// num_kv_heads) * head_dim]`, a slot per token, `q_out`: `[tokens, num_heads * head_dim]`, and
-/// K and V caches of whole slots of the same size, all in one dtype. Returns a slot's width.
+/// Checks the operands of the fused attention-input kernels: `qkv`: `[T, (num_heads + 2 *
+/// num_kv_heads) * head_dim]`, a slot per position, `q_out`: `[T, num_heads * head_dim]`, and K
+/// and V caches of whole slots of the same size, all in one dtype. Returns a slot's width.
 fn check_qkv_operands(
     op: &str,
-    tokens: usize,
-    slots: usize,
-    heads: Heads,
+    rows: &QkvRows<'_, impl DevicePtr<u32>, impl DevicePtr<i64>>,
     qkv: &GpuView<'_>,
     q_out: &GpuViewMut<'_>,
     [k_cache, v_cache]: [&GpuViewMut<'_>; 2],
 ) -> usize {
+    let (heads, tokens, slots) = (rows.heads, rows.positions.len(), rows.slot_mapping.len());
     let (q_size, kv_size) = (heads.num_heads * heads.head_dim, heads.num_kv_heads * heads.head_dim);
     assert!(kv_size > 0, "{op}: no KV heads");
     assert_eq!(slots, tokens, "{op}: {slots} slots for {tokens} positions");
@@ -286,31 +291,26 @@ fn qkv_rope_cache_config(tokens: usize, work: usize) -> LaunchConfig {
 /// product and every dim of a head rotates, one kernel does both (`gemv_rope_cache` in
 /// kernels/gemv.cu), the same bits, and `qkv` is left as it was; otherwise [`super::linear`] into
 /// `qkv`: `[m, (num_heads + 2 * num_kv_heads) * head_dim]` and then [`qkv_rope_cache`].
-#[allow(clippy::too_many_arguments)]
 pub fn linear_qkv_rope_cache(
     gpu: &Gpu,
     gemms: &Gemms,
     x: GpuView<'_>,
-    k: usize,
     w: GpuView<'_>,
-    positions: &impl DevicePtr<u32>,
-    slot_mapping: &impl DevicePtr<i64>,
-    num_heads: usize,
-    num_kv_heads: usize,
-    head_dim: usize,
-    table: &GpuRopeTable,
+    rows: &QkvRows<'_, impl DevicePtr<u32>, impl DevicePtr<i64>>,
     qkv: GpuViewMut<'_>,
-    q_out: GpuViewMut<'_>,
-    k_cache: GpuViewMut<'_>,
-    v_cache: GpuViewMut<'_>,
+    out: QkvOut<'_>,
 ) -> Result<(), GpuError> {
     let op = "linear_qkv_rope_cache";
+    let QkvRows { positions, slot_mapping, heads, table } = *rows;
+    let Heads { num_heads, num_kv_heads, head_dim } = heads;
     let m = positions.len();
     let (q_size, kv_size) = (num_heads * head_dim, num_kv_heads * head_dim);
     let n = q_size + 2 * kv_size;
+    assert!(n > 0 && w.len().is_multiple_of(n), "{op}: w is not [{n}, k]");
+    let k = w.len() / n;
     assert_eq!(x.len(), m * k, "{op}: x is not [{m}, {k}]");
-    assert_eq!(w.len(), n * k, "{op}: w is not [{n}, {k}]");
     assert_eq!(slot_mapping.len(), m, "{op}: {} slots for {m} positions", slot_mapping.len());
+    let QkvOut { q: q_out, k_cache, v_cache } = out;
     assert_eq!(q_out.len(), m * q_size, "{op}: q_out is not [{m}, {q_size}]");
     assert!(kv_size > 0 && k_cache.len().is_multiple_of(kv_size), "{op}: cache is not whole slots of {kv_size}");
     assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
@@ -325,23 +325,11 @@ pub fn linear_qkv_rope_cache(
         && pairs >= 1
         && table.half.is_multiple_of(pairs);
     if !fused {
-        let rows = qkv.len() / n.max(1);
-        assert!(rows >= m, "{op}: qkv holds {rows} rows of {n}, not {m}");
+        let held = qkv.len() / n.max(1);
+        assert!(held >= m, "{op}: qkv holds {held} rows of {n}, not {m}");
         let mut qkv = qkv.rows(0..m, n);
         super::linear(gpu, gemms, x, m, k, w, n, None, qkv.reborrow())?;
-        return qkv_rope_cache(
-            gpu,
-            qkv.as_view(),
-            positions,
-            slot_mapping,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            table,
-            q_out,
-            k_cache,
-            v_cache,
-        );
+        return qkv_rope_cache(gpu, qkv.as_view(), rows, QkvOut { q: q_out, k_cache, v_cache });
     }
     let kernel = match m {
         1 => "gemv_rope_cache_m1",
