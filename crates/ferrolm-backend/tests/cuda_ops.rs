@@ -548,6 +548,18 @@ fn unfused_attention_input(
     Ok((q, k_cache, v_cache))
 }
 
+/// Positions and cache slots of a step of `tokens` rows: positions 11, 64, 117, ..., slots
+/// shuffled over a cache of `3 * tokens + 2`, every third row from the second on padding (slot
+/// -1). Returns the cache's slot count too.
+fn step_rows(rng: &mut ChaCha8Rng, tokens: usize) -> (Vec<u32>, Vec<i64>, usize) {
+    let num_slots = 3 * tokens + 2;
+    let mut slot_pool: Vec<i64> = (0..num_slots as i64).collect();
+    slot_pool.shuffle(rng);
+    let slots = (0..tokens).map(|t| if t % 3 == 1 { -1 } else { slot_pool[t] }).collect();
+    let positions = (0..tokens as u32).map(|t| t * 53 + 11).collect();
+    (positions, slots, num_slots)
+}
+
 /// Views of a q buffer and two caches as a step's outputs.
 fn qkv_out<'a>(q: &'a mut GpuTensor, k_cache: &'a mut GpuTensor, v_cache: &'a mut GpuTensor) -> QkvOut<'a> {
     QkvOut { q: q.view_mut(), k_cache: k_cache.view_mut(), v_cache: v_cache.view_mut() }
@@ -570,11 +582,7 @@ fn qkv_rope_cache_equals_the_ops_it_fuses() -> Result<(), GpuError> {
     ];
     for (tokens, heads, kv_heads, dim, rotary, long_start) in cases {
         let (q_size, kv_size) = (heads * dim, kv_heads * dim);
-        let num_slots = 3 * tokens + 2;
-        let mut slot_pool: Vec<i64> = (0..num_slots as i64).collect();
-        slot_pool.shuffle(&mut rng);
-        let slots: Vec<i64> = (0..tokens).map(|t| if t % 3 == 1 { -1 } else { slot_pool[t] }).collect();
-        let positions: Vec<u32> = (0..tokens as u32).map(|t| t * 53 + 11).collect();
+        let (positions, slots, num_slots) = step_rows(&mut rng, tokens);
         let short = inv_freq(rotary, 10000.0);
         let long: Vec<f32> = short.iter().map(|f| f * 0.25).collect();
         let table = GpuRopeTable::new(&gpu, &short, long_start.map(|s| (s, long.as_slice())), 1.1)?;
@@ -615,11 +623,7 @@ fn qkv_norm_rope_cache_equals_the_ops_it_fuses() -> Result<(), GpuError> {
     let cases = [(1, 32, 4, 128, None), (7, 4, 1, 256, Some(200)), (70, 8, 2, 64, None), (3, 6, 3, 128, None)];
     for (tokens, heads, kv_heads, dim, long_start) in cases {
         let (q_size, kv_size) = (heads * dim, kv_heads * dim);
-        let num_slots = 3 * tokens + 2;
-        let mut slot_pool: Vec<i64> = (0..num_slots as i64).collect();
-        slot_pool.shuffle(&mut rng);
-        let slots: Vec<i64> = (0..tokens).map(|t| if t % 3 == 1 { -1 } else { slot_pool[t] }).collect();
-        let positions: Vec<u32> = (0..tokens as u32).map(|t| t * 53 + 11).collect();
+        let (positions, slots, num_slots) = step_rows(&mut rng, tokens);
         let short = inv_freq(dim, 10000.0);
         let long: Vec<f32> = short.iter().map(|f| f * 0.25).collect();
         let table = GpuRopeTable::new(&gpu, &short, long_start.map(|s| (s, long.as_slice())), 1.0)?;
@@ -673,11 +677,7 @@ fn linear_qkv_rope_cache_equals_linear_then_qkv_rope_cache() -> Result<(), GpuEr
         let long: Vec<f32> = short.iter().map(|f| f * 0.25).collect();
         let table = GpuRopeTable::new(&gpu, &short, Some((60, long.as_slice())), 1.1)?;
         for m in 1..=cuda::GEMV_MAX_M + 1 {
-            let num_slots = 3 * m + 2;
-            let mut slot_pool: Vec<i64> = (0..num_slots as i64).collect();
-            slot_pool.shuffle(&mut rng);
-            let slots: Vec<i64> = (0..m).map(|t| if t % 3 == 1 { -1 } else { slot_pool[t] }).collect();
-            let positions: Vec<u32> = (0..m as u32).map(|t| t * 53 + 11).collect();
+            let (positions, slots, num_slots) = step_rows(&mut rng, m);
             let (pos_dev, slots_dev) = (gpu.upload(&positions)?, gpu.upload(&slots)?);
             let x = random_vec(&mut rng, m * k, 1.0);
             for (dtype, _) in DTYPES {
