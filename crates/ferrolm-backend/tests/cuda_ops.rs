@@ -2572,31 +2572,30 @@ fn check_moe_case(gpu: &Gpu, case: &MoeCase, seed: u64) -> Result<(), GpuError> 
     Ok(())
 }
 
+/// [`check_moe_case`] on each case, seeded `first_seed`, `first_seed + 1`, ...
+fn check_moe_cases(gpu: &Gpu, cases: &[MoeCase], first_seed: u64) -> Result<(), GpuError> {
+    for (i, case) in cases.iter().enumerate() {
+        check_moe_case(gpu, case, first_seed + i as u64)?;
+    }
+    Ok(())
+}
+
 #[test]
 fn moe_of_small_experts_matches_a_host_reference() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
-    for (i, case) in MOE_CASES[..2].iter().enumerate() {
-        check_moe_case(&gpu, case, 40 + i as u64)?;
-    }
-    Ok(())
+    check_moe_cases(&gpu, &MOE_CASES[..2], 40)
 }
 
 #[test]
 fn moe_with_qwen3_routing_matches_a_host_reference() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
-    for (i, case) in MOE_CASES[2..4].iter().enumerate() {
-        check_moe_case(&gpu, case, 50 + i as u64)?;
-    }
-    Ok(())
+    check_moe_cases(&gpu, &MOE_CASES[2..4], 50)
 }
 
 #[test]
 fn moe_of_long_rows_matches_a_host_reference() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
-    for (i, case) in MOE_CASES[4..].iter().enumerate() {
-        check_moe_case(&gpu, case, 60 + i as u64)?;
-    }
-    Ok(())
+    check_moe_cases(&gpu, &MOE_CASES[4..], 60)
 }
 
 /// A step of no tokens writes nothing and fails nothing; one past the scratch's tokens panics.

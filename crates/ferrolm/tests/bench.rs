@@ -112,15 +112,21 @@ fn check_throughput(v: &Value) {
     assert_close(overlapped, output / compute.max(memory), "overlapped limit");
 }
 
+/// A throughput run of 4 requests (16 in, 8 out), 2 at a time in steps of 32 tokens, on the
+/// model of `config` with random weights.
+fn small_throughput_args(config: &std::path::Path) -> String {
+    format!(
+        "throughput --model-config {} --dummy-weights --num-prompts 4 --input-len 16 --output-len 8 \
+         --max-num-seqs 2 --max-num-batched-tokens 32 --bandwidth-buffer-mb 32 --bandwidth-repetitions 2",
+        config.display()
+    )
+}
+
 #[test]
 fn throughput_limit_counts_the_work_of_the_run() {
     let dir = tempfile::tempdir().expect("tempdir");
     let config = tiny_config(dir.path());
-    let args = format!(
-        "throughput --model-config {} --dummy-weights --num-prompts 4 --input-len 16 --output-len 8 \
-         --max-num-seqs 2 --max-num-batched-tokens 32 --bandwidth-buffer-mb 32 --bandwidth-repetitions 2",
-        config.display()
-    );
+    let args = small_throughput_args(&config);
     let v = bench_json(dir.path(), &args);
     check_throughput(&v);
     // A layer's projections: (q 64 + k 32 + v 32) x 64 + 64 x 64 + 2 x 128 x 64 + 64 x 128 =
@@ -239,11 +245,7 @@ fn moe_work_counts_the_experts_tokens_pick() {
     for name in ["qwen3-30b-a3b.json", "mixtral-8x7b.json"] {
         let dir = tempfile::tempdir().expect("tempdir");
         let config = cut_down_moe(dir.path(), name);
-        let args = format!(
-            "throughput --model-config {} --dummy-weights --num-prompts 4 --input-len 16 --output-len 8 \
-             --max-num-seqs 2 --max-num-batched-tokens 32 --bandwidth-buffer-mb 32 --bandwidth-repetitions 2",
-            config.display()
-        );
+        let args = small_throughput_args(&config);
         let v = bench_json(dir.path(), &args);
         check_throughput(&v);
         assert_eq!(v["model"]["moe"]["num_experts"], 8, "{name}");

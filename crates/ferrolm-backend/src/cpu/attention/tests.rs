@@ -82,20 +82,9 @@ fn dense_attention_capped(
 }
 
 /// Scatters every request's K/V into randomly chosen, non-contiguous blocks of a NaN-filled
-/// cache and runs `paged_attention` on the whole batch.
+/// cache and runs `paged_attention` on the whole batch, the scores soft-capped at `softcap`
+/// where given.
 fn run_paged(
-    rng: &mut ChaCha8Rng,
-    requests: &[Request],
-    heads: &Heads,
-    block_size: usize,
-    window: Option<usize>,
-    scale: f32,
-) -> Vec<f32> {
-    run_paged_capped(rng, requests, heads, block_size, window, scale, None)
-}
-
-/// [`run_paged`] with the scores soft-capped at `softcap`.
-fn run_paged_capped(
     rng: &mut ChaCha8Rng,
     requests: &[Request],
     heads: &Heads,
@@ -163,7 +152,7 @@ fn mixed_batch_matches_dense_attention() {
             for window in [None, Some(5), Some(16)] {
                 let requests: Vec<Request> =
                     BATCH.iter().map(|&(s, q)| Request::random(&mut rng, heads, s, q)).collect();
-                let got = run_paged(&mut rng, &requests, heads, block_size, window, scale);
+                let got = run_paged(&mut rng, &requests, heads, block_size, window, scale, None);
                 let want: Vec<f32> = requests.iter().flat_map(|r| dense_attention(r, heads, window, scale)).collect();
                 let what = format!(
                     "heads {}/{} dim {} block_size {block_size} window {window:?}",
@@ -184,7 +173,7 @@ fn softcapped_scores_match_dense_attention() {
     let (scale, cap) = (1.0, 1.5);
     for window in [None, Some(5)] {
         let requests: Vec<Request> = BATCH.iter().map(|&(s, q)| Request::random(&mut rng, &heads, s, q)).collect();
-        let got = run_paged_capped(&mut rng, &requests, &heads, 4, window, scale, Some(cap));
+        let got = run_paged(&mut rng, &requests, &heads, 4, window, scale, Some(cap));
         let want: Vec<f32> =
             requests.iter().flat_map(|r| dense_attention_capped(r, &heads, window, scale, Some(cap))).collect();
         assert_close(&got, &want, 1e-5, &format!("softcap {cap}, window {window:?}"));
@@ -199,7 +188,7 @@ fn window_of_one_returns_own_value() {
     let mut rng = rng(10);
     let heads = Heads { num_heads: 4, num_kv_heads: 2, head_dim: 8 };
     let requests: Vec<Request> = BATCH.iter().map(|&(s, q)| Request::random(&mut rng, &heads, s, q)).collect();
-    let got = run_paged(&mut rng, &requests, &heads, 4, Some(1), 0.3);
+    let got = run_paged(&mut rng, &requests, &heads, 4, Some(1), 0.3, None);
     let mut want = Vec::new();
     for req in &requests {
         for i in 0..req.q_len {
@@ -221,7 +210,7 @@ fn large_scores_do_not_overflow() {
     for req in &mut requests {
         req.q.iter_mut().for_each(|x| *x *= 300.0);
     }
-    let got = run_paged(&mut rng, &requests, &heads, 16, None, 1.0);
+    let got = run_paged(&mut rng, &requests, &heads, 16, None, 1.0, None);
     let want: Vec<f32> = requests.iter().flat_map(|r| dense_attention(r, &heads, None, 1.0)).collect();
     assert_close(&got, &want, 1e-3, "large scores");
 }
