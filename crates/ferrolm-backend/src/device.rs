@@ -13,7 +13,7 @@
 //! - A fused op (a method with a default body) computes what its default, unfused sequence
 //!   computes; a device overrides it where one kernel does it faster.
 
-use crate::{DType, HostTensor};
+use crate::{DType, Fp8Matrix, HostTensor};
 
 /// The shape of an activation buffer: `[rows, cols]`, with room for `capacity` rows.
 pub trait Shaped {
@@ -215,6 +215,12 @@ pub trait Device {
     fn tensor_bytes(&self, precision: Precision, capacity: usize, cols: usize) -> usize;
     /// The matrix whose rows are the rows of `parts` in order (fused projections).
     fn matrix(&self, parts: Vec<HostTensor>) -> Result<Self::Matrix, Self::Error>;
+    /// The matrix whose rows are the rows of FP8 `parts` in order. By default their values,
+    /// dequantized exactly to f32 ([`Fp8Matrix::dequantize`]), placed as [`Self::matrix`] places
+    /// an f32 checkpoint's.
+    fn fp8_matrix(&self, parts: Vec<Fp8Matrix>) -> Result<Self::Matrix, Self::Error> {
+        self.matrix(parts.iter().map(Fp8Matrix::dequantize).collect())
+    }
     fn matrix_bytes(&self, matrix: &Self::Matrix) -> usize;
     fn vector(&self, values: &[f32]) -> Result<Self::Vector, Self::Error>;
     fn rope(&self, frequencies: RopeFrequencies<'_>) -> Result<Self::Rope, Self::Error>;

@@ -16,12 +16,14 @@ pub mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod device;
+pub mod fp8;
 mod host;
 
 pub use device::{
     unfused_attention_input, AttentionInput, Device, Experts, GatedActivation, Heads, LayerAttention, Linear, MoeInput,
     MoeShape, Precision, RopeFrequencies, Shaped,
 };
+pub use fp8::{Fp8Matrix, Fp8Scales};
 pub use host::{HostTensor, SharedBytes};
 
 use half::{bf16, f16};

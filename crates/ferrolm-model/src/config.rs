@@ -16,8 +16,10 @@ use crate::rope::{RopeParams, RopeScaling};
 use crate::ModelError;
 
 mod moe;
+pub mod quant;
 
 pub use moe::MoeConfig;
+pub use quant::Quantization;
 
 /// The decoder families ferrolm runs, by their HF `architectures` name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,6 +127,9 @@ pub struct ModelConfig {
     pub fused_projections: bool,
     /// Routed experts in the MLPs of the sparse layers ([`ModelConfig::layer_is_sparse`]).
     pub moe: Option<MoeConfig>,
+    /// How the projections' weights are quantized: the checkpoint's FP8 scheme, or
+    /// `--quantization fp8` ([`ModelConfig::quantize_at_load`]).
+    pub quantization: Option<Quantization>,
     pub dtype: DType,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
@@ -338,6 +343,7 @@ impl ModelConfig {
 
         let attention_bias = raw.attention_bias.unwrap_or(false);
         let moe = MoeConfig::from_value(architecture, &value, raw.intermediate_size)?;
+        let quantization = quant::parse(&value).map_err(ModelError::UnsupportedQuantization)?;
         let qkv_bias = match architecture {
             Architecture::Qwen2 => true,
             Architecture::Qwen2Moe => raw.qkv_bias.unwrap_or(true),
@@ -375,10 +381,30 @@ impl ModelConfig {
             sliding_rope,
             fused_projections: architecture == Architecture::Phi3,
             moe,
+            quantization,
             dtype,
             bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
             eos_token_ids: token_ids(&raw.eos_token_id),
         })
+    }
+
+    /// `--quantization fp8`: the projections are quantized at load. A checkpoint already stored
+    /// in FP8 keeps its own scheme (as vLLM takes `fp8` for an `fp8` checkpoint); any other
+    /// stored quantization is refused, as it cannot be quantized again.
+    pub fn quantize_at_load(&mut self) -> Result<(), ModelError> {
+        match self.quantization {
+            None => self.quantization = Some(Quantization::Fp8AtLoad),
+            Some(Quantization::Checkpoint(c)) if c.method == "fp8" => {}
+            Some(Quantization::Checkpoint(c)) => {
+                return Err(ModelError::UnsupportedQuantization(format!(
+                    "--quantization fp8 with a checkpoint already quantized by {}: leave the flag out to use its own \
+                     FP8 weights",
+                    c.method
+                )))
+            }
+            Some(Quantization::Fp8AtLoad) => {}
+        }
+        Ok(())
     }
 
     /// Keeps the logits to the first `num_ids` ids (a tokenizer's size), where the model has

@@ -13,15 +13,17 @@
 //!
 //! [`Decoder::run`] only issues device work, so a step can be captured as a CUDA graph.
 
-use ferrolm_backend::{AttentionInput, Device, HostTensor, LayerAttention, Linear};
+use ferrolm_backend::{AttentionInput, Device, LayerAttention, Linear};
 
 use crate::activations::Activations;
 use crate::config::ModelConfig;
 use crate::weights::WeightSource;
 use crate::ModelError;
 
+mod matrices;
 mod mlp;
 
+use matrices::{Part, Role};
 pub use mlp::{Mlp, SharedExpert, SparseMoe};
 
 /// One decoder layer's weights on device `D`.
@@ -89,11 +91,14 @@ where
     pub fn load(dev: &D, config: ModelConfig, src: &WeightSource) -> Result<Decoder<D>, ModelError> {
         let (v, h) = (config.vocab_size, config.hidden_size);
         let loader = Loader { dev, src, cfg: &config };
-        let embed_tokens = loader.linear(&[("model.embed_tokens".into(), v)], h, false)?;
+        let embed_tokens = loader.linear(&[("model.embed_tokens".into(), v)], h, false, Role::AsStored)?;
         let layers = (0..config.num_hidden_layers).map(|i| loader.layer(i)).collect::<Result<Vec<_>, _>>()?;
         let norm = loader.norm("model.norm.weight", h)?;
-        let lm_head =
-            if config.tie_word_embeddings { None } else { Some(loader.linear(&[("lm_head".into(), v)], h, false)?) };
+        let lm_head = if config.tie_word_embeddings {
+            None
+        } else {
+            Some(loader.linear(&[("lm_head".into(), v)], h, false, Role::AsStored)?)
+        };
         let rotary_dim = config.rotary_dim();
         let global = config.rope_scaling.tables(config.rope_theta, rotary_dim)?;
         let mut ropes = vec![dev.rope(global.frequencies())?];
@@ -274,10 +279,10 @@ where
         let p = format!("model.layers.{i}");
         let (h, q, kv) = (cfg.hidden_size, cfg.q_size(), cfg.kv_size());
         let qkv_proj = if cfg.fused_projections {
-            self.linear(&[(format!("{p}.self_attn.qkv_proj"), q + 2 * kv)], h, cfg.qkv_bias)?
+            self.linear(&[(format!("{p}.self_attn.qkv_proj"), q + 2 * kv)], h, cfg.qkv_bias, Role::Projection)?
         } else {
             let qkv = [("q_proj", q), ("k_proj", kv), ("v_proj", kv)].map(|(n, o)| (format!("{p}.self_attn.{n}"), o));
-            self.linear(&qkv, h, cfg.qkv_bias)?
+            self.linear(&qkv, h, cfg.qkv_bias, Role::Projection)?
         };
         let qk_norm = if cfg.qk_norm {
             let norm = |n: &str| self.norm(&format!("{p}.self_attn.{n}.weight"), cfg.head_dim);
@@ -302,7 +307,7 @@ where
             attention: cfg.layer_attention(i),
             // The sliding layers' own RoPE is the decoder's second.
             rope: usize::from(cfg.layer_takes_sliding_rope(i)),
-            o_proj: self.linear(&[(format!("{p}.self_attn.o_proj"), h)], q, cfg.o_bias)?,
+            o_proj: self.linear(&[(format!("{p}.self_attn.o_proj"), h)], q, cfg.o_bias, Role::Projection)?,
             post_attention_layernorm,
             sandwich_norms,
             mlp: self.mlp(i, &p)?,
@@ -310,16 +315,10 @@ where
     }
 
     /// The projections `parts` (`{prefix}.weight` of `[out, inp]`, and `{prefix}.bias` when
-    /// `bias`) stacked into one linear layer.
-    fn linear(&self, parts: &[(String, usize)], inp: usize, bias: bool) -> Result<Linear<D>, ModelError> {
-        let weights: Vec<HostTensor> = parts
-            .iter()
-            .map(|(p, out)| self.src.get(&format!("{p}.weight"), &[*out, inp]))
-            .collect::<Result<_, _>>()?;
-        if weights.iter().any(|w| w.dtype() != weights[0].dtype()) {
-            let names: Vec<&str> = parts.iter().map(|(p, _)| p.as_str()).collect();
-            return Err(ModelError::Config(format!("the projections {names:?} are stored in different dtypes")));
-        }
+    /// `bias`) stacked into one linear layer, its matrix read as `role` says.
+    fn linear(&self, parts: &[(String, usize)], inp: usize, bias: bool, role: Role) -> Result<Linear<D>, ModelError> {
+        let matrix_parts: Vec<Part> = parts.iter().map(|(p, out)| (p.clone(), [*out, inp])).collect();
+        let weight = self.matrix(&matrix_parts, role)?;
         let bias = if bias {
             let mut values = Vec::new();
             for (p, out) in parts {
@@ -330,7 +329,7 @@ where
             None
         };
         let out_features = parts.iter().map(|(_, out)| out).sum();
-        Ok(Linear { weight: self.dev.matrix(weights)?, bias, out_features, in_features: inp })
+        Ok(Linear { weight, bias, out_features, in_features: inp })
     }
 
     fn norm(&self, name: &str, dim: usize) -> Result<D::Vector, ModelError> {

@@ -39,6 +39,8 @@ pub enum ModelError {
     NoWeights(PathBuf),
     #[error("corrupt or truncated safetensors file {path}: {message}")]
     CorruptWeights { path: PathBuf, message: String },
+    #[error("unsupported quantization: {0}")]
+    UnsupportedQuantization(String),
     #[error("missing tensor `{0}` in the checkpoint")]
     MissingTensor(String),
     #[cfg(feature = "cuda")]

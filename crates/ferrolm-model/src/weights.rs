@@ -3,7 +3,9 @@
 //! of any config for benchmarks.
 //!
 //! Tensors come out as [`HostTensor`]s: borrowed from the mapped file where they are aligned
-//! for their dtype, copied otherwise.
+//! for their dtype, copied otherwise. FP8 (F8_E4M3) tensors, the codes of a quantized
+//! checkpoint's projections, come out as bytes ([`WeightSource::get_fp8_codes`]); their scales are
+//! ordinary tensors.
 
 use std::collections::HashMap;
 use std::fs::File;
@@ -20,10 +22,26 @@ use safetensors::{Dtype as StDtype, SafeTensors};
 
 use crate::ModelError;
 
+/// A tensor's element type in a checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stored {
+    Float(DType),
+    F8E4M3,
+}
+
+impl Stored {
+    fn size_in_bytes(self) -> usize {
+        match self {
+            Stored::Float(dtype) => dtype.size_in_bytes(),
+            Stored::F8E4M3 => 1,
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 struct TensorLocation {
     file: usize,
-    dtype: DType,
+    dtype: Stored,
     shape: Vec<usize>,
     start: usize,
     end: usize,
@@ -39,11 +57,12 @@ enum Source {
     Random { dtype: DType, seed: u64 },
 }
 
-fn map_dtype(dtype: StDtype) -> Option<DType> {
+fn map_dtype(dtype: StDtype) -> Option<Stored> {
     match dtype {
-        StDtype::F32 => Some(DType::F32),
-        StDtype::F16 => Some(DType::F16),
-        StDtype::BF16 => Some(DType::BF16),
+        StDtype::F32 => Some(Stored::Float(DType::F32)),
+        StDtype::F16 => Some(Stored::Float(DType::F16)),
+        StDtype::BF16 => Some(Stored::Float(DType::BF16)),
+        StDtype::F8_E4M3 => Some(Stored::F8E4M3),
         _ => None,
     }
 }
@@ -115,35 +134,72 @@ impl WeightSource {
         }
     }
 
+    /// Whether `name` is stored as FP8 (e4m3) codes.
+    pub fn is_fp8(&self, name: &str) -> bool {
+        match &self.0 {
+            Source::SafeTensors { index, .. } => index.get(name).is_some_and(|loc| loc.dtype == Stored::F8E4M3),
+            Source::Random { .. } => false,
+        }
+    }
+
+    /// The shape `name` is stored with, if the checkpoint has it (random weights have none).
+    pub fn shape_of(&self, name: &str) -> Option<&[usize]> {
+        match &self.0 {
+            Source::SafeTensors { index, .. } => index.get(name).map(|loc| loc.shape.as_slice()),
+            Source::Random { .. } => None,
+        }
+    }
+
+    /// The bytes of `name`, checked to be exactly `shape` of its stored dtype.
+    fn bytes(&self, name: &str, shape: &[usize]) -> Result<(&Arc<Mmap>, &TensorLocation), ModelError> {
+        let Source::SafeTensors { maps, files, index } = &self.0 else { unreachable!("random weights have no bytes") };
+        let loc = index.get(name).ok_or_else(|| ModelError::MissingTensor(name.to_owned()))?;
+        if loc.shape != shape {
+            return Err(ModelError::ShapeMismatch {
+                name: name.to_owned(),
+                expected: shape.to_vec(),
+                found: loc.shape.clone(),
+            });
+        }
+        let expected_bytes = shape.iter().product::<usize>() * loc.dtype.size_in_bytes();
+        if loc.end - loc.start != expected_bytes {
+            return Err(ModelError::CorruptWeights {
+                path: files[loc.file].clone(),
+                message: format!(
+                    "tensor `{name}` holds {} bytes, its shape needs {expected_bytes}",
+                    loc.end - loc.start
+                ),
+            });
+        }
+        Ok((&maps[loc.file], loc))
+    }
+
     /// Loads `name`, checking that it has exactly `shape`.
     pub fn get(&self, name: &str, shape: &[usize]) -> Result<HostTensor, ModelError> {
-        match &self.0 {
-            Source::SafeTensors { maps, files, index } => {
-                let loc = index.get(name).ok_or_else(|| ModelError::MissingTensor(name.to_owned()))?;
-                if loc.shape != shape {
-                    return Err(ModelError::ShapeMismatch {
-                        name: name.to_owned(),
-                        expected: shape.to_vec(),
-                        found: loc.shape.clone(),
-                    });
-                }
-                let map = &maps[loc.file];
-                let bytes = &map[loc.start..loc.end];
-                let expected_bytes = shape.iter().product::<usize>() * loc.dtype.size_in_bytes();
-                if bytes.len() != expected_bytes {
-                    return Err(ModelError::CorruptWeights {
-                        path: files[loc.file].clone(),
-                        message: format!(
-                            "tensor `{name}` holds {} bytes, its shape needs {expected_bytes}",
-                            bytes.len()
-                        ),
-                    });
-                }
-                let map: SharedBytes = Arc::clone(map) as SharedBytes;
-                Ok(HostTensor::from_bytes(map, loc.start, loc.end, loc.dtype, shape.to_vec()))
-            }
-            Source::Random { dtype, seed } => Ok(random_tensor(name, shape, *dtype, *seed)),
+        if let Source::Random { dtype, seed } = &self.0 {
+            return Ok(random_tensor(name, shape, *dtype, *seed));
         }
+        let (map, loc) = self.bytes(name, shape)?;
+        let Stored::Float(dtype) = loc.dtype else {
+            return Err(ModelError::UnsupportedQuantization(format!(
+                "tensor `{name}` is stored in FP8 (F8_E4M3), which is read only as the weight of a projection \
+                 in an FP8 checkpoint (one whose config.json has a quantization_config)"
+            )));
+        };
+        let map: SharedBytes = Arc::clone(map) as SharedBytes;
+        Ok(HostTensor::from_bytes(map, loc.start, loc.end, dtype, shape.to_vec()))
+    }
+
+    /// The e4m3 codes of FP8 tensor `name`, checking that it has exactly `shape`.
+    pub fn get_fp8_codes(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>, ModelError> {
+        let (map, loc) = self.bytes(name, shape)?;
+        if loc.dtype != Stored::F8E4M3 {
+            return Err(ModelError::Config(format!(
+                "tensor `{name}` is {:?}, expected FP8 (F8_E4M3) codes",
+                loc.dtype
+            )));
+        }
+        Ok(map[loc.start..loc.end].to_vec())
     }
 
     /// Loads a small tensor (norm weights, biases) as f32 values.

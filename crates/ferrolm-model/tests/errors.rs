@@ -123,3 +123,52 @@ fn missing_shard() {
     fs::remove_file(dir.path().join("model-00002-of-00003.safetensors")).expect("rm");
     assert!(load_err(dir.path()).contains("model-00002-of-00003.safetensors"));
 }
+
+#[test]
+fn unsupported_quantization_is_named() {
+    let dir = copy_fixture("llama3_gqa");
+    edit_config(dir.path(), |c| c["quantization_config"] = serde_json::json!({"quant_method": "awq", "bits": 4}));
+    let msg = load_err(dir.path());
+    assert!(msg.contains("unsupported quantization") && msg.contains("`awq`"), "{msg}");
+
+    let dir = copy_fixture("llama3_gqa_fp8_dynamic");
+    edit_config(dir.path(), |c| c["quantization_config"]["config_groups"]["group_0"]["weights"]["type"] = "int".into());
+    let msg = load_err(dir.path());
+    assert!(msg.contains("8-bit `int`") && msg.contains("group_0"), "{msg}");
+}
+
+#[test]
+fn fp8_weights_need_their_scheme_and_scales() {
+    // FP8 tensors with no quantization_config to say how they are scaled.
+    let dir = copy_fixture("llama3_gqa_fp8_dynamic");
+    edit_config(dir.path(), |c| {
+        c.as_object_mut().expect("object").remove("quantization_config");
+    });
+    let msg = load_err(dir.path());
+    assert!(msg.contains("model.layers.0.self_attn.q_proj.weight") && msg.contains("quantization_config"), "{msg}");
+
+    // Scales read by another scheme than the one they were stored with: per-channel scales
+    // `[rows, 1]` where the config says one per tensor.
+    let dir = copy_fixture("llama3_gqa_fp8_dynamic");
+    edit_config(dir.path(), |c| c["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "tensor".into());
+    let msg = load_err(dir.path());
+    assert!(msg.contains("model.layers.0.self_attn.q_proj.weight_scale") && msg.contains("[96, 1]"), "{msg}");
+
+    // Block scales for another block size.
+    let dir = copy_fixture("qwen3_moe_fp8_block");
+    edit_config(dir.path(), |c| c["quantization_config"]["weight_block_size"] = serde_json::json!([32, 32]));
+    let msg = load_err(dir.path());
+    assert!(msg.contains("weight_scale_inv") && msg.contains("[2, 2]"), "{msg}");
+}
+
+#[test]
+fn quantizing_a_quantized_checkpoint_again_is_refused() {
+    let mut config = ferrolm_model::ModelConfig::from_dir(&fixture("llama3_gqa_fp8_dynamic")).expect("config");
+    let msg = config.quantize_at_load().expect_err("compressed-tensors and --quantization fp8").to_string();
+    assert!(msg.contains("compressed-tensors") && msg.contains("--quantization fp8"), "{msg}");
+    let mut config = ferrolm_model::ModelConfig::from_dir(&fixture("qwen3_moe_fp8_block")).expect("config");
+    config.quantize_at_load().expect("an fp8 checkpoint keeps its own scheme");
+    let mut config = ferrolm_model::ModelConfig::from_dir(&fixture("llama3_gqa")).expect("config");
+    config.quantize_at_load().expect("bf16");
+    assert_eq!(config.quantization, Some(ferrolm_model::config::Quantization::Fp8AtLoad));
+}

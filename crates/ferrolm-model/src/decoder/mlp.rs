@@ -7,8 +7,9 @@
 //! ([`ModelConfig::layer_is_sparse`]); a dense layer of a MoE model is an ordinary
 //! `mlp.{gate,up,down}_proj` of `intermediate_size`.
 
-use ferrolm_backend::{Device, Experts, GatedActivation, HostTensor, Linear, MoeInput};
+use ferrolm_backend::{Device, Experts, GatedActivation, Linear, MoeInput};
 
+use super::matrices::{Part, Role};
 use super::Loader;
 use crate::activations::Activations;
 use crate::config::{Architecture, ModelConfig, MoeConfig};
@@ -123,12 +124,12 @@ where
     fn dense_mlp(&self, p: &str, cfg: &ModelConfig) -> Result<Mlp<D>, ModelError> {
         let (h, inter) = (cfg.hidden_size, cfg.intermediate_size);
         let gate_up_proj = if cfg.fused_projections {
-            self.linear(&[(format!("{p}.mlp.gate_up_proj"), 2 * inter)], h, cfg.mlp_bias)?
+            self.linear(&[(format!("{p}.mlp.gate_up_proj"), 2 * inter)], h, cfg.mlp_bias, Role::Projection)?
         } else {
             let gate_up = [("gate_proj", inter), ("up_proj", inter)].map(|(n, o)| (format!("{p}.mlp.{n}"), o));
-            self.linear(&gate_up, h, cfg.mlp_bias)?
+            self.linear(&gate_up, h, cfg.mlp_bias, Role::Projection)?
         };
-        let down_proj = self.linear(&[(format!("{p}.mlp.down_proj"), h)], inter, cfg.mlp_bias)?;
+        let down_proj = self.linear(&[(format!("{p}.mlp.down_proj"), h)], inter, cfg.mlp_bias, Role::Projection)?;
         Ok(Mlp::Dense { gate_up_proj, down_proj })
     }
 
@@ -142,19 +143,17 @@ where
             Architecture::Mixtral => (format!("{p}.block_sparse_moe"), ["w1", "w3", "w2"]),
             _ => (format!("{p}.mlp"), ["gate_proj", "up_proj", "down_proj"]),
         };
-        let gate = self.linear(&[(format!("{block}.gate"), e)], h, false)?;
-        let (mut gate_up, mut down) = (Vec::with_capacity(2 * e), Vec::with_capacity(e));
+        let gate = self.linear(&[(format!("{block}.gate"), e)], h, false, Role::AsStored)?;
+        let (mut gate_up, mut down): (Vec<Part>, Vec<Part>) = (Vec::with_capacity(2 * e), Vec::with_capacity(e));
         for x in 0..e {
             let expert = format!("{block}.experts.{x}");
-            let get = |name: &str, shape: [usize; 2]| self.src.get(&format!("{expert}.{name}.weight"), &shape);
-            gate_up.push(get(gate_name, [inter, h])?);
-            gate_up.push(get(up_name, [inter, h])?);
-            down.push(get(down_name, [h, inter])?);
+            gate_up.push((format!("{expert}.{gate_name}"), [inter, h]));
+            gate_up.push((format!("{expert}.{up_name}"), [inter, h]));
+            down.push((format!("{expert}.{down_name}"), [h, inter]));
         }
-        check_same_dtype(&format!("{block}.experts"), &gate_up, &down)?;
         let experts = Experts {
-            gate_up: self.dev.matrix(gate_up)?,
-            down: self.dev.matrix(down)?,
+            gate_up: self.matrix(&gate_up, Role::Projection)?,
+            down: self.matrix(&down, Role::Projection)?,
             num_experts: e,
             top_k: moe.num_experts_per_tok,
             norm_topk_prob: moe.norm_topk_prob,
@@ -170,24 +169,14 @@ where
                         &[(format!("{s}.gate_proj"), si), (format!("{s}.up_proj"), si)],
                         h,
                         false,
+                        Role::Projection,
                     )?,
-                    down_proj: self.linear(&[(format!("{s}.down_proj"), h)], si, false)?,
-                    gate: self.linear(&[(format!("{block}.shared_expert_gate"), 1)], h, false)?,
+                    down_proj: self.linear(&[(format!("{s}.down_proj"), h)], si, false, Role::Projection)?,
+                    gate: self.linear(&[(format!("{block}.shared_expert_gate"), 1)], h, false, Role::AsStored)?,
                 })
             }
             None => None,
         };
         Ok(SparseMoe { gate, experts, shared_expert })
-    }
-}
-
-/// The experts of one layer are stacked into two matrices: their parts must share a dtype.
-fn check_same_dtype(what: &str, gate_up: &[HostTensor], down: &[HostTensor]) -> Result<(), ModelError> {
-    let mut parts = gate_up.iter().chain(down);
-    match parts.next() {
-        Some(first) if parts.any(|t| t.dtype() != first.dtype()) => {
-            Err(ModelError::Config(format!("the matrices of {what} are stored in different dtypes")))
-        }
-        _ => Ok(()),
     }
 }

@@ -1,0 +1,232 @@
+//! FP8 (e4m3) weight matrices in host memory: a quantized checkpoint's codes with their scales,
+//! as compressed-tensors and the block-wise `fp8` format store them, or as ferrolm quantizes a
+//! matrix at load (`--quantization fp8`).
+//!
+//! Invariants: a matrix holds `rows * cols` codes, row-major; element `(r, c)` stands for
+//! `f32(code) * scale(r, c)`, the product rounded once in f32, where the scale is the matrix's,
+//! row `r`'s or the block's that holds `(r, c)` ([`Fp8Scales`]). That value is what the CPU
+//! computes with ([`Fp8Matrix::dequantize`]) and what the FP8 reference fixtures were made from.
+
+use float8::F8E4M3;
+
+use crate::HostTensor;
+
+/// The largest finite e4m3 value.
+pub const E4M3_MAX: f32 = 448.0;
+/// The smallest scale a quantizer gives a row, so that an all-zero row divides by no zero (the
+/// floor vLLM's dynamic FP8 quantization takes).
+const MIN_SCALE: f32 = 1.0 / (E4M3_MAX * 512.0);
+
+/// The f32 value of an e4m3 code (exact; NaN for the two NaN codes).
+pub fn e4m3_to_f32(code: u8) -> f32 {
+    F8E4M3::from_bits(code).to_f32()
+}
+
+/// `x` rounded to the nearest e4m3 value (ties to even), saturating at ±[`E4M3_MAX`], as CUDA's
+/// `__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3)` rounds.
+pub fn f32_to_e4m3(x: f32) -> u8 {
+    F8E4M3::from_f32(x).to_bits()
+}
+
+/// Where a quantized matrix's scales apply.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Fp8Scales {
+    /// One scale for the whole matrix (compressed-tensors' `tensor` strategy).
+    Tensor(f32),
+    /// `[rows]`: one scale per output row (the `channel` strategy, and `--quantization fp8`).
+    Rows(Vec<f32>),
+    /// `[ceil(rows / block_rows), ceil(cols / block_cols)]`, row-major: one scale per block of
+    /// `block_rows x block_cols` (the `fp8` format's `weight_block_size`), the last blocks of a
+    /// row or column partial.
+    Blocks { block_rows: usize, block_cols: usize, scales: Vec<f32> },
+}
+
+/// A `[rows, cols]` matrix of e4m3 codes and its scales.
+#[derive(Clone, Debug)]
+pub struct Fp8Matrix {
+    rows: usize,
+    cols: usize,
+    codes: Vec<u8>,
+    scales: Fp8Scales,
+}
+
+impl Fp8Matrix {
+    /// Checks that `codes` and `scales` fit `[rows, cols]`; the message says what does not.
+    pub fn new(rows: usize, cols: usize, codes: Vec<u8>, scales: Fp8Scales) -> Result<Fp8Matrix, String> {
+        if codes.len() != rows * cols {
+            return Err(format!("{} FP8 codes for a [{rows}, {cols}] matrix", codes.len()));
+        }
+        let expected = match &scales {
+            Fp8Scales::Tensor(_) => 1,
+            Fp8Scales::Rows(s) => {
+                if s.len() != rows {
+                    return Err(format!("{} row scales for {rows} rows", s.len()));
+                }
+                rows
+            }
+            Fp8Scales::Blocks { block_rows, block_cols, scales } => {
+                if *block_rows == 0 || *block_cols == 0 {
+                    return Err("a weight block of zero rows or columns".into());
+                }
+                let want = rows.div_ceil(*block_rows) * cols.div_ceil(*block_cols);
+                if scales.len() != want {
+                    return Err(format!(
+                        "{} block scales for a [{rows}, {cols}] matrix in blocks of [{block_rows}, {block_cols}] \
+                         (it needs {want})",
+                        scales.len()
+                    ));
+                }
+                want
+            }
+        };
+        let all: &[f32] = match &scales {
+            Fp8Scales::Tensor(s) => std::slice::from_ref(s),
+            Fp8Scales::Rows(s) | Fp8Scales::Blocks { scales: s, .. } => s,
+        };
+        if let Some(bad) = all.iter().find(|s| !s.is_finite()) {
+            return Err(format!("a scale of {bad} among {expected}"));
+        }
+        Ok(Fp8Matrix { rows, cols, codes, scales })
+    }
+
+    /// Per-row quantization, as `--quantization fp8` quantizes a checkpoint's matrix: row `r`'s
+    /// scale is `max(amax_r / 448, MIN_SCALE)` and its codes `e4m3(w / scale)`, in f32.
+    pub fn quantize_rows(w: &HostTensor) -> Fp8Matrix {
+        let [rows, cols] = w.shape() else { panic!("Fp8Matrix::quantize_rows: a matrix of shape {:?}", w.shape()) };
+        let (rows, cols) = (*rows, *cols);
+        let values = w.to_f32_vec();
+        let mut codes = Vec::with_capacity(rows * cols);
+        let mut scales = Vec::with_capacity(rows);
+        for row in values.chunks_exact(cols.max(1)).take(rows) {
+            let amax = row.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            let scale = (amax / E4M3_MAX).max(MIN_SCALE);
+            codes.extend(row.iter().map(|&x| f32_to_e4m3(x / scale)));
+            scales.push(scale);
+        }
+        Fp8Matrix { rows, cols, codes, scales: Fp8Scales::Rows(scales) }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// `[rows, cols]`, row-major.
+    pub fn codes(&self) -> &[u8] {
+        &self.codes
+    }
+
+    pub fn scales(&self) -> &Fp8Scales {
+        &self.scales
+    }
+
+    /// The scale of element `(r, c)`.
+    pub fn scale(&self, r: usize, c: usize) -> f32 {
+        match &self.scales {
+            Fp8Scales::Tensor(s) => *s,
+            Fp8Scales::Rows(s) => s[r],
+            Fp8Scales::Blocks { block_rows, block_cols, scales } => {
+                scales[(r / block_rows) * self.cols.div_ceil(*block_cols) + c / block_cols]
+            }
+        }
+    }
+
+    /// The matrix's values in f32 (see the module's invariants).
+    pub fn dequantize(&self) -> HostTensor {
+        let mut values = Vec::with_capacity(self.rows * self.cols);
+        for (r, row) in self.codes.chunks_exact(self.cols.max(1)).take(self.rows).enumerate() {
+            values.extend(row.iter().enumerate().map(|(c, &code)| e4m3_to_f32(code) * self.scale(r, c)));
+        }
+        HostTensor::from_f32(vec![self.rows, self.cols], values)
+    }
+
+    /// Bytes the codes take (what a device that keeps them reads per use).
+    pub fn code_bytes(&self) -> usize {
+        self.codes.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_finite_code_round_trips_and_midpoints_round_to_even() {
+        let finite: Vec<u8> = (0..=255u8).filter(|c| c & 0x7f != 0x7f).collect();
+        for &c in &finite {
+            let x = e4m3_to_f32(c);
+            assert!(x.is_finite(), "code {c:#x}");
+            // -0 and +0 are both zero; every other code comes back as itself.
+            let back = f32_to_e4m3(x);
+            assert!(back == c || (x == 0.0 && back & 0x7f == 0), "code {c:#x} -> {x} -> {back:#x}");
+        }
+        assert_eq!(e4m3_to_f32(0x7e), E4M3_MAX);
+        assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
+        // Between neighbours a and b (b = a + 1 in code order, positive codes), the midpoint goes to
+        // the even code, and a hair either side to the nearer one.
+        for a in 0..0x7eu8 {
+            let (lo, hi) = (e4m3_to_f32(a), e4m3_to_f32(a + 1));
+            let mid = (lo + hi) / 2.0;
+            let even = if a % 2 == 0 { a } else { a + 1 };
+            assert_eq!(f32_to_e4m3(mid), even, "midpoint of {a:#x} and {:#x}", a + 1);
+            assert_eq!(f32_to_e4m3(mid - (hi - lo) / 64.0), a);
+            assert_eq!(f32_to_e4m3(mid + (hi - lo) / 64.0), a + 1);
+            assert_eq!(f32_to_e4m3(-mid), even | 0x80);
+        }
+        // Saturation, not NaN, past the largest value.
+        assert_eq!(f32_to_e4m3(1e6), 0x7e);
+        assert_eq!(f32_to_e4m3(-1e6), 0xfe);
+    }
+
+    #[test]
+    fn each_scale_applies_where_its_strategy_says() {
+        let codes: Vec<u8> = (0..15u8).map(|i| f32_to_e4m3(i as f32)).collect();
+        let value = |m: &Fp8Matrix| m.dequantize().to_f32_vec();
+        let tensor = Fp8Matrix::new(3, 5, codes.clone(), Fp8Scales::Tensor(0.5)).unwrap();
+        assert_eq!(value(&tensor), (0..15).map(|i| i as f32 * 0.5).collect::<Vec<_>>());
+        let rows = Fp8Matrix::new(3, 5, codes.clone(), Fp8Scales::Rows(vec![1.0, 2.0, 4.0])).unwrap();
+        assert_eq!(value(&rows), (0..15).map(|i| i as f32 * [1.0, 2.0, 4.0][i / 5]).collect::<Vec<_>>());
+        // Blocks of 2 x 2 over 3 x 5: a 2 x 3 grid, the last row and column of blocks partial.
+        let grid = vec![1.0, 2.0, 3.0, 10.0, 20.0, 30.0];
+        let blocks = Fp8Scales::Blocks { block_rows: 2, block_cols: 2, scales: grid.clone() };
+        let blocks = Fp8Matrix::new(3, 5, codes.clone(), blocks).unwrap();
+        let expected: Vec<f32> = (0..15).map(|i| i as f32 * grid[(i / 5) / 2 * 3 + (i % 5) / 2]).collect();
+        assert_eq!(value(&blocks), expected);
+
+        let wrong = Fp8Scales::Blocks { block_rows: 2, block_cols: 2, scales: vec![1.0; 4] };
+        let err = Fp8Matrix::new(3, 5, codes.clone(), wrong).unwrap_err();
+        assert!(err.contains("needs 6"), "{err}");
+        assert!(Fp8Matrix::new(3, 5, codes[..14].to_vec(), Fp8Scales::Tensor(1.0)).is_err());
+        assert!(Fp8Matrix::new(3, 5, codes.clone(), Fp8Scales::Rows(vec![1.0; 2])).is_err());
+        assert!(Fp8Matrix::new(3, 5, codes, Fp8Scales::Tensor(f32::NAN)).is_err());
+    }
+
+    #[test]
+    fn quantizing_rows_keeps_each_value_within_half_a_step() {
+        let (rows, cols) = (4, 64);
+        let mut values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 37.0).collect();
+        values[cols..2 * cols].fill(0.0); // an all-zero row
+        let w = HostTensor::from_f32(vec![rows, cols], values.clone());
+        let q = Fp8Matrix::quantize_rows(&w);
+        let back = q.dequantize().to_f32_vec();
+        for r in 0..rows {
+            let row = &values[r * cols..(r + 1) * cols];
+            let amax = row.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+            for (c, &x) in row.iter().enumerate() {
+                // e4m3 keeps 3 mantissa bits: a relative step of at most 1/8 of the value's binade,
+                // and subnormal steps of 2^-9 scales near zero.
+                let scale = q.scale(r, c);
+                let tol = (x.abs() / 16.0).max(scale * 2f32.powi(-10)) * 1.0001;
+                assert!((back[r * cols + c] - x).abs() <= tol, "({r}, {c}): {x} -> {}", back[r * cols + c]);
+            }
+            if amax > 0.0 {
+                // The row's largest magnitude maps to 448 exactly.
+                assert_eq!(q.scale(r, 0), amax / E4M3_MAX);
+            }
+        }
+        assert!(back[cols..2 * cols].iter().all(|&x| x == 0.0));
+    }
+}

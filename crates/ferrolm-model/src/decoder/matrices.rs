@@ -1,0 +1,99 @@
+//! Weight matrices from a checkpoint, as stored or quantized: the one place the loader reads a
+//! matrix, so that every projection (attention, dense MLP, experts, shared expert) takes FP8
+//! checkpoints and `--quantization fp8` alike ([`crate::config::quant`]).
+//!
+//! A matrix is the rows of its parts in order (fused q/k/v, gate/up, stacked experts). Its parts
+//! are all FP8 or all unquantized; FP8 parts are read with their checkpoint's scales and placed
+//! by [`Device::fp8_matrix`], and unquantized parts of a projection are quantized per row first
+//! where the model is quantized at load.
+
+use ferrolm_backend::{Device, Fp8Matrix, Fp8Scales, HostTensor};
+
+use super::Loader;
+use crate::config::quant::{Fp8Checkpoint, WeightScaling};
+use crate::config::Quantization;
+use crate::ModelError;
+
+/// Whether a matrix takes the model's quantization.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Role {
+    /// A projection of the attention or an MLP (experts included): quantized at load under
+    /// `--quantization fp8`.
+    Projection,
+    /// The embedding, the LM head, a router or a gate: loaded as stored, as vLLM leaves them.
+    AsStored,
+}
+
+/// One part of a matrix: the prefix of its `.weight` (and scales), and its `[rows, cols]`.
+pub(super) type Part = (String, [usize; 2]);
+
+impl<D: Device> Loader<'_, D>
+where
+    ModelError: From<D::Error>,
+{
+    /// The matrix whose rows are those of `parts` in order.
+    pub(super) fn matrix(&self, parts: &[Part], role: Role) -> Result<D::Matrix, ModelError> {
+        let names = || parts.iter().map(|(p, _)| p.as_str()).collect::<Vec<_>>();
+        let fp8 = parts.iter().filter(|(p, _)| self.src.is_fp8(&format!("{p}.weight"))).count();
+        if fp8 > 0 {
+            if fp8 != parts.len() {
+                return Err(ModelError::Config(format!(
+                    "the parts {:?} of one matrix mix FP8 and unquantized weights",
+                    names()
+                )));
+            }
+            let Some(scheme) = self.cfg.quantization.as_ref().and_then(Quantization::checkpoint) else {
+                return Err(ModelError::UnsupportedQuantization(format!(
+                    "`{}.weight` is stored in FP8 but config.json has no quantization_config to say how it is scaled",
+                    parts[0].0
+                )));
+            };
+            let parts = parts.iter().map(|part| self.fp8_part(part, scheme)).collect::<Result<Vec<_>, _>>()?;
+            return Ok(self.dev.fp8_matrix(parts)?);
+        }
+        let weights: Vec<HostTensor> =
+            parts.iter().map(|(p, shape)| self.src.get(&format!("{p}.weight"), shape)).collect::<Result<_, _>>()?;
+        if weights.iter().any(|w| w.dtype() != weights[0].dtype()) {
+            return Err(ModelError::Config(format!(
+                "the parts {:?} of one matrix are stored in different dtypes",
+                names()
+            )));
+        }
+        if role == Role::Projection && self.cfg.quantization == Some(Quantization::Fp8AtLoad) {
+            return Ok(self.dev.fp8_matrix(weights.iter().map(Fp8Matrix::quantize_rows).collect())?);
+        }
+        Ok(self.dev.matrix(weights)?)
+    }
+
+    /// The codes and scales of FP8 part `prefix`, by the checkpoint's scheme.
+    fn fp8_part(&self, (prefix, [rows, cols]): &Part, scheme: &Fp8Checkpoint) -> Result<Fp8Matrix, ModelError> {
+        let (rows, cols) = (*rows, *cols);
+        let codes = self.src.get_fp8_codes(&format!("{prefix}.weight"), &[rows, cols])?;
+        let name = format!("{prefix}.{}", scheme.scale_suffix);
+        // Scales as the formats shape them: [1] or [] for a tensor, [rows, 1] (or [rows]) for
+        // channels, the block grid for blocks.
+        let stored = self.src.shape_of(&name).ok_or_else(|| ModelError::MissingTensor(name.clone()))?.to_vec();
+        let scales_of = |count: usize, shapes: &[&[usize]]| {
+            if !shapes.contains(&stored.as_slice()) {
+                return Err(ModelError::ShapeMismatch {
+                    name: name.clone(),
+                    expected: shapes[0].to_vec(),
+                    found: stored.clone(),
+                });
+            }
+            let scales = self.src.get_f32(&name, &stored)?;
+            debug_assert_eq!(scales.len(), count);
+            Ok(scales)
+        };
+        let scales = match scheme.weights {
+            WeightScaling::Tensor => Fp8Scales::Tensor(scales_of(1, &[&[1], &[]])?[0]),
+            WeightScaling::Channel => Fp8Scales::Rows(scales_of(rows, &[&[rows, 1], &[rows]])?),
+            WeightScaling::Block { rows: br, cols: bc } => {
+                let grid = [rows.div_ceil(br), cols.div_ceil(bc)];
+                Fp8Scales::Blocks { block_rows: br, block_cols: bc, scales: scales_of(grid[0] * grid[1], &[&grid])? }
+            }
+        };
+        Fp8Matrix::new(rows, cols, codes, scales)
+            .map_err(|message| ModelError::Config(format!("`{prefix}`: {message}")))
+    }
+}
