@@ -150,7 +150,9 @@ fn fp8_weights_need_their_scheme_and_scales() {
     // Scales read by another scheme than the one they were stored with: per-channel scales
     // `[rows, 1]` where the config says one per tensor.
     let dir = copy_fixture("llama3_gqa_fp8_dynamic");
-    edit_config(dir.path(), |c| c["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "tensor".into());
+    edit_config(dir.path(), |c| {
+        c["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "tensor".into()
+    });
     let msg = load_err(dir.path());
     assert!(msg.contains("model.layers.0.self_attn.q_proj.weight_scale") && msg.contains("[96, 1]"), "{msg}");
 

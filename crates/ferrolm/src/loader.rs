@@ -53,6 +53,11 @@ pub struct EngineArgs {
     /// f32 and this sets the dtype of --dummy-weights (default: the config's).
     #[arg(long, value_parser = parse_dtype_flag)]
     pub dtype: Option<String>,
+    /// Quantize an unquantized checkpoint at load (vLLM's flag): `fp8` stores each projection of
+    /// the attention and the MLPs as e4m3 with one scale per output row. A checkpoint stored in
+    /// FP8 is read as it is, without this flag.
+    #[arg(long, value_enum)]
+    pub quantization: Option<QuantizationMethod>,
     /// Fraction of the GPU memory left free after the weights that the KV cache takes, in
     /// (0, 1]. On the CPU the cache is sized by --kv-cache-memory-gb (or --num-kv-blocks).
     #[arg(long, default_value_t = 0.9)]
@@ -109,6 +114,13 @@ impl GpuArgs {
             kernel_defines: self.kernel_defines.iter().filter(|d| !d.is_empty()).cloned().collect(),
         }
     }
+}
+
+/// `--quantization`: how to quantize a checkpoint at load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum QuantizationMethod {
+    Fp8,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize)]
@@ -200,9 +212,12 @@ pub struct Placed {
 
 /// Places `config`'s weights, read from `weights`, on the CPU or the GPU as `args.device` says.
 /// Weights go from the source to the device one tensor at a time.
-pub fn make_runner(config: ModelConfig, weights: &WeightSource, args: &EngineArgs) -> Result<Placed> {
+pub fn make_runner(mut config: ModelConfig, weights: &WeightSource, args: &EngineArgs) -> Result<Placed> {
     if !(args.kv_cache_fraction > 0.0 && args.kv_cache_fraction <= 1.0) {
         bail!("--kv-cache-fraction must be in (0, 1], got {}", args.kv_cache_fraction);
+    }
+    if args.quantization == Some(QuantizationMethod::Fp8) {
+        config.quantize_at_load()?;
     }
     match args.device {
         Device::Cpu => cpu_runner(config, weights),
