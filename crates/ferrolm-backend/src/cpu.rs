@@ -27,7 +27,7 @@ pub use activation::{gelu_tanh_and_mul, silu_and_mul};
 pub use attention::{paged_attention, AttentionMetadata};
 pub use device::{Cpu, CpuBatch, CpuKvLayer, CpuRope, CpuTensor};
 pub use embedding::embedding;
-pub use kv_cache::reshape_and_cache;
+pub use kv_cache::{reshape_and_cache, reshape_and_cache_into, KvStore, KvView};
 pub use linear::{linear, linear_gemm, linear_gemv, GEMV_MAX_M};
 pub use moe::{add_sigmoid_gated, moe, CpuMoeScratch, MoeWeights};
 pub use norm::{add_rms_norm, rms_norm, rms_norm_inplace};

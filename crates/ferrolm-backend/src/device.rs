@@ -186,6 +186,26 @@ pub struct AttentionInput<'a, D: Device + ?Sized> {
     pub kv: &'a mut D::KvLayer,
 }
 
+/// The element type of a KV cache (vLLM's `--kv-cache-dtype`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvCacheDtype {
+    /// The device's compute dtype ([`Device::compute_dtype`]).
+    #[default]
+    Auto,
+    /// e4m3, each layer's K and V divided by a scale of their own: half the bytes of bf16.
+    Fp8,
+}
+
+impl KvCacheDtype {
+    /// Bytes of one cached element on a device that computes in `compute`.
+    pub fn size_in_bytes(self, compute: DType) -> usize {
+        match self {
+            KvCacheDtype::Auto => compute.size_in_bytes(),
+            KvCacheDtype::Fp8 => 1,
+        }
+    }
+}
+
 /// A device the decoder runs on.
 pub trait Device {
     type Error: std::error::Error + Send + Sync + 'static;
@@ -224,8 +244,8 @@ pub trait Device {
     fn matrix_bytes(&self, matrix: &Self::Matrix) -> usize;
     fn vector(&self, values: &[f32]) -> Result<Self::Vector, Self::Error>;
     fn rope(&self, frequencies: RopeFrequencies<'_>) -> Result<Self::Rope, Self::Error>;
-    /// One layer's cache: `num_slots` slots of `kv_width` for K and for V.
-    fn kv_layer(&self, num_slots: usize, kv_width: usize) -> Result<Self::KvLayer, Self::Error>;
+    /// One layer's cache: `num_slots` slots of `kv_width` for K and for V, in `dtype`.
+    fn kv_layer(&self, num_slots: usize, kv_width: usize, dtype: KvCacheDtype) -> Result<Self::KvLayer, Self::Error>;
     /// The dtype activations (and the KV cache) are computed in.
     fn compute_dtype(&self) -> DType;
     /// Scratch for MoE steps of up to `tokens` tokens over experts of this shape

@@ -17,9 +17,21 @@ pub const E4M3_MAX: f32 = 448.0;
 /// floor vLLM's dynamic FP8 quantization takes).
 const MIN_SCALE: f32 = 1.0 / (E4M3_MAX * 512.0);
 
+/// Every e4m3 code's f32 value, by code (the CPU's FP8 KV cache decodes each row it reads).
+static E4M3_VALUES: [f32; 256] = {
+    let mut values = [0.0; 256];
+    let mut code = 0;
+    while code < 256 {
+        values[code] = F8E4M3::from_bits(code as u8).to_f32();
+        code += 1;
+    }
+    values
+};
+
 /// The f32 value of an e4m3 code (exact; NaN for the two NaN codes).
+#[inline(always)]
 pub fn e4m3_to_f32(code: u8) -> f32 {
-    F8E4M3::from_bits(code).to_f32()
+    E4M3_VALUES[code as usize]
 }
 
 /// `x` rounded to the nearest e4m3 value (ties to even), saturating at ±[`E4M3_MAX`], as CUDA's
@@ -164,6 +176,8 @@ mod tests {
             assert!(back == c || (x == 0.0 && back & 0x7f == 0), "code {c:#x} -> {x} -> {back:#x}");
         }
         assert_eq!(e4m3_to_f32(0x7e), E4M3_MAX);
+        assert!(e4m3_to_f32(0x7f).is_nan() && e4m3_to_f32(0xff).is_nan());
+        assert_eq!(e4m3_to_f32(0x38), 1.0);
         assert_eq!(e4m3_to_f32(0x01), 2f32.powi(-9));
         // Between neighbours a and b (b = a + 1 in code order, positive codes), the midpoint goes to
         // the even code, and a hair either side to the nearer one.

@@ -821,7 +821,8 @@ fn cpu_attention(
     };
     let mut out = vec![0.0; batch.q.len()];
     let (h, kv, d) = (heads.num_heads, heads.num_kv_heads, heads.head_dim);
-    cpu::paged_attention(&batch.q, &batch.k_cache, &batch.v_cache, &meta, h, kv, d, &mut out);
+    let (kc, vc) = (cpu::KvView::F32(&batch.k_cache), cpu::KvView::F32(&batch.v_cache));
+    cpu::paged_attention(&batch.q, kc, vc, &meta, h, kv, d, &mut out);
     out
 }
 
@@ -1276,7 +1277,8 @@ fn paged_attention_work_list_is_shared_by_a_steps_layers() -> Result<(), GpuErro
         };
         let mut want = vec![0.0; batch.q.len()];
         let (h, kv, d) = (heads.num_heads, heads.num_kv_heads, heads.head_dim);
-        cpu::paged_attention(&batch.q, &batch.k_cache, &batch.v_cache, &cpu_meta, h, kv, d, &mut want);
+        let (kc, vc) = (cpu::KvView::F32(&batch.k_cache), cpu::KvView::F32(&batch.v_cache));
+        cpu::paged_attention(&batch.q, kc, vc, &cpu_meta, h, kv, d, &mut want);
         let q = GpuTensor::from_f32(&gpu, &batch.q, dtype)?;
         let k_cache = GpuTensor::from_f32(&gpu, &batch.k_cache, dtype)?;
         let v_cache = GpuTensor::from_f32(&gpu, &batch.v_cache, dtype)?;

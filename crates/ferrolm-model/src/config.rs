@@ -7,7 +7,7 @@
 
 use std::path::Path;
 
-use ferrolm_backend::{DType, GatedActivation, Heads, LayerAttention};
+use ferrolm_backend::{DType, GatedActivation, Heads, KvCacheDtype, LayerAttention};
 use ferrolm_sampling::GenerationDefaults;
 use serde::Deserialize;
 use serde_json::Value;
@@ -130,6 +130,8 @@ pub struct ModelConfig {
     /// How the projections' weights are quantized: the checkpoint's FP8 scheme, or
     /// `--quantization fp8` ([`ModelConfig::quantize_at_load`]).
     pub quantization: Option<Quantization>,
+    /// The KV cache's element type (`--kv-cache-dtype`; the compute dtype unless set).
+    pub kv_cache_dtype: KvCacheDtype,
     pub dtype: DType,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
@@ -382,6 +384,7 @@ impl ModelConfig {
             fused_projections: architecture == Architecture::Phi3,
             moe,
             quantization,
+            kv_cache_dtype: KvCacheDtype::Auto,
             dtype,
             bos_token_id: token_ids(&raw.bos_token_id).first().copied(),
             eos_token_ids: token_ids(&raw.eos_token_id),
@@ -461,9 +464,10 @@ impl ModelConfig {
         }
     }
 
-    /// Bytes of one KV cache block of `block_size` tokens over all layers, K and V, in `dtype`.
+    /// Bytes of one KV cache block of `block_size` tokens over all layers, K and V, on a device
+    /// that computes in `dtype` (the cache's element is `kv_cache_dtype`'s).
     pub fn kv_bytes_per_block(&self, block_size: usize, dtype: DType) -> usize {
-        self.num_hidden_layers * 2 * block_size * self.kv_size() * dtype.size_in_bytes()
+        self.num_hidden_layers * 2 * block_size * self.kv_size() * self.kv_cache_dtype.size_in_bytes(dtype)
     }
 
     /// Whether layer `layer`'s MLP routes through experts (HF's rule, [`MoeConfig::layer_is_sparse`]).

@@ -136,7 +136,8 @@ impl<D: Device> Decoder<D> {
     /// group `g` ([`ModelConfig::kv_cache_groups`]); one count serves every group.
     pub fn kv_cache(&self, dev: &D, num_blocks: &[usize], block_size: usize) -> Result<Vec<D::KvLayer>, D::Error> {
         let slots = |layer: &Layer<D>| group_entry(num_blocks, layer.attention.kv_group) * block_size;
-        self.layers.iter().map(|l| dev.kv_layer(slots(l), self.config.kv_size())).collect()
+        let (width, dtype) = (self.config.kv_size(), self.config.kv_cache_dtype);
+        self.layers.iter().map(|l| dev.kv_layer(slots(l), width, dtype)).collect()
     }
 
     /// Issues one step: every layer, then the final norm and the LM head on the step's logits

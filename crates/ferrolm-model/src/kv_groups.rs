@@ -23,9 +23,10 @@ pub struct KvCacheGroup {
 }
 
 impl KvCacheGroup {
-    /// Bytes of one block of `block_size` tokens over the group's layers, K and V, in `dtype`.
+    /// Bytes of one block of `block_size` tokens over the group's layers, K and V, on a device
+    /// that computes in `dtype` (the cache's element is `config.kv_cache_dtype`'s).
     pub fn kv_bytes_per_block(&self, config: &ModelConfig, block_size: usize, dtype: DType) -> usize {
-        self.layers.len() * 2 * block_size * config.kv_size() * dtype.size_in_bytes()
+        self.layers.len() * 2 * block_size * config.kv_size() * config.kv_cache_dtype.size_in_bytes(dtype)
     }
 }
 

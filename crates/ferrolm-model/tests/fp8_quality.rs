@@ -1,11 +1,12 @@
-//! FP8 on real weights: the bundled demo model quantized at load (`--quantization fp8`) keeps
-//! its mean log-likelihood of held-out Python source within 1 % of its bf16 weights'.
+//! FP8 on real weights: the bundled demo model quantized at load (`--quantization fp8`), with an
+//! FP8 KV cache (`--kv-cache-dtype fp8`), and with both, keeps its mean log-likelihood of held-out
+//! Python source within 1 % of its bf16 weights' with an f32 cache.
 //!
 //! The held-out text is ferrolm's own `tools/train_demo_model.py`: Python the model never saw
 //! (it was trained on the standard library and installed packages). Its first windows of the
 //! model's 512-token context are scored teacher-forced, each window on its own, on the CPU, where
-//! FP8 weights are computed exactly (dequantized to f32), so the difference is the
-//! quantization's alone. The figures are printed (`--nocapture`) and recorded in
+//! FP8 weights are computed exactly (dequantized to f32) and an FP8 cache holds exactly the e4m3
+//! values a GPU's would, so the difference is the quantization's alone. The figures are printed (`--nocapture`) and recorded in
 //! docs/PERFORMANCE.md.
 
 // Shared with the golden tests; not every helper is used here.
@@ -16,6 +17,7 @@ use std::path::PathBuf;
 
 use common::{block_table, prompt_logprobs};
 use ferrolm_backend::cpu::Cpu;
+use ferrolm_backend::KvCacheDtype;
 use ferrolm_model::{Model, ModelConfig, WeightSource};
 use ferrolm_tokenizer::Tokenizer;
 
@@ -53,22 +55,28 @@ fn demo_model_in_fp8_keeps_its_held_out_log_likelihood() {
     let context = config.max_position_embeddings;
     let windows: Vec<Vec<u32>> = tokens.chunks_exact(context).take(WINDOWS).map(<[u32]>::to_vec).collect();
     assert_eq!(windows.len(), WINDOWS, "{} tokens of held-out text", tokens.len());
-
     let src = WeightSource::open_dir(&dir).expect("weights");
-    let bf16 = Model::load(&Cpu, config.clone(), &src).expect("bf16 model");
-    let mut fp8_config = config;
-    fp8_config.quantize_at_load().expect("a bf16 checkpoint");
-    let fp8 = Model::load(&Cpu, fp8_config, &src).expect("fp8 model");
+    let score = |weights_fp8: bool, cache: KvCacheDtype| {
+        let mut config = config.clone();
+        if weights_fp8 {
+            config.quantize_at_load().expect("a bf16 checkpoint");
+        }
+        config.kv_cache_dtype = cache;
+        mean_log_likelihood(&Model::load(&Cpu, config, &src).expect("model"), &windows)
+    };
 
-    let base = mean_log_likelihood(&bf16, &windows);
-    let quantized = mean_log_likelihood(&fp8, &windows);
-    let change = (quantized - base) / base.abs();
-    println!(
-        "held-out mean log-likelihood over {} tokens: bf16 {base:.5}, fp8 weights {quantized:.5} ({:+.3} %)",
-        windows.len() * (context - 1),
-        100.0 * change
-    );
-    // The weights did change (a test that quantized nothing would pass the bound trivially).
-    assert_ne!(base, quantized);
-    assert!(change.abs() <= MAX_RELATIVE_CHANGE, "fp8 moved the mean log-likelihood by {:.3} %", 100.0 * change);
+    let base = score(false, KvCacheDtype::Auto);
+    println!("held-out mean log-likelihood over {} tokens: bf16 weights, f32 cache {base:.5}", WINDOWS * (context - 1));
+    for (what, weights_fp8, cache) in [
+        ("fp8 weights", true, KvCacheDtype::Auto),
+        ("fp8 KV cache", false, KvCacheDtype::Fp8),
+        ("fp8 weights and KV cache", true, KvCacheDtype::Fp8),
+    ] {
+        let quantized = score(weights_fp8, cache);
+        let change = (quantized - base) / base.abs();
+        println!("  {what}: {quantized:.5} ({:+.3} %)", 100.0 * change);
+        // Something was quantized (a run that quantized nothing would pass the bound trivially).
+        assert_ne!(base, quantized, "{what}");
+        assert!(change.abs() <= MAX_RELATIVE_CHANGE, "{what} moved the mean log-likelihood by {:.3} %", 100.0 * change);
+    }
 }

@@ -9,6 +9,8 @@
 
 use rayon::prelude::*;
 
+use super::KvView;
+
 /// Describes the flattened batch for [`paged_attention`].
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionMetadata<'a> {
@@ -37,8 +39,8 @@ pub struct AttentionMetadata<'a> {
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: KvView<'_>,
+    v_cache: KvView<'_>,
     meta: &AttentionMetadata<'_>,
     num_heads: usize,
     num_kv_heads: usize,
@@ -98,8 +100,8 @@ impl AttentionShape {
 /// Checks every shape and index the kernel will rely on; returns the request of each query row.
 fn check_batch(
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: KvView<'_>,
+    v_cache: KvView<'_>,
     meta: &AttentionMetadata<'_>,
     shape: &AttentionShape,
     out: &[f32],
@@ -149,8 +151,8 @@ fn check_batch(
 struct GroupTask<'a> {
     /// `[group, head_dim]`
     q: &'a [f32],
-    k_cache: &'a [f32],
-    v_cache: &'a [f32],
+    k_cache: KvView<'a>,
+    v_cache: KvView<'a>,
     /// `[max_blocks_per_seq]`
     block_table: &'a [u32],
     block_size: usize,
@@ -186,11 +188,12 @@ impl GroupTask<'_> {
     fn run_portable(&self, scratch: &mut Vec<f32>, out: &mut [f32]) {
         let (dim, group, n) = (self.shape.head_dim, self.shape.group, self.keys.len());
         scratch.clear();
-        scratch.resize(group * n + group, 0.0);
-        // [group, n], [group]
-        let (weights, inv_sums) = scratch.split_at_mut(group * n);
+        scratch.resize(group * n + group + dim, 0.0);
+        // [group, n], [group], [head_dim] (a K or V row decoded from an FP8 cache)
+        let (weights, rest) = scratch.split_at_mut(group * n);
+        let (inv_sums, row) = rest.split_at_mut(group);
         for (i, key) in self.keys.clone().enumerate() {
-            let k = self.cache_row(self.k_cache, key);
+            let k = self.cache_row(self.k_cache, key, row);
             for (g, q) in self.q.chunks_exact(dim).enumerate() {
                 weights[g * n + i] = dot(q, k) * self.scale;
             }
@@ -210,7 +213,7 @@ impl GroupTask<'_> {
         }
         out.fill(0.0);
         for (i, key) in self.keys.clone().enumerate() {
-            let v = self.cache_row(self.v_cache, key);
+            let v = self.cache_row(self.v_cache, key, row);
             for (g, o) in out.chunks_exact_mut(dim).enumerate() {
                 axpy(weights[g * n + i], v, o);
             }
@@ -220,12 +223,13 @@ impl GroupTask<'_> {
         }
     }
 
-    /// `[head_dim]`: this KV head's K or V of the token at position `key`.
+    /// `[head_dim]`: this KV head's K or V of the token at position `key` (`buf`: `[head_dim]`,
+    /// where an FP8 cache's row is decoded).
     #[inline(always)]
-    fn cache_row<'c>(&self, cache: &'c [f32], key: usize) -> &'c [f32] {
+    fn cache_row<'c>(&self, cache: KvView<'c>, key: usize, buf: &'c mut [f32]) -> &'c [f32] {
         let block = self.block_table[key / self.block_size] as usize;
         let slot = block * self.block_size + key % self.block_size;
-        &cache[slot * self.shape.kv_width + self.kv_offset..][..self.shape.head_dim]
+        cache.row(slot * self.shape.kv_width + self.kv_offset, buf)
     }
 }
 

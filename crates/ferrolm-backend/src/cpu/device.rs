@@ -5,11 +5,13 @@
 use std::convert::Infallible;
 
 use super::{
-    add_rms_norm, add_sigmoid_gated, embedding, gelu_tanh_and_mul, linear, moe, paged_attention, reshape_and_cache,
-    rms_norm, rms_norm_inplace, rope, silu_and_mul, softcap, AttentionMetadata, CpuMoeScratch, MoeWeights,
+    add_rms_norm, add_sigmoid_gated, embedding, gelu_tanh_and_mul, linear, moe, paged_attention,
+    reshape_and_cache_into, rms_norm, rms_norm_inplace, rope, silu_and_mul, softcap, AttentionMetadata, CpuMoeScratch,
+    KvStore, MoeWeights,
 };
 use crate::device::{
-    Device, GatedActivation, LayerAttention, Linear, MoeInput, MoeShape, Precision, RopeFrequencies, Shaped,
+    Device, GatedActivation, KvCacheDtype, LayerAttention, Linear, MoeInput, MoeShape, Precision, RopeFrequencies,
+    Shaped,
 };
 use crate::{DType, HostTensor};
 
@@ -80,8 +82,8 @@ impl CpuRope {
 /// One layer's paged cache: K and V, each `[num_blocks * block_size, kv_width]`.
 #[derive(Clone, Debug)]
 pub struct CpuKvLayer {
-    pub k: Vec<f32>,
-    pub v: Vec<f32>,
+    pub k: KvStore,
+    pub v: KvStore,
 }
 
 /// One step's batch, borrowed from the host arrays that describe it.
@@ -137,8 +139,9 @@ impl Device for Cpu {
         })
     }
 
-    fn kv_layer(&self, num_slots: usize, kv_width: usize) -> Result<CpuKvLayer, Infallible> {
-        Ok(CpuKvLayer { k: vec![0.0; num_slots * kv_width], v: vec![0.0; num_slots * kv_width] })
+    fn kv_layer(&self, num_slots: usize, kv_width: usize, dtype: KvCacheDtype) -> Result<CpuKvLayer, Infallible> {
+        let len = num_slots * kv_width;
+        Ok(CpuKvLayer { k: KvStore::zeros(dtype, len), v: KvStore::zeros(dtype, len) })
     }
 
     fn compute_dtype(&self) -> DType {
@@ -249,7 +252,7 @@ impl Device for Cpu {
     }
 
     fn write_kv(&self, b: &CpuBatch<'_>, k: &CpuTensor, v: &CpuTensor, kv: &mut CpuKvLayer) -> Result<(), Infallible> {
-        reshape_and_cache(k.as_slice(), v.as_slice(), b.slot_mapping, k.cols, &mut kv.k, &mut kv.v);
+        reshape_and_cache_into(k.as_slice(), v.as_slice(), b.slot_mapping, k.cols, &mut kv.k, &mut kv.v);
         Ok(())
     }
 
@@ -268,7 +271,16 @@ impl Device for Cpu {
             ..b.attention
         };
         let h = layer.heads;
-        paged_attention(q.as_slice(), &kv.k, &kv.v, &meta, h.num_heads, h.num_kv_heads, h.head_dim, out.as_mut_slice());
+        paged_attention(
+            q.as_slice(),
+            kv.k.view(),
+            kv.v.view(),
+            &meta,
+            h.num_heads,
+            h.num_kv_heads,
+            h.head_dim,
+            out.as_mut_slice(),
+        );
         Ok(())
     }
 

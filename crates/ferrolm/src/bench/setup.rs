@@ -8,8 +8,9 @@ use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use ferrolm_backend::DType;
+use ferrolm_backend::{DType, KvCacheDtype};
 use ferrolm_engine::EngineHandle;
+use ferrolm_model::config::Quantization;
 use ferrolm_model::{GenerationConfig, ModelConfig, WeightSource};
 use ferrolm_tokenizer::Tokenizer;
 use serde::Serialize;
@@ -87,9 +88,11 @@ impl BenchModel {
         self.step_weights().bytes(1.0) as usize
     }
 
-    /// Bytes of K and V that one decode step reads per token of context (the CPU cache is f32).
+    /// Bytes of K and V that one decode step reads per token of context (the CPU computes in
+    /// f32; an FP8 cache holds a byte per element).
     pub fn kv_bytes_per_context_token(&self) -> usize {
-        self.config.num_hidden_layers * 2 * self.config.kv_size() * self.activation_dtype.size_in_bytes()
+        let element = self.config.kv_cache_dtype.size_in_bytes(self.activation_dtype);
+        self.config.num_hidden_layers * 2 * self.config.kv_size() * element
     }
 
     /// The model's shape, for the JSON report.
@@ -121,6 +124,14 @@ impl BenchModel {
             "moe": moe,
             "weight_bytes": self.weight_bytes,
             "dtype": dtype_name(self.dtype),
+            "quantization": c.quantization.map(|q| match q {
+                Quantization::Checkpoint(scheme) => format!("{} checkpoint", scheme.method),
+                Quantization::Fp8AtLoad => "fp8 at load".into(),
+            }),
+            "kv_cache_dtype": match c.kv_cache_dtype {
+                KvCacheDtype::Auto => dtype_name(self.activation_dtype),
+                KvCacheDtype::Fp8 => "fp8_e4m3",
+            },
         })
     }
 }
@@ -194,8 +205,10 @@ pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(Eng
         _ => GenerationConfig::default(),
     };
     let eos = loader::eos_token_ids(&config, &generation, tokenizer.as_deref());
-    let placed = loader::make_runner(config.clone(), &weights, &engine_args)?;
+    let placed = loader::make_runner(config, &weights, &engine_args)?;
     drop(weights);
+    // The runner's config: with the flags' quantization and KV cache dtype.
+    let mut config = placed.runner.config().clone();
     let (device, weight_bytes, dtype) = (placed.runner.device(), placed.weight_bytes, placed.weight_dtype);
     let activation_dtype =
         if placed.device_kv_bytes.is_some() { engine_args.dtype().unwrap_or(DType::BF16) } else { DType::F32 };

@@ -4,8 +4,10 @@ use rand::seq::SliceRandom;
 use rand_chacha::ChaCha8Rng;
 
 use super::*;
-use crate::cpu::reshape_and_cache;
 use crate::cpu::testutil::{assert_close, nan_vec, random_vec, rng};
+use crate::cpu::{reshape_and_cache_into, KvStore};
+use crate::fp8::{e4m3_to_f32, f32_to_e4m3};
+use crate::KvCacheDtype;
 
 struct Heads {
     num_heads: usize,
@@ -81,18 +83,35 @@ fn dense_attention_capped(
     out
 }
 
-/// Scatters every request's K/V into randomly chosen, non-contiguous blocks of a NaN-filled
-/// cache and runs `paged_attention` on the whole batch, the scores soft-capped at `softcap`
-/// where given.
-fn run_paged(
-    rng: &mut ChaCha8Rng,
-    requests: &[Request],
-    heads: &Heads,
+/// How [`run_paged`] lays out and scores a batch.
+#[derive(Clone, Copy)]
+struct Paged {
     block_size: usize,
     window: Option<usize>,
     scale: f32,
     softcap: Option<f32>,
-) -> Vec<f32> {
+    /// The cache's element type (an FP8 cache's scale is 1).
+    cache: KvCacheDtype,
+}
+
+impl Paged {
+    fn f32(block_size: usize, window: Option<usize>, scale: f32, softcap: Option<f32>) -> Paged {
+        Paged { block_size, window, scale, softcap, cache: KvCacheDtype::Auto }
+    }
+}
+
+/// A cache of `len` elements that reads as NaN everywhere (0x7f is an e4m3 NaN).
+fn poisoned(cache: KvCacheDtype, len: usize) -> KvStore {
+    match cache {
+        KvCacheDtype::Auto => KvStore::F32(nan_vec(len)),
+        KvCacheDtype::Fp8 => KvStore::Fp8 { codes: vec![0x7f; len], scale: 1.0 },
+    }
+}
+
+/// Scatters every request's K/V into randomly chosen, non-contiguous blocks of a NaN-filled
+/// cache and runs `paged_attention` on the whole batch, as `paged` says.
+fn run_paged(rng: &mut ChaCha8Rng, requests: &[Request], heads: &Heads, paged: Paged) -> Vec<f32> {
+    let Paged { block_size, window, scale, softcap, cache } = paged;
     let kv_width = heads.num_kv_heads * heads.head_dim;
     let blocks_per_req: Vec<usize> = requests.iter().map(|r| r.seq_len.div_ceil(block_size)).collect();
     let max_blocks_per_seq = blocks_per_req.iter().max().copied().unwrap_or(0) + 2;
@@ -103,8 +122,8 @@ fn run_paged(
 
     // Padding entries point outside the cache, so reading one panics.
     let mut block_tables = vec![u32::MAX; requests.len() * max_blocks_per_seq];
-    let mut k_cache = nan_vec(num_blocks * block_size * kv_width);
-    let mut v_cache = nan_vec(num_blocks * block_size * kv_width);
+    let mut k_cache = poisoned(cache, num_blocks * block_size * kv_width);
+    let mut v_cache = poisoned(cache, num_blocks * block_size * kv_width);
     let (mut query_start_loc, mut seq_lens, mut q) = (vec![0u32], Vec::new(), Vec::new());
     for (r, req) in requests.iter().enumerate() {
         let table = &mut block_tables[r * max_blocks_per_seq..][..blocks_per_req[r]];
@@ -113,7 +132,7 @@ fn run_paged(
         }
         let slot_mapping: Vec<i64> =
             (0..req.seq_len).map(|j| (table[j / block_size] as usize * block_size + j % block_size) as i64).collect();
-        reshape_and_cache(&req.k, &req.v, &slot_mapping, kv_width, &mut k_cache, &mut v_cache);
+        reshape_and_cache_into(&req.k, &req.v, &slot_mapping, kv_width, &mut k_cache, &mut v_cache);
         query_start_loc.push(query_start_loc[r] + req.q_len as u32);
         seq_lens.push(req.seq_len as u32);
         q.extend_from_slice(&req.q);
@@ -129,7 +148,8 @@ fn run_paged(
         softcap,
     };
     let mut out = nan_vec(q.len());
-    paged_attention(&q, &k_cache, &v_cache, &meta, heads.num_heads, heads.num_kv_heads, heads.head_dim, &mut out);
+    let (k, v) = (k_cache.view(), v_cache.view());
+    paged_attention(&q, k, v, &meta, heads.num_heads, heads.num_kv_heads, heads.head_dim, &mut out);
     out
 }
 
@@ -152,7 +172,7 @@ fn mixed_batch_matches_dense_attention() {
             for window in [None, Some(5), Some(16)] {
                 let requests: Vec<Request> =
                     BATCH.iter().map(|&(s, q)| Request::random(&mut rng, heads, s, q)).collect();
-                let got = run_paged(&mut rng, &requests, heads, block_size, window, scale, None);
+                let got = run_paged(&mut rng, &requests, heads, Paged::f32(block_size, window, scale, None));
                 let want: Vec<f32> = requests.iter().flat_map(|r| dense_attention(r, heads, window, scale)).collect();
                 let what = format!(
                     "heads {}/{} dim {} block_size {block_size} window {window:?}",
@@ -173,7 +193,7 @@ fn softcapped_scores_match_dense_attention() {
     let (scale, cap) = (1.0, 1.5);
     for window in [None, Some(5)] {
         let requests: Vec<Request> = BATCH.iter().map(|&(s, q)| Request::random(&mut rng, &heads, s, q)).collect();
-        let got = run_paged(&mut rng, &requests, &heads, 4, window, scale, Some(cap));
+        let got = run_paged(&mut rng, &requests, &heads, Paged::f32(4, window, scale, Some(cap)));
         let want: Vec<f32> =
             requests.iter().flat_map(|r| dense_attention_capped(r, &heads, window, scale, Some(cap))).collect();
         assert_close(&got, &want, 1e-5, &format!("softcap {cap}, window {window:?}"));
@@ -183,12 +203,40 @@ fn softcapped_scores_match_dense_attention() {
     }
 }
 
+/// An FP8 cache holds e4m3(x), and the attention over it is dense attention over those values:
+/// exactly what an f32 cache of the rounded K/V gives.
+#[test]
+fn an_fp8_cache_attends_over_the_rounded_values() {
+    let mut rng = rng(13);
+    let heads = Heads { num_heads: 6, num_kv_heads: 2, head_dim: 16 };
+    let round = |x: &f32| e4m3_to_f32(f32_to_e4m3(*x));
+    for window in [None, Some(5)] {
+        let requests: Vec<Request> = BATCH.iter().map(|&(s, q)| Request::random(&mut rng, &heads, s, q)).collect();
+        let fp8 = Paged { cache: KvCacheDtype::Fp8, ..Paged::f32(4, window, 0.25, None) };
+        let got = run_paged(&mut rng, &requests, &heads, fp8);
+        let rounded: Vec<Request> = requests
+            .iter()
+            .map(|r| Request {
+                k: r.k.iter().map(round).collect(),
+                v: r.v.iter().map(round).collect(),
+                q: r.q.clone(),
+                ..*r
+            })
+            .collect();
+        assert_eq!(got, run_paged(&mut rng, &rounded, &heads, Paged::f32(4, window, 0.25, None)), "window {window:?}");
+        let want: Vec<f32> = rounded.iter().flat_map(|r| dense_attention(r, &heads, window, 0.25)).collect();
+        assert_close(&got, &want, 1e-5, "fp8 cache");
+        let unrounded = run_paged(&mut rng, &requests, &heads, Paged::f32(4, window, 0.25, None));
+        assert_ne!(got, unrounded, "the cache rounded nothing");
+    }
+}
+
 #[test]
 fn window_of_one_returns_own_value() {
     let mut rng = rng(10);
     let heads = Heads { num_heads: 4, num_kv_heads: 2, head_dim: 8 };
     let requests: Vec<Request> = BATCH.iter().map(|&(s, q)| Request::random(&mut rng, &heads, s, q)).collect();
-    let got = run_paged(&mut rng, &requests, &heads, 4, Some(1), 0.3, None);
+    let got = run_paged(&mut rng, &requests, &heads, Paged::f32(4, Some(1), 0.3, None));
     let mut want = Vec::new();
     for req in &requests {
         for i in 0..req.q_len {
@@ -210,7 +258,7 @@ fn large_scores_do_not_overflow() {
     for req in &mut requests {
         req.q.iter_mut().for_each(|x| *x *= 300.0);
     }
-    let got = run_paged(&mut rng, &requests, &heads, 16, None, 1.0, None);
+    let got = run_paged(&mut rng, &requests, &heads, Paged::f32(16, None, 1.0, None));
     let want: Vec<f32> = requests.iter().flat_map(|r| dense_attention(r, &heads, None, 1.0)).collect();
     assert_close(&got, &want, 1e-3, "large scores");
 }
@@ -228,5 +276,5 @@ fn rejects_more_queries_than_context() {
         scale: 1.0,
         softcap: None,
     };
-    paged_attention(&[0.0; 3], &[0.0; 4], &[0.0; 4], &meta, 1, 1, 1, &mut [0.0; 3]);
+    paged_attention(&[0.0; 3], KvView::F32(&[0.0; 4]), KvView::F32(&[0.0; 4]), &meta, 1, 1, 1, &mut [0.0; 3]);
 }
