@@ -192,7 +192,8 @@ pub enum KvCacheDtype {
     /// The device's compute dtype ([`Device::compute_dtype`]).
     #[default]
     Auto,
-    /// e4m3, each layer's K and V divided by a scale of their own: half the bytes of bf16.
+    /// e4m3 of each layer's K and V divided by a scale (1 where none is set, as vLLM's default):
+    /// half the bytes of bf16.
     Fp8,
 }
 

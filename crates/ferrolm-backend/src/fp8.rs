@@ -8,6 +8,7 @@
 //! computes with ([`Fp8Matrix::dequantize`]) and what the FP8 reference fixtures were made from.
 
 use float8::F8E4M3;
+use rayon::prelude::*;
 
 use crate::HostTensor;
 
@@ -107,14 +108,17 @@ impl Fp8Matrix {
         let [rows, cols] = w.shape() else { panic!("Fp8Matrix::quantize_rows: a matrix of shape {:?}", w.shape()) };
         let (rows, cols) = (*rows, *cols);
         let values = w.to_f32_vec();
-        let mut codes = Vec::with_capacity(rows * cols);
-        let mut scales = Vec::with_capacity(rows);
-        for row in values.chunks_exact(cols.max(1)).take(rows) {
-            let amax = row.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-            let scale = (amax / E4M3_MAX).max(MIN_SCALE);
-            codes.extend(row.iter().map(|&x| f32_to_e4m3(x / scale)));
-            scales.push(scale);
-        }
+        let mut codes = vec![0u8; rows * cols];
+        let mut scales = vec![0.0f32; rows];
+        codes.par_chunks_mut(cols.max(1)).zip(values.par_chunks(cols.max(1))).zip(scales.par_iter_mut()).for_each(
+            |((codes, row), scale)| {
+                let amax = row.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+                *scale = (amax / E4M3_MAX).max(MIN_SCALE);
+                for (code, &x) in codes.iter_mut().zip(row) {
+                    *code = f32_to_e4m3(x / *scale);
+                }
+            },
+        );
         Fp8Matrix { rows, cols, codes, scales: Fp8Scales::Rows(scales) }
     }
 
@@ -148,16 +152,14 @@ impl Fp8Matrix {
 
     /// The matrix's values in f32 (see the module's invariants).
     pub fn dequantize(&self) -> HostTensor {
-        let mut values = Vec::with_capacity(self.rows * self.cols);
-        for (r, row) in self.codes.chunks_exact(self.cols.max(1)).take(self.rows).enumerate() {
-            values.extend(row.iter().enumerate().map(|(c, &code)| e4m3_to_f32(code) * self.scale(r, c)));
-        }
+        let mut values = vec![0.0f32; self.rows * self.cols];
+        let cols = self.cols.max(1);
+        values.par_chunks_mut(cols).zip(self.codes.par_chunks(cols)).enumerate().for_each(|(r, (out, codes))| {
+            for (c, (x, &code)) in out.iter_mut().zip(codes).enumerate() {
+                *x = e4m3_to_f32(code) * self.scale(r, c);
+            }
+        });
         HostTensor::from_f32(vec![self.rows, self.cols], values)
-    }
-
-    /// Bytes the codes take (what a device that keeps them reads per use).
-    pub fn code_bytes(&self) -> usize {
-        self.codes.len()
     }
 }
 

@@ -5,9 +5,9 @@
 //! The held-out text is ferrolm's own `tools/train_demo_model.py`: Python the model never saw
 //! (it was trained on the standard library and installed packages). Its first windows of the
 //! model's 512-token context are scored teacher-forced, each window on its own, on the CPU, where
-//! FP8 weights are computed exactly (dequantized to f32) and an FP8 cache holds exactly the e4m3
-//! values a GPU's would, so the difference is the quantization's alone. The figures are printed (`--nocapture`) and recorded in
-//! docs/PERFORMANCE.md.
+//! FP8 weights are computed exactly (dequantized to f32) and an FP8 cache holds the e4m3 values
+//! of K and V, so the difference is the quantization's alone. The figures are printed
+//! (`--nocapture`) and recorded in docs/PERFORMANCE.md.
 
 // Shared with the golden tests; not every helper is used here.
 #[allow(dead_code)]

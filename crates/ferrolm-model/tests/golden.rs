@@ -22,9 +22,12 @@ fn fixtures() -> PathBuf {
 }
 
 fn load(name: &str) -> (Model, Value) {
-    let dir = fixtures().join(name);
-    let config = ModelConfig::from_dir(&dir).expect("config");
-    let src = WeightSource::open_dir(&dir).expect("weights");
+    load_dir(&fixtures().join(name))
+}
+
+fn load_dir(dir: &std::path::Path) -> (Model, Value) {
+    let config = ModelConfig::from_dir(dir).expect("config");
+    let src = WeightSource::open_dir(dir).expect("weights");
     let model = Model::load(&Cpu, config, &src).expect("model");
     let reference: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).expect("reference")).expect("json");
@@ -32,7 +35,12 @@ fn load(name: &str) -> (Model, Value) {
 }
 
 fn check_fixture(name: &str) {
-    let (model, reference) = load(name);
+    check_dir(&fixtures().join(name), name);
+}
+
+/// The golden checks of the fixture in `dir` (`name` in messages).
+fn check_dir(dir: &std::path::Path, name: &str) {
+    let (model, reference) = load_dir(dir);
     let vocab = model.config.vocab_size;
     for (case_idx, case) in reference["cases"].as_array().expect("cases").iter().enumerate() {
         let prompt = ids(&case["prompt_ids"]);
@@ -95,6 +103,24 @@ macro_rules! fixtures {
 }
 
 include!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/fixtures/names.rs"));
+
+/// AutoFP8's layout, `quant_method: "fp8"` without a block size (per-tensor `weight_scale`,
+/// static `input_scale`), names the tensors of compressed-tensors' `FP8` preset alike: the same
+/// fixture under that config gives the same reference.
+#[test]
+fn autofp8_per_tensor_layout() {
+    let source = fixtures().join("qwen3_qknorm_fp8_static");
+    let dir = tempfile::tempdir().expect("tempdir");
+    for entry in std::fs::read_dir(&source).expect("fixture") {
+        let entry = entry.expect("entry");
+        std::fs::copy(entry.path(), dir.path().join(entry.file_name())).expect("copy");
+    }
+    let path = dir.path().join("config.json");
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+    config["quantization_config"] = serde_json::json!({"quant_method": "fp8", "activation_scheme": "static"});
+    std::fs::write(&path, config.to_string()).expect("write");
+    check_dir(dir.path(), "qwen3_qknorm_fp8_static as AutoFP8");
+}
 
 /// All four prompts of a fixture in one flattened batch give the same logits as each alone.
 #[test]

@@ -53,14 +53,15 @@ pub struct EngineArgs {
     /// f32 and this sets the dtype of --dummy-weights (default: the config's).
     #[arg(long, value_parser = parse_dtype_flag)]
     pub dtype: Option<String>,
-    /// Quantize an unquantized checkpoint at load (vLLM's flag): `fp8` stores each projection of
-    /// the attention and the MLPs as e4m3 with one scale per output row. A checkpoint stored in
-    /// FP8 is read as it is, without this flag.
+    /// Quantize an unquantized checkpoint at load (vLLM's flag): `fp8` quantizes each projection
+    /// of the attention and the MLPs to e4m3 with one scale per output row (vLLM takes one per
+    /// matrix). A checkpoint stored in FP8 is read as it is, without this flag. For now both
+    /// devices compute with the dequantized values: f32 on the CPU, the compute dtype on the GPU.
     #[arg(long, value_enum)]
     pub quantization: Option<QuantizationMethod>,
     /// The KV cache's element type (vLLM's flag): `auto`, the model's compute dtype, or `fp8`
-    /// (e4m3, each layer's K and V with a scale of their own): half the bytes of bf16 per cached
-    /// token, so twice the tokens in the same memory.
+    /// (e4m3 with a scale of 1, vLLM's default without calibrated scales): half the bytes of bf16
+    /// per cached token, so twice the tokens in the same memory. The CPU only, for now.
     #[arg(long, value_enum, default_value_t = KvCacheDtypeFlag::Auto)]
     pub kv_cache_dtype: KvCacheDtypeFlag,
     /// Fraction of the GPU memory left free after the weights that the KV cache takes, in
@@ -305,6 +306,13 @@ fn cuda_place(
     gpu: ferrolm_backend::cuda::Gpu,
     args: &EngineArgs,
 ) -> Result<Placed> {
+    // Refused before the weights go up, not when the cache is allocated after them.
+    if config.kv_cache_dtype == KvCacheDtype::Fp8 {
+        bail!(
+            "--kv-cache-dtype fp8 is not available on the GPU yet (its attention kernels read K/V in the compute \
+             dtype): use --device cpu, or leave the flag out"
+        );
+    }
     use ferrolm_model::cuda::CudaRunner;
 
     let dtype = args.dtype().unwrap_or(DType::BF16);

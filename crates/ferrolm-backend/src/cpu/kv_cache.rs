@@ -3,8 +3,8 @@
 //! The cache is a flat array of slots (`slot = block_id * block_size + offset`), each holding
 //! one token's K (or V) for every KV head: `[num_blocks * block_size, kv_width]`. A layer keeps
 //! its K and V in f32, or, with `--kv-cache-dtype fp8`, as e4m3 codes of `x / scale` with one
-//! scale for the layer's K and one for its V ([`KvStore`]); the attention reads
-//! `e4m3(x / scale) * scale` back, so an FP8 cache computes exactly what a GPU's does.
+//! scale for the layer's K and one for its V ([`KvStore`], 1 for now); the attention reads
+//! `e4m3(x / scale) * scale` back.
 
 use crate::fp8::{e4m3_to_f32, f32_to_e4m3};
 use crate::KvCacheDtype;

@@ -13,7 +13,8 @@
 //! load, naming it. Which projections a checkpoint quantized is read from the weights themselves:
 //! a `weight` stored as F8_E4M3 is read with the scheme's scales, any other as it is stored (the
 //! `ignore` / `modules_to_not_convert` lists name the same modules). Scales of the KV cache
-//! (`kv_cache_scheme`) are not read: they serve an FP8 KV cache, which sets its own.
+//! (`kv_cache_scheme`) are not read yet: an FP8 KV cache takes a scale of 1 (vLLM's default
+//! where a checkpoint has none).
 
 use serde_json::Value;
 
@@ -78,15 +79,16 @@ pub fn parse(config: &Value) -> Result<Option<Quantization>, String> {
     let Some(q) = config.get("quantization_config").filter(|q| !q.is_null()) else {
         return Ok(None);
     };
-    let method = q.get("quant_method").and_then(Value::as_str).unwrap_or("(none)");
+    let Some(method) = q.get("quant_method").and_then(Value::as_str) else {
+        return Err("the quantization_config has no `quant_method`".into());
+    };
     let scheme = match method {
         "compressed-tensors" => compressed_tensors(q)?,
         "fp8" => block_fp8(q)?,
         other => {
             return Err(format!(
-                "quantization method `{other}` is not supported: ferrolm loads FP8 checkpoints \
-                 (compressed-tensors float-quantized, or quant_method `fp8`), or quantizes a bf16 one with \
-                 --quantization fp8"
+                "method `{other}`: ferrolm reads FP8 checkpoints (compressed-tensors float-quantized, or \
+                 quant_method `fp8`), and quantizes a bf16 one with --quantization fp8"
             ))
         }
     };
@@ -107,37 +109,42 @@ fn block(v: &Value, what: &str) -> Result<WeightScaling, String> {
     }
 }
 
+/// Formats whose 8-bit float weights are stored as plain e4m3 codes: `float-quantized`, and
+/// `naive-quantized` / `int-quantized` as earlier llm-compressor releases named it (with
+/// `quantization_status: "frozen"`); the weights' own dtype says which tensors hold codes.
+const CT_FP8_FORMATS: [&str; 3] = ["float-quantized", "naive-quantized", "int-quantized"];
+
 fn compressed_tensors(q: &Value) -> Result<Fp8Checkpoint, String> {
     const NAME: &str = "compressed-tensors";
-    if let Some(status) = str_key(q, "quantization_status").filter(|s| *s != "compressed") {
-        return Err(format!(
-            "a {NAME} checkpoint with quantization_status `{status}` (only `compressed` is stored quantized)"
-        ));
-    }
     if let Some(sparsity) = q.get("sparsity_config").and_then(Value::as_object).filter(|s| !s.is_empty()) {
         let format = sparsity.get("format").and_then(Value::as_str).unwrap_or("?");
         if format != "dense" {
-            return Err(format!("{NAME} sparsity (`{format}`) is not supported"));
+            return Err(format!("{NAME} sparsity (`{format}`)"));
         }
     }
     let groups = q.get("config_groups").and_then(Value::as_object).filter(|g| !g.is_empty());
     let Some(groups) = groups else {
         return Err(format!("a {NAME} config without `config_groups`"));
     };
-    let mut scheme = None;
+    let mut scheme: Option<Fp8Checkpoint> = None;
     for (name, group) in groups {
         let format = str_key(group, "format").or_else(|| str_key(q, "format")).unwrap_or("?");
-        if format != "float-quantized" {
+        if !CT_FP8_FORMATS.contains(&format) {
             return Err(format!(
-                "{NAME} format `{format}` (group `{name}`) is not supported: only `float-quantized` (FP8)"
+                "{NAME} format `{format}` (group `{name}`): only FP8 weights (`float-quantized`) are read"
             ));
         }
         let this = ct_group(name, group)?;
+        // Groups may differ in their inputs' scaling; the weights' scales must read alike.
         match scheme {
-            Some(s) if s != this => {
-                return Err(format!("{NAME} groups with different schemes ({s:?} and {this:?}) are not supported"))
+            Some(s) if s.weights != this.weights => {
+                return Err(format!(
+                    "{NAME} groups whose weights are scaled differently ({:?} and {:?})",
+                    s.weights, this.weights
+                ))
             }
-            _ => scheme = Some(this),
+            Some(_) => {}
+            None => scheme = Some(this),
         }
     }
     Ok(scheme.expect("there is a group"))
@@ -157,19 +164,19 @@ fn ct_group(name: &str, group: &Value) -> Result<Fp8Checkpoint, String> {
             ));
         }
         if v.get("symmetric").and_then(Value::as_bool) == Some(false) {
-            return Err(format!("asymmetric {what} (group `{name}`) are not supported"));
+            return Err(format!("asymmetric {what} (group `{name}`)"));
         }
         Ok(())
     };
     float8(w, "weights")?;
     if w.get("dynamic").and_then(Value::as_bool) == Some(true) {
-        return Err(format!("dynamically quantized weights (group `{name}`) are not supported"));
+        return Err(format!("dynamically quantized weights (group `{name}`)"));
     }
     let weights = match str_key(w, "strategy").unwrap_or("tensor") {
         "tensor" => WeightScaling::Tensor,
         "channel" => WeightScaling::Channel,
         "block" => block(w.get("block_structure").unwrap_or(&Value::Null), "block_structure")?,
-        other => return Err(format!("FP8 weights by strategy `{other}` (group `{name}`) are not supported")),
+        other => return Err(format!("FP8 weights scaled by strategy `{other}` (group `{name}`)")),
     };
     let activations = match group.get("input_activations").filter(|a| !a.is_null()) {
         None => ActivationScaling::None,
@@ -193,20 +200,17 @@ fn ct_group(name: &str, group: &Value) -> Result<Fp8Checkpoint, String> {
 
 fn block_fp8(q: &Value) -> Result<Fp8Checkpoint, String> {
     if let Some(fmt) = str_key(q, "fmt").filter(|f| *f != "e4m3") {
-        return Err(format!("fp8 format `{fmt}` is not supported: only e4m3"));
+        return Err(format!("fp8 format `{fmt}`: only e4m3 is read"));
     }
     let activations = match str_key(q, "activation_scheme").unwrap_or("dynamic") {
         "dynamic" => ActivationScaling::Dynamic,
         "static" => ActivationScaling::Static,
-        other => return Err(format!("fp8 activation_scheme `{other}` is not supported")),
+        other => return Err(format!("fp8 activation_scheme `{other}`")),
     };
     let (weights, scale_suffix) = match q.get("weight_block_size").filter(|b| !b.is_null()) {
         Some(b) => (block(b, "weight_block_size")?, "weight_scale_inv"),
         None => (WeightScaling::Tensor, "weight_scale"),
     };
-    if matches!(weights, WeightScaling::Block { .. }) && activations == ActivationScaling::Static {
-        return Err("block-wise fp8 weights with static activation scales are not supported".into());
-    }
     Ok(Fp8Checkpoint { method: "fp8", weights, scale_suffix, activations })
 }
 
@@ -260,6 +264,11 @@ mod tests {
         let s = scheme(&qwen);
         assert_eq!(s.weights, WeightScaling::Block { rows: 128, cols: 64 });
         assert_eq!((s.scale_suffix, s.method), ("weight_scale_inv", "fp8"));
+        // Earlier llm-compressor releases: `naive-quantized`, `frozen`.
+        let mut naive = group(fp8("tensor"), fp8("tensor"));
+        naive["quantization_config"]["format"] = json!("naive-quantized");
+        naive["quantization_config"]["quantization_status"] = json!("frozen");
+        assert_eq!(scheme(&naive).weights, WeightScaling::Tensor);
         let per_tensor = json!({"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}});
         let s = scheme(&per_tensor);
         assert_eq!(
@@ -276,7 +285,7 @@ mod tests {
         };
         refused(json!({"quantization_config": {"quant_method": "awq", "bits": 4}}), "`awq`");
         refused(json!({"quantization_config": {"quant_method": "gptq"}}), "`gptq`");
-        refused(json!({"quantization_config": {"bits": 4}}), "(none)");
+        refused(json!({"quantization_config": {"bits": 4}}), "no `quant_method`");
         let int8 = json!({"num_bits": 8, "type": "int", "symmetric": true, "strategy": "channel"});
         refused(group(int8, Value::Null), "8-bit `int`");
         let int4 = json!({"num_bits": 4, "type": "int", "symmetric": true, "strategy": "group", "group_size": 128});
@@ -284,9 +293,6 @@ mod tests {
         let mut packed = group(fp8("channel"), Value::Null);
         packed["quantization_config"]["format"] = json!("pack-quantized");
         refused(packed, "`pack-quantized`");
-        let mut frozen = group(fp8("channel"), Value::Null);
-        frozen["quantization_config"]["quantization_status"] = json!("frozen");
-        refused(frozen, "`frozen`");
         refused(group(fp8("group"), Value::Null), "strategy `group`");
         refused(group(fp8("channel"), fp8("token")), "static input scales by strategy `token`");
         let mut sparse = group(fp8("channel"), Value::Null);

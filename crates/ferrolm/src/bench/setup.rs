@@ -70,13 +70,20 @@ impl BenchModel {
         } else {
             self.weight_bytes - c.vocab_size * row + row - unread_head
         };
+        // The layers' matrices may be kept otherwise than the embeddings (FP8 projections are
+        // computed from f32 on the CPU): their bytes per element are what the device holds.
+        let embeddings = if c.tie_word_embeddings { 1 } else { 2 } * c.vocab_size * row;
+        let layer_elements: usize = (0..c.num_hidden_layers).map(|l| c.layer_matrix_elements(l)).sum();
+        let layer_size = self.weight_bytes.saturating_sub(embeddings) as f64 / layer_elements.max(1) as f64;
         let (sparse_layers, expert_bytes, experts) = match &c.moe {
-            Some(m) => (c.num_sparse_layers(), m.expert_matrix_elements(c.hidden_size) * size, m.num_experts),
-            None => (0, 0, 0),
+            Some(m) => {
+                (c.num_sparse_layers(), m.expert_matrix_elements(c.hidden_size) as f64 * layer_size, m.num_experts)
+            }
+            None => (0, 0.0, 0),
         };
         StepWeights {
-            fixed_bytes: (read - sparse_layers * experts * expert_bytes) as f64,
-            expert_bytes: expert_bytes as f64,
+            fixed_bytes: read as f64 - (sparse_layers * experts) as f64 * expert_bytes,
+            expert_bytes,
             sparse_layers,
             moe: c.moe.clone(),
         }
@@ -183,6 +190,11 @@ pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(Eng
         _ => None,
     };
 
+    // Random weights are drawn in a float dtype: an FP8 checkpoint's config stands for its
+    // projections quantized at load.
+    if args.dummy_weights && config.quantization.as_ref().is_some_and(|q| q.checkpoint().is_some()) {
+        config.quantization = Some(Quantization::Fp8AtLoad);
+    }
     let weights = if args.dummy_weights {
         WeightSource::random(engine_args.dtype().unwrap_or(config.dtype), args.weight_seed)
     } else {
