@@ -192,8 +192,7 @@ pub enum KvCacheDtype {
     /// The device's compute dtype ([`Device::compute_dtype`]).
     #[default]
     Auto,
-    /// e4m3 of each layer's K and V divided by a scale (1 where none is set, as vLLM's default):
-    /// half the bytes of bf16.
+    /// e4m3 of each layer's K and V divided by its scale ([`KvScales`]): half the bytes of bf16.
     Fp8,
 }
 
@@ -204,6 +203,20 @@ impl KvCacheDtype {
             KvCacheDtype::Auto => compute.size_in_bytes(),
             KvCacheDtype::Fp8 => 1,
         }
+    }
+}
+
+/// The scales of one layer's FP8 K and V caches: a cached element is `e4m3(x / scale)`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvScales {
+    pub k: f32,
+    pub v: f32,
+}
+
+impl Default for KvScales {
+    /// 1, vLLM's default where a checkpoint brings no scales.
+    fn default() -> KvScales {
+        KvScales { k: 1.0, v: 1.0 }
     }
 }
 
@@ -245,8 +258,15 @@ pub trait Device {
     fn matrix_bytes(&self, matrix: &Self::Matrix) -> usize;
     fn vector(&self, values: &[f32]) -> Result<Self::Vector, Self::Error>;
     fn rope(&self, frequencies: RopeFrequencies<'_>) -> Result<Self::Rope, Self::Error>;
-    /// One layer's cache: `num_slots` slots of `kv_width` for K and for V, in `dtype`.
-    fn kv_layer(&self, num_slots: usize, kv_width: usize, dtype: KvCacheDtype) -> Result<Self::KvLayer, Self::Error>;
+    /// One layer's cache: `num_slots` slots of `kv_width` for K and for V, in `dtype` (an FP8
+    /// cache scaled by `scales`).
+    fn kv_layer(
+        &self,
+        num_slots: usize,
+        kv_width: usize,
+        dtype: KvCacheDtype,
+        scales: KvScales,
+    ) -> Result<Self::KvLayer, Self::Error>;
     /// The dtype activations (and the KV cache) are computed in.
     fn compute_dtype(&self) -> DType;
     /// Scratch for MoE steps of up to `tokens` tokens over experts of this shape

@@ -13,7 +13,7 @@
 //!
 //! [`Decoder::run`] only issues device work, so a step can be captured as a CUDA graph.
 
-use ferrolm_backend::{AttentionInput, Device, LayerAttention, Linear};
+use ferrolm_backend::{AttentionInput, Device, KvCacheDtype, KvScales, LayerAttention, Linear};
 
 use crate::activations::Activations;
 use crate::config::ModelConfig;
@@ -35,6 +35,8 @@ pub struct Layer<D: Device> {
     /// f32 `[head_dim]` each.
     qk_norm: Option<(D::Vector, D::Vector)>,
     attention: LayerAttention,
+    /// The scales of an FP8 KV cache: the checkpoint's, else 1.
+    kv_scales: KvScales,
     /// Which of the decoder's `ropes` rotates q and k.
     rope: usize,
     /// `[hidden, q_size]`
@@ -137,7 +139,7 @@ impl<D: Device> Decoder<D> {
     pub fn kv_cache(&self, dev: &D, num_blocks: &[usize], block_size: usize) -> Result<Vec<D::KvLayer>, D::Error> {
         let slots = |layer: &Layer<D>| group_entry(num_blocks, layer.attention.kv_group) * block_size;
         let (width, dtype) = (self.config.kv_size(), self.config.kv_cache_dtype);
-        self.layers.iter().map(|l| dev.kv_layer(slots(l), width, dtype)).collect()
+        self.layers.iter().map(|l| dev.kv_layer(slots(l), width, dtype, l.kv_scales)).collect()
     }
 
     /// Issues one step: every layer, then the final norm and the LM head on the step's logits
@@ -306,6 +308,7 @@ where
             qkv_proj,
             qk_norm,
             attention: cfg.layer_attention(i),
+            kv_scales: self.kv_scales(&p)?,
             // The sliding layers' own RoPE is the decoder's second.
             rope: usize::from(cfg.layer_takes_sliding_rope(i)),
             o_proj: self.linear(&[(format!("{p}.self_attn.o_proj"), h)], q, cfg.o_bias, Role::Projection)?,
@@ -331,6 +334,37 @@ where
         };
         let out_features = parts.iter().map(|(_, out)| out).sum();
         Ok(Linear { weight, bias, out_features, in_features: inp })
+    }
+
+    /// Layer `p`'s KV cache scales, for an FP8 cache: as compressed-tensors stores them
+    /// (`self_attn.k_scale`, `v_scale`), as earlier FP8 checkpoints did (`k_proj.output_scale`,
+    /// `v_proj.output_scale`, or one `self_attn.kv_scale` for both), else 1.
+    fn kv_scales(&self, p: &str) -> Result<KvScales, ModelError> {
+        if self.cfg.kv_cache_dtype != KvCacheDtype::Fp8 {
+            return Ok(KvScales::default());
+        }
+        let scalar = |names: &[String]| -> Result<Option<f32>, ModelError> {
+            match names.iter().find(|n| self.src.shape_of(n).is_some()) {
+                Some(name) => {
+                    let shape = self.src.shape_of(name).expect("found").to_vec();
+                    if shape.iter().product::<usize>() != 1 {
+                        return Err(ModelError::ShapeMismatch { name: name.clone(), expected: vec![1], found: shape });
+                    }
+                    let scale = self.src.get_f32(name, &shape)?[0];
+                    if !(scale.is_finite() && scale > 0.0) {
+                        return Err(ModelError::Config(format!("`{name}` is {scale}, not a positive scale")));
+                    }
+                    Ok(Some(scale))
+                }
+                None => Ok(None),
+            }
+        };
+        let attn = format!("{p}.self_attn");
+        let both = scalar(&[format!("{attn}.kv_scale")])?;
+        let k = scalar(&[format!("{attn}.k_scale"), format!("{attn}.k_proj.output_scale")])?;
+        let v = scalar(&[format!("{attn}.v_scale"), format!("{attn}.v_proj.output_scale")])?;
+        let one = KvScales::default();
+        Ok(KvScales { k: k.or(both).unwrap_or(one.k), v: v.or(both).unwrap_or(one.v) })
     }
 
     fn norm(&self, name: &str, dim: usize) -> Result<D::Vector, ModelError> {

@@ -174,3 +174,65 @@ fn quantizing_a_quantized_checkpoint_again_is_refused() {
     config.quantize_at_load().expect("bf16");
     assert_eq!(config.quantization, Some(ferrolm_model::config::Quantization::Fp8AtLoad));
 }
+
+/// `fixture` with scalar f32 tensors `extra` added in a second shard (an index names both files).
+fn with_extra_tensors(fixture: &str, extra: &[(String, f32)]) -> tempfile::TempDir {
+    let dir = copy_fixture(fixture);
+    let weights = fs::read(dir.path().join("model.safetensors")).expect("weights");
+    let stored = safetensors::SafeTensors::deserialize(&weights).expect("safetensors");
+    let mut map: serde_json::Map<String, Value> =
+        stored.names().into_iter().map(|n| (n.to_owned(), "model.safetensors".into())).collect();
+    let bytes: Vec<[u8; 4]> = extra.iter().map(|(_, x)| x.to_le_bytes()).collect();
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = extra
+        .iter()
+        .zip(&bytes)
+        .map(|((name, _), b)| {
+            (name.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1], b).expect("view"))
+        })
+        .collect();
+    fs::write(dir.path().join("scales.safetensors"), safetensors::serialize(views, None).expect("serialize"))
+        .expect("write");
+    map.extend(extra.iter().map(|(name, _)| (name.clone(), "scales.safetensors".into())));
+    let index = serde_json::json!({"weight_map": map});
+    fs::write(dir.path().join("model.safetensors.index.json"), index.to_string()).expect("index");
+    dir
+}
+
+#[test]
+fn an_fp8_kv_cache_takes_the_checkpoints_scales() {
+    use ferrolm_backend::cpu::KvStore;
+    use ferrolm_backend::KvCacheDtype;
+    let layer = |i: usize, name: &str| format!("model.layers.{i}.self_attn.{name}");
+    // compressed-tensors' names in layer 0, an earlier checkpoint's in layer 1, none in layer 2.
+    let extra = [
+        (layer(0, "k_scale"), 0.5),
+        (layer(0, "v_scale"), 0.25),
+        (layer(1, "k_proj.output_scale"), 2.0),
+        (layer(1, "v_proj.output_scale"), 4.0),
+    ];
+    let load = |dir: &Path, kv: KvCacheDtype| {
+        let mut config = ferrolm_model::ModelConfig::from_dir(dir).expect("config");
+        config.kv_cache_dtype = kv;
+        let src = ferrolm_model::WeightSource::open_dir(dir).expect("weights");
+        Model::load(&ferrolm_backend::cpu::Cpu, config, &src)
+    };
+    let dir = with_extra_tensors("llama3_gqa_fp8_dynamic", &extra);
+    let model = load(dir.path(), KvCacheDtype::Fp8).expect("model");
+    let scale = |s: &KvStore| match s {
+        KvStore::Fp8 { scale, .. } => *scale,
+        KvStore::F32(_) => panic!("an f32 store"),
+    };
+    let kv = model.new_kv_cache(4, 16);
+    let scales: Vec<(f32, f32)> = kv.layers.iter().map(|l| (scale(&l.k), scale(&l.v))).collect();
+    assert_eq!(scales, [(0.5, 0.25), (2.0, 4.0), (1.0, 1.0)]);
+    // With the cache in the compute dtype, the scales are not read.
+    let auto = load(dir.path(), KvCacheDtype::Auto).expect("model");
+    assert!(matches!(auto.new_kv_cache(4, 16).layers[0].k, KvStore::F32(_)));
+
+    let dir = with_extra_tensors("llama3_gqa_fp8_dynamic", &[(layer(0, "k_scale"), -1.0)]);
+    let msg = match load(dir.path(), KvCacheDtype::Fp8) {
+        Ok(_) => panic!("a negative scale loads"),
+        Err(e) => e.to_string(),
+    };
+    assert!(msg.contains("model.layers.0.self_attn.k_scale") && msg.contains("-1"), "{msg}");
+}

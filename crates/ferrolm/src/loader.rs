@@ -60,8 +60,9 @@ pub struct EngineArgs {
     #[arg(long, value_enum)]
     pub quantization: Option<QuantizationMethod>,
     /// The KV cache's element type (vLLM's flag): `auto`, the model's compute dtype, or `fp8`
-    /// (e4m3 with a scale of 1, vLLM's default without calibrated scales): half the bytes of bf16
-    /// per cached token, so twice the tokens in the same memory. The CPU only, for now.
+    /// (e4m3 of each layer's K and V divided by the checkpoint's scales, else by 1): half the
+    /// bytes of bf16 per cached token, so twice the tokens in the same memory. The CPU only, for
+    /// now.
     #[arg(long, value_enum, default_value_t = KvCacheDtypeFlag::Auto)]
     pub kv_cache_dtype: KvCacheDtypeFlag,
     /// Fraction of the GPU memory left free after the weights that the KV cache takes, in

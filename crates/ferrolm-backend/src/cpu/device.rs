@@ -10,8 +10,8 @@ use super::{
     KvStore, MoeWeights,
 };
 use crate::device::{
-    Device, GatedActivation, KvCacheDtype, LayerAttention, Linear, MoeInput, MoeShape, Precision, RopeFrequencies,
-    Shaped,
+    Device, GatedActivation, KvCacheDtype, KvScales, LayerAttention, Linear, MoeInput, MoeShape, Precision,
+    RopeFrequencies, Shaped,
 };
 use crate::{DType, HostTensor};
 
@@ -139,9 +139,15 @@ impl Device for Cpu {
         })
     }
 
-    fn kv_layer(&self, num_slots: usize, kv_width: usize, dtype: KvCacheDtype) -> Result<CpuKvLayer, Infallible> {
+    fn kv_layer(
+        &self,
+        num_slots: usize,
+        kv_width: usize,
+        dtype: KvCacheDtype,
+        scales: KvScales,
+    ) -> Result<CpuKvLayer, Infallible> {
         let len = num_slots * kv_width;
-        Ok(CpuKvLayer { k: KvStore::zeros(dtype, len), v: KvStore::zeros(dtype, len) })
+        Ok(CpuKvLayer { k: KvStore::zeros(dtype, len, scales.k), v: KvStore::zeros(dtype, len, scales.v) })
     }
 
     fn compute_dtype(&self) -> DType {

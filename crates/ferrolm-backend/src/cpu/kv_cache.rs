@@ -3,7 +3,7 @@
 //! The cache is a flat array of slots (`slot = block_id * block_size + offset`), each holding
 //! one token's K (or V) for every KV head: `[num_blocks * block_size, kv_width]`. A layer keeps
 //! its K and V in f32, or, with `--kv-cache-dtype fp8`, as e4m3 codes of `x / scale` with one
-//! scale for the layer's K and one for its V ([`KvStore`], 1 for now); the attention reads
+//! scale for the layer's K and one for its V ([`KvStore`]); the attention reads
 //! `e4m3(x / scale) * scale` back.
 
 use crate::fp8::{e4m3_to_f32, f32_to_e4m3};
@@ -28,12 +28,11 @@ pub enum KvView<'a> {
 }
 
 impl KvStore {
-    /// `len` elements of `dtype`, zero; an FP8 store's scale is 1 (vLLM's default where a
-    /// checkpoint brings no KV scales).
-    pub fn zeros(dtype: KvCacheDtype, len: usize) -> KvStore {
+    /// `len` elements of `dtype`, zero; an FP8 store holds codes of `x / scale`.
+    pub fn zeros(dtype: KvCacheDtype, len: usize, scale: f32) -> KvStore {
         match dtype {
             KvCacheDtype::Auto => KvStore::F32(vec![0.0; len]),
-            KvCacheDtype::Fp8 => KvStore::Fp8 { codes: vec![0; len], scale: 1.0 },
+            KvCacheDtype::Fp8 => KvStore::Fp8 { codes: vec![0; len], scale },
         }
     }
 
@@ -195,7 +194,7 @@ mod tests {
         let (kv_width, num_slots) = (4, 3);
         let k: Vec<f32> = vec![0.3, -1.7, 300.0, 1000.0];
         let v: Vec<f32> = vec![1.0, 2.0, 3.0, 4.0];
-        let mut k_cache = KvStore::zeros(KvCacheDtype::Fp8, num_slots * kv_width);
+        let mut k_cache = KvStore::zeros(KvCacheDtype::Fp8, num_slots * kv_width, 1.0);
         let mut v_cache = KvStore::Fp8 { codes: vec![0; num_slots * kv_width], scale: 0.5 };
         reshape_and_cache_into(&k, &v, &[2], kv_width, &mut k_cache, &mut v_cache);
         let mut buf = [0.0; 4];

@@ -19,8 +19,8 @@ use super::{
     PagedAttention, QkNorms, QkvOut, QkvRows,
 };
 use crate::device::{
-    unfused_attention_input, AttentionInput, Device, GatedActivation, KvCacheDtype, LayerAttention, Linear, MoeInput,
-    MoeShape, Precision, RopeFrequencies, Shaped,
+    unfused_attention_input, AttentionInput, Device, GatedActivation, KvCacheDtype, KvScales, LayerAttention, Linear,
+    MoeInput, MoeShape, Precision, RopeFrequencies, Shaped,
 };
 use crate::{DType, HostTensor};
 
@@ -197,7 +197,13 @@ impl Device for Cuda {
         GpuRopeTable::new(&self.gpu, f.inv_freq, f.long, f.attention_scaling)
     }
 
-    fn kv_layer(&self, num_slots: usize, kv_width: usize, dtype: KvCacheDtype) -> Result<CudaKvLayer, GpuError> {
+    fn kv_layer(
+        &self,
+        num_slots: usize,
+        kv_width: usize,
+        dtype: KvCacheDtype,
+        _scales: KvScales,
+    ) -> Result<CudaKvLayer, GpuError> {
         if dtype == KvCacheDtype::Fp8 {
             let reason = "not yet on the GPU: the attention kernels read K/V in the compute dtype".into();
             return Err(GpuError::Unsupported { op: "an FP8 KV cache (--kv-cache-dtype fp8)", reason });

@@ -12,9 +12,8 @@
 //! Anything else (another method, integer or 4-bit weights, another float format) is refused at
 //! load, naming it. Which projections a checkpoint quantized is read from the weights themselves:
 //! a `weight` stored as F8_E4M3 is read with the scheme's scales, any other as it is stored (the
-//! `ignore` / `modules_to_not_convert` lists name the same modules). Scales of the KV cache
-//! (`kv_cache_scheme`) are not read yet: an FP8 KV cache takes a scale of 1 (vLLM's default
-//! where a checkpoint has none).
+//! `ignore` / `modules_to_not_convert` lists name the same modules). The KV cache's scales
+//! (`kv_cache_scheme`: `k_scale`, `v_scale`) are read with the layers, where the cache is FP8.
 
 use serde_json::Value;
 
