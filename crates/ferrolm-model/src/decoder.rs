@@ -343,21 +343,16 @@ where
         if self.cfg.kv_cache_dtype != KvCacheDtype::Fp8 {
             return Ok(KvScales::default());
         }
+        // The first of `names` the checkpoint has (random weights have none).
         let scalar = |names: &[String]| -> Result<Option<f32>, ModelError> {
-            match names.iter().find(|n| self.src.shape_of(n).is_some()) {
-                Some(name) => {
-                    let shape = self.src.shape_of(name).expect("found").to_vec();
-                    if shape.iter().product::<usize>() != 1 {
-                        return Err(ModelError::ShapeMismatch { name: name.clone(), expected: vec![1], found: shape });
-                    }
-                    let scale = self.src.get_f32(name, &shape)?[0];
-                    if !(scale.is_finite() && scale > 0.0) {
-                        return Err(ModelError::Config(format!("`{name}` is {scale}, not a positive scale")));
-                    }
-                    Ok(Some(scale))
-                }
-                None => Ok(None),
+            let Some(name) = names.iter().find(|n| self.src.shape_of(n).is_some()) else {
+                return Ok(None);
+            };
+            let scale = self.src.get_scalar(name)?;
+            if !(scale.is_finite() && scale > 0.0) {
+                return Err(ModelError::Config(format!("`{name}` is {scale}, not a positive scale")));
             }
+            Ok(Some(scale))
         };
         let attn = format!("{p}.self_attn");
         let both = scalar(&[format!("{attn}.kv_scale")])?;

@@ -190,6 +190,15 @@ impl WeightSource {
         Ok(HostTensor::from_bytes(map, loc.start, loc.end, dtype, shape.to_vec()))
     }
 
+    /// A one-element tensor (a scale, stored with shape `[]`, `[1]` or `[1, 1]`) as f32.
+    pub fn get_scalar(&self, name: &str) -> Result<f32, ModelError> {
+        let shape = self.shape_of(name).ok_or_else(|| ModelError::MissingTensor(name.to_owned()))?.to_vec();
+        if shape.iter().product::<usize>() != 1 {
+            return Err(ModelError::ShapeMismatch { name: name.to_owned(), expected: vec![1], found: shape });
+        }
+        Ok(self.get_f32(name, &shape)?[0])
+    }
+
     /// The e4m3 codes of FP8 tensor `name`, checking that it has exactly `shape`.
     pub fn get_fp8_codes(&self, name: &str, shape: &[usize]) -> Result<Vec<u8>, ModelError> {
         let (map, loc) = self.bytes(name, shape)?;

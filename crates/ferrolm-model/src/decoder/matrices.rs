@@ -70,27 +70,25 @@ where
         let (rows, cols) = (*rows, *cols);
         let codes = self.src.get_fp8_codes(&format!("{prefix}.weight"), &[rows, cols])?;
         let name = format!("{prefix}.{}", scheme.scale_suffix);
-        // Scales as the formats shape them: [1] or [] for a tensor, [rows, 1] (or [rows]) for
-        // channels, the block grid for blocks.
-        let stored = self.src.shape_of(&name).ok_or_else(|| ModelError::MissingTensor(name.clone()))?.to_vec();
-        let scales_of = |count: usize, shapes: &[&[usize]]| {
+        // Per-row and block scales as the formats shape them: [rows, 1] (or [rows]) for rows, the
+        // block grid for blocks.
+        let scales_shaped = |shapes: &[&[usize]]| {
+            let stored = self.src.shape_of(&name).ok_or_else(|| ModelError::MissingTensor(name.clone()))?.to_vec();
             if !shapes.contains(&stored.as_slice()) {
                 return Err(ModelError::ShapeMismatch {
                     name: name.clone(),
                     expected: shapes[0].to_vec(),
-                    found: stored.clone(),
+                    found: stored,
                 });
             }
-            let scales = self.src.get_f32(&name, &stored)?;
-            debug_assert_eq!(scales.len(), count);
-            Ok(scales)
+            self.src.get_f32(&name, &stored)
         };
         let scales = match scheme.weights {
-            WeightScaling::Tensor => Fp8Scales::Tensor(scales_of(1, &[&[1], &[]])?[0]),
-            WeightScaling::Channel => Fp8Scales::Rows(scales_of(rows, &[&[rows, 1], &[rows]])?),
+            WeightScaling::Tensor => Fp8Scales::Tensor(self.src.get_scalar(&name)?),
+            WeightScaling::Channel => Fp8Scales::Rows(scales_shaped(&[&[rows, 1], &[rows]])?),
             WeightScaling::Block { rows: br, cols: bc } => {
                 let grid = [rows.div_ceil(br), cols.div_ceil(bc)];
-                Fp8Scales::Blocks { block_rows: br, block_cols: bc, scales: scales_of(grid[0] * grid[1], &[&grid])? }
+                Fp8Scales::Blocks { block_rows: br, block_cols: bc, scales: scales_shaped(&[&grid])? }
             }
         };
         Fp8Matrix::new(rows, cols, codes, scales)
