@@ -28,6 +28,7 @@ mod compile;
 mod device;
 mod error;
 mod flash_attention;
+mod fp8;
 mod gemm_tune;
 mod gpu;
 mod linear;
@@ -42,9 +43,10 @@ mod tensor;
 pub use crate::GatedActivation;
 
 /// The entry points every op family loads, by kernel file (`Gpu::new` loads them all).
-const KERNELS: [&[compile::KernelFamilies]; 8] = [
+const KERNELS: [&[compile::KernelFamilies]; 9] = [
     ops::KERNELS,
     linear::KERNELS,
+    fp8::KERNELS,
     moe::KERNELS,
     rope::KERNELS,
     attention::KERNELS,
@@ -57,14 +59,15 @@ const KERNELS: [&[compile::KernelFamilies]; 8] = [
 pub use attention::AttentionKernel;
 pub use attention::{reshape_and_cache, GpuAttentionMetadata, PagedAttention};
 pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
-pub use device::{Cuda, CudaBatch, CudaKvLayer, CudaTensor};
+pub use device::{Cuda, CudaBatch, CudaKvLayer, CudaMatrix, CudaTensor};
 pub use error::GpuError;
 pub use flash_attention::AttentionWork;
+pub use fp8::{Fp8View, GpuFp8Matrix};
 pub use gemm_tune::{GemmShape, GemmTuning, Gemms};
 #[cfg(feature = "bench-internals")]
 pub use gpu::StreamPriority;
 pub use gpu::{Gpu, GpuGraph, GpuOptions};
-pub use linear::{linear, linear_gated};
+pub use linear::{linear, linear_fp8, linear_gated, linear_gated_fp8};
 #[cfg(feature = "bench-internals")]
 pub use linear::{linear_cublas, linear_gemv_ksplit, GEMV_MAX_M};
 #[cfg(feature = "bench-internals")]

@@ -49,6 +49,19 @@ pub struct Linear<D: Device + ?Sized> {
     pub in_features: usize,
 }
 
+/// Which ops read a matrix, so that a device may keep FP8 weights only where its kernels for
+/// those ops read them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MatrixUse {
+    /// [`Device::linear`] and the fused projections ([`Device::attention_input`],
+    /// [`Device::gated_mlp`]).
+    Linear,
+    /// A mixture's stacked experts ([`Experts`], read by [`Device::moe`]).
+    Experts,
+    /// [`Device::embedding`] too: the token table (and the LM head tied to it).
+    Embedding,
+}
+
 /// The head layout of an attention layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Heads {
@@ -249,10 +262,12 @@ pub trait Device {
     fn tensor_bytes(&self, precision: Precision, capacity: usize, cols: usize) -> usize;
     /// The matrix whose rows are the rows of `parts` in order (fused projections).
     fn matrix(&self, parts: Vec<HostTensor>) -> Result<Self::Matrix, Self::Error>;
-    /// The matrix whose rows are the rows of FP8 `parts` in order. By default their values,
-    /// dequantized exactly to f32 ([`Fp8Matrix::dequantize`]), placed as [`Self::matrix`] places
-    /// an f32 checkpoint's.
-    fn fp8_matrix(&self, parts: Vec<Fp8Matrix>) -> Result<Self::Matrix, Self::Error> {
+    /// The matrix whose rows are the rows of FP8 `parts` in order, for `usage`. By default their
+    /// values, dequantized exactly to f32 ([`Fp8Matrix::dequantize`]), placed as [`Self::matrix`]
+    /// places an f32 checkpoint's; a device keeps the codes and scales where its kernels for
+    /// `usage` read them.
+    fn fp8_matrix(&self, parts: Vec<Fp8Matrix>, usage: MatrixUse) -> Result<Self::Matrix, Self::Error> {
+        let _ = usage;
         self.matrix(parts.iter().map(Fp8Matrix::dequantize).collect())
     }
     fn matrix_bytes(&self, matrix: &Self::Matrix) -> usize;

@@ -150,6 +150,55 @@ impl Fp8Matrix {
         }
     }
 
+    /// The scales as one block grid, whatever the strategy: `(block_rows, block_cols, scales)`,
+    /// element `(r, c)` taking `scales[(r / block_rows) * ceil(cols / block_cols) + c / block_cols]`.
+    /// A tensor scale is one block of the whole matrix, row scales blocks of one row.
+    pub fn scale_grid(&self) -> (usize, usize, &[f32]) {
+        let (rows, cols) = (self.rows.max(1), self.cols.max(1));
+        match &self.scales {
+            Fp8Scales::Tensor(s) => (rows, cols, std::slice::from_ref(s)),
+            Fp8Scales::Rows(s) => (1, cols, s),
+            Fp8Scales::Blocks { block_rows, block_cols, scales } => (*block_rows, *block_cols, scales),
+        }
+    }
+
+    /// The matrix whose rows are the rows of `parts` in order (fused projections), with one
+    /// block grid of scales ([`Fp8Scales::Blocks`]) and the same values. Where the parts' grids
+    /// have the same blocks and each part but the last ends on a block row, the grids are laid
+    /// end to end; otherwise each row takes its own scales, in blocks as wide as the greatest
+    /// common divisor of the parts' block widths (so that no new block straddles two old ones).
+    pub fn stack(parts: Vec<Fp8Matrix>) -> Result<Fp8Matrix, String> {
+        let Some(first) = parts.first() else { return Err("no parts to stack".into()) };
+        let cols = first.cols;
+        if let Some(p) = parts.iter().find(|p| p.cols != cols) {
+            return Err(format!("parts of {cols} and {} columns", p.cols));
+        }
+        let rows: usize = parts.iter().map(|p| p.rows).sum();
+        let (block_rows, block_cols, _) = first.scale_grid();
+        let aligned = parts.iter().enumerate().all(|(i, p)| {
+            let (br, bc, _) = p.scale_grid();
+            (br, bc) == (block_rows, block_cols) && (i + 1 == parts.len() || p.rows.is_multiple_of(br))
+        });
+        let (block_rows, block_cols, scales) = if aligned {
+            (block_rows, block_cols, parts.iter().flat_map(|p| p.scale_grid().2.iter().copied()).collect())
+        } else {
+            let block_cols = parts.iter().fold(0, |g, p| gcd(g, p.scale_grid().1));
+            let grid_cols = cols.div_ceil(block_cols.max(1));
+            let mut scales = Vec::with_capacity(rows * grid_cols);
+            for p in &parts {
+                for r in 0..p.rows {
+                    scales.extend((0..grid_cols).map(|b| p.scale(r, b * block_cols)));
+                }
+            }
+            (1, block_cols, scales)
+        };
+        let mut codes = Vec::with_capacity(rows * cols);
+        for p in parts {
+            codes.extend_from_slice(&p.codes);
+        }
+        Fp8Matrix::new(rows, cols, codes, Fp8Scales::Blocks { block_rows, block_cols, scales })
+    }
+
     /// The matrix's values in f32 (see the module's invariants).
     pub fn dequantize(&self) -> HostTensor {
         let mut values = vec![0.0f32; self.rows * self.cols];
@@ -160,6 +209,14 @@ impl Fp8Matrix {
             }
         });
         HostTensor::from_f32(vec![self.rows, self.cols], values)
+    }
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
     }
 }
 
@@ -244,5 +301,52 @@ mod tests {
             }
         }
         assert!(back[cols..2 * cols].iter().all(|&x| x == 0.0));
+    }
+
+    #[test]
+    fn stacking_keeps_every_value_and_one_grid() {
+        let part = |rows: usize, cols: usize, seed: usize, scales: Fp8Scales| {
+            let codes = (0..rows * cols).map(|i| ((i * 37 + seed * 11) % 120) as u8).collect();
+            Fp8Matrix::new(rows, cols, codes, scales).unwrap()
+        };
+        let check = |parts: Vec<Fp8Matrix>, grid: (usize, usize)| {
+            let expected: Vec<f32> = parts.iter().flat_map(|p| p.dequantize().to_f32_vec()).collect();
+            let stacked = Fp8Matrix::stack(parts).unwrap();
+            let (br, bc, _) = stacked.scale_grid();
+            assert_eq!((br, bc), grid);
+            assert!(matches!(stacked.scales(), Fp8Scales::Blocks { .. }));
+            assert_eq!(stacked.dequantize().to_f32_vec(), expected);
+        };
+        let blocks = |rows: usize, cols: usize, br: usize, bc: usize, base: f32| Fp8Scales::Blocks {
+            block_rows: br,
+            block_cols: bc,
+            scales: (0..rows.div_ceil(br) * cols.div_ceil(bc)).map(|i| base + i as f32).collect(),
+        };
+        // q, k, v in 2 x 4 blocks, each ending on a block row: the grids end to end.
+        check(
+            vec![
+                part(4, 8, 1, blocks(4, 8, 2, 4, 1.0)),
+                part(2, 8, 2, blocks(2, 8, 2, 4, 10.0)),
+                part(3, 8, 3, blocks(3, 8, 2, 4, 20.0)),
+            ],
+            (2, 4),
+        );
+        // A part ending inside a block row: per-row blocks 4 wide.
+        check(vec![part(3, 8, 1, blocks(3, 8, 2, 4, 1.0)), part(2, 8, 2, blocks(2, 8, 2, 4, 10.0))], (1, 4));
+        // Tensor scales of different parts: one block per row.
+        check(vec![part(3, 8, 1, Fp8Scales::Tensor(0.5)), part(2, 8, 2, Fp8Scales::Tensor(2.0))], (1, 8));
+        // Row scales and blocks 4 wide mixed (a 6-wide block width too): gcd(8, 4, 6) = 2.
+        check(
+            vec![
+                part(2, 8, 1, Fp8Scales::Rows(vec![1.0, 2.0])),
+                part(3, 8, 2, blocks(3, 8, 2, 4, 5.0)),
+                part(2, 8, 3, blocks(2, 8, 1, 6, 9.0)),
+            ],
+            (1, 2),
+        );
+        // One part keeps its grid.
+        check(vec![part(3, 8, 1, Fp8Scales::Rows(vec![1.0, 2.0, 3.0]))], (1, 8));
+        assert!(Fp8Matrix::stack(vec![part(2, 8, 1, Fp8Scales::Tensor(1.0)), part(2, 4, 1, Fp8Scales::Tensor(1.0))])
+            .is_err());
     }
 }

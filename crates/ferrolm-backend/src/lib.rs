@@ -21,7 +21,7 @@ mod host;
 
 pub use device::{
     unfused_attention_input, AttentionInput, Device, Experts, GatedActivation, Heads, KvCacheDtype, KvScales,
-    LayerAttention, Linear, MoeInput, MoeShape, Precision, RopeFrequencies, Shaped,
+    LayerAttention, Linear, MatrixUse, MoeInput, MoeShape, Precision, RopeFrequencies, Shaped,
 };
 pub use fp8::{Fp8Matrix, Fp8Scales};
 pub use host::{HostTensor, SharedBytes};

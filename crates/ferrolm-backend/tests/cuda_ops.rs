@@ -9,10 +9,10 @@
 
 use ferrolm_backend::cpu;
 use ferrolm_backend::cuda::{
-    self, AttentionKernel, CudaSlice, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuOptions, GpuRopeTable, GpuTensor,
-    PagedAttention, QkNorms, QkvOut, QkvRows,
+    self, AttentionKernel, CudaSlice, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuFp8Matrix, GpuOptions,
+    GpuRopeTable, GpuTensor, PagedAttention, QkNorms, QkvOut, QkvRows,
 };
-use ferrolm_backend::{DType, Heads, WeightView};
+use ferrolm_backend::{DType, Fp8Matrix, Fp8Scales, Heads, WeightView};
 use half::{bf16, f16};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -2649,6 +2649,172 @@ fn add_sigmoid_gated_matches_the_host() -> Result<(), GpuError> {
             let want: Vec<f32> =
                 (0..rows * width).map(|i| out_r[i] + x_r[i] / (1.0 + (-gate[i / width]).exp())).collect();
             check(&format!("add_sigmoid_gated {dtype:?} [{rows}, {width}]"), &out_dev.to_f32_vec(&gpu)?, &want, tol);
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// FP8 weights
+
+/// A `[rows, cols]` FP8 matrix of random finite codes (no NaN codes) with `scales`.
+fn random_fp8(rng: &mut ChaCha8Rng, rows: usize, cols: usize, scales: Fp8Scales) -> Fp8Matrix {
+    let codes = (0..rows * cols)
+        .map(|_| loop {
+            let c: u8 = rng.random();
+            if c & 0x7f != 0x7f {
+                break c;
+            }
+        })
+        .collect();
+    Fp8Matrix::new(rows, cols, codes, scales).expect("a valid FP8 matrix")
+}
+
+/// The scale layouts an FP8 product meets, for a `[rows, cols]` matrix: per tensor, per row,
+/// 128 x 128 blocks (partial at the edges where 128 does not divide), and q/k/v parts in blocks
+/// that do not end on a block row (stacked as one-row blocks 16 wide).
+fn fp8_layouts(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Vec<(&'static str, Fp8Matrix)> {
+    let scale = |rng: &mut ChaCha8Rng| rng.random_range(0.5f32..2.0) / 448.0;
+    let tensor_scale = scale(rng);
+    let tensor = random_fp8(rng, rows, cols, Fp8Scales::Tensor(tensor_scale));
+    let per_row = (0..rows).map(|_| scale(rng)).collect();
+    let per_row = random_fp8(rng, rows, cols, Fp8Scales::Rows(per_row));
+    let grid = (0..rows.div_ceil(128) * cols.div_ceil(128)).map(|_| scale(rng)).collect();
+    let blocks = random_fp8(rng, rows, cols, Fp8Scales::Blocks { block_rows: 128, block_cols: 128, scales: grid });
+    let split = rows / 3 + 1;
+    let mut part = |rows: usize| {
+        let grid = (0..rows.div_ceil(8) * cols.div_ceil(16)).map(|_| scale(rng)).collect();
+        random_fp8(rng, rows, cols, Fp8Scales::Blocks { block_rows: 8, block_cols: 16, scales: grid })
+    };
+    let parts = vec![part(split), part(rows - split)];
+    let stacked = Fp8Matrix::stack(parts).expect("parts of one width");
+    vec![
+        ("tensor", Fp8Matrix::stack(vec![tensor]).unwrap()),
+        ("rows", Fp8Matrix::stack(vec![per_row]).unwrap()),
+        ("blocks", Fp8Matrix::stack(vec![blocks]).unwrap()),
+        ("stacked", stacked),
+    ]
+}
+
+/// `linear_fp8` against the CPU's product with the dequantized weights: the FP8 GEMV for 1 to 4
+/// rows (k in one or several rounds of chunks, narrow and wide matrices so k split or not), and
+/// the dequantized matrix through cuBLAS for more, with and without bias, into the activation
+/// dtype and into f32, over every scale layout.
+#[test]
+fn fp8_linear_matches_cpu_on_dequantized_weights() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let gemms = Gemms::new()?;
+    let mut rng = rng(41);
+    for &(k, n) in &[(64, 130), (1040, 300), (4096, 4100)] {
+        for (layout, w) in fp8_layouts(&mut rng, n, k) {
+            let w_dev = GpuFp8Matrix::new(&gpu, &w)?.expect("the kernels take every layout under test");
+            let w_f32 = w.dequantize().to_f32_vec();
+            let bias = random_vec(&mut rng, n, 1.0);
+            let bias_dev = GpuTensor::from_f32(&gpu, &bias, DType::F32)?;
+            for &m in &[1, 2, 3, 4, 5, 33] {
+                let x = random_vec(&mut rng, m * k, 1.0);
+                for (dtype, tol) in DTYPES {
+                    let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
+                    let mut scratch = GpuTensor::uninit(&gpu, dtype, n * k)?;
+                    // Beyond the GEMV the weights are dequantized to the activation dtype first.
+                    let w_r = if m <= cuda::GEMV_MAX_M { w_f32.clone() } else { rounded(&w_f32, dtype) };
+                    let f32_tol = if dtype == DType::F32 { 1e-4 } else { 1e-3 };
+                    for (y_dtype, y_tol) in [(dtype, tol), (DType::F32, f32_tol)] {
+                        for with_bias in [false, true] {
+                            let b = with_bias.then_some(bias.as_slice());
+                            let mut want = vec![0.0; m * n];
+                            cpu::linear(&x_r, m, k, WeightView::F32(&w_r), n, b, &mut want);
+                            let mut y = nan_tensor(&gpu, y_dtype, m * n)?;
+                            let b_dev = with_bias.then(|| bias_dev.view());
+                            let w_view = w_dev.view();
+                            cuda::linear_fp8(
+                                &gpu,
+                                &gemms,
+                                x_dev.view(),
+                                m,
+                                w_view,
+                                n,
+                                b_dev,
+                                y.view_mut(),
+                                &mut scratch,
+                            )?;
+                            let what = format!(
+                                "linear_fp8 {layout} {dtype:?}->{y_dtype:?} m={m} k={k} n={n} bias={with_bias}"
+                            );
+                            check(&what, &y.to_f32_vec(&gpu)?, &want, y_tol);
+                        }
+                    }
+                }
+            }
+            // The first rows only (an LM head's prefix).
+            let (m, rows) = (2, n / 2 + 1);
+            let x = random_vec(&mut rng, m * k, 1.0);
+            let (x_dev, x_r) = upload(&gpu, &x, DType::F32)?;
+            let mut scratch = GpuTensor::uninit(&gpu, DType::F32, n * k)?;
+            let mut y = nan_tensor(&gpu, DType::F32, m * rows)?;
+            cuda::linear_fp8(&gpu, &gemms, x_dev.view(), m, w_dev.view(), rows, None, y.view_mut(), &mut scratch)?;
+            let mut want = vec![0.0; m * rows];
+            cpu::linear(&x_r, m, k, WeightView::F32(&w_f32[..rows * k]), rows, None, &mut want);
+            check(&format!("linear_fp8 {layout} first {rows} rows"), &y.to_f32_vec(&gpu)?, &want, 1e-4);
+        }
+    }
+    Ok(())
+}
+
+/// `linear_gated_fp8` gives the bits of `linear_fp8` into gate_up followed by the activation
+/// (the GEMV with the activation in its epilogue up to 4 rows, that composition beyond).
+#[test]
+fn fp8_linear_gated_matches_fp8_linear_then_activation() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let gemms = Gemms::new()?;
+    let mut rng = rng(43);
+    for act in [cuda::GatedActivation::Silu, cuda::GatedActivation::GeluTanh] {
+        for &(k, inter) in &[(256, 100), (2048, 1100)] {
+            for (layout, w) in fp8_layouts(&mut rng, 2 * inter, k) {
+                let w_dev = GpuFp8Matrix::new(&gpu, &w)?.expect("the kernels take every layout under test");
+                for m in 1..=cuda::GEMV_MAX_M + 1 {
+                    let x = random_vec(&mut rng, m * k, 1.0);
+                    for (dtype, _) in DTYPES {
+                        let (x_dev, _) = upload(&gpu, &x, dtype)?;
+                        let mut scratch = GpuTensor::uninit(&gpu, dtype, 2 * inter * k)?;
+                        let mut gate_up = nan_tensor(&gpu, dtype, m * 2 * inter)?;
+                        let mut got = nan_tensor(&gpu, dtype, m * inter)?;
+                        let (x_view, w_view) = (x_dev.view(), w_dev.view());
+                        let (gu, out) = (gate_up.view_mut(), got.view_mut());
+                        cuda::linear_gated_fp8(
+                            &gpu,
+                            &gemms,
+                            x_view,
+                            m,
+                            w_view,
+                            inter,
+                            None,
+                            act,
+                            gu,
+                            out,
+                            &mut scratch,
+                        )?;
+                        let mut want = nan_tensor(&gpu, dtype, m * inter)?;
+                        let gu = gate_up.view_mut();
+                        cuda::linear_fp8(&gpu, &gemms, x_view, m, w_view, 2 * inter, None, gu, &mut scratch)?;
+                        match act {
+                            cuda::GatedActivation::Silu => {
+                                cuda::silu_and_mul(&gpu, gate_up.view(), inter, want.view_mut())?
+                            }
+                            cuda::GatedActivation::GeluTanh => {
+                                cuda::gelu_tanh_and_mul(&gpu, gate_up.view(), inter, want.view_mut())?
+                            }
+                        }
+                        let (got, want) = (got.to_f32_vec(&gpu)?, want.to_f32_vec(&gpu)?);
+                        assert!(!got.iter().any(|v| v.is_nan()), "linear_gated_fp8 {layout} {dtype:?} m={m}: NaN");
+                        let same = got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits());
+                        assert!(
+                            same,
+                            "linear_gated_fp8 {act:?} {layout} {dtype:?} m={m} k={k}: differs from the composition"
+                        );
+                    }
+                }
+            }
         }
     }
     Ok(())

@@ -112,15 +112,19 @@ impl CudaRunner {
     /// at 8192 rows tuning gained 0.4 %) keep `cublasGemmEx`.
     pub fn tune_gemms(&self, max_decode_batch: usize) -> Result<(), ModelError> {
         let Some(layer) = self.decoder.first_layer() else { return Ok(()) };
-        fn projection(l: &Linear<Cuda>) -> (GpuView<'_>, usize, DType) {
+        // FP8 projections are left out: their GEMMs read a dequantized copy (`linear_fp8`).
+        fn projection(l: &Linear<Cuda>) -> Option<(GpuView<'_>, usize, DType)> {
+            let weight = l.weight.dense()?;
             // A bias is added to an f32 product (see `linear`).
-            let output = if l.bias.is_some() { DType::F32 } else { l.weight.dtype() };
-            (l.weight.view(), l.out_features, output)
+            let output = if l.bias.is_some() { DType::F32 } else { weight.dtype() };
+            Some((weight.view(), l.out_features, output))
         }
         // The head computes only its first `output_vocab_size` rows (`Device::linear_prefix`).
         let (head, vocab) = (self.decoder.lm_head(), self.decoder.config.output_vocab_size);
-        let mut weights: Vec<_> = layer.projections().into_iter().map(projection).collect();
-        weights.push((head.weight.slice(0..vocab * head.in_features), vocab, DType::F32));
+        let mut weights: Vec<_> = layer.projections().into_iter().filter_map(projection).collect();
+        if let Some(weight) = head.weight.dense() {
+            weights.push((weight.slice(0..vocab * head.in_features), vocab, DType::F32));
+        }
         let started = std::time::Instant::now();
         // Decode batches from 128 rows on, where the GEMMs approach their compute bound: tuning
         // times each on one copy of the weights, which the L2 may hold, and below that the

@@ -93,7 +93,7 @@ where
     pub fn load(dev: &D, config: ModelConfig, src: &WeightSource) -> Result<Decoder<D>, ModelError> {
         let (v, h) = (config.vocab_size, config.hidden_size);
         let loader = Loader { dev, src, cfg: &config };
-        let embed_tokens = loader.linear(&[("model.embed_tokens".into(), v)], h, false, Role::AsStored)?;
+        let embed_tokens = loader.linear(&[("model.embed_tokens".into(), v)], h, false, Role::Embedding)?;
         let layers = (0..config.num_hidden_layers).map(|i| loader.layer(i)).collect::<Result<Vec<_>, _>>()?;
         let norm = loader.norm("model.norm.weight", h)?;
         let lm_head = if config.tie_word_embeddings {

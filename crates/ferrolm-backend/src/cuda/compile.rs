@@ -412,6 +412,13 @@ mod tests {
             let hopper = capability.0 >= 9;
             assert_eq!(ptx.contains("cp.async.bulk.shared"), hopper, "{capability:?}");
             assert_eq!(ptx.contains("cp.async.bulk.tensor.3d"), hopper, "{capability:?}");
+            // FP8 codes are converted by the hardware's instruction from sm_89 on, by moving bits
+            // before.
+            let unit = Unit { source: &GEMV, dtype: DType::BF16 };
+            let Image::Ptx(ptx) = compile(unit, &target, Output::Ptx, false).expect("PTX").image else {
+                panic!("{unit}: not PTX")
+            };
+            assert_eq!(ptx.contains("cvt.rn.f16x2.e4m3x2"), hopper, "{capability:?}");
             // The GEMV's experiments compile where asked for (the L2 prefetch shows), and only there.
             let both = vec!["GEMV_L2_PREFETCH=1".to_string(), "GEMV_TAIL_ROUND=1".to_string()];
             for (defines, prefetches) in [(Vec::new(), false), (both, true)] {

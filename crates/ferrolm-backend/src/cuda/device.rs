@@ -9,20 +9,22 @@
 //! for the rest, with the q/k norms too where a model has them), and the gate/up projection
 //! with its activation in one GEMV kernel.
 
+use std::sync::{Mutex, PoisonError};
+
 use cudarc::driver::CudaView;
 
 use super::{
     add_normed_rms_norm, add_rms_norm, add_sigmoid_gated, embedding, gather_rows, gelu_tanh_and_mul, linear,
-    linear_gated, linear_qkv_rope_cache, moe, qkv_norm_rope_cache, qkv_norm_rope_cache_fits, qkv_rope_cache,
-    reshape_and_cache, rms_norm, rms_norm_inplace, rope, silu_and_mul, softcap, split_qkv, GemmTuning, Gemms, Gpu,
-    GpuAttentionMetadata, GpuError, GpuExperts, GpuMoeScratch, GpuRopeTable, GpuTensor, GpuView, GpuViewMut,
-    PagedAttention, QkNorms, QkvOut, QkvRows,
+    linear_fp8, linear_gated, linear_gated_fp8, linear_qkv_rope_cache, moe, qkv_norm_rope_cache,
+    qkv_norm_rope_cache_fits, qkv_rope_cache, reshape_and_cache, rms_norm, rms_norm_inplace, rope, silu_and_mul,
+    softcap, split_qkv, GemmTuning, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuExperts, GpuFp8Matrix,
+    GpuMoeScratch, GpuRopeTable, GpuTensor, GpuView, GpuViewMut, PagedAttention, QkNorms, QkvOut, QkvRows,
 };
 use crate::device::{
     unfused_attention_input, AttentionInput, Device, GatedActivation, KvCacheDtype, KvScales, LayerAttention, Linear,
-    MoeInput, MoeShape, Precision, RopeFrequencies, Shaped,
+    MatrixUse, MoeInput, MoeShape, Precision, RopeFrequencies, Shaped,
 };
-use crate::{DType, HostTensor};
+use crate::{DType, Fp8Matrix, HostTensor};
 
 /// One GPU as a [`Device`], computing in `dtype`.
 pub struct Cuda {
@@ -30,6 +32,10 @@ pub struct Cuda {
     attention: PagedAttention,
     gemms: Gemms,
     dtype: DType,
+    /// `[largest FP8 matrix]` in `dtype`: where a product of more rows than the FP8 GEMV takes
+    /// dequantizes its matrix (`linear_fp8`). Allocated, and grown, as FP8 matrices are placed,
+    /// so that it is counted before the KV cache takes the memory left.
+    fp8_scratch: Mutex<Option<GpuTensor>>,
 }
 
 impl Cuda {
@@ -37,7 +43,7 @@ impl Cuda {
     /// GEMM plans yet.
     pub fn new(gpu: Gpu, dtype: DType) -> Result<Cuda, GpuError> {
         let attention = PagedAttention::new(&gpu)?;
-        Ok(Cuda { gpu, attention, gemms: Gemms::new()?, dtype })
+        Ok(Cuda { gpu, attention, gemms: Gemms::new()?, dtype, fp8_scratch: Mutex::new(None) })
     }
 
     pub fn gpu(&self) -> &Gpu {
@@ -64,6 +70,35 @@ impl Cuda {
             Precision::Compute => self.dtype,
             Precision::F32 => DType::F32,
         }
+    }
+
+    /// Runs `f` with the FP8 scratch (an FP8 matrix has been placed, so it exists).
+    fn with_fp8_scratch<R>(&self, f: impl FnOnce(&mut GpuTensor) -> R) -> R {
+        let mut scratch = self.fp8_scratch.lock().unwrap_or_else(PoisonError::into_inner);
+        f(scratch.as_mut().expect("FP8 matrices are placed with their scratch"))
+    }
+}
+
+/// A weight matrix on the device: in the compute dtype, or (projections read by `linear` and
+/// the fused projections, in a layout the FP8 kernels take) e4m3 codes and their scales.
+pub enum CudaMatrix {
+    Dense(GpuTensor),
+    Fp8(GpuFp8Matrix),
+}
+
+impl CudaMatrix {
+    /// The matrix in the compute dtype; `None` for an FP8 one.
+    pub fn dense(&self) -> Option<&GpuTensor> {
+        match self {
+            CudaMatrix::Dense(t) => Some(t),
+            CudaMatrix::Fp8(_) => None,
+        }
+    }
+
+    /// [`Self::dense`] for an op that only reads dense matrices: the device places FP8 ones only
+    /// for `linear` ([`MatrixUse::Linear`]), so another is a caller bug.
+    fn expect_dense(&self, op: &str) -> &GpuTensor {
+        self.dense().unwrap_or_else(|| panic!("{op}: an FP8 matrix, placed for linear only"))
     }
 }
 
@@ -152,10 +187,25 @@ fn bias_view(l: &Linear<Cuda>) -> Option<GpuView<'_>> {
     l.bias.as_ref().map(GpuTensor::view)
 }
 
+impl Cuda {
+    /// `y = x W[..n]^T (+ b[..n])`: the first `n` output features of `w`.
+    fn linear_rows(&self, x: &CudaTensor, w: &Linear<Cuda>, n: usize, y: &mut CudaTensor) -> Result<(), GpuError> {
+        let (gpu, gemms, m, k) = (&self.gpu, &self.gemms, x.rows, w.in_features);
+        let bias = bias_view(w).map(|b| b.slice(0..n));
+        match &w.weight {
+            // The first `n` rows of the row-major `[out, in]` weight are its first `n * k` elements.
+            CudaMatrix::Dense(t) => linear(gpu, gemms, x.view(), m, k, t.slice(0..n * k), n, bias, y.view_mut()),
+            CudaMatrix::Fp8(f) => self.with_fp8_scratch(|scratch| {
+                linear_fp8(gpu, gemms, x.view(), m, f.view(), n, bias, y.view_mut(), scratch)
+            }),
+        }
+    }
+}
+
 impl Device for Cuda {
     type Error = GpuError;
     type Tensor = CudaTensor;
-    type Matrix = GpuTensor;
+    type Matrix = CudaMatrix;
     type Vector = GpuTensor;
     type Rope = GpuRopeTable;
     type KvLayer = CudaKvLayer;
@@ -172,7 +222,7 @@ impl Device for Cuda {
         capacity * cols * self.dtype_of(precision).size_in_bytes()
     }
 
-    fn matrix(&self, parts: Vec<HostTensor>) -> Result<GpuTensor, GpuError> {
+    fn matrix(&self, parts: Vec<HostTensor>) -> Result<CudaMatrix, GpuError> {
         // Each part straight into its rows: no stacked copy on the host.
         let len = parts.iter().map(HostTensor::num_elements).sum();
         let mut m = GpuTensor::uninit(&self.gpu, self.dtype, len)?;
@@ -182,11 +232,33 @@ impl Device for Cuda {
             m.slice_mut(start..start + n).copy_from_weights(&self.gpu, part.view())?;
             start += n;
         }
-        Ok(m)
+        Ok(CudaMatrix::Dense(m))
     }
 
-    fn matrix_bytes(&self, matrix: &GpuTensor) -> usize {
-        matrix.size_in_bytes()
+    /// Projections read by `linear` keep their codes where the FP8 kernels take the stacked
+    /// layout ([`GpuFp8Matrix::fits`]); experts, tables and other layouts are dequantized.
+    fn fp8_matrix(&self, parts: Vec<Fp8Matrix>, usage: MatrixUse) -> Result<CudaMatrix, GpuError> {
+        if usage != MatrixUse::Linear {
+            return self.matrix(parts.iter().map(Fp8Matrix::dequantize).collect());
+        }
+        let stacked = Fp8Matrix::stack(parts).unwrap_or_else(|e| panic!("fp8_matrix: {e}"));
+        let Some(m) = GpuFp8Matrix::new(&self.gpu, &stacked)? else {
+            return self.matrix(vec![stacked.dequantize()]);
+        };
+        let len = m.rows() * m.cols();
+        let mut scratch = self.fp8_scratch.lock().unwrap_or_else(PoisonError::into_inner);
+        if scratch.as_ref().is_none_or(|s| s.len() < len) {
+            *scratch = None; // freed before the larger one is allocated
+            *scratch = Some(GpuTensor::uninit(&self.gpu, self.dtype, len)?);
+        }
+        Ok(CudaMatrix::Fp8(m))
+    }
+
+    fn matrix_bytes(&self, matrix: &CudaMatrix) -> usize {
+        match matrix {
+            CudaMatrix::Dense(t) => t.size_in_bytes(),
+            CudaMatrix::Fp8(m) => m.size_in_bytes(),
+        }
     }
 
     fn vector(&self, values: &[f32]) -> Result<GpuTensor, GpuError> {
@@ -227,11 +299,11 @@ impl Device for Cuda {
     fn embedding(
         &self,
         b: &CudaBatch<'_>,
-        table: &GpuTensor,
+        table: &CudaMatrix,
         scale: f32,
         out: &mut CudaTensor,
     ) -> Result<(), GpuError> {
-        let hidden = out.cols;
+        let (hidden, table) = (out.cols, table.expect_dense("embedding"));
         embedding(&self.gpu, &b.token_ids, table.view(), hidden, scale, out.view_mut())
     }
 
@@ -271,17 +343,13 @@ impl Device for Cuda {
     }
 
     fn linear(&self, x: &CudaTensor, w: &Linear<Cuda>, y: &mut CudaTensor) -> Result<(), GpuError> {
-        let (m, k, n) = (x.rows, w.in_features, w.out_features);
-        linear(&self.gpu, &self.gemms, x.view(), m, k, w.weight.view(), n, bias_view(w), y.view_mut())
+        self.linear_rows(x, w, w.out_features, y)
     }
 
     fn linear_prefix(&self, x: &CudaTensor, w: &Linear<Cuda>, y: &mut CudaTensor) -> Result<(), GpuError> {
-        let (m, k, n) = (x.rows, w.in_features, y.cols);
+        let n = y.cols;
         assert!(n <= w.out_features, "linear_prefix: y has {n} columns, the weight gives only {}", w.out_features);
-        // The first `n` rows of the row-major `[out, in]` weight are its first `n * k` elements.
-        let weight = w.weight.slice(0..n * k);
-        let bias = bias_view(w).map(|b| b.slice(0..n));
-        linear(&self.gpu, &self.gemms, x.view(), m, k, weight, n, bias, y.view_mut())
+        self.linear_rows(x, w, n, y)
     }
 
     fn split_qkv(
@@ -354,8 +422,8 @@ impl Device for Cuda {
     fn moe(&self, _batch: &CudaBatch<'_>, a: MoeInput<'_, Cuda>) -> Result<(), GpuError> {
         let ex = a.experts;
         let experts = GpuExperts {
-            gate_up: ex.gate_up.view(),
-            down: ex.down.view(),
+            gate_up: ex.gate_up.expect_dense("moe").view(),
+            down: ex.down.expect_dense("moe").view(),
             shape: ex.shape(),
             norm_topk_prob: ex.norm_topk_prob,
             activation: ex.activation,
@@ -388,9 +456,9 @@ impl Device for Cuda {
             return qkv_norm_rope_cache(gpu, a.qkv.view(), &rows, norms, out);
         }
         let out = QkvOut { q: a.q.view_mut(), k_cache: a.kv.k.view_mut(), v_cache: a.kv.v.view_mut() };
-        if w.bias.is_none() {
+        if let (None, CudaMatrix::Dense(weight)) = (&w.bias, &w.weight) {
             // Projection, rotation and cache write in one kernel where the GEMV takes the product.
-            return linear_qkv_rope_cache(gpu, &self.gemms, a.x.view(), w.weight.view(), &rows, a.qkv.view_mut(), out);
+            return linear_qkv_rope_cache(gpu, &self.gemms, a.x.view(), weight.view(), &rows, a.qkv.view_mut(), out);
         }
         self.linear(a.x, w, a.qkv)?;
         qkv_rope_cache(gpu, a.qkv.view(), &rows, out)
@@ -404,19 +472,13 @@ impl Device for Cuda {
         gate_up: &mut CudaTensor,
         out: &mut CudaTensor,
     ) -> Result<(), GpuError> {
-        let (m, k, inter) = (x.rows, w.in_features, out.cols);
-        linear_gated(
-            &self.gpu,
-            &self.gemms,
-            x.view(),
-            m,
-            k,
-            w.weight.view(),
-            inter,
-            bias_view(w),
-            act,
-            gate_up.view_mut(),
-            out.view_mut(),
-        )
+        let (gpu, gemms, m, k, inter) = (&self.gpu, &self.gemms, x.rows, w.in_features, out.cols);
+        let (x, bias, gate_up, out) = (x.view(), bias_view(w), gate_up.view_mut(), out.view_mut());
+        match &w.weight {
+            CudaMatrix::Dense(t) => linear_gated(gpu, gemms, x, m, k, t.view(), inter, bias, act, gate_up, out),
+            CudaMatrix::Fp8(f) => self.with_fp8_scratch(|scratch| {
+                linear_gated_fp8(gpu, gemms, x, m, f.view(), inter, bias, act, gate_up, out, scratch)
+            }),
+        }
     }
 }

@@ -4,9 +4,10 @@
 
 use cudarc::driver::{result as driver, LaunchConfig};
 
+use super::fp8::{self, Epilogue, Fp8View};
 use super::gemm_tune::{GemmShape, Gemms};
 use super::gpu::{rows_config, to_u32};
-use super::{Gpu, GpuError, GpuView, GpuViewMut};
+use super::{Gpu, GpuError, GpuTensor, GpuView, GpuViewMut};
 use crate::{DType, GatedActivation};
 
 use super::compile::{self, KernelFamilies};
@@ -59,7 +60,7 @@ pub fn linear(
     bias: Option<GpuView<'_>>,
     y: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
-    linear_with(gpu, gemms, x, m, k, w, n, bias, y, Route::Auto)
+    linear_with(gpu, gemms, x, m, k, Weight::Dense(w), n, bias, y, Route::Auto)
 }
 
 /// [`linear`] through cuBLAS whatever `m` is: the point of comparison of the GEMV kernel.
@@ -76,7 +77,33 @@ pub fn linear_cublas(
     bias: Option<GpuView<'_>>,
     y: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
-    linear_with(gpu, gemms, x, m, k, w, n, bias, y, Route::Cublas)
+    linear_with(gpu, gemms, x, m, k, Weight::Dense(w), n, bias, y, Route::Cublas)
+}
+
+/// The weight of a product: dense in x's dtype, or FP8 with the scratch buffer (x's dtype, at
+/// least the matrix's size) that a product of more rows than the FP8 GEMV takes dequantizes it
+/// into.
+pub(super) enum Weight<'a, 's> {
+    Dense(GpuView<'a>),
+    Fp8(Fp8View<'a>, &'s mut GpuTensor),
+}
+
+/// [`linear`] over the first `n` rows of an FP8 matrix `w` (see [`super::fp8`]); `scratch` as
+/// [`Weight::Fp8`] says.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_fp8(
+    gpu: &Gpu,
+    gemms: &Gemms,
+    x: GpuView<'_>,
+    m: usize,
+    w: Fp8View<'_>,
+    n: usize,
+    bias: Option<GpuView<'_>>,
+    y: GpuViewMut<'_>,
+    scratch: &mut GpuTensor,
+) -> Result<(), GpuError> {
+    assert!(n <= w.rows(), "linear_fp8: {n} output features from a matrix of {} rows", w.rows());
+    linear_with(gpu, gemms, x, m, w.cols(), Weight::Fp8(w, scratch), n, bias, y, Route::Auto)
 }
 
 /// Which kernel `linear_with` takes (`linear` always takes `Auto`; the others are for the
@@ -98,16 +125,23 @@ fn linear_with(
     x: GpuView<'_>,
     m: usize,
     k: usize,
-    w: GpuView<'_>,
+    w: Weight<'_, '_>,
     n: usize,
     bias: Option<GpuView<'_>>,
     y: GpuViewMut<'_>,
     route: Route,
 ) -> Result<(), GpuError> {
     assert_eq!(x.len(), m * k, "linear: x has {} elements, expected [m={m}, k={k}]", x.len());
-    assert_eq!(w.len(), n * k, "linear: w has {} elements, expected [n={n}, k={k}]", w.len());
+    match &w {
+        Weight::Dense(w) => {
+            assert_eq!(w.len(), n * k, "linear: w has {} elements, expected [n={n}, k={k}]", w.len());
+            assert_eq!(x.dtype(), w.dtype(), "linear: x is {:?} but w is {:?}", x.dtype(), w.dtype());
+        }
+        Weight::Fp8(w, _) => {
+            assert!(w.cols() == k && w.rows() >= n, "linear: an FP8 w of {} columns, k = {k}", w.cols())
+        }
+    }
     assert_eq!(y.len(), m * n, "linear: y has {} elements, expected [m={m}, n={n}]", y.len());
-    assert_eq!(x.dtype(), w.dtype(), "linear: x is {:?} but w is {:?}", x.dtype(), w.dtype());
     assert!(
         y.dtype() == x.dtype() || y.dtype() == DType::F32,
         "linear: y must be {:?} or F32, not {:?}",
@@ -130,14 +164,25 @@ fn linear_with(
         None
     };
     let (acc_ptr, acc_dtype) = scratch.as_ref().map_or((y.ptr(), y.dtype()), |buf| (gpu.index_ptr(buf), DType::F32));
-    match route {
-        Route::Auto if gemv_fits(x, m, k, w) => gemv(gpu, x, m, k, w, n, gemv_ksplit(n, k), acc_ptr, acc_dtype)?,
-        Route::GemvSplit(ksplit) => {
+    match (w, route) {
+        (Weight::Dense(w), Route::Auto) if gemv_fits(x, m, k, w) => {
+            gemv(gpu, x, m, k, w, n, gemv_ksplit(n, k), acc_ptr, acc_dtype)?
+        }
+        (Weight::Dense(w), Route::GemvSplit(ksplit)) => {
             assert!(ksplit.is_power_of_two() && ksplit <= GEMV_WARPS, "ksplit {ksplit}: not a power of two up to 8");
             assert!(m <= GEMV_MAX_M && gemv_fits(x, m, k, w), "linear: the GEMV kernel does not take this product");
             gemv(gpu, x, m, k, w, n, ksplit, acc_ptr, acc_dtype)?
         }
-        Route::Auto | Route::Cublas => gemm(gpu, gemms, x, m, k, w, n, acc_ptr, acc_dtype)?,
+        (Weight::Dense(w), Route::Auto | Route::Cublas) => gemm(gpu, gemms, x, m, k, w, n, acc_ptr, acc_dtype)?,
+        (Weight::Fp8(w, _), _) if fp8::gemv_fits(x, m) => {
+            let to_f32 = acc_dtype == DType::F32 && x.dtype() != DType::F32;
+            let epilogue = if to_f32 { Epilogue::ToF32 } else { Epilogue::Store };
+            fp8::gemv(gpu, x, m, w, n, gemv_ksplit(n, k), epilogue, acc_ptr)?
+        }
+        (Weight::Fp8(w, scratch), _) => {
+            let dense = dequantized(gpu, w, n, x.dtype(), scratch)?;
+            gemm(gpu, gemms, x, m, k, dense, n, acc_ptr, acc_dtype)?
+        }
     }
     if let Some(bias) = bias {
         let (y_ptr, bias_ptr, n_u32) = (y.ptr(), bias.ptr(), to_u32("linear", "n", n));
@@ -149,6 +194,21 @@ fn linear_with(
     // The scratch buffer is freed in stream order, after the bias kernel has read it.
     drop(scratch);
     Ok(())
+}
+
+/// The first `n` rows of `w` dequantized into `scratch` (in `dtype`), for a dense GEMM.
+fn dequantized<'s>(
+    gpu: &Gpu,
+    w: Fp8View<'_>,
+    n: usize,
+    dtype: DType,
+    scratch: &'s mut GpuTensor,
+) -> Result<GpuView<'s>, GpuError> {
+    let len = n * w.cols();
+    assert_eq!(scratch.dtype(), dtype, "linear: an FP8 scratch of {:?} for {dtype:?} activations", scratch.dtype());
+    assert!(scratch.len() >= len, "linear: an FP8 scratch of {} elements for [{n}, {}]", scratch.len(), w.cols());
+    fp8::dequantize(gpu, w.prefix(n), scratch.slice_mut(0..len))?;
+    Ok(scratch.slice(0..len))
 }
 
 /// Weights (elements) up to which the GEMV kernel also takes 2 to 4 rows. On the H200 it beats
@@ -208,7 +268,7 @@ pub fn linear_gemv_ksplit(
     ksplit: usize,
     y: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
-    linear_with(gpu, gemms, x, m, k, w, n, None, y, Route::GemvSplit(ksplit))
+    linear_with(gpu, gemms, x, m, k, Weight::Dense(w), n, None, y, Route::GemvSplit(ksplit))
 }
 
 /// `out[m, n] = x[m, k] · w[n, k]^T` through the GEMV kernel (`gemv_fits` holds) with `ksplit`
@@ -288,31 +348,78 @@ pub fn linear_gated(
     gate_up: GpuViewMut<'_>,
     out: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
-    assert_eq!(x.len(), m * k, "linear_gated: x has {} elements, expected [m={m}, k={k}]", x.len());
     assert_eq!(w.len(), 2 * inter * k, "linear_gated: w has {} elements, expected [2 * {inter}, {k}]", w.len());
+    gated_with(gpu, gemms, x, m, k, Weight::Dense(w), inter, bias, act, gate_up, out)
+}
+
+/// [`linear_gated`] over an FP8 `w` (`[2 * inter, k]`); `scratch` as [`Weight::Fp8`] says.
+#[allow(clippy::too_many_arguments)]
+pub fn linear_gated_fp8(
+    gpu: &Gpu,
+    gemms: &Gemms,
+    x: GpuView<'_>,
+    m: usize,
+    w: Fp8View<'_>,
+    inter: usize,
+    bias: Option<GpuView<'_>>,
+    act: GatedActivation,
+    gate_up: GpuViewMut<'_>,
+    out: GpuViewMut<'_>,
+    scratch: &mut GpuTensor,
+) -> Result<(), GpuError> {
+    assert_eq!(w.rows(), 2 * inter, "linear_gated: an FP8 w of {} rows, expected 2 * {inter}", w.rows());
+    gated_with(gpu, gemms, x, m, w.cols(), Weight::Fp8(w, scratch), inter, bias, act, gate_up, out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gated_with(
+    gpu: &Gpu,
+    gemms: &Gemms,
+    x: GpuView<'_>,
+    m: usize,
+    k: usize,
+    w: Weight<'_, '_>,
+    inter: usize,
+    bias: Option<GpuView<'_>>,
+    act: GatedActivation,
+    gate_up: GpuViewMut<'_>,
+    out: GpuViewMut<'_>,
+) -> Result<(), GpuError> {
+    assert_eq!(x.len(), m * k, "linear_gated: x has {} elements, expected [m={m}, k={k}]", x.len());
     assert_eq!(out.len(), m * inter, "linear_gated: out has {} elements, expected [{m}, {inter}]", out.len());
     assert_eq!(out.dtype(), x.dtype(), "linear_gated: out is {:?} but x is {:?}", out.dtype(), x.dtype());
-    if bias.is_none() && m > 0 && inter > 0 && gemv_fits(x, m, k, w) {
-        assert_eq!(x.dtype(), w.dtype(), "linear_gated: x is {:?} but w is {:?}", x.dtype(), w.dtype());
-        let kernel = match (act, m) {
-            (GatedActivation::Silu, 1) => "gemv_silu_m1",
-            (GatedActivation::Silu, 2) => "gemv_silu_m2",
-            (GatedActivation::Silu, 3) => "gemv_silu_m3",
-            (GatedActivation::Silu, 4) => "gemv_silu_m4",
-            (GatedActivation::GeluTanh, 1) => "gemv_gelu_tanh_m1",
-            (GatedActivation::GeluTanh, 2) => "gemv_gelu_tanh_m2",
-            (GatedActivation::GeluTanh, 3) => "gemv_gelu_tanh_m3",
-            (GatedActivation::GeluTanh, 4) => "gemv_gelu_tanh_m4",
-            _ => unreachable!("gemv_fits admits 1..={GEMV_MAX_M} rows"),
-        };
-        // The split of the unfused product over 2 * inter rows, so that each sum is the same.
-        return launch_gemv(gpu, kernel, x, k, w, inter, gemv_ksplit(2 * inter, k), out.ptr());
+    let fused = bias.is_none() && m > 0 && inter > 0;
+    match &w {
+        Weight::Fp8(w, _) if fused && fp8::gemv_fits(x, m) => {
+            let epilogue = match act {
+                GatedActivation::Silu => Epilogue::Silu,
+                GatedActivation::GeluTanh => Epilogue::GeluTanh,
+            };
+            return fp8::gemv(gpu, x, m, *w, inter, gemv_ksplit(2 * inter, k), epilogue, out.ptr());
+        }
+        Weight::Dense(w) if fused && gemv_fits(x, m, k, *w) => {
+            assert_eq!(x.dtype(), w.dtype(), "linear_gated: x is {:?} but w is {:?}", x.dtype(), w.dtype());
+            let kernel = match (act, m) {
+                (GatedActivation::Silu, 1) => "gemv_silu_m1",
+                (GatedActivation::Silu, 2) => "gemv_silu_m2",
+                (GatedActivation::Silu, 3) => "gemv_silu_m3",
+                (GatedActivation::Silu, 4) => "gemv_silu_m4",
+                (GatedActivation::GeluTanh, 1) => "gemv_gelu_tanh_m1",
+                (GatedActivation::GeluTanh, 2) => "gemv_gelu_tanh_m2",
+                (GatedActivation::GeluTanh, 3) => "gemv_gelu_tanh_m3",
+                (GatedActivation::GeluTanh, 4) => "gemv_gelu_tanh_m4",
+                _ => unreachable!("gemv_fits admits 1..={GEMV_MAX_M} rows"),
+            };
+            // The split of the unfused product over 2 * inter rows, so that each sum is the same.
+            return launch_gemv(gpu, kernel, x, k, *w, inter, gemv_ksplit(2 * inter, k), out.ptr());
+        }
+        _ => {}
     }
     assert!(inter > 0, "linear_gated: inter is 0");
     let rows = gate_up.len() / (2 * inter);
     assert!(rows >= m, "linear_gated: gate_up holds {rows} rows of 2 * {inter}, not {m}");
     let mut gate_up = gate_up.rows(0..m, 2 * inter);
-    linear(gpu, gemms, x, m, k, w, 2 * inter, bias, gate_up.reborrow())?;
+    linear_with(gpu, gemms, x, m, k, w, 2 * inter, bias, gate_up.reborrow(), Route::Auto)?;
     match act {
         GatedActivation::Silu => super::ops::silu_and_mul(gpu, gate_up.as_view(), inter, out),
         GatedActivation::GeluTanh => super::ops::gelu_tanh_and_mul(gpu, gate_up.as_view(), inter, out),

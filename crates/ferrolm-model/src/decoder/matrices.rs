@@ -7,21 +7,39 @@
 //! by [`Device::fp8_matrix`], and unquantized parts of a projection are quantized per row first
 //! where the model is quantized at load.
 
-use ferrolm_backend::{Device, Fp8Matrix, Fp8Scales, HostTensor};
+use ferrolm_backend::{Device, Fp8Matrix, Fp8Scales, HostTensor, MatrixUse};
 
 use super::Loader;
 use crate::config::quant::{Fp8Checkpoint, WeightScaling};
 use crate::config::Quantization;
 use crate::ModelError;
 
-/// Whether a matrix takes the model's quantization.
+/// What a matrix is: whether it takes the model's quantization, and which ops read it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Role {
-    /// A projection of the attention or an MLP (experts included): quantized at load under
-    /// `--quantization fp8`.
+    /// A projection of the attention or a dense MLP (a shared expert's too): quantized at load
+    /// under `--quantization fp8`.
     Projection,
-    /// The embedding, the LM head, a router or a gate: loaded as stored, as vLLM leaves them.
+    /// A mixture's stacked experts: quantized at load as projections are.
+    Experts,
+    /// The LM head, a router or a gate: loaded as stored, as vLLM leaves them.
     AsStored,
+    /// The token embedding (also the LM head where it is tied): loaded as stored.
+    Embedding,
+}
+
+impl Role {
+    fn quantized_at_load(self) -> bool {
+        matches!(self, Role::Projection | Role::Experts)
+    }
+
+    fn usage(self) -> MatrixUse {
+        match self {
+            Role::Projection | Role::AsStored => MatrixUse::Linear,
+            Role::Experts => MatrixUse::Experts,
+            Role::Embedding => MatrixUse::Embedding,
+        }
+    }
 }
 
 /// One part of a matrix: the prefix of its `.weight` (and scales), and its `[rows, cols]`.
@@ -49,7 +67,7 @@ where
                 )));
             };
             let parts = parts.iter().map(|part| self.fp8_part(part, scheme)).collect::<Result<Vec<_>, _>>()?;
-            return Ok(self.dev.fp8_matrix(parts)?);
+            return Ok(self.dev.fp8_matrix(parts, role.usage())?);
         }
         let weights: Vec<HostTensor> =
             parts.iter().map(|(p, shape)| self.src.get(&format!("{p}.weight"), shape)).collect::<Result<_, _>>()?;
@@ -59,8 +77,9 @@ where
                 names()
             )));
         }
-        if role == Role::Projection && self.cfg.quantization == Some(Quantization::Fp8AtLoad) {
-            return Ok(self.dev.fp8_matrix(weights.iter().map(Fp8Matrix::quantize_rows).collect())?);
+        if role.quantized_at_load() && self.cfg.quantization == Some(Quantization::Fp8AtLoad) {
+            let parts = weights.iter().map(Fp8Matrix::quantize_rows).collect();
+            return Ok(self.dev.fp8_matrix(parts, role.usage())?);
         }
         Ok(self.dev.matrix(weights)?)
     }

@@ -152,8 +152,8 @@ where
             down.push((format!("{expert}.{down_name}"), [h, inter]));
         }
         let experts = Experts {
-            gate_up: self.matrix(&gate_up, Role::Projection)?,
-            down: self.matrix(&down, Role::Projection)?,
+            gate_up: self.matrix(&gate_up, Role::Experts)?,
+            down: self.matrix(&down, Role::Experts)?,
             num_experts: e,
             top_k: moe.num_experts_per_tok,
             norm_topk_prob: moe.norm_topk_prob,

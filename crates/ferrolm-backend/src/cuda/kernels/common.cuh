@@ -234,3 +234,49 @@ template <typename T> __device__ __forceinline__ void store8(T* p, const float (
 // each kernel file once per dtype and redefines both after this header (compile.rs), so that a
 // module holds one dtype's entry points and a file whose device functions another uses adds none.
 #define FOR_EACH_HALF_DTYPE(M) M(__nv_bfloat16, bf16) M(__half, f16)
+
+// FP8 (e4m3: 1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities, 0x7f and 0xff
+// NaN) codes as f32, exactly. On sm_89 and later one instruction converts two codes to two
+// halves (every e4m3 value is a half). Before, the bits are moved into a half's: the sign to bit
+// 15, exponent and mantissa to bits 7..13, which reads as the code's value times 2^-8 (normal
+// and subnormal alike, the exponent biases differing by 8), and the product by 256 is exact.
+// Both read a NaN code as a number (480, or a half NaN): codes come from quantizers that
+// saturate, and a scale multiplies every code.
+__device__ __forceinline__ float2 e4m3x2_to_float2(u32 two /* low 16 bits: the first code in the low byte */) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    u32 h;
+    const unsigned short pair = (unsigned short)two;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(pair));
+    return __half22float2(*reinterpret_cast<const __half2*>(&h));
+#else
+    const u32 t = __byte_perm(two, 0, 0x1404);  // the two codes in bytes 1 and 3, zeros below
+    const u32 h = (t & 0x80008000u) | ((t & 0x7f007f00u) >> 1);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    return make_float2(f.x * 256.f, f.y * 256.f);
+#endif
+}
+
+// 16 codes (16 bytes, the first in the lowest byte) as f32.
+__device__ __forceinline__ void e4m3x16_to_float(const uint4& raw, float (&x)[16]) {
+    const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const float2 lo = e4m3x2_to_float2(words[i]), hi = e4m3x2_to_float2(words[i] >> 16);
+        x[4 * i] = lo.x;
+        x[4 * i + 1] = lo.y;
+        x[4 * i + 2] = hi.x;
+        x[4 * i + 3] = hi.y;
+    }
+}
+
+// An FP8 matrix's scales (crate::fp8's block grid, as the host places it): element (r, c) of
+// the `[rows, cols]` codes stands for e4m3(code) * scales[(r / block_rows) * grid_cols +
+// (c >> col_shift)], blocks being 2^col_shift columns wide (col_shift 31: the whole row).
+struct Fp8Grid {
+    const float* scales;
+    u32 block_rows;
+    u32 col_shift;
+    u32 grid_cols;
+    // Row r's scales.
+    __device__ __forceinline__ const float* row(u64 r) const { return scales + (r / block_rows) * grid_cols; }
+};

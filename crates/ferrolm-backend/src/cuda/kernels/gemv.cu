@@ -12,6 +12,10 @@
 // (under 4096 columns), whose single warp per column would otherwise wait on one load after
 // another. Needs k % 8 == 0 and 16-byte aligned x and w (the host checks). Grid:
 // ceil(n / (GEMV_WARPS / ksplit)) blocks of GEMV_WARPS warps.
+//
+// FP8 weights (`gemv_fp8_*`: e4m3 codes and their block grid of scales) take the same kernels,
+// a lane's chunk being 16 codes (16 bytes, as 8 bf16) read with one load and converted where
+// they are used (Fp8Rows below); they need k % 16 == 0.
 
 #define GEMV_WARPS 8
 // An experiment (FERROLM_KERNEL_DEFINES="GEMV_L2_PREFETCH=1"): before waiting on the kernel
@@ -54,6 +58,63 @@ __device__ __forceinline__ void gemv_chunk(const Raw8<T>& wraw, const T* x, u32 
     }
 }
 
+// The weight formats gemv_column reads, a chunk of a row of w at a time (16 bytes; 32 for f32):
+// - DenseRows<T>: w in the activations' dtype, 8 elements a chunk, used as gemv_chunk uses them.
+// - Fp8Rows<T>: e4m3 codes with a block grid of scales (Fp8Grid), 16 codes a chunk. A chunk's
+//   products with x are summed, then scaled once by its block's scale (blocks are at least 16
+//   columns wide and start on a chunk, so a chunk lies in one block); k % 16 == 0.
+// Each gives a row cursor (`row`), loads a chunk raw (`load`) and adds its products with the M
+// rows of x to `acc` (`dot`).
+template <typename T> struct DenseRows {
+    static constexpr u32 ELEMS = 8;
+    static constexpr bool DENSE = true;
+    typedef Raw8<T> Raw;
+    typedef const T* Row;
+    const T* w;
+    u32 k;
+    __device__ __forceinline__ Row row(u64 i) const { return w + i * k; }
+    __device__ __forceinline__ void load(Row r, u32 c, Raw& raw) const { load_raw(r + (u64)c * 8, raw); }
+    template <int M> __device__ __forceinline__ void dot(Row, const Raw& raw, const T* x, u32 c, float (&acc)[M]) const {
+        gemv_chunk<T, M>(raw, x, k, c, acc);
+    }
+};
+
+template <typename T> struct Fp8Rows {
+    static constexpr u32 ELEMS = 16;
+    static constexpr bool DENSE = false;
+    typedef uint4 Raw;
+    struct Row {
+        const unsigned char* codes;
+        const float* scales;
+    };
+    const unsigned char* w;
+    Fp8Grid grid;
+    u32 k;
+    __device__ __forceinline__ Row row(u64 i) const { return Row{w + i * k, grid.row(i)}; }
+    __device__ __forceinline__ void load(Row r, u32 c, Raw& raw) const {
+        raw = *reinterpret_cast<const uint4*>(r.codes + (u64)c * 16);
+    }
+    template <int M> __device__ __forceinline__ void dot(Row r, const Raw& raw, const T* x, u32 c, float (&acc)[M]) const {
+        float wv[16];
+        e4m3x16_to_float(raw, wv);
+        const float scale = r.scales[(c * 16) >> grid.col_shift];
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            float sum = 0.f;
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                Raw8<T> xraw;
+                load_raw(x + (u64)m * k + (u64)c * 16 + half * 8, xraw);
+                float xv[8];
+                unpack8(xraw, xv);
+#pragma unroll
+                for (int i = 0; i < 8; i++) sum = fmaf(wv[half * 8 + i], xv[i], sum);
+            }
+            acc[m] = fmaf(sum, scale, acc[m]);
+        }
+    }
+};
+
 // Gated kernels (ACT 1: silu, 2: gelu_tanh) take w = [gate; up], [2 n, k], and write
 // y[r, j] = act(gate_j) * up_j with gate_j = x_r . w[j, :] and up_j = x_r . w[n + j, :], each
 // rounded to T first: the bits of `linear` into a T buffer followed by silu_and_mul /
@@ -93,8 +154,8 @@ __device__ __forceinline__ void gemv_prefetch_later_blocks(const T* w, u32 k, u3
 // the dot products with the M rows of x, its ksplit parts met in shared memory. Returns whether
 // this thread holds a column's totals (`sums[h]` of row `lane`): lane < M of the column's first
 // warp, for j < n. Every thread of the block must call it (it synchronizes).
-template <typename T, int M, int NW, bool BLOCK_COLUMNS = true>
-__device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n, u32 ksplit, u32 j,
+template <typename T, int M, int NW, bool BLOCK_COLUMNS = true, typename WF>
+__device__ __forceinline__ bool gemv_column(const WF& wf, const T* x, u32 k, u32 n, u32 ksplit, u32 j,
                                             float (&sums)[NW]) {
     constexpr int U = GEMV_UNROLL(M * NW);
     __shared__ float part_s[GEMV_WARPS][M * NW];
@@ -106,31 +167,33 @@ __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n
 #pragma unroll
         for (int r = 0; r < M; r++) acc[h][r] = 0.f;
     }
-    const T* wr[NW];
+    typename WF::Row wr[NW];
 #pragma unroll
-    for (int h = 0; h < NW; h++) wr[h] = w + ((u64)h * n + j) * k;  // read only when j < n
-    const u32 chunks = k / 8, stride = 32 * ksplit;
+    for (int h = 0; h < NW; h++) wr[h] = wf.row((u64)h * n + j);  // read only when j < n
+    const u32 chunks = k / WF::ELEMS, stride = 32 * ksplit;
     u32 c = part * 32 + lane;
     // The weights depend on no kernel: the lane's first U chunks are loaded before waiting for
     // the kernel that writes x, so that they stream in while that kernel finishes.
-    Raw8<T> wraw[NW][U];
+    typename WF::Raw wraw[NW][U];
     bool full = j < n && c + stride * (U - 1) < chunks;
     auto load_w = [&]() {
 #pragma unroll
         for (int h = 0; h < NW; h++) {
 #pragma unroll
-            for (int u = 0; u < U; u++) load_raw(wr[h] + (u64)(c + stride * u) * 8, wraw[h][u]);
+            for (int u = 0; u < U; u++) wf.load(wr[h], c + stride * u, wraw[h][u]);
         }
     };
     if (full) load_w();
-    if constexpr (GEMV_L2_PREFETCH != 0 && BLOCK_COLUMNS) gemv_prefetch_later_blocks<T, NW>(w, k, n, ksplit);
+    if constexpr (GEMV_L2_PREFETCH != 0 && BLOCK_COLUMNS && WF::DENSE) {
+        gemv_prefetch_later_blocks<T, NW>(wf.w, k, n, ksplit);
+    }
     pdl_enter();
     if (j < n) {
         while (full) {
 #pragma unroll
             for (int h = 0; h < NW; h++) {
 #pragma unroll
-                for (int u = 0; u < U; u++) gemv_chunk<T, M>(wraw[h][u], x, k, c + stride * u, acc[h]);
+                for (int u = 0; u < U; u++) wf.template dot<M>(wr[h], wraw[h][u], x, c + stride * u, acc[h]);
             }
             c += stride * U;
             full = c + stride * (U - 1) < chunks;
@@ -143,23 +206,23 @@ __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n
             for (int h = 0; h < NW; h++) {
 #pragma unroll
                 for (int u = 0; u < U - 1; u++) {
-                    if (c + stride * u < chunks) load_raw(wr[h] + (u64)(c + stride * u) * 8, wraw[h][u]);
+                    if (c + stride * u < chunks) wf.load(wr[h], c + stride * u, wraw[h][u]);
                 }
             }
 #pragma unroll
             for (int u = 0; u < U - 1; u++) {
                 if (c + stride * u < chunks) {
 #pragma unroll
-                    for (int h = 0; h < NW; h++) gemv_chunk<T, M>(wraw[h][u], x, k, c + stride * u, acc[h]);
+                    for (int h = 0; h < NW; h++) wf.template dot<M>(wr[h], wraw[h][u], x, c + stride * u, acc[h]);
                 }
             }
         } else {
             for (; c < chunks; c += stride) {
 #pragma unroll
                 for (int h = 0; h < NW; h++) {
-                    Raw8<T> tail;
-                    load_raw(wr[h] + (u64)c * 8, tail);
-                    gemv_chunk<T, M>(tail, x, k, c, acc[h]);
+                    typename WF::Raw tail;
+                    wf.load(wr[h], c, tail);
+                    wf.template dot<M>(wr[h], tail, x, c, acc[h]);
                 }
             }
         }
@@ -182,13 +245,13 @@ __device__ __forceinline__ bool gemv_column(const T* x, const T* w, u32 k, u32 n
     return true;
 }
 
-template <typename T, typename O, int M, int ACT>
-__device__ __forceinline__ void gemv_impl(const T* x, const T* w, O* y, u32 k, u32 n, u32 ksplit) {
+template <typename T, typename O, int M, int ACT, typename WF>
+__device__ __forceinline__ void gemv_impl(const WF& wf, const T* x, O* y, u32 k, u32 n, u32 ksplit) {
     constexpr int NW = ACT == 0 ? 1 : 2;  // rows of w per column
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 j = blockIdx.x * (GEMV_WARPS / ksplit) + warp / ksplit;
     float s[NW];
-    if (!gemv_column<T, M, NW>(x, w, k, n, ksplit, j, s)) return;
+    if (!gemv_column<T, M, NW>(wf, x, k, n, ksplit, j, s)) return;
     if constexpr (ACT == 0) {
         y[(u64)lane * n + j] = from_float<O>(s[0]);
     } else {
@@ -219,7 +282,9 @@ __device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, T* q_out,
     const u32 n = (num_heads + 2 * num_kv_heads) * head_dim;
     const u32 j = head * head_dim + hi * half + i;
     float s[1];
-    if (gemv_column<T, M, 1, false>(x, w, k, n, ksplit, j, s)) vals_s[col][lane] = to_float(from_float<T>(s[0]));
+    if (gemv_column<T, M, 1, false>(DenseRows<T>{w, k}, x, k, n, ksplit, j, s)) {
+        vals_s[col][lane] = to_float(from_float<T>(s[0]));
+    }
     __syncthreads();
     if (hi != 0 || warp % ksplit != 0 || lane >= M || j >= n) return;
     const u32 r = lane;
@@ -252,19 +317,19 @@ __device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, T* q_out,
 #define GEMV(T, S, M) \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_m##M##_##S(const T* x, const T* w, T* y, \
                                                                                 u32 k, u32 n, u32 ksplit) { \
-        gemv_impl<T, T, M, 0>(x, w, y, k, n, ksplit); \
+        gemv_impl<T, T, M, 0>(DenseRows<T>{w, k}, x, y, k, n, ksplit); \
     } \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_m##M##_to_f32_##S( \
         const T* x, const T* w, float* y, u32 k, u32 n, u32 ksplit) { \
-        gemv_impl<T, float, M, 0>(x, w, y, k, n, ksplit); \
+        gemv_impl<T, float, M, 0>(DenseRows<T>{w, k}, x, y, k, n, ksplit); \
     } \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_silu_m##M##_##S( \
         const T* x, const T* w, T* y, u32 k, u32 n, u32 ksplit) { \
-        gemv_impl<T, T, M, 1>(x, w, y, k, n, ksplit); \
+        gemv_impl<T, T, M, 1>(DenseRows<T>{w, k}, x, y, k, n, ksplit); \
     } \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_gelu_tanh_m##M##_##S( \
         const T* x, const T* w, T* y, u32 k, u32 n, u32 ksplit) { \
-        gemv_impl<T, T, M, 2>(x, w, y, k, n, ksplit); \
+        gemv_impl<T, T, M, 2>(DenseRows<T>{w, k}, x, y, k, n, ksplit); \
     } \
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_rope_cache_m##M##_##S( \
         const T* x, const T* w, T* q_out, T* k_cache, T* v_cache, const u32* positions, const i64* slot_mapping, \
@@ -273,6 +338,43 @@ __device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, T* q_out,
         gemv_rope_impl<T, M>(x, w, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq, long_start, k, ksplit, \
                              num_heads, num_kv_heads, head_dim, attention_scaling, num_slots); \
     }
+// The same products over FP8 weights: w holds e4m3 codes, `grid` their scales (Fp8Rows).
+#define GEMV_FP8(T, S, M) \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_fp8_m##M##_##S( \
+        const T* x, const unsigned char* w, T* y, u32 k, u32 n, u32 ksplit, Fp8Grid grid) { \
+        gemv_impl<T, T, M, 0>(Fp8Rows<T>{w, grid, k}, x, y, k, n, ksplit); \
+    } \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_fp8_m##M##_to_f32_##S( \
+        const T* x, const unsigned char* w, float* y, u32 k, u32 n, u32 ksplit, Fp8Grid grid) { \
+        gemv_impl<T, float, M, 0>(Fp8Rows<T>{w, grid, k}, x, y, k, n, ksplit); \
+    } \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_fp8_silu_m##M##_##S( \
+        const T* x, const unsigned char* w, T* y, u32 k, u32 n, u32 ksplit, Fp8Grid grid) { \
+        gemv_impl<T, T, M, 1>(Fp8Rows<T>{w, grid, k}, x, y, k, n, ksplit); \
+    } \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) gemv_fp8_gelu_tanh_m##M##_##S( \
+        const T* x, const unsigned char* w, T* y, u32 k, u32 n, u32 ksplit, Fp8Grid grid) { \
+        gemv_impl<T, T, M, 2>(Fp8Rows<T>{w, grid, k}, x, y, k, n, ksplit); \
+    }
+
+// An FP8 matrix's values in T: out[r, c] = e4m3(codes[r, c]) * scale(r, c), the product in f32
+// rounded once, as crate::fp8 dequantizes (the operand of a cuBLAS GEMM where the GEMV does not
+// take the product). Each thread converts one 16-code chunk (cols % 16 == 0). Grid: ceil(chunks /
+// 256) blocks of 256 threads.
+#define FP8_DEQUANTIZE(T, S) \
+    extern "C" __global__ void __launch_bounds__(256) fp8_dequantize_##S(const unsigned char* codes, Fp8Grid grid, \
+                                                                         u32 cols, u64 chunks, T* out) { \
+        pdl_enter(); \
+        const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; \
+        if (i >= chunks) return; \
+        const u64 e = i * 16, r = e / cols; \
+        const u32 c = (u32)(e - r * cols); \
+        float v[16]; \
+        e4m3x16_to_float(*reinterpret_cast<const uint4*>(codes + e), v); \
+        const float scale = grid.row(r)[c >> grid.col_shift]; \
+        _Pragma("unroll") for (int j = 0; j < 16; j++) out[e + j] = from_float<T>(v[j] * scale); \
+    }
+
 #define GEMV_M1(T, S) GEMV(T, S, 1)
 #define GEMV_M2(T, S) GEMV(T, S, 2)
 #define GEMV_M3(T, S) GEMV(T, S, 3)
@@ -281,3 +383,12 @@ FOR_EACH_DTYPE(GEMV_M1)
 FOR_EACH_DTYPE(GEMV_M2)
 FOR_EACH_DTYPE(GEMV_M3)
 FOR_EACH_DTYPE(GEMV_M4)
+#define GEMV_FP8_M1(T, S) GEMV_FP8(T, S, 1)
+#define GEMV_FP8_M2(T, S) GEMV_FP8(T, S, 2)
+#define GEMV_FP8_M3(T, S) GEMV_FP8(T, S, 3)
+#define GEMV_FP8_M4(T, S) GEMV_FP8(T, S, 4)
+FOR_EACH_DTYPE(GEMV_FP8_M1)
+FOR_EACH_DTYPE(GEMV_FP8_M2)
+FOR_EACH_DTYPE(GEMV_FP8_M3)
+FOR_EACH_DTYPE(GEMV_FP8_M4)
+FOR_EACH_DTYPE(FP8_DEQUANTIZE)

@@ -1,0 +1,285 @@
+//! FP8 weights on the GPU: a matrix's e4m3 codes, one byte a weight, and its block grid of f32
+//! scales ([`GpuFp8Matrix`], placed from [`crate::Fp8Matrix::stack`]'s one grid), and the
+//! product of activations with it.
+//!
+//! Up to [`GEMV_MAX_M`](super::linear) rows take the GEMV kernel's FP8 form (`gemv_fp8_*` in
+//! kernels/gemv.cu), which reads each weight once, as one byte. More rows dequantize the matrix
+//! into a scratch buffer in the activations' dtype (`fp8_dequantize`: the value the CPU computes
+//! with, rounded once to that dtype) and take the dense GEMM.
+//!
+//! Invariants: `cols % 16 == 0` (a GEMV chunk is 16 codes) and the blocks are either a whole
+//! row wide or a power of two of at least 16 columns (a chunk lies in one block, found by a
+//! shift); [`GpuFp8Matrix::new`] declines other layouts, which the device places dequantized.
+
+use std::marker::PhantomData;
+
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+
+use super::compile::{self, KernelFamilies};
+use super::gpu::to_u32;
+use super::{Gpu, GpuError, GpuTensor, GpuView, GpuViewMut};
+use crate::{DType, Fp8Matrix};
+
+/// The entry points of the FP8 products.
+pub(crate) const KERNELS: &[KernelFamilies] = &[KernelFamilies {
+    source: &compile::GEMV,
+    names: &[
+        "gemv_fp8_m1",
+        "gemv_fp8_m2",
+        "gemv_fp8_m3",
+        "gemv_fp8_m4",
+        "gemv_fp8_m1_to_f32",
+        "gemv_fp8_m2_to_f32",
+        "gemv_fp8_m3_to_f32",
+        "gemv_fp8_m4_to_f32",
+        "gemv_fp8_silu_m1",
+        "gemv_fp8_silu_m2",
+        "gemv_fp8_silu_m3",
+        "gemv_fp8_silu_m4",
+        "gemv_fp8_gelu_tanh_m1",
+        "gemv_fp8_gelu_tanh_m2",
+        "gemv_fp8_gelu_tanh_m3",
+        "gemv_fp8_gelu_tanh_m4",
+        "fp8_dequantize",
+    ],
+    large_shared: false,
+}];
+
+/// Codes a GEMV chunk holds: the columns must be whole chunks.
+const CHUNK: usize = 16;
+/// The shift that puts every column of a row in block 0 (`col_shift` of a one-block-wide grid).
+const WHOLE_ROW_SHIFT: u32 = 31;
+
+/// A `[rows, cols]` FP8 matrix in device memory.
+pub struct GpuFp8Matrix {
+    /// `[rows, cols]` e4m3 codes, owned here and read through `codes_ptr`.
+    _codes: CudaSlice<u8>,
+    codes_ptr: u64,
+    /// f32 `[ceil(rows / block_rows), grid_cols]`
+    scales: GpuTensor,
+    rows: usize,
+    cols: usize,
+    block_rows: usize,
+    /// log2 of the block width, or [`WHOLE_ROW_SHIFT`].
+    col_shift: u32,
+    grid_cols: usize,
+}
+
+/// The kernels' `Fp8Grid` (kernels/common.cuh), passed by value.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+struct Fp8Grid {
+    scales: u64,
+    block_rows: u32,
+    col_shift: u32,
+    grid_cols: u32,
+    _pad: u32,
+}
+
+// SAFETY: a plain #[repr(C)] struct of integers laid out as the kernels' `Fp8Grid` (a pointer
+// then three u32, 8-byte aligned: 24 bytes with the padding).
+unsafe impl DeviceRepr for Fp8Grid {}
+
+impl GpuFp8Matrix {
+    /// Whether the kernels take `m`'s layout (see the module's invariants).
+    pub fn fits(m: &Fp8Matrix) -> bool {
+        layout(m).is_some()
+    }
+
+    /// Uploads `m`, or `None` where the kernels do not take its layout ([`Self::fits`]).
+    pub fn new(gpu: &Gpu, m: &Fp8Matrix) -> Result<Option<GpuFp8Matrix>, GpuError> {
+        let Some((block_rows, col_shift, grid_cols)) = layout(m) else { return Ok(None) };
+        let (_, _, scales) = m.scale_grid();
+        let codes = gpu.upload(m.codes())?;
+        Ok(Some(GpuFp8Matrix {
+            codes_ptr: gpu.index_ptr(&codes),
+            _codes: codes,
+            scales: GpuTensor::from_f32(gpu, scales, DType::F32)?,
+            rows: m.rows(),
+            cols: m.cols(),
+            block_rows,
+            col_shift,
+            grid_cols,
+        }))
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Codes and scales.
+    pub fn size_in_bytes(&self) -> usize {
+        self.rows * self.cols + self.scales.size_in_bytes()
+    }
+
+    pub fn view(&self) -> Fp8View<'_> {
+        Fp8View { codes: self.codes_ptr, grid: self.grid(), rows: self.rows, cols: self.cols, _matrix: PhantomData }
+    }
+
+    fn grid(&self) -> Fp8Grid {
+        Fp8Grid {
+            scales: self.scales.view().ptr(),
+            block_rows: self.block_rows as u32,
+            col_shift: self.col_shift,
+            grid_cols: self.grid_cols as u32,
+            _pad: 0,
+        }
+    }
+}
+
+/// `(block_rows, col_shift, grid_cols)` of `m`'s scale grid where the kernels take it.
+fn layout(m: &Fp8Matrix) -> Option<(usize, u32, usize)> {
+    let (rows, cols) = (m.rows(), m.cols());
+    let (block_rows, block_cols, scales) = m.scale_grid();
+    if rows == 0 || cols == 0 || !cols.is_multiple_of(CHUNK) || u32::try_from(rows.max(cols)).is_err() {
+        return None;
+    }
+    let col_shift = if block_cols >= cols {
+        WHOLE_ROW_SHIFT
+    } else if block_cols.is_power_of_two() && block_cols >= CHUNK {
+        block_cols.trailing_zeros()
+    } else {
+        return None;
+    };
+    let grid_cols = cols.div_ceil(block_cols);
+    debug_assert_eq!(scales.len(), rows.div_ceil(block_rows) * grid_cols);
+    Some((block_rows, col_shift, grid_cols))
+}
+
+/// Rows of a [`GpuFp8Matrix`], borrowed.
+#[derive(Clone, Copy)]
+pub struct Fp8View<'a> {
+    codes: u64,
+    grid: Fp8Grid,
+    rows: usize,
+    cols: usize,
+    _matrix: PhantomData<&'a GpuFp8Matrix>,
+}
+
+impl Fp8View<'_> {
+    /// The first `n` rows.
+    pub fn prefix(self, n: usize) -> Self {
+        assert!(n <= self.rows, "an FP8 matrix of {} rows has no first {n}", self.rows);
+        Fp8View { rows: n, ..self }
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+}
+
+/// The GEMV kernels of the FP8 products, by rows of x and what follows the product.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Epilogue {
+    /// Rounded to x's dtype.
+    Store,
+    /// Kept in f32 (logits).
+    ToF32,
+    Silu,
+    GeluTanh,
+}
+
+/// `out[m, n] = x[m, k] · w^T` (`w`'s `n` rows of `k`; a gated epilogue takes `w = [gate; up]`,
+/// `2 n` rows, and writes `act(gate) * up`) through the FP8 GEMV kernel with `ksplit` warps per
+/// column; `m` is 1 to 4 and x 16-byte aligned (the caller checks).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemv(
+    gpu: &Gpu,
+    x: GpuView<'_>,
+    m: usize,
+    w: Fp8View<'_>,
+    n: usize,
+    ksplit: usize,
+    epilogue: Epilogue,
+    out_ptr: u64,
+) -> Result<(), GpuError> {
+    const NAMES: [[&str; 4]; 4] = [
+        ["gemv_fp8_m1", "gemv_fp8_m2", "gemv_fp8_m3", "gemv_fp8_m4"],
+        ["gemv_fp8_m1_to_f32", "gemv_fp8_m2_to_f32", "gemv_fp8_m3_to_f32", "gemv_fp8_m4_to_f32"],
+        ["gemv_fp8_silu_m1", "gemv_fp8_silu_m2", "gemv_fp8_silu_m3", "gemv_fp8_silu_m4"],
+        ["gemv_fp8_gelu_tanh_m1", "gemv_fp8_gelu_tanh_m2", "gemv_fp8_gelu_tanh_m3", "gemv_fp8_gelu_tanh_m4"],
+    ];
+    assert!((1..=4).contains(&m), "FP8 GEMV: {m} rows");
+    let kernel = NAMES[epilogue as usize][m - 1];
+    let k = w.cols;
+    let (x_ptr, w_ptr, grid) = (x.ptr(), w.codes, w.grid);
+    let (k_u32, n_u32, ksplit_u32) = (to_u32("linear", "k", k), to_u32("linear", "n", n), ksplit as u32);
+    let warps = super::linear::GEMV_WARPS;
+    let cfg = LaunchConfig {
+        grid_dim: (to_u32("linear", "GEMV blocks", n.div_ceil(warps / ksplit)), 1, 1),
+        block_dim: (warps as u32 * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.launch_builder(kernel, x.dtype());
+    launch.arg(&x_ptr).arg(&w_ptr).arg(&out_ptr).arg(&k_u32).arg(&n_u32).arg(&ksplit_u32).arg(&grid);
+    // SAFETY: the arguments match the kernel's parameters; x holds m rows of k, w at least n (a
+    // gated kernel's 2 n) rows of k codes with their grid, out m rows of n in the kernel's
+    // output type; k % 16 == 0 (the matrix's invariant) and x is 16-byte aligned (the caller).
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// Whether the FP8 GEMV kernel takes `m` rows of `x` (as the dense one, [`super::linear`]).
+pub(super) fn gemv_fits(x: GpuView<'_>, m: usize) -> bool {
+    (1..=super::linear::GEMV_MAX_M).contains(&m) && x.ptr().is_multiple_of(16)
+}
+
+/// `out = w`'s values in `out`'s dtype, `[w.rows, w.cols]` (see the module's doc).
+pub(super) fn dequantize(gpu: &Gpu, w: Fp8View<'_>, out: GpuViewMut<'_>) -> Result<(), GpuError> {
+    assert_eq!(out.len(), w.rows * w.cols, "fp8_dequantize: out is not [{}, {}]", w.rows, w.cols);
+    let chunks = (w.rows * w.cols / CHUNK) as u64;
+    if chunks == 0 {
+        return Ok(());
+    }
+    let (codes, grid, cols, out_ptr) = (w.codes, w.grid, to_u32("fp8_dequantize", "cols", w.cols), out.ptr());
+    let cfg = LaunchConfig {
+        grid_dim: (to_u32("fp8_dequantize", "blocks", chunks.div_ceil(256) as usize), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.launch_builder("fp8_dequantize", out.dtype());
+    launch.arg(&codes).arg(&grid).arg(&cols).arg(&chunks).arg(&out_ptr);
+    // SAFETY: the arguments match the kernel's parameters; `w` holds `chunks` chunks of 16
+    // codes (cols % 16 == 0) and `out` as many elements.
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Fp8Scales;
+
+    fn matrix(rows: usize, cols: usize, scales: Fp8Scales) -> Fp8Matrix {
+        Fp8Matrix::new(rows, cols, vec![0x38; rows * cols], scales).unwrap()
+    }
+
+    fn blocks(rows: usize, cols: usize, br: usize, bc: usize) -> Fp8Scales {
+        Fp8Scales::Blocks { block_rows: br, block_cols: bc, scales: vec![1.0; rows.div_ceil(br) * cols.div_ceil(bc)] }
+    }
+
+    #[test]
+    fn the_kernels_take_whole_chunks_and_power_of_two_blocks() {
+        // A tensor or row scale spans the row: one block, found by the whole-row shift.
+        assert_eq!(layout(&matrix(3, 64, Fp8Scales::Tensor(1.0))), Some((3, WHOLE_ROW_SHIFT, 1)));
+        assert_eq!(layout(&matrix(3, 64, Fp8Scales::Rows(vec![1.0; 3]))), Some((1, WHOLE_ROW_SHIFT, 1)));
+        // 128-wide blocks over 1040 columns: 9 blocks a row, the last partial.
+        assert_eq!(layout(&matrix(300, 1040, blocks(300, 1040, 128, 128))), Some((128, 7, 9)));
+        // Blocks at least as wide as the row.
+        assert_eq!(layout(&matrix(4, 64, blocks(4, 64, 2, 128))), Some((2, WHOLE_ROW_SHIFT, 1)));
+        assert_eq!(layout(&matrix(4, 64, blocks(4, 64, 1, 16))), Some((1, 4, 4)));
+        // Columns not whole chunks, blocks narrower than a chunk or not a power of two.
+        assert_eq!(layout(&matrix(2, 72, Fp8Scales::Tensor(1.0))), None);
+        assert_eq!(layout(&matrix(2, 64, blocks(2, 64, 1, 8))), None);
+        assert_eq!(layout(&matrix(2, 96, blocks(2, 96, 1, 48))), None);
+        assert_eq!(layout(&matrix(0, 64, Fp8Scales::Tensor(1.0))), None);
+    }
+}
