@@ -12,7 +12,7 @@ use ferrolm_backend::cuda::{
     self, AttentionKernel, CudaSlice, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuFp8Matrix, GpuOptions,
     GpuRopeTable, GpuTensor, PagedAttention, QkNorms, QkvOut, QkvRows,
 };
-use ferrolm_backend::{DType, Fp8Matrix, Fp8Scales, Heads, WeightView};
+use ferrolm_backend::{DType, Fp8Matrix, Fp8Scales, Heads, HostTensor, WeightView};
 use half::{bf16, f16};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -2698,8 +2698,8 @@ fn fp8_layouts(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Vec<(&'static 
 
 /// `linear_fp8` against the CPU's product with the dequantized weights: the FP8 GEMV for 1 to 4
 /// rows (k in one or several rounds of chunks, narrow and wide matrices so k split or not), and
-/// the dequantized matrix through cuBLAS for more, with and without bias, into the activation
-/// dtype and into f32, over every scale layout.
+/// the dequantized matrix through cuBLAS for more (n is no multiple of 16, so no FP8 GEMM), with
+/// and without bias, into the activation dtype and into f32, over every scale layout.
 #[test]
 fn fp8_linear_matches_cpu_on_dequantized_weights() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
@@ -2812,6 +2812,55 @@ fn fp8_linear_gated_matches_fp8_linear_then_activation() -> Result<(), GpuError>
                             same,
                             "linear_gated_fp8 {act:?} {layout} {dtype:?} m={m} k={k}: differs from the composition"
                         );
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// More rows of bf16 or f16 activations over a matrix of one scale per row take cuBLASLt's FP8
+/// GEMM, the activations quantized per token first: against the CPU's product of the
+/// dequantized weights with the activations quantized the same way (amax / 448 per row, codes
+/// rounded to nearest even), which `crate::fp8` computes on the host.
+#[test]
+fn fp8_gemm_matches_cpu_on_quantized_activations() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let gemms = Gemms::new()?;
+    let mut rng = rng(47);
+    for &(k, n) in &[(256, 128), (4096, 1024)] {
+        let layouts = fp8_layouts(&mut rng, n, k);
+        for (layout, w) in layouts.into_iter().filter(|(l, _)| matches!(*l, "tensor" | "rows")) {
+            let w_dev = GpuFp8Matrix::new(&gpu, &w)?.expect("the kernels take every layout under test");
+            let w_f32 = w.dequantize().to_f32_vec();
+            for &m in &[5, 64, 130] {
+                let x = random_vec(&mut rng, m * k, 1.0);
+                for (dtype, tol) in DTYPES.into_iter().filter(|(d, _)| *d != DType::F32) {
+                    let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
+                    let x_q =
+                        Fp8Matrix::quantize_rows(&HostTensor::from_f32(vec![m, k], x_r)).dequantize().to_f32_vec();
+                    let mut want = vec![0.0; m * n];
+                    cpu::linear(&x_q, m, k, WeightView::F32(&w_f32), n, None, &mut want);
+                    let mut scratch = GpuTensor::uninit(&gpu, dtype, n * k + m * k)?;
+                    for (y_dtype, y_tol) in [(dtype, tol), (DType::F32, 1e-3)] {
+                        let mut y = nan_tensor(&gpu, y_dtype, m * n)?;
+                        cuda::linear_fp8(
+                            &gpu,
+                            &gemms,
+                            x_dev.view(),
+                            m,
+                            w_dev.view(),
+                            n,
+                            None,
+                            y.view_mut(),
+                            &mut scratch,
+                        )?;
+                        let what = format!(
+                            "FP8 GEMM {layout} {dtype:?}->{y_dtype:?} m={m} k={k} n={n} (fails where cuBLASLt has no FP8 \
+                             GEMM and the weights are dequantized instead)"
+                        );
+                        check(&what, &y.to_f32_vec(&gpu)?, &want, y_tol);
                     }
                 }
             }

@@ -49,11 +49,12 @@ pub(crate) const DECODE_ATTENTION: KernelSource =
     kernel_source!("decode_attention.cu", &[&ATTENTION, &FLASH_ATTENTION], true);
 pub(crate) const SAMPLING: KernelSource = kernel_source!("sampling.cu", &[], false);
 pub(crate) const GEMV: KernelSource = kernel_source!("gemv.cu", &[&ELEMENTWISE, &ROPE], false);
+pub(crate) const FP8: KernelSource = kernel_source!("fp8.cu", &[], false);
 pub(crate) const MOE: KernelSource = kernel_source!("moe.cu", &[&ELEMENTWISE, &FLASH_ATTENTION], false);
 
 /// Every kernel file, the slowest to compile first (so that they start first).
-pub(crate) const SOURCES: [&KernelSource; 9] =
-    [&ATTENTION, &DECODE_ATTENTION, &GEMV, &MOE, &SAMPLING, &FLASH_ATTENTION, &NORM, &ROPE, &ELEMENTWISE];
+pub(crate) const SOURCES: [&KernelSource; 10] =
+    [&ATTENTION, &DECODE_ATTENTION, &GEMV, &MOE, &SAMPLING, &FLASH_ATTENTION, &NORM, &ROPE, &FP8, &ELEMENTWISE];
 
 /// The entry points an op family loads from one kernel file: `{name}_{dtype}` for each name and
 /// each dtype the file has.

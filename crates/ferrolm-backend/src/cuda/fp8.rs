@@ -3,9 +3,14 @@
 //! product of activations with it.
 //!
 //! Up to [`GEMV_MAX_M`](super::linear) rows take the GEMV kernel's FP8 form (`gemv_fp8_*` in
-//! kernels/gemv.cu), which reads each weight once, as one byte. More rows dequantize the matrix
-//! into a scratch buffer in the activations' dtype (`fp8_dequantize`: the value the CPU computes
-//! with, rounded once to that dtype) and take the dense GEMM.
+//! kernels/gemv.cu), which reads each weight once, as one byte, and computes with the
+//! activations as they are. More rows of bf16 or f16 activations, where every row of the matrix
+//! has one scale (tensor or channel scales: cuBLASLt's outer-vector scaling), take an FP8 GEMM
+//! on the tensor cores: the activations quantized per token first (`fp8_quantize_rows`, vLLM's
+//! dynamic per-token scales), so that the product differs from the CPU's by that rounding too.
+//! Everything else (f32 activations, block scales, a shape cuBLASLt has no FP8 GEMM for)
+//! dequantizes the matrix into a scratch buffer in the activations' dtype (`fp8_dequantize`: the
+//! value the CPU computes with, rounded once to that dtype) and takes the dense GEMM.
 //!
 //! Invariants: `cols % 16 == 0` (a GEMV chunk is 16 codes) and the blocks are either a whole
 //! row wide or a power of two of at least 16 columns (a chunk lies in one block, found by a
@@ -16,34 +21,37 @@ use std::marker::PhantomData;
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::compile::{self, KernelFamilies};
+use super::gemm_tune::{Fp8GemmShape, Gemms};
 use super::gpu::to_u32;
 use super::{Gpu, GpuError, GpuTensor, GpuView, GpuViewMut};
 use crate::{DType, Fp8Matrix};
 
 /// The entry points of the FP8 products.
-pub(crate) const KERNELS: &[KernelFamilies] = &[KernelFamilies {
-    source: &compile::GEMV,
-    names: &[
-        "gemv_fp8_m1",
-        "gemv_fp8_m2",
-        "gemv_fp8_m3",
-        "gemv_fp8_m4",
-        "gemv_fp8_m1_to_f32",
-        "gemv_fp8_m2_to_f32",
-        "gemv_fp8_m3_to_f32",
-        "gemv_fp8_m4_to_f32",
-        "gemv_fp8_silu_m1",
-        "gemv_fp8_silu_m2",
-        "gemv_fp8_silu_m3",
-        "gemv_fp8_silu_m4",
-        "gemv_fp8_gelu_tanh_m1",
-        "gemv_fp8_gelu_tanh_m2",
-        "gemv_fp8_gelu_tanh_m3",
-        "gemv_fp8_gelu_tanh_m4",
-        "fp8_dequantize",
-    ],
-    large_shared: false,
-}];
+pub(crate) const KERNELS: &[KernelFamilies] = &[
+    KernelFamilies {
+        source: &compile::GEMV,
+        names: &[
+            "gemv_fp8_m1",
+            "gemv_fp8_m2",
+            "gemv_fp8_m3",
+            "gemv_fp8_m4",
+            "gemv_fp8_m1_to_f32",
+            "gemv_fp8_m2_to_f32",
+            "gemv_fp8_m3_to_f32",
+            "gemv_fp8_m4_to_f32",
+            "gemv_fp8_silu_m1",
+            "gemv_fp8_silu_m2",
+            "gemv_fp8_silu_m3",
+            "gemv_fp8_silu_m4",
+            "gemv_fp8_gelu_tanh_m1",
+            "gemv_fp8_gelu_tanh_m2",
+            "gemv_fp8_gelu_tanh_m3",
+            "gemv_fp8_gelu_tanh_m4",
+        ],
+        large_shared: false,
+    },
+    KernelFamilies { source: &compile::FP8, names: &["fp8_dequantize", "fp8_quantize_rows"], large_shared: false },
+];
 
 /// Codes a GEMV chunk holds: the columns must be whole chunks.
 const CHUNK: usize = 16;
@@ -57,6 +65,8 @@ pub struct GpuFp8Matrix {
     codes_ptr: u64,
     /// f32 `[ceil(rows / block_rows), grid_cols]`
     scales: GpuTensor,
+    /// f32 `[rows]`: each row's one scale, where the blocks span the rows (the FP8 GEMM's).
+    row_scales: Option<GpuTensor>,
     rows: usize,
     cols: usize,
     block_rows: usize,
@@ -91,7 +101,14 @@ impl GpuFp8Matrix {
         let Some((block_rows, col_shift, grid_cols)) = layout(m) else { return Ok(None) };
         let (_, _, scales) = m.scale_grid();
         let codes = gpu.upload(m.codes())?;
+        let row_scales = if col_shift == WHOLE_ROW_SHIFT {
+            let per_row: Vec<f32> = (0..m.rows()).map(|r| scales[r / block_rows]).collect();
+            Some(GpuTensor::from_f32(gpu, &per_row, DType::F32)?)
+        } else {
+            None
+        };
         Ok(Some(GpuFp8Matrix {
+            row_scales,
             codes_ptr: gpu.index_ptr(&codes),
             _codes: codes,
             scales: GpuTensor::from_f32(gpu, scales, DType::F32)?,
@@ -113,11 +130,20 @@ impl GpuFp8Matrix {
 
     /// Codes and scales.
     pub fn size_in_bytes(&self) -> usize {
-        self.rows * self.cols + self.scales.size_in_bytes()
+        self.rows * self.cols
+            + self.scales.size_in_bytes()
+            + self.row_scales.as_ref().map_or(0, GpuTensor::size_in_bytes)
     }
 
     pub fn view(&self) -> Fp8View<'_> {
-        Fp8View { codes: self.codes_ptr, grid: self.grid(), rows: self.rows, cols: self.cols, _matrix: PhantomData }
+        Fp8View {
+            codes: self.codes_ptr,
+            grid: self.grid(),
+            row_scales: self.row_scales.as_ref().map(|s| s.view().ptr()),
+            rows: self.rows,
+            cols: self.cols,
+            _matrix: PhantomData,
+        }
     }
 
     fn grid(&self) -> Fp8Grid {
@@ -155,6 +181,7 @@ fn layout(m: &Fp8Matrix) -> Option<(usize, u32, usize)> {
 pub struct Fp8View<'a> {
     codes: u64,
     grid: Fp8Grid,
+    row_scales: Option<u64>,
     rows: usize,
     cols: usize,
     _matrix: PhantomData<&'a GpuFp8Matrix>,
@@ -251,6 +278,56 @@ pub(super) fn dequantize(gpu: &Gpu, w: Fp8View<'_>, out: GpuViewMut<'_>) -> Resu
     // codes (cols % 16 == 0) and `out` as many elements.
     unsafe { launch.launch(cfg) }?;
     Ok(())
+}
+
+/// Bytes of the quantized activations at the start of the scratch buffer: `[m, k]` codes, then
+/// (16-byte aligned) `[m]` f32 scales.
+fn quantized_bytes(m: usize, k: usize) -> (usize, usize) {
+    let scales_at = (m * k).next_multiple_of(16);
+    (scales_at, scales_at + 4 * m)
+}
+
+/// `out[m, n] = x[m, k] · w^T` through an FP8 GEMM (see the module's doc), with the activations
+/// quantized into `scratch`; `false`, with nothing issued, where that GEMM does not take the
+/// product (f32 activations, block scales, unaligned operands, too small a scratch, or no
+/// cuBLASLt algorithm for the shape).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gemm(
+    gpu: &Gpu,
+    gemms: &Gemms,
+    x: GpuView<'_>,
+    m: usize,
+    w: Fp8View<'_>,
+    n: usize,
+    out_ptr: u64,
+    out_dtype: DType,
+    scratch: &mut GpuTensor,
+) -> Result<bool, GpuError> {
+    let k = w.cols;
+    let (scales_at, bytes) = quantized_bytes(m, k);
+    let Some(w_scales) = w.row_scales else { return Ok(false) };
+    let fits = x.dtype() != DType::F32
+        && n.is_multiple_of(16)
+        && out_ptr.is_multiple_of(16)
+        && bytes <= scratch.size_in_bytes()
+        && u32::try_from(m).is_ok();
+    let shape = Fp8GemmShape { m, n, k, output: out_dtype };
+    if !fits || !gemms.fp8_supported(gpu, shape) {
+        return Ok(false);
+    }
+    let (x_ptr, codes) = (x.ptr(), scratch.view_mut().ptr());
+    let (k_u32, x_scales) = (to_u32("linear", "k", k), codes + scales_at as u64);
+    let mut launch = gpu.launch_builder("fp8_quantize_rows", x.dtype());
+    launch.arg(&x_ptr).arg(&k_u32).arg(&codes).arg(&x_scales);
+    let cfg = LaunchConfig { grid_dim: (m as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: the arguments match the kernel's parameters; x holds m rows of k, and the scratch
+    // the m rows of k codes and the m scales after them (checked above).
+    unsafe { launch.launch(cfg) }?;
+    // SAFETY: the weights hold at least n rows of k codes (n <= w.rows) and n row scales; the
+    // activations' codes and scales were just written; out holds m rows of n in `out_dtype`;
+    // all 16-byte aligned (allocations, k % 16 == 0, and the checks above).
+    unsafe { gemms.run_fp8(gpu, shape, w.codes, w_scales, codes, x_scales, out_ptr) }?;
+    Ok(true)
 }
 
 #[cfg(test)]

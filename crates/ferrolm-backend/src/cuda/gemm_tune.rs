@@ -44,6 +44,17 @@ pub struct GemmShape {
     pub output: DType,
 }
 
+/// One FP8 GEMM: `out[m, n] = (sx · qx[m, k]) · (sw · qw[n, k])^T`, the operands e4m3 codes
+/// scaled per row (`sx[m]` per token, `sw[n]` per output feature: cuBLASLt's outer-vector
+/// scaling), accumulated in f32, `out` in `output`.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub struct Fp8GemmShape {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub output: DType,
+}
+
 /// What tuning measured for one shape.
 #[derive(Clone, Debug)]
 pub struct GemmTuning {
@@ -90,6 +101,48 @@ impl Plan {
         plan.b = lt::create_matrix_layout(data_type(input), dim(k), dim(m), k as i64)?;
         plan.d = lt::create_matrix_layout(data_type(output), dim(n), dim(m), n as i64)?;
         Ok(plan)
+    }
+
+    /// The descriptors of an FP8 GEMM, as [`Plan::new`]'s (`W` transposed: the layout cuBLASLt's
+    /// FP8 GEMMs require), with both operands scaled by a vector along their rows. The scale
+    /// pointers are set per call ([`Plan::set_fp8_scales`]).
+    fn fp8(shape: Fp8GemmShape) -> Result<Plan, GpuError> {
+        let Fp8GemmShape { m, n, k, output } = shape;
+        let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)?;
+        let mut plan =
+            Plan { desc, a: std::ptr::null_mut(), b: std::ptr::null_mut(), d: std::ptr::null_mut(), algo: None };
+        let (transpose, keep): (i32, i32) = (1, 0);
+        let outer = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as u32;
+        // SAFETY: the descriptor is live; the transposes are i32, the scale modes u32, as
+        // cuBLASLt documents.
+        unsafe {
+            use sys::cublasLtMatmulDescAttributes_t as Desc;
+            let ((t, t_len), (n_op, n_len), (o, o_len)) = (attribute(&transpose), attribute(&keep), attribute(&outer));
+            lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_TRANSA, t, t_len)?;
+            lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_TRANSB, n_op, n_len)?;
+            lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, o, o_len)?;
+            lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, o, o_len)?;
+        }
+        let (e4m3, dim) = (sys::cudaDataType::CUDA_R_8F_E4M3, |v: usize| v as u64);
+        plan.a = lt::create_matrix_layout(e4m3, dim(k), dim(n), k as i64)?;
+        plan.b = lt::create_matrix_layout(e4m3, dim(k), dim(m), k as i64)?;
+        plan.d = lt::create_matrix_layout(data_type(output), dim(n), dim(m), n as i64)?;
+        Ok(plan)
+    }
+
+    /// Points an FP8 plan's scales at `w_scales` (`[n]` f32) and `x_scales` (`[m]` f32).
+    ///
+    /// # Safety
+    /// The plan is an FP8 one; the pointers must stay valid until its GEMM has run.
+    unsafe fn set_fp8_scales(&self, w_scales: u64, x_scales: u64) -> Result<(), GpuError> {
+        // SAFETY: the descriptor is live; each attribute is a device pointer.
+        unsafe {
+            use sys::cublasLtMatmulDescAttributes_t as Desc;
+            let ((w, w_len), (x, x_len)) = (attribute(&w_scales), attribute(&x_scales));
+            lt::set_matmul_desc_attribute(self.desc, Desc::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, w, w_len)?;
+            lt::set_matmul_desc_attribute(self.desc, Desc::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, x, x_len)?;
+        }
+        Ok(())
     }
 
     /// Up to `count` algorithms for this plan, cuBLASLt's preferred first, that keep reductions
@@ -221,10 +274,14 @@ fn data_type(dtype: DType) -> sys::cudaDataType {
 pub struct Gemms {
     handle: sys::cublasLtHandle_t,
     plans: Mutex<HashMap<GemmShape, Plan>>,
+    /// FP8 GEMMs by shape: cuBLASLt's plan, or `None` where it has none (`linear_fp8` then
+    /// dequantizes the weights).
+    fp8_plans: Mutex<HashMap<Fp8GemmShape, Option<Plan>>>,
 }
 
 // SAFETY: the handle and the plans' descriptors are only read after creation (cuBLASLt allows
-// a handle and descriptors to be used from any thread); the map is behind a mutex.
+// a handle and descriptors to be used from any thread), except an FP8 plan's scale pointers,
+// set and used under the map's mutex; the maps are behind mutexes.
 unsafe impl Send for Gemms {}
 // SAFETY: as above.
 unsafe impl Sync for Gemms {}
@@ -232,7 +289,8 @@ unsafe impl Sync for Gemms {}
 impl Gemms {
     /// A cuBLASLt handle and no plans: every GEMM goes through `cublasGemmEx` until [`Self::tune`].
     pub fn new() -> Result<Gemms, GpuError> {
-        Ok(Gemms { handle: lt::create_handle()?, plans: Mutex::new(HashMap::new()) })
+        let (plans, fp8_plans) = (Mutex::new(HashMap::new()), Mutex::new(HashMap::new()));
+        Ok(Gemms { handle: lt::create_handle()?, plans, fp8_plans })
     }
 
     /// `shape`'s GEMM on `gpu`'s stream: through its tuned plan if it has one, else
@@ -259,6 +317,55 @@ impl Gemms {
         }
         // SAFETY: as the caller vouches.
         unsafe { cublas_gemm(gpu, shape, w_ptr, x_ptr, out_ptr) }
+    }
+
+    /// Whether cuBLASLt has an FP8 GEMM of `shape` on this device (its heuristic's first
+    /// algorithm, asked once per shape and remembered; an error on the way counts as none).
+    pub(crate) fn fp8_supported(&self, gpu: &Gpu, shape: Fp8GemmShape) -> bool {
+        let mut plans = self.fp8_plans.lock().unwrap_or_else(|e| e.into_inner());
+        let plan = plans.entry(shape).or_insert_with(|| {
+            let (_, workspace_bytes) = gpu.blas_workspace();
+            let planned = Plan::fp8(shape).and_then(|mut plan| {
+                plan.algo = plan.candidates(self.handle, 1, workspace_bytes)?.into_iter().next();
+                Ok(plan)
+            });
+            match planned {
+                Ok(plan) if plan.algo.is_some() => Some(plan),
+                Ok(_) => None,
+                Err(e) => {
+                    tracing::debug!(?shape, error = %e, "no FP8 GEMM from cuBLASLt");
+                    None
+                }
+            }
+        });
+        plan.is_some()
+    }
+
+    /// `shape`'s FP8 GEMM ([`Fp8GemmShape`]) on `gpu`'s stream; [`Self::fp8_supported`] said yes.
+    ///
+    /// # Safety
+    /// `w` (`[n, k]` e4m3), `w_scales` (`[n]` f32), `x` (`[m, k]` e4m3), `x_scales` (`[m]` f32)
+    /// and `out` (`[m, n]` of `shape.output`) must be valid device buffers, 16-byte aligned.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn run_fp8(
+        &self,
+        gpu: &Gpu,
+        shape: Fp8GemmShape,
+        w: u64,
+        w_scales: u64,
+        x: u64,
+        x_scales: u64,
+        out: u64,
+    ) -> Result<(), GpuError> {
+        let plans = self.fp8_plans.lock().unwrap_or_else(|e| e.into_inner());
+        let plan = plans.get(&shape).and_then(Option::as_ref).expect("run_fp8 after fp8_supported said yes");
+        let algo = plan.algo.as_ref().expect("an FP8 plan is kept with its algorithm");
+        // SAFETY: as the caller vouches; the scales are set and used under the lock, in stream
+        // order.
+        unsafe {
+            plan.set_fp8_scales(w_scales, x_scales)?;
+            plan.run(gpu, self.handle, algo, w, x, out)
+        }
     }
 
     /// Forgets every tuned plan: GEMMs go back to `cublasGemmEx` (to compare the two).
@@ -362,6 +469,7 @@ impl Gemms {
 impl Drop for Gemms {
     fn drop(&mut self) {
         self.clear();
+        self.fp8_plans.lock().unwrap_or_else(|e| e.into_inner()).clear();
         // SAFETY: created in `new`, freed once, after its plans.
         let _ = unsafe { lt::destroy_handle(self.handle) };
     }

@@ -180,8 +180,10 @@ fn linear_with(
             fp8::gemv(gpu, x, m, w, n, gemv_ksplit(n, k), epilogue, acc_ptr)?
         }
         (Weight::Fp8(w, scratch), _) => {
-            let dense = dequantized(gpu, w, n, x.dtype(), scratch)?;
-            gemm(gpu, gemms, x, m, k, dense, n, acc_ptr, acc_dtype)?
+            if !fp8::gemm(gpu, gemms, x, m, w, n, acc_ptr, acc_dtype, scratch)? {
+                let dense = dequantized(gpu, w, n, x.dtype(), scratch)?;
+                gemm(gpu, gemms, x, m, k, dense, n, acc_ptr, acc_dtype)?
+            }
         }
     }
     if let Some(bias) = bias {

@@ -280,3 +280,34 @@ struct Fp8Grid {
     // Row r's scales.
     __device__ __forceinline__ const float* row(u64 r) const { return scales + (r / block_rows) * grid_cols; }
 };
+
+// `x` rounded to the nearest e4m3 value (ties to even), saturating at +-448 (NaN stays NaN), as
+// crate::fp8::f32_to_e4m3 rounds: one instruction from sm_89 on (the second source goes to the
+// low byte), the same rounding on the bits before.
+__device__ __forceinline__ unsigned char f32_to_e4m3(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(0.f), "f"(x));
+    return (unsigned char)(pair & 0xff);
+#else
+    const u32 bits = __float_as_uint(x);
+    const u32 sign = (bits >> 24) & 0x80;
+    const float a = fabsf(x);
+    if (a != a) return (unsigned char)(sign | 0x7f);
+    if (a < 0.015625f) {  // below the smallest normal, 2^-6: subnormal steps of 2^-9 (8 of them is 2^-6)
+        return (unsigned char)(sign | (u32)__float2int_rn(a * 512.f));
+    }
+    int e = (int)((bits >> 23) & 0xff) - 127;
+    const u32 mant = bits & 0x7fffffu;
+    u32 keep = mant >> 20;
+    const u32 rem = mant & 0xfffffu;
+    if (rem > 0x80000u || (rem == 0x80000u && (keep & 1))) keep++;
+    if (keep == 8) {
+        keep = 0;
+        e++;
+    }
+    const int biased = e + 7;
+    if (biased > 15 || (biased == 15 && keep > 6)) return (unsigned char)(sign | 0x7e);
+    return (unsigned char)(sign | ((u32)biased << 3) | keep);
+#endif
+}

@@ -357,24 +357,6 @@ __device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, T* q_out,
         gemv_impl<T, T, M, 2>(Fp8Rows<T>{w, grid, k}, x, y, k, n, ksplit); \
     }
 
-// An FP8 matrix's values in T: out[r, c] = e4m3(codes[r, c]) * scale(r, c), the product in f32
-// rounded once, as crate::fp8 dequantizes (the operand of a cuBLAS GEMM where the GEMV does not
-// take the product). Each thread converts one 16-code chunk (cols % 16 == 0). Grid: ceil(chunks /
-// 256) blocks of 256 threads.
-#define FP8_DEQUANTIZE(T, S) \
-    extern "C" __global__ void __launch_bounds__(256) fp8_dequantize_##S(const unsigned char* codes, Fp8Grid grid, \
-                                                                         u32 cols, u64 chunks, T* out) { \
-        pdl_enter(); \
-        const u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x; \
-        if (i >= chunks) return; \
-        const u64 e = i * 16, r = e / cols; \
-        const u32 c = (u32)(e - r * cols); \
-        float v[16]; \
-        e4m3x16_to_float(*reinterpret_cast<const uint4*>(codes + e), v); \
-        const float scale = grid.row(r)[c >> grid.col_shift]; \
-        _Pragma("unroll") for (int j = 0; j < 16; j++) out[e + j] = from_float<T>(v[j] * scale); \
-    }
-
 #define GEMV_M1(T, S) GEMV(T, S, 1)
 #define GEMV_M2(T, S) GEMV(T, S, 2)
 #define GEMV_M3(T, S) GEMV(T, S, 3)
@@ -391,4 +373,3 @@ FOR_EACH_DTYPE(GEMV_FP8_M1)
 FOR_EACH_DTYPE(GEMV_FP8_M2)
 FOR_EACH_DTYPE(GEMV_FP8_M3)
 FOR_EACH_DTYPE(GEMV_FP8_M4)
-FOR_EACH_DTYPE(FP8_DEQUANTIZE)
