@@ -57,7 +57,9 @@ const KERNELS: [&[compile::KernelFamilies]; 9] = [
 
 #[cfg(feature = "bench-internals")]
 pub use attention::AttentionKernel;
-pub use attention::{reshape_and_cache, GpuAttentionMetadata, PagedAttention};
+pub use attention::{
+    reshape_and_cache, reshape_and_cache_fp8, Fp8Cache, Fp8CacheMut, GpuAttentionMetadata, PagedAttention,
+};
 pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 pub use device::{Cuda, CudaBatch, CudaKvLayer, CudaMatrix, CudaTensor};
 pub use error::GpuError;

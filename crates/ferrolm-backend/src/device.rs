@@ -290,10 +290,10 @@ pub trait Device {
     /// Bytes a [`Self::moe_scratch`] of this size takes.
     fn moe_scratch_bytes(&self, tokens: usize, shape: MoeShape) -> usize;
     /// Whether [`Self::attention_input`] needs its split scratch (`k`, `v`: `[T, kv_size]`)
-    /// for a model with (or without) q/k norms: the unfused default always does; a fused form
-    /// that writes K and V from the projection does not.
-    fn splits_kv(&self, qk_norm: bool) -> bool {
-        let _ = qk_norm;
+    /// for a model with (or without) q/k norms and a KV cache of `kv`: the unfused default always
+    /// does; a fused form that writes K and V from the projection does not.
+    fn splits_kv(&self, qk_norm: bool, kv: KvCacheDtype) -> bool {
+        let _ = (qk_norm, kv);
         true
     }
 

@@ -2868,3 +2868,116 @@ fn fp8_gemm_matches_cpu_on_quantized_activations() -> Result<(), GpuError> {
     }
     Ok(())
 }
+
+// ---------------------------------------------------------------------------------------------
+// FP8 KV cache
+
+/// `reshape_and_cache_fp8` writes the codes the CPU's FP8 store writes (`e4m3(x / scale)`, ties
+/// to even, saturating: the large values here pass 448 times the scale), and only the slots the
+/// mapping names.
+#[test]
+fn reshape_and_cache_fp8_writes_the_cpus_codes() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(51);
+    let (kv_width, num_slots, scales) = (2 * 64, 64, (0.01f32, 0.03f32));
+    let slots: [i64; 7] = [17, -1, 0, 63, -1, 5, 40];
+    let slots_dev = gpu.upload(&slots)?;
+    let k = random_vec(&mut rng, slots.len() * kv_width, 6.0);
+    let v = random_vec(&mut rng, slots.len() * kv_width, 1.0);
+    for (dtype, _) in DTYPES {
+        let (k_dev, k_r) = upload(&gpu, &k, dtype)?;
+        let (v_dev, v_r) = upload(&gpu, &v, dtype)?;
+        // A sentinel code (0x55) shows which slots were written.
+        let mut k_codes = gpu.upload(&vec![0x55u8; num_slots * kv_width])?;
+        let mut v_codes = gpu.upload(&vec![0x55u8; num_slots * kv_width])?;
+        let k_cache = cuda::Fp8CacheMut::new(&gpu, &mut k_codes, scales.0);
+        let v_cache = cuda::Fp8CacheMut::new(&gpu, &mut v_codes, scales.1);
+        cuda::reshape_and_cache_fp8(&gpu, k_dev.view(), v_dev.view(), &slots_dev, kv_width, k_cache, v_cache)?;
+        let mut kc = cpu::KvStore::Fp8 { codes: vec![0x55; num_slots * kv_width], scale: scales.0 };
+        let mut vc = cpu::KvStore::Fp8 { codes: vec![0x55; num_slots * kv_width], scale: scales.1 };
+        cpu::reshape_and_cache_into(&k_r, &v_r, &slots, kv_width, &mut kc, &mut vc);
+        let codes = |store: &cpu::KvStore| match store {
+            cpu::KvStore::Fp8 { codes, .. } => codes.clone(),
+            cpu::KvStore::F32(_) => unreachable!("an FP8 store"),
+        };
+        assert_eq!(gpu.download(&k_codes)?, codes(&kc), "{dtype:?} k codes");
+        assert_eq!(gpu.download(&v_codes)?, codes(&vc), "{dtype:?} v codes");
+        assert!(codes(&kc).iter().any(|&c| c & 0x7f == 0x7e), "some K values saturate");
+    }
+    Ok(())
+}
+
+/// Attention over FP8 caches against the CPU's over the same codes: decodes (the CUDA-core decode
+/// kernel, its context split or not), the same decodes through the general kernel, and mixed
+/// prefill and decode batches, with GQA and a sliding window.
+#[test]
+fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let mut rng = rng(53);
+    let block_size = 16;
+    let scales = (0.004f32, 0.006f32);
+    let attention = PagedAttention::new(&gpu)?;
+    for heads in
+        [Heads { num_heads: 8, num_kv_heads: 2, head_dim: 128 }, Heads { num_heads: 4, num_kv_heads: 4, head_dim: 64 }]
+    {
+        for (requests, window) in [(&DECODES[..], None), (&MIXED[..], None), (&DECODES[..], Some(40))] {
+            for (dtype, tol) in DTYPES {
+                let batch = Batch::random(&mut rng, heads, requests, block_size, dtype);
+                // The caches as FP8 codes (NaN slots no request owns stay NaN codes, never read).
+                let encode = |values: &[f32], scale: f32| -> Vec<u8> {
+                    values.iter().map(|&x| ferrolm_backend::fp8::f32_to_e4m3(x / scale)).collect()
+                };
+                let (k_codes, v_codes) = (encode(&batch.k_cache, scales.0), encode(&batch.v_cache, scales.1));
+                let meta = cpu::AttentionMetadata {
+                    query_start_loc: &batch.query_start_loc,
+                    seq_lens: &batch.seq_lens,
+                    block_tables: &batch.block_tables,
+                    max_blocks_per_seq: batch.max_blocks_per_seq,
+                    block_size,
+                    sliding_window: window,
+                    scale: 1.0 / (heads.head_dim as f32).sqrt(),
+                    softcap: None,
+                };
+                let mut want = vec![0.0; batch.q.len()];
+                let kc = cpu::KvView::Fp8 { codes: &k_codes, scale: scales.0 };
+                let vc = cpu::KvView::Fp8 { codes: &v_codes, scale: scales.1 };
+                let (h, kv, d) = (heads.num_heads, heads.num_kv_heads, heads.head_dim);
+                cpu::paged_attention(&batch.q, kc, vc, &meta, h, kv, d, &mut want);
+
+                let (qsl, lens, tables) = (
+                    gpu.upload(&batch.query_start_loc)?,
+                    gpu.upload(&batch.seq_lens)?,
+                    gpu.upload(&batch.block_tables)?,
+                );
+                let (k_dev, v_dev) = (gpu.upload(&k_codes)?, gpu.upload(&v_codes)?);
+                let q = GpuTensor::from_f32(&gpu, &batch.q, dtype)?;
+                // The batch's own hint, and (decodes) a hint past 1, which takes the general kernel.
+                let hints = if batch.max_query_len <= 1 { vec![1, 2] } else { vec![batch.max_query_len] };
+                for max_query_len in hints {
+                    let work = Default::default();
+                    let gpu_meta = GpuAttentionMetadata {
+                        query_start_loc: qsl.as_view(),
+                        query_start_loc_host: &batch.query_start_loc,
+                        seq_lens: lens.as_view(),
+                        block_tables: tables.as_view(),
+                        max_blocks_per_seq: batch.max_blocks_per_seq,
+                        max_query_len,
+                        block_size,
+                        sliding_window: window,
+                        scale: 1.0 / (heads.head_dim as f32).sqrt(),
+                        softcap: None,
+                        work: &work,
+                    };
+                    let (k_cache, v_cache) =
+                        (cuda::Fp8Cache::new(&gpu, &k_dev, scales.0), cuda::Fp8Cache::new(&gpu, &v_dev, scales.1));
+                    let mut out = nan_tensor(&gpu, dtype, batch.q.len())?;
+                    attention.run_fp8(&gpu, q.view(), k_cache, v_cache, &gpu_meta, heads, out.view_mut())?;
+                    let what =
+                        format!("FP8 paged_attention {dtype:?} {heads:?} window {window:?} hint {max_query_len}");
+                    check(&what, &out.to_f32_vec(&gpu)?, &want, tol);
+                }
+            }
+        }
+    }
+    Ok(())
+}

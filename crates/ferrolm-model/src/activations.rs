@@ -177,7 +177,7 @@ impl<D: Device> Activations<D> {
     /// of two).
     pub fn new(dev: &D, cfg: &ModelConfig, tokens: usize, rows: usize) -> Result<Activations<D>, D::Error> {
         let (tokens, rows) = capacity(tokens, rows);
-        let s = Specs::of(cfg, dev.splits_kv(cfg.qk_norm));
+        let s = Specs::of(cfg, dev.splits_kv(cfg.qk_norm, cfg.kv_cache_dtype));
         let make = |Spec(precision, cols, per): Spec| {
             let n = match per {
                 Per::Token => tokens,
@@ -222,7 +222,8 @@ impl<D: Device> Activations<D> {
             };
             dev.tensor_bytes(precision, n, cols)
         };
-        let buffers: usize = Specs::of(cfg, dev.splits_kv(cfg.qk_norm)).all().into_iter().map(size).sum();
+        let buffers: usize =
+            Specs::of(cfg, dev.splits_kv(cfg.qk_norm, cfg.kv_cache_dtype)).all().into_iter().map(size).sum();
         buffers + moe_shape(cfg).map_or(0, |shape| dev.moe_scratch_bytes(tokens, shape))
     }
 

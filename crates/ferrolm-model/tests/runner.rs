@@ -794,3 +794,62 @@ fn seeded_sampling_gives_the_host_tokens() {
         assert!(fragile_misses * 20 <= n * steps, "{backend}: too many fragile steps differ ({fragile_misses})");
     }
 }
+
+/// FP8 on the GPU gives the tokens of FP8 on the CPU, for an FP8 KV cache (its cache write and
+/// attention kernels), weights quantized at load (`--quantization fp8`: the FP8 GEMV, and
+/// prompts through the FP8 GEMM or the dequantized weights) and both: the demo model decoded
+/// greedily, steps launched ahead as graphs, in f32 (every token, logprobs within 0.02: a value
+/// a hair apart may round to the next code) and in bf16 (each request's first token, and finite
+/// logprobs throughout).
+#[cfg(feature = "cuda")]
+#[test]
+fn fp8_on_the_gpu_gives_the_cpus_tokens() {
+    use ferrolm_backend::cuda::Gpu;
+    use ferrolm_backend::{DType, KvCacheDtype};
+    use ferrolm_model::config::Quantization;
+    let dir = repo_path("models/ferrolm-demo-py");
+    let src = WeightSource::open_dir(&dir).expect("weights");
+    let prompts: Vec<Vec<u32>> =
+        (0..6u32).map(|i| (0..5 + 9 * i).map(|j| 1 + (i * 131 + j * 17) % 500).collect()).collect();
+    let lens: Vec<usize> = (0..6).map(|i| 4 + (i * 5) % 17).collect();
+    let variants = [
+        ("FP8 KV cache", KvCacheDtype::Fp8, None),
+        ("FP8 weights", KvCacheDtype::Auto, Some(Quantization::Fp8AtLoad)),
+        ("both", KvCacheDtype::Fp8, Some(Quantization::Fp8AtLoad)),
+    ];
+    for (variant, kv_cache_dtype, quantization) in variants {
+        let config = || {
+            let mut config = ModelConfig::from_dir(&dir).expect("config");
+            config.kv_cache_dtype = kv_cache_dtype;
+            config.quantization = quantization;
+            config
+        };
+        let mut cpu = CpuRunner::new(Model::load(&Cpu, config(), &src).expect("model"));
+        let want = decode(&mut cpu, &prompts, &lens, false);
+        for dtype in [DType::F32, DType::BF16] {
+            let gpu = match Gpu::new(0, &Default::default()) {
+                Ok(gpu) => gpu,
+                Err(err) if err.means_no_gpu() => {
+                    eprintln!("skipping the CUDA runner: no GPU ({err})");
+                    return;
+                }
+                Err(err) => panic!("the GPU is there but could not be opened: {err}"),
+            };
+            let mut runner = ferrolm_model::cuda::CudaRunner::load(gpu, dtype, config(), &src).expect("upload");
+            let got = decode(&mut runner, &prompts, &lens, true);
+            let what = format!("{variant} {dtype:?}");
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(g.len(), lens[i], "{what}: request {i}");
+                assert!(g.iter().all(|(_, lp)| lp.is_finite()), "{what}: request {i}: {g:?}");
+                if dtype == DType::F32 {
+                    for (step, ((gt, glp), (wt, wlp))) in g.iter().zip(w).enumerate() {
+                        assert_eq!(gt, wt, "{what}: request {i} step {step}");
+                        assert!((glp - wlp).abs() <= 0.02, "{what}: request {i} step {step}: {glp} against {wlp}");
+                    }
+                } else {
+                    assert_eq!(g[0].0, w[0].0, "{what}: request {i}'s first token");
+                }
+            }
+        }
+    }
+}

@@ -55,14 +55,14 @@ pub struct EngineArgs {
     pub dtype: Option<String>,
     /// Quantize an unquantized checkpoint at load (vLLM's flag): `fp8` quantizes each projection
     /// of the attention and the MLPs to e4m3 with one scale per output row (vLLM takes one per
-    /// matrix). A checkpoint stored in FP8 is read as it is, without this flag. For now both
-    /// devices compute with the dequantized values: f32 on the CPU, the compute dtype on the GPU.
+    /// matrix). A checkpoint stored in FP8 is read as it is, without this flag. The GPU keeps
+    /// the projections in e4m3 (one byte a weight; experts are dequantized), the CPU computes
+    /// with the dequantized values in f32.
     #[arg(long, value_enum)]
     pub quantization: Option<QuantizationMethod>,
     /// The KV cache's element type (vLLM's flag): `auto`, the model's compute dtype, or `fp8`
     /// (e4m3 of each layer's K and V divided by the checkpoint's scales, else by 1): half the
-    /// bytes of bf16 per cached token, so twice the tokens in the same memory. The CPU only, for
-    /// now.
+    /// bytes of bf16 per cached token, so twice the tokens in the same memory.
     #[arg(long, value_enum, default_value_t = KvCacheDtypeFlag::Auto)]
     pub kv_cache_dtype: KvCacheDtypeFlag,
     /// Fraction of the GPU memory left free after the weights that the KV cache takes, in
@@ -307,13 +307,6 @@ fn cuda_place(
     gpu: ferrolm_backend::cuda::Gpu,
     args: &EngineArgs,
 ) -> Result<Placed> {
-    // Refused before the weights go up, not when the cache is allocated after them.
-    if config.kv_cache_dtype == KvCacheDtype::Fp8 {
-        bail!(
-            "--kv-cache-dtype fp8 is not available on the GPU yet (its attention kernels read K/V in the compute \
-             dtype): use --device cpu, or leave the flag out"
-        );
-    }
     use ferrolm_model::cuda::CudaRunner;
 
     let dtype = args.dtype().unwrap_or(DType::BF16);

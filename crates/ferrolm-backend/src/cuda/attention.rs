@@ -5,7 +5,11 @@
 //! and the decode switches of [`super::GpuOptions`].
 //!
 //! Each layer's cache is a K and a V tensor of `[num_blocks * block_size, num_kv_heads * head_dim]`
-//! in the activation dtype; `slot = block_id * block_size + offset`.
+//! in the activation dtype; `slot = block_id * block_size + offset`. An FP8 cache
+//! (`--kv-cache-dtype fp8`) holds the same slots as e4m3 codes of each value divided by the
+//! layer's K or V scale ([`Fp8Cache`], written by [`reshape_and_cache_fp8`]); its attention
+//! ([`PagedAttention::run_fp8`]) takes the CUDA-core decode kernel, or the general kernel, with
+//! the cache's element type: the tensor-core kernels read the activations' dtype only.
 //!
 //! Four kernels compute attention. Batches of decodes (`max_query_len <= 1`) take a decode
 //! kernel: one block per (token, KV head, context partition), K/V read once per GQA group, and,
@@ -25,6 +29,8 @@ use cudarc::driver::sys::{
     cuTensorMapEncodeTiled, CUtensorMap, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
     CUtensorMapL2promotion, CUtensorMapSwizzle,
 };
+use std::marker::PhantomData;
+
 use cudarc::driver::{CudaSlice, CudaView, DevicePtr, DeviceRepr, LaunchConfig};
 
 use super::flash_attention::{self, AttentionWork};
@@ -39,7 +45,11 @@ use super::compile::{self, KernelFamilies};
 /// The entry points of the paged KV cache ops: the tensor-core decode kernels exist for the half
 /// types only.
 pub(crate) const KERNELS: &[KernelFamilies] = &[
-    KernelFamilies { source: &compile::ATTENTION, names: &["reshape_and_cache"], large_shared: false },
+    KernelFamilies {
+        source: &compile::ATTENTION,
+        names: &["reshape_and_cache", "reshape_and_cache_fp8"],
+        large_shared: false,
+    },
     KernelFamilies {
         source: &compile::ATTENTION,
         names: &[
@@ -48,6 +58,11 @@ pub(crate) const KERNELS: &[KernelFamilies] = &[
             "paged_attention_decode_g2",
             "paged_attention_decode_g4",
             "paged_attention_decode_g8",
+            "paged_attention_fp8kv",
+            "paged_attention_decode_fp8kv_g1",
+            "paged_attention_decode_fp8kv_g2",
+            "paged_attention_decode_fp8kv_g4",
+            "paged_attention_decode_fp8kv_g8",
         ],
         large_shared: true,
     },
@@ -227,6 +242,81 @@ pub fn reshape_and_cache(
     Ok(())
 }
 
+/// One layer's FP8 K (or V) cache: `[num_blocks * block_size, kv_width]` e4m3 codes of each value
+/// divided by `scale`.
+#[derive(Clone, Copy, Debug)]
+pub struct Fp8Cache<'a> {
+    ptr: u64,
+    len: usize,
+    scale: f32,
+    _codes: PhantomData<&'a CudaSlice<u8>>,
+}
+
+impl<'a> Fp8Cache<'a> {
+    /// `codes` read with `scale` (positive and finite).
+    pub fn new(gpu: &Gpu, codes: &'a CudaSlice<u8>, scale: f32) -> Fp8Cache<'a> {
+        assert!(scale.is_finite() && scale > 0.0, "an FP8 cache scale of {scale}");
+        Fp8Cache { ptr: gpu.index_ptr(codes), len: codes.len(), scale, _codes: PhantomData }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// [`Fp8Cache`] to write.
+pub struct Fp8CacheMut<'a> {
+    view: Fp8Cache<'a>,
+    _codes: PhantomData<&'a mut CudaSlice<u8>>,
+}
+
+impl<'a> Fp8CacheMut<'a> {
+    pub fn new(gpu: &Gpu, codes: &'a mut CudaSlice<u8>, scale: f32) -> Fp8CacheMut<'a> {
+        assert!(scale.is_finite() && scale > 0.0, "an FP8 cache scale of {scale}");
+        let view = Fp8Cache { ptr: gpu.index_ptr(codes), len: codes.len(), scale, _codes: PhantomData };
+        Fp8CacheMut { view, _codes: PhantomData }
+    }
+}
+
+/// [`reshape_and_cache`] into FP8 caches: each element stored as `e4m3(x / scale)` (rounded to
+/// nearest even, saturating), as the CPU's FP8 cache stores it. `k`, `v`: `[T, kv_width]` in the
+/// activations' dtype.
+pub fn reshape_and_cache_fp8(
+    gpu: &Gpu,
+    k: GpuView<'_>,
+    v: GpuView<'_>,
+    slot_mapping: &impl DevicePtr<i64>,
+    kv_width: usize,
+    k_cache: Fp8CacheMut<'_>,
+    v_cache: Fp8CacheMut<'_>,
+) -> Result<(), GpuError> {
+    let op = "reshape_and_cache_fp8";
+    let tokens = slot_mapping.len();
+    let (kc, vc) = (k_cache.view, v_cache.view);
+    assert!(kv_width > 0, "{op}: kv_width is 0");
+    assert_eq!(k.len(), tokens * kv_width, "{op}: k has {} elements, expected [{tokens}, {kv_width}]", k.len());
+    assert_eq!(v.len(), tokens * kv_width, "{op}: v has {} elements, expected [{tokens}, {kv_width}]", v.len());
+    assert_eq!(kc.len, vc.len, "{op}: k_cache and v_cache differ in size");
+    assert_eq!(kc.len % kv_width, 0, "{op}: cache is not whole slots of {kv_width}");
+    same_dtype(op, k.dtype(), v.dtype());
+    if tokens == 0 {
+        return Ok(());
+    }
+    let (k_ptr, v_ptr, slots_ptr) = (k.ptr(), v.ptr(), gpu.index_ptr(slot_mapping));
+    let width = to_u32(op, "kv_width", kv_width);
+    let num_slots = (kc.len / kv_width) as i64;
+    let mut launch = gpu.launch_builder(op, k.dtype());
+    launch.arg(&k_ptr).arg(&v_ptr).arg(&slots_ptr).arg(&kc.ptr).arg(&vc.ptr).arg(&width).arg(&num_slots);
+    launch.arg(&kc.scale).arg(&vc.scale);
+    // SAFETY: the arguments match the kernel's parameters; the kernel checks every slot.
+    unsafe { launch.launch(rows_config(tokens, kv_width)) }?;
+    Ok(())
+}
+
 /// Paged attention on one [`Gpu`], with the state its decode kernels keep between launches.
 /// Create one per `Gpu` (it takes the decode switches of the `Gpu`'s [`super::GpuOptions`]) and
 /// keep it as long as graphs that captured its launches are replayed.
@@ -279,7 +369,25 @@ impl PagedAttention {
         heads: Heads,
         out: GpuViewMut<'_>,
     ) -> Result<(), GpuError> {
-        self.attention(gpu, &Operands { q, k_cache, v_cache, meta, heads }, out, AttentionKernel::Picked)
+        let caches = Caches::Dense(k_cache, v_cache);
+        self.attention(gpu, &Operands { q, caches, meta, heads }, out, AttentionKernel::Picked)
+    }
+
+    /// [`Self::run`] over FP8 caches (written by [`reshape_and_cache_fp8`]): `q` and `out` in the
+    /// activations' dtype, each cached element read as its code times its cache's scale.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_fp8(
+        &self,
+        gpu: &Gpu,
+        q: GpuView<'_>,
+        k_cache: Fp8Cache<'_>,
+        v_cache: Fp8Cache<'_>,
+        meta: &GpuAttentionMetadata<'_>,
+        heads: Heads,
+        out: GpuViewMut<'_>,
+    ) -> Result<(), GpuError> {
+        let caches = Caches::Fp8(k_cache, v_cache);
+        self.attention(gpu, &Operands { q, caches, meta, heads }, out, AttentionKernel::Picked)
     }
 
     /// [`Self::run`] on a kernel of the caller's choice, for benchmarks and tests that compare
@@ -297,7 +405,8 @@ impl PagedAttention {
         heads: Heads,
         out: GpuViewMut<'_>,
     ) -> Result<(), GpuError> {
-        self.attention(gpu, &Operands { q, k_cache, v_cache, meta, heads }, out, kernel)
+        let caches = Caches::Dense(k_cache, v_cache);
+        self.attention(gpu, &Operands { q, caches, meta, heads }, out, kernel)
     }
 }
 
@@ -306,11 +415,51 @@ impl PagedAttention {
 pub(crate) struct Operands<'a> {
     /// `[T, num_heads, head_dim]`
     pub(crate) q: GpuView<'a>,
-    /// `[num_blocks * block_size, num_kv_heads * head_dim]` each.
-    pub(crate) k_cache: GpuView<'a>,
-    pub(crate) v_cache: GpuView<'a>,
+    pub(crate) caches: Caches<'a>,
     pub(crate) meta: &'a GpuAttentionMetadata<'a>,
     pub(crate) heads: Heads,
+}
+
+/// A layer's K and V caches, `[num_blocks * block_size, num_kv_heads * head_dim]` each.
+#[derive(Clone, Copy)]
+pub(crate) enum Caches<'a> {
+    /// In the activations' dtype.
+    Dense(GpuView<'a>, GpuView<'a>),
+    Fp8(Fp8Cache<'a>, Fp8Cache<'a>),
+}
+
+impl Caches<'_> {
+    /// Elements of each cache.
+    pub(crate) fn len(&self) -> usize {
+        match self {
+            Caches::Dense(k, _) => k.len(),
+            Caches::Fp8(k, _) => k.len,
+        }
+    }
+
+    /// The K and V caches' addresses.
+    pub(crate) fn ptrs(&self) -> (u64, u64) {
+        match self {
+            Caches::Dense(k, v) => (k.ptr(), v.ptr()),
+            Caches::Fp8(k, v) => (k.ptr, v.ptr),
+        }
+    }
+
+    /// The FP8 caches' scales, `(k, v)`; `None` for dense caches.
+    fn fp8_scales(&self) -> Option<(f32, f32)> {
+        match self {
+            Caches::Dense(..) => None,
+            Caches::Fp8(k, v) => Some((k.scale, v.scale)),
+        }
+    }
+
+    /// Bytes of one cached element, given the activations' dtype.
+    fn elem_size(&self, dtype: DType) -> usize {
+        match self {
+            Caches::Dense(..) => dtype.size_in_bytes(),
+            Caches::Fp8(..) => 1,
+        }
+    }
 }
 
 /// Where a decode call takes the per-warp kernel's tensor-copy form (the kernel named).
@@ -347,7 +496,7 @@ impl PagedAttention {
         out: GpuViewMut<'_>,
         route: AttentionKernel,
     ) -> Result<(), GpuError> {
-        let Operands { q, k_cache, v_cache, meta, heads } = *operands;
+        let Operands { q, caches, meta, heads } = *operands;
         let Heads { num_heads, num_kv_heads, head_dim } = heads;
         let op = "paged_attention";
         assert!(
@@ -373,6 +522,32 @@ impl PagedAttention {
         assert!(meta.sliding_window != Some(0), "{op}: sliding window of 0 sees nothing");
         assert!(meta.softcap.is_none_or(|c| c > 0.0), "{op}: a soft-cap must be positive");
         let kv_width = num_kv_heads * head_dim;
+        let (k_cache, v_cache) = match caches {
+            Caches::Dense(k, v) => (k, v),
+            Caches::Fp8(k, v) => {
+                assert_eq!(k.len, v.len, "{op}: k_cache and v_cache differ in size");
+                assert_eq!(k.len % kv_width, 0, "{op}: cache is not whole slots");
+                same_dtype(op, q.dtype(), out.dtype());
+                if q.is_empty() {
+                    return Ok(());
+                }
+                // The CUDA-core decode kernel, or the general one: the tensor-core kernels read
+                // the activations' dtype only.
+                return match route {
+                    AttentionKernel::TensorCopies => Err(GpuError::Unsupported {
+                        op: "PagedAttention::run_on(TensorCopies)",
+                        reason: "an FP8 cache".into(),
+                    }),
+                    _ if meta.max_query_len <= 1
+                        && route != AttentionKernel::General
+                        && decode_supported(gpu, head_dim, caches) =>
+                    {
+                        self.paged_decode(gpu, DecodeKernel::Cuda, TensorCopies::Never, operands, out)
+                    }
+                    _ => paged_general(gpu, operands, out),
+                };
+            }
+        };
         assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
         assert_eq!(k_cache.len() % kv_width, 0, "{op}: cache is not whole slots");
         for dtype in [k_cache.dtype(), v_cache.dtype(), out.dtype()] {
@@ -458,7 +633,7 @@ fn decode_kernel(
         {
             Some(DecodeKernel::TensorCore(name, warp_name))
         }
-        _ => decode_supported(gpu, head_dim, k_cache, v_cache).then_some(DecodeKernel::Cuda),
+        _ => decode_supported(gpu, head_dim, Caches::Dense(k_cache, v_cache)).then_some(DecodeKernel::Cuda),
     }
 }
 
@@ -562,17 +737,22 @@ fn decode_mma_shared_bytes(head_dim: usize) -> usize {
     ring.max(merge)
 }
 
-/// The decode kernel reads 8 elements per lane, `head_dim / 8` lanes per key, and copies K/V rows
-/// into shared memory 16 bytes at a time.
-fn decode_supported(gpu: &Gpu, head_dim: usize, k_cache: GpuView<'_>, v_cache: GpuView<'_>) -> bool {
+/// The CUDA-core decode kernel reads 8 elements per lane, `head_dim / 8` lanes per key, and copies
+/// K/V rows into shared memory 16 bytes at a time (an FP8 row of at least 16 codes).
+fn decode_supported(gpu: &Gpu, head_dim: usize, caches: Caches<'_>) -> bool {
     let lanes = head_dim / 8;
+    let (k_ptr, v_ptr) = caches.ptrs();
+    let elem_size = match caches {
+        Caches::Dense(k, _) => k.dtype().size_in_bytes(),
+        Caches::Fp8(..) => 1,
+    };
     head_dim.is_multiple_of(8)
         && lanes.is_power_of_two()
         && lanes <= 32
-        && k_cache.ptr().is_multiple_of(16)
-        && v_cache.ptr().is_multiple_of(16)
-        && decode_shared_bytes(k_cache.dtype().size_in_bytes(), DECODE_MAX_HEADS, head_dim)
-            <= gpu.max_shared_per_block()
+        && head_dim * elem_size >= 16
+        && k_ptr.is_multiple_of(16)
+        && v_ptr.is_multiple_of(16)
+        && decode_shared_bytes(elem_size, DECODE_MAX_HEADS, head_dim) <= gpu.max_shared_per_block()
 }
 
 /// Shared memory of a decode block: the ring of K/V tiles, which the cross-warp merge of `g`
@@ -618,7 +798,7 @@ impl PagedAttention {
         operands: &Operands<'_>,
         out: GpuViewMut<'_>,
     ) -> Result<(), GpuError> {
-        let Operands { q, k_cache, v_cache, meta, heads } = *operands;
+        let Operands { q, caches, meta, heads } = *operands;
         let Heads { num_heads, num_kv_heads, head_dim } = heads;
         let op = "paged_attention";
         let num_tokens = q.len() / (num_heads * head_dim);
@@ -662,10 +842,10 @@ impl PagedAttention {
             if num_parts > 1 { (base, base + (partial_len * std::mem::size_of::<f32>()) as u64) } else { (0u64, 0u64) };
 
         let kv_width = num_kv_heads * head_dim;
-        let num_blocks = k_cache.len() / kv_width / meta.block_size;
+        let num_blocks = caches.len() / kv_width / meta.block_size;
         let g = split.heads_per_block;
         let shared = match kernel {
-            DecodeKernel::Cuda => decode_shared_bytes(q.dtype().size_in_bytes(), g, head_dim),
+            DecodeKernel::Cuda => decode_shared_bytes(caches.elem_size(q.dtype()), g, head_dim),
             DecodeKernel::TensorCore(..) => decode_mma_shared_bytes(head_dim),
         };
         let head_blocks = num_tokens * num_kv_heads * split.head_chunks;
@@ -698,7 +878,7 @@ impl PagedAttention {
             block_dim: (DECODE_THREADS as u32, 1, 1),
             shared_mem_bytes: shared as u32,
         };
-        let (q_ptr, kc_ptr, vc_ptr, out_ptr) = (q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr());
+        let ((kc_ptr, vc_ptr), q_ptr, out_ptr) = (caches.ptrs(), q.ptr(), out.ptr());
         let counters_ptr = gpu.index_ptr(&self.decode_counters);
         let qsl_ptr = gpu.index_ptr(&meta.query_start_loc);
         let lens_ptr = gpu.index_ptr(&meta.seq_lens);
@@ -706,13 +886,18 @@ impl PagedAttention {
         let reqs = to_u32(op, "num_reqs", num_reqs);
         let args = shape_args(op, meta, num_heads, num_kv_heads, head_dim, num_blocks);
         let (part_len, softcap) = (to_u32(op, "partition length", split.part_len), softcap_arg(meta));
-        let name = tensor_copies.unwrap_or(match (kernel, g) {
-            (DecodeKernel::TensorCore(_, warp_name), _) if per_warp => warp_name,
-            (DecodeKernel::TensorCore(name, _), _) => name,
-            (DecodeKernel::Cuda, 1) => "paged_attention_decode_g1",
-            (DecodeKernel::Cuda, 2) => "paged_attention_decode_g2",
-            (DecodeKernel::Cuda, 4) => "paged_attention_decode_g4",
-            (DecodeKernel::Cuda, _) => "paged_attention_decode_g8",
+        let fp8 = caches.fp8_scales();
+        let name = tensor_copies.unwrap_or(match (kernel, g, fp8.is_some()) {
+            (DecodeKernel::TensorCore(_, warp_name), ..) if per_warp => warp_name,
+            (DecodeKernel::TensorCore(name, _), ..) => name,
+            (DecodeKernel::Cuda, 1, false) => "paged_attention_decode_g1",
+            (DecodeKernel::Cuda, 2, false) => "paged_attention_decode_g2",
+            (DecodeKernel::Cuda, 4, false) => "paged_attention_decode_g4",
+            (DecodeKernel::Cuda, _, false) => "paged_attention_decode_g8",
+            (DecodeKernel::Cuda, 1, true) => "paged_attention_decode_fp8kv_g1",
+            (DecodeKernel::Cuda, 2, true) => "paged_attention_decode_fp8kv_g2",
+            (DecodeKernel::Cuda, 4, true) => "paged_attention_decode_fp8kv_g4",
+            (DecodeKernel::Cuda, _, true) => "paged_attention_decode_fp8kv_g8",
         });
         let mut launch = gpu.launch_builder(name, q.dtype());
         launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&out_ptr).arg(&part_out).arg(&part_ml).arg(&counters_ptr);
@@ -721,13 +906,19 @@ impl PagedAttention {
             launch.arg(a);
         }
         launch.arg(&meta.scale).arg(&softcap).arg(&part_len);
+        // The FP8 kernels take the caches' scales after the others.
+        let scales = fp8.unwrap_or((1.0, 1.0));
+        if fp8.is_some() {
+            launch.arg(&scales.0).arg(&scales.1);
+        }
         // The tensor-copy form takes the caches' tensor maps after the others.
-        let maps = match tensor_copies {
-            Some(_) => Some((
+        let maps = match (tensor_copies, caches) {
+            (Some(_), Caches::Dense(k_cache, v_cache)) => Some((
                 cache_tensor_map(k_cache, num_kv_heads, head_dim)?,
                 cache_tensor_map(v_cache, num_kv_heads, head_dim)?,
             )),
-            None => None,
+            (Some(_), Caches::Fp8(..)) => unreachable!("FP8 caches take the CUDA-core decode kernel"),
+            (None, _) => None,
         };
         if let Some((k_map, v_map)) = &maps {
             launch.arg(k_map).arg(v_map);
@@ -786,7 +977,7 @@ impl DecodeSplit {
 }
 
 fn paged_general(gpu: &Gpu, operands: &Operands<'_>, out: GpuViewMut<'_>) -> Result<(), GpuError> {
-    let Operands { q, k_cache, v_cache, meta, heads } = *operands;
+    let Operands { q, caches, meta, heads } = *operands;
     let Heads { num_heads, num_kv_heads, head_dim } = heads;
     let op = "paged_attention";
     let num_tokens = q.len() / (num_heads * head_dim);
@@ -812,23 +1003,30 @@ fn paged_general(gpu: &Gpu, operands: &Operands<'_>, out: GpuViewMut<'_>) -> Res
         block_dim: (shape.threads as u32, 1, 1),
         shared_mem_bytes: shared as u32,
     };
-    let (q_ptr, kc_ptr, vc_ptr, out_ptr) = (q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr());
+    let ((kc_ptr, vc_ptr), q_ptr, out_ptr) = (caches.ptrs(), q.ptr(), out.ptr());
     let qsl_ptr = gpu.index_ptr(&meta.query_start_loc);
     let lens_ptr = gpu.index_ptr(&meta.seq_lens);
     let tables_ptr = gpu.index_ptr(&meta.block_tables);
-    let num_blocks = k_cache.len() / kv_width / meta.block_size;
+    let num_blocks = caches.len() / kv_width / meta.block_size;
     let (reqs, tokens) = (to_u32(op, "num_reqs", num_reqs), to_u32(op, "num_tokens", num_tokens));
     let args = shape_args(op, meta, num_heads, num_kv_heads, head_dim, num_blocks);
     let (q_tile, heads_per_block) = (shape.q_tile as u32, shape.heads_per_block as u32);
     let softcap = softcap_arg(meta);
-    let mut launch = gpu.launch_builder(op, q.dtype());
+    let fp8 = caches.fp8_scales();
+    let name = if fp8.is_some() { "paged_attention_fp8kv" } else { op };
+    let mut launch = gpu.launch_builder(name, q.dtype());
     launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&out_ptr).arg(&qsl_ptr).arg(&lens_ptr).arg(&tables_ptr);
     launch.arg(&reqs).arg(&tokens);
     for a in &args {
         launch.arg(a);
     }
     launch.arg(&meta.scale).arg(&softcap).arg(&q_tile).arg(&heads_per_block);
-    // SAFETY: the arguments match the kernel's parameters in order; the tile shape keeps every
+    let scales = fp8.unwrap_or((1.0, 1.0));
+    if fp8.is_some() {
+        launch.arg(&scales.0).arg(&scales.1);
+    }
+    // SAFETY: the arguments match the kernel's parameters in order (the FP8 kernel's two scales
+    // last); the tile shape keeps every
     // block's accumulators within `threads * ACC_PER_THREAD` and its shared memory as computed.
     unsafe { launch.launch(cfg) }?;
     Ok(())

@@ -11,14 +11,15 @@
 
 use std::sync::{Mutex, PoisonError};
 
-use cudarc::driver::CudaView;
+use cudarc::driver::{CudaSlice, CudaView};
 
 use super::{
     add_normed_rms_norm, add_rms_norm, add_sigmoid_gated, embedding, gather_rows, gelu_tanh_and_mul, linear,
     linear_fp8, linear_gated, linear_gated_fp8, linear_qkv_rope_cache, moe, qkv_norm_rope_cache,
-    qkv_norm_rope_cache_fits, qkv_rope_cache, reshape_and_cache, rms_norm, rms_norm_inplace, rope, silu_and_mul,
-    softcap, split_qkv, GemmTuning, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuExperts, GpuFp8Matrix,
-    GpuMoeScratch, GpuRopeTable, GpuTensor, GpuView, GpuViewMut, PagedAttention, QkNorms, QkvOut, QkvRows,
+    qkv_norm_rope_cache_fits, qkv_rope_cache, reshape_and_cache, reshape_and_cache_fp8, rms_norm, rms_norm_inplace,
+    rope, silu_and_mul, softcap, split_qkv, Fp8Cache, Fp8CacheMut, GemmTuning, Gemms, Gpu, GpuAttentionMetadata,
+    GpuError, GpuExperts, GpuFp8Matrix, GpuMoeScratch, GpuRopeTable, GpuTensor, GpuView, GpuViewMut, PagedAttention,
+    QkNorms, QkvOut, QkvRows,
 };
 use crate::device::{
     unfused_attention_input, AttentionInput, Device, GatedActivation, KvCacheDtype, KvScales, LayerAttention, Linear,
@@ -142,10 +143,11 @@ impl Shaped for CudaTensor {
     }
 }
 
-/// One layer's paged cache on the device: K and V, each `[num_blocks * block_size, kv_width]`.
-pub struct CudaKvLayer {
-    pub k: GpuTensor,
-    pub v: GpuTensor,
+/// One layer's paged cache on the device: K and V, each `[num_blocks * block_size, kv_width]`, in
+/// the compute dtype or as e4m3 codes of each value divided by the layer's scale.
+pub enum CudaKvLayer {
+    Dense { k: GpuTensor, v: GpuTensor },
+    Fp8 { k: CudaSlice<u8>, v: CudaSlice<u8>, scales: KvScales },
 }
 
 /// One step's batch on the device: views of its index buffers.
@@ -274,16 +276,19 @@ impl Device for Cuda {
         num_slots: usize,
         kv_width: usize,
         dtype: KvCacheDtype,
-        _scales: KvScales,
+        scales: KvScales,
     ) -> Result<CudaKvLayer, GpuError> {
-        if dtype == KvCacheDtype::Fp8 {
-            let reason = "not yet on the GPU: the attention kernels read K/V in the compute dtype".into();
-            return Err(GpuError::Unsupported { op: "an FP8 KV cache (--kv-cache-dtype fp8)", reason });
-        }
         let len = num_slots * kv_width;
-        Ok(CudaKvLayer {
-            k: GpuTensor::zeros(&self.gpu, self.dtype, len)?,
-            v: GpuTensor::zeros(&self.gpu, self.dtype, len)?,
+        Ok(match dtype {
+            KvCacheDtype::Auto => CudaKvLayer::Dense {
+                k: GpuTensor::zeros(&self.gpu, self.dtype, len)?,
+                v: GpuTensor::zeros(&self.gpu, self.dtype, len)?,
+            },
+            KvCacheDtype::Fp8 => {
+                // At least one byte, so that an empty cache still owns a valid allocation.
+                let zeros = || self.gpu.stream().alloc_zeros::<u8>(len.max(1));
+                CudaKvLayer::Fp8 { k: zeros()?, v: zeros()?, scales }
+            }
         })
     }
 
@@ -291,9 +296,10 @@ impl Device for Cuda {
         self.dtype
     }
 
-    /// Only models with q/k norms take the unfused attention input (see `attention_input`).
-    fn splits_kv(&self, qk_norm: bool) -> bool {
-        qk_norm
+    /// Models with q/k norms, and FP8 caches, take the unfused attention input (see
+    /// `attention_input`).
+    fn splits_kv(&self, qk_norm: bool, kv: KvCacheDtype) -> bool {
+        qk_norm || kv == KvCacheDtype::Fp8
     }
 
     fn embedding(
@@ -381,8 +387,23 @@ impl Device for Cuda {
         v: &CudaTensor,
         kv: &mut CudaKvLayer,
     ) -> Result<(), GpuError> {
-        let width = k.cols;
-        reshape_and_cache(&self.gpu, k.view(), v.view(), &b.slot_mapping, width, kv.k.view_mut(), kv.v.view_mut())
+        let (gpu, width) = (&self.gpu, k.cols);
+        match kv {
+            CudaKvLayer::Dense { k: k_cache, v: v_cache } => reshape_and_cache(
+                gpu,
+                k.view(),
+                v.view(),
+                &b.slot_mapping,
+                width,
+                k_cache.view_mut(),
+                v_cache.view_mut(),
+            ),
+            CudaKvLayer::Fp8 { k: k_codes, v: v_codes, scales } => {
+                let (k_cache, v_cache) =
+                    (Fp8CacheMut::new(gpu, k_codes, scales.k), Fp8CacheMut::new(gpu, v_codes, scales.v));
+                reshape_and_cache_fp8(gpu, k.view(), v.view(), &b.slot_mapping, width, k_cache, v_cache)
+            }
+        }
     }
 
     fn attention(
@@ -393,9 +414,16 @@ impl Device for Cuda {
         kv: &CudaKvLayer,
         out: &mut CudaTensor,
     ) -> Result<(), GpuError> {
-        let meta = b.layer_metadata(layer);
-        let (k_cache, v_cache) = (kv.k.view(), kv.v.view());
-        self.attention.run(&self.gpu, q.view(), k_cache, v_cache, &meta, layer.heads, out.view_mut())
+        let (gpu, meta) = (&self.gpu, b.layer_metadata(layer));
+        match kv {
+            CudaKvLayer::Dense { k, v } => {
+                self.attention.run(gpu, q.view(), k.view(), v.view(), &meta, layer.heads, out.view_mut())
+            }
+            CudaKvLayer::Fp8 { k, v, scales } => {
+                let (k_cache, v_cache) = (Fp8Cache::new(gpu, k, scales.k), Fp8Cache::new(gpu, v, scales.v));
+                self.attention.run_fp8(gpu, q.view(), k_cache, v_cache, &meta, layer.heads, out.view_mut())
+            }
+        }
     }
 
     fn gated_activation(
@@ -443,6 +471,11 @@ impl Device for Cuda {
 
     fn attention_input(&self, b: &CudaBatch<'_>, a: AttentionInput<'_, Cuda>) -> Result<(), GpuError> {
         let (gpu, w) = (&self.gpu, a.qkv_proj);
+        // The fused kernels write K and V in the compute dtype: an FP8 cache takes the ops one by
+        // one, its cache write quantizing them (`splits_kv` gave it the split scratch).
+        let CudaKvLayer::Dense { k: k_cache, v: v_cache } = a.kv else {
+            return unfused_attention_input(self, b, a);
+        };
         let rows = QkvRows { positions: &b.positions, slot_mapping: &b.slot_mapping, heads: a.heads, table: a.rope };
         if let Some((q_norm, k_norm)) = a.qk_norm {
             // q/k norms sit between the split and the rotation: the projection, then one kernel
@@ -452,10 +485,10 @@ impl Device for Cuda {
             }
             self.linear(a.x, w, a.qkv)?;
             let norms = QkNorms { q: q_norm.view(), k: k_norm.view(), eps: a.eps };
-            let out = QkvOut { q: a.q.view_mut(), k_cache: a.kv.k.view_mut(), v_cache: a.kv.v.view_mut() };
+            let out = QkvOut { q: a.q.view_mut(), k_cache: k_cache.view_mut(), v_cache: v_cache.view_mut() };
             return qkv_norm_rope_cache(gpu, a.qkv.view(), &rows, norms, out);
         }
-        let out = QkvOut { q: a.q.view_mut(), k_cache: a.kv.k.view_mut(), v_cache: a.kv.v.view_mut() };
+        let out = QkvOut { q: a.q.view_mut(), k_cache: k_cache.view_mut(), v_cache: v_cache.view_mut() };
         if let (None, CudaMatrix::Dense(weight)) = (&w.bias, &w.weight) {
             // Projection, rotation and cache write in one kernel where the GEMV takes the product.
             return linear_qkv_rope_cache(gpu, &self.gemms, a.x.view(), weight.view(), &rows, a.qkv.view_mut(), out);

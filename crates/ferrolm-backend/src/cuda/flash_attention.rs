@@ -183,7 +183,7 @@ pub(crate) fn paged_flash(
     operands: &Operands<'_>,
     out: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
-    let Operands { q, k_cache, v_cache, meta, heads } = *operands;
+    let Operands { q, caches, meta, heads } = *operands;
     let (num_heads, num_kv_heads) = (heads.num_heads, heads.num_kv_heads);
     let op = "paged_attention";
     let head_dim = kernel.head_dim;
@@ -211,7 +211,7 @@ pub(crate) fn paged_flash(
         shared_mem_bytes: kernel.shared_bytes() as u32,
     };
     let kv_width = num_kv_heads * head_dim;
-    let num_blocks = u32::try_from(k_cache.len() / kv_width / meta.block_size).unwrap_or(u32::MAX);
+    let num_blocks = u32::try_from(caches.len() / kv_width / meta.block_size).unwrap_or(u32::MAX);
     assert!(
         meta.max_blocks_per_seq * meta.block_size < 1 << 31,
         "{op}: contexts of {} blocks of {} exceed the kernel's 2^31 positions",
@@ -220,7 +220,7 @@ pub(crate) fn paged_flash(
     );
     let block_size = to_u32(op, "block_size", meta.block_size);
     let (bs_mul, bs_shift) = fast_divisor(block_size);
-    let (q_ptr, kc_ptr, vc_ptr, out_ptr) = (q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr());
+    let ((kc_ptr, vc_ptr), q_ptr, out_ptr) = (caches.ptrs(), q.ptr(), out.ptr());
     let work_ptr = list.items.as_ref().map_or(0, |items| gpu.index_ptr(items));
     let qsl_ptr = gpu.index_ptr(&meta.query_start_loc);
     let lens_ptr = gpu.index_ptr(&meta.seq_lens);

@@ -3,6 +3,38 @@
 //
 // Cache layout, per layer and for K and V alike: [num_slots, num_kv_heads * head_dim] with
 // `slot = block_id * block_size + offset`.
+//
+// A cache holds the activations' dtype T, or (an FP8 cache, `*_fp8kv` kernels) e4m3 codes of
+// each value divided by the layer's K or V scale: the kernels take the cache's element type C and
+// read an element as `cache_value` / `load8_cached` give it, f32 of the code times the scale
+// (crate::cpu::kv_cache's FP8 store holds the same codes and reads the same values).
+
+// Element `at` of a cache as f32.
+template <typename T> __device__ __forceinline__ float cache_value(const T* cache, u64 at, float) {
+    return to_float(cache[at]);
+}
+__device__ __forceinline__ float cache_value(const unsigned char* cache, u64 at, float scale) {
+    return e4m3x2_to_float2(cache[at]).x * scale;
+}
+
+// 8 consecutive elements of a cache row (16-byte aligned for T, 8-byte for codes) as f32.
+template <typename T> __device__ __forceinline__ void load8_cached(const T* p, float, float (&x)[8]) {
+    Raw8<T> raw;
+    load_raw(p, raw);
+    unpack8(raw, x);
+}
+__device__ __forceinline__ void load8_cached(const unsigned char* p, float scale, float (&x)[8]) {
+    const uint2 raw = *reinterpret_cast<const uint2*>(p);
+    const u32 words[2] = {raw.x, raw.y};
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        const float2 lo = e4m3x2_to_float2(words[i]), hi = e4m3x2_to_float2(words[i] >> 16);
+        x[4 * i] = lo.x * scale;
+        x[4 * i + 1] = lo.y * scale;
+        x[4 * i + 2] = hi.x * scale;
+        x[4 * i + 3] = hi.y * scale;
+    }
+}
 
 // k, v: [T, kv_width]; slot_mapping: [T]. A negative slot is padding and is skipped; a slot past
 // the cache is skipped too (callers check slots; this only keeps the write in bounds).
@@ -18,11 +50,25 @@ __device__ __forceinline__ void reshape_and_cache_impl(const T* k, const T* v, c
     }
 }
 
+// reshape_and_cache_fp8: the same into an FP8 cache, e4m3(x / scale) rounded to nearest even and
+// saturating (as crate::cpu::kv_cache writes it).
 #define RESHAPE_AND_CACHE(T, S) \
     extern "C" __global__ void reshape_and_cache_##S(const T* k, const T* v, const i64* slot_mapping, T* k_cache, \
                                                      T* v_cache, u32 kv_width, i64 num_slots) { \
         pdl_enter(); \
         reshape_and_cache_impl<T>(k, v, slot_mapping, k_cache, v_cache, kv_width, num_slots); \
+    } \
+    extern "C" __global__ void reshape_and_cache_fp8_##S(const T* k, const T* v, const i64* slot_mapping, \
+                                                         unsigned char* k_cache, unsigned char* v_cache, \
+                                                         u32 kv_width, i64 num_slots, float k_scale, float v_scale) { \
+        pdl_enter(); \
+        const u64 t = blockIdx.x; \
+        const i64 slot = slot_mapping[t]; \
+        if (slot < 0 || slot >= num_slots) return; \
+        for (u32 i = threadIdx.x; i < kv_width; i += blockDim.x) { \
+            k_cache[(u64)slot * kv_width + i] = f32_to_e4m3(to_float(k[t * kv_width + i]) / k_scale); \
+            v_cache[(u64)slot * kv_width + i] = f32_to_e4m3(to_float(v[t * kv_width + i]) / v_scale); \
+        } \
     }
 FOR_EACH_DTYPE(RESHAPE_AND_CACHE)
 
@@ -48,14 +94,14 @@ FOR_EACH_DTYPE(RESHAPE_AND_CACHE)
 // Shared memory (f32): q_s [rows, D], k_s [ATTN_TILE, D + 1] (padded: the score loop reads
 // columns), v_s [ATTN_TILE, D], s_s [rows, ATTN_TILE], m_s/l_s/a_s [rows], where rows =
 // q_tile * heads_per_block.
-template <typename T>
-__device__ __forceinline__ void paged_attention_impl(const T* q, const T* k_cache, const T* v_cache, T* out,
+template <typename T, typename C>
+__device__ __forceinline__ void paged_attention_impl(const T* q, const C* k_cache, const C* v_cache, T* out,
                                                      const u32* query_start_loc, const u32* seq_lens,
                                                      const u32* block_tables, u32 num_reqs, u32 num_tokens,
                                                      u32 num_heads, u32 num_kv_heads, u32 head_dim,
                                                      u32 max_blocks_per_seq, u32 block_size, u32 num_blocks,
                                                      u32 window, float scale, float softcap, u32 q_tile,
-                                                     u32 heads_per_block) {
+                                                     u32 heads_per_block, float k_scale, float v_scale) {
     extern __shared__ float smem[];
     const u32 D = head_dim;
     const u32 group = num_heads / num_kv_heads;
@@ -121,8 +167,8 @@ __device__ __forceinline__ void paged_attention_impl(const T* q, const T* k_cach
                     if (block < num_blocks) {
                         const u64 slot = (u64)block * block_size + key % block_size;
                         const u64 at = slot * kv_width + (u64)kv_head * D + d;
-                        kx = to_float(k_cache[at]);
-                        vx = to_float(v_cache[at]);
+                        kx = cache_value(k_cache, at, k_scale);
+                        vx = cache_value(v_cache, at, v_scale);
                     }
                 }
                 k_s[j * (D + 1) + d] = kx;
@@ -199,9 +245,20 @@ __device__ __forceinline__ void paged_attention_impl(const T* q, const T* k_cach
         u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, float scale, float softcap, u32 q_tile, \
         u32 heads_per_block) { \
         pdl_enter(); \
-        paged_attention_impl<T>(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, num_reqs, \
-                                num_tokens, num_heads, num_kv_heads, head_dim, max_blocks_per_seq, block_size, \
-                                num_blocks, window, scale, softcap, q_tile, heads_per_block); \
+        paged_attention_impl<T, T>(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, num_reqs, \
+                                   num_tokens, num_heads, num_kv_heads, head_dim, max_blocks_per_seq, block_size, \
+                                   num_blocks, window, scale, softcap, q_tile, heads_per_block, 1.f, 1.f); \
+    } \
+    extern "C" __global__ void __launch_bounds__(256) paged_attention_fp8kv_##S( \
+        const T* q, const unsigned char* k_cache, const unsigned char* v_cache, T* out, const u32* query_start_loc, \
+        const u32* seq_lens, const u32* block_tables, u32 num_reqs, u32 num_tokens, u32 num_heads, u32 num_kv_heads, \
+        u32 head_dim, u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, float scale, float softcap, \
+        u32 q_tile, u32 heads_per_block, float k_scale, float v_scale) { \
+        pdl_enter(); \
+        paged_attention_impl<T, unsigned char>(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, \
+                                               num_reqs, num_tokens, num_heads, num_kv_heads, head_dim, \
+                                               max_blocks_per_seq, block_size, num_blocks, window, scale, softcap, \
+                                               q_tile, heads_per_block, k_scale, v_scale); \
     }
 FOR_EACH_DTYPE(PAGED_ATTENTION)
 
@@ -473,14 +530,15 @@ __device__ __forceinline__ void decode_copy_tile(T* k_s, T* v_s, const T* k_cach
 // row's own partition length (`decode_work_of`).
 // Shared memory: the ring, DECODE_STAGES * 2 * DECODE_TILE_ELEMS elements of T; after the loop
 // the same bytes hold red_s [DECODE_WARPS, G, head_dim] and ml_s [DECODE_WARPS, G, 2] (f32).
-template <typename T, int G>
-__device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, const T* v_cache, T* out,
+template <typename T, int G, typename C>
+__device__ __forceinline__ void paged_decode_impl(const T* q, const C* k_cache, const C* v_cache, T* out,
                                                   float* part_out, float* part_ml, u32* counters,
                                                   const u32* query_start_loc,
                                                   const u32* seq_lens, const u32* block_tables, u32 num_reqs,
                                                   u32 num_heads, u32 num_kv_heads, u32 head_dim,
                                                   u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window,
-                                                  float scale, float softcap, u32 part_len) {
+                                                  float scale, float softcap, u32 part_len, float k_scale,
+                                                  float v_scale) {
     extern __shared__ __align__(16) unsigned char decode_smem[];
     const u32 D = head_dim;
     const u32 L = D / 8;           // lanes per key
@@ -495,7 +553,7 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
     const u32 tile_keys = DECODE_TILE_ELEMS / D;
     const u32 pass_keys = DECODE_WARPS * kpw;
 
-    T* ring = reinterpret_cast<T*>(decode_smem);
+    C* ring = reinterpret_cast<C*>(decode_smem);
     float* red_s = reinterpret_cast<float*>(decode_smem);
     float* ml_s = red_s + DECODE_WARPS * G * D;
 
@@ -553,17 +611,15 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
         }
         cp_async_commit();
 
-        const T* k_s = DECODE_RING_K(tile % DECODE_STAGES);
-        const T* v_s = DECODE_RING_V(tile % DECODE_STAGES);
+        const C* k_s = DECODE_RING_K(tile % DECODE_STAGES);
+        const C* v_s = DECODE_RING_V(tile % DECODE_STAGES);
         const u32 k0 = start + tile * tile_keys;
         float s[DECODE_PASSES][G];
 #pragma unroll
         for (int u = 0; u < DECODE_PASSES; u++) {
             const u32 j = u * pass_keys + warp * kpw + sub;
-            Raw8<T> kr;
-            load_raw(k_s + j * D + li * 8, kr);
             float kx[8];
-            unpack8(kr, kx);
+            load8_cached(k_s + j * D + li * 8, k_scale, kx);
 #pragma unroll
             for (int g = 0; g < G; g++) {
                 float dot = 0.f;
@@ -591,10 +647,8 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
 #pragma unroll
         for (int u = 0; u < DECODE_PASSES; u++) {
             const u32 j = u * pass_keys + warp * kpw + sub;
-            Raw8<T> vr;
-            load_raw(v_s + j * D + li * 8, vr);
             float vx[8];
-            unpack8(vr, vx);
+            load8_cached(v_s + j * D + li * 8, v_scale, vx);
 #pragma unroll
             for (int g = 0; g < G; g++) {
                 const float p = s[u][g] == NEG_INF ? 0.f : exp2f(s[u][g] - m[g]);
@@ -654,9 +708,20 @@ __device__ __forceinline__ void paged_decode_impl(const T* q, const T* k_cache, 
         u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, \
         float scale, float softcap, u32 part_len) { \
         pdl_enter(); \
-        paged_decode_impl<T, G>(q, k_cache, v_cache, out, part_out, part_ml, counters, query_start_loc, seq_lens, \
-                                block_tables, num_reqs, num_heads, num_kv_heads, head_dim, max_blocks_per_seq, \
-                                block_size, num_blocks, window, scale, softcap, part_len); \
+        paged_decode_impl<T, G, T>(q, k_cache, v_cache, out, part_out, part_ml, counters, query_start_loc, seq_lens, \
+                                   block_tables, num_reqs, num_heads, num_kv_heads, head_dim, max_blocks_per_seq, \
+                                   block_size, num_blocks, window, scale, softcap, part_len, 1.f, 1.f); \
+    } \
+    extern "C" __global__ void __launch_bounds__(DECODE_WARPS * 32, MINB) paged_attention_decode_fp8kv_g##G##_##S( \
+        const T* q, const unsigned char* k_cache, const unsigned char* v_cache, T* out, float* part_out, \
+        float* part_ml, u32* counters, const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, \
+        u32 num_reqs, u32 num_heads, u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, \
+        u32 num_blocks, u32 window, float scale, float softcap, u32 part_len, float k_scale, float v_scale) { \
+        pdl_enter(); \
+        paged_decode_impl<T, G, unsigned char>(q, k_cache, v_cache, out, part_out, part_ml, counters, \
+                                               query_start_loc, seq_lens, block_tables, num_reqs, num_heads, \
+                                               num_kv_heads, head_dim, max_blocks_per_seq, block_size, num_blocks, \
+                                               window, scale, softcap, part_len, k_scale, v_scale); \
     }
 #define PAGED_DECODE_G1(T, S) PAGED_DECODE(T, S, 1, 3)
 #define PAGED_DECODE_G2(T, S) PAGED_DECODE(T, S, 2, 3)
