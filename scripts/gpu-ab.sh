@@ -12,6 +12,10 @@
 # (the same 384 at a time: three waves instead of two). BASE_ROW runs that row on the base side
 # instead of each ROW, to compare flags on one build: `BASE_ROW=t1000 scripts/gpu-ab.sh DIR DIR
 # t1000-512`.
+# FP8 rows: l8b-fp8 and ttft-fp8 (the rows above with --quantization fp8), t1000-512-fp8 (with
+# --kv-cache-dtype fp8 too). BASE_ROW=bf16 runs each row without its -fp8 on the base side, so that
+# one build's FP8 rows meet its bf16 ones: `BASE_ROW=bf16 scripts/gpu-ab.sh DIR DIR l8b-fp8
+# ttft-fp8 t1000-512-fp8`.
 # NEW_ENV ("NAME=VALUE ...") is set for the new side's runs only, to compare a switch on one
 # build: `NEW_ENV=FERROLM_DECODE_TENSOR_COPIES=1 BASE_ROW=t1000-512 scripts/gpu-ab.sh DIR DIR
 # t1000-512`.
@@ -44,6 +48,9 @@ row_args() { # row -> the bench arguments
             --max-num-batched-tokens 8192 ;;
         t1000-512) echo throughput "${L8B[@]}" --num-prompts 1000 --input-len 1000 --output-len 1000 \
             --max-num-seqs 512 --max-num-batched-tokens 8192 --kv-cache-fraction 1.0 ;;
+        l8b-fp8) echo latency "${L8B[@]}" "${DECODE[@]}" --quantization fp8 ;;
+        ttft-fp8) echo "$(row_args ttft)" --quantization fp8 ;;
+        t1000-512-fp8) echo "$(row_args t1000-512)" --quantization fp8 --kv-cache-dtype fp8 ;;
         q30b) echo latency "${Q30B[@]}" "${DECODE[@]}" ;;
         mixtral) echo latency --model-config bench-configs/mixtral-8x7b.json "${DECODE[@]}" ;;
         gemma2) echo latency --model-config bench-configs/gemma-2-9b.json "${DECODE[@]}" ;;
@@ -64,7 +71,7 @@ try:
     r = json.load(open(path))
 except (OSError, ValueError):
     print("failed"); sys.exit()
-key = {"ttft": "median_ttft_ms", "d384": "mean_decode_step_ms"}.get(row, "output_throughput")
+key = {"ttft": "median_ttft_ms", "d384": "mean_decode_step_ms"}.get(row.removesuffix("-fp8"), "output_throughput")
 print(f"{r[key]:.2f}")
 PY
 }
@@ -72,7 +79,9 @@ PY
 declare -A results
 for row in "${ROWS[@]}"; do
     new_args=$(row_args "$row") || exit 2
-    base_args=$(row_args "${BASE_ROW:-$row}") || exit 2
+    base_row=${BASE_ROW:-$row}
+    [ "$base_row" = bf16 ] && base_row=${row%-fp8}
+    base_args=$(row_args "$base_row") || exit 2
     for round in $(seq "${ROUNDS:-2}"); do
         for side in base new; do
             dir=$BASE args=$base_args envs=()
