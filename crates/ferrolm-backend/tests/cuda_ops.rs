@@ -2761,8 +2761,9 @@ fn fp8_linear_matches_cpu_on_dequantized_weights() -> Result<(), GpuError> {
     Ok(())
 }
 
-/// `linear_gated_fp8` gives the bits of `linear_fp8` into gate_up followed by the activation
-/// (the GEMV with the activation in its epilogue up to 4 rows, that composition beyond).
+/// `linear_gated_fp8` up to 4 rows (the GEMV with the activation in its epilogue) gives the bits
+/// of `linear_fp8` into gate_up followed by the activation (beyond 4 rows it is that composition:
+/// `fp8_gemm_matches_cpu_on_quantized_activations` checks it).
 #[test]
 fn fp8_linear_gated_matches_fp8_linear_then_activation() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
@@ -2772,7 +2773,7 @@ fn fp8_linear_gated_matches_fp8_linear_then_activation() -> Result<(), GpuError>
         for &(k, inter) in &[(256, 100), (2048, 1100)] {
             for (layout, w) in fp8_layouts(&mut rng, 2 * inter, k) {
                 let w_dev = GpuFp8Matrix::new(&gpu, &w)?.expect("the kernels take every layout under test");
-                for m in 1..=cuda::GEMV_MAX_M + 1 {
+                for m in 1..=cuda::GEMV_MAX_M {
                     let x = random_vec(&mut rng, m * k, 1.0);
                     for (dtype, _) in DTYPES {
                         let (x_dev, _) = upload(&gpu, &x, dtype)?;
@@ -2823,45 +2824,83 @@ fn fp8_linear_gated_matches_fp8_linear_then_activation() -> Result<(), GpuError>
 /// More rows of bf16 or f16 activations over a matrix of one scale per row take cuBLASLt's FP8
 /// GEMM, the activations quantized per token first: against the CPU's product of the
 /// dequantized weights with the activations quantized the same way (amax / 448 per row, codes
-/// rounded to nearest even), which `crate::fp8` computes on the host.
+/// rounded to nearest even), which `crate::fp8` computes on the host. With and without bias,
+/// into the activation dtype and f32, over all the rows and over the first half (an LM head's
+/// prefix), and as the gate/up projection with its activation after it.
 #[test]
 fn fp8_gemm_matches_cpu_on_quantized_activations() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
     let gemms = Gemms::new()?;
     let mut rng = rng(47);
+    // The message of a mismatch: the likeliest cause is a GEMM that did not run in FP8.
+    let why = "(fails where cuBLASLt has no FP8 GEMM and the weights are dequantized instead)";
     for &(k, n) in &[(256, 128), (4096, 1024)] {
         let layouts = fp8_layouts(&mut rng, n, k);
         for (layout, w) in layouts.into_iter().filter(|(l, _)| matches!(*l, "tensor" | "rows")) {
             let w_dev = GpuFp8Matrix::new(&gpu, &w)?.expect("the kernels take every layout under test");
             let w_f32 = w.dequantize().to_f32_vec();
+            let bias = random_vec(&mut rng, n, 1.0);
+            let bias_dev = GpuTensor::from_f32(&gpu, &bias, DType::F32)?;
             for &m in &[5, 64, 130] {
                 let x = random_vec(&mut rng, m * k, 1.0);
                 for (dtype, tol) in DTYPES.into_iter().filter(|(d, _)| *d != DType::F32) {
                     let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
                     let x_q =
                         Fp8Matrix::quantize_rows(&HostTensor::from_f32(vec![m, k], x_r)).dequantize().to_f32_vec();
-                    let mut want = vec![0.0; m * n];
-                    cpu::linear(&x_q, m, k, WeightView::F32(&w_f32), n, None, &mut want);
                     let mut scratch = GpuTensor::uninit(&gpu, dtype, n * k + m * k)?;
-                    for (y_dtype, y_tol) in [(dtype, tol), (DType::F32, 1e-3)] {
-                        let mut y = nan_tensor(&gpu, y_dtype, m * n)?;
-                        cuda::linear_fp8(
-                            &gpu,
-                            &gemms,
-                            x_dev.view(),
-                            m,
-                            w_dev.view(),
-                            n,
-                            None,
-                            y.view_mut(),
-                            &mut scratch,
-                        )?;
-                        let what = format!(
-                            "FP8 GEMM {layout} {dtype:?}->{y_dtype:?} m={m} k={k} n={n} (fails where cuBLASLt has no FP8 \
-                             GEMM and the weights are dequantized instead)"
-                        );
-                        check(&what, &y.to_f32_vec(&gpu)?, &want, y_tol);
+                    for rows in [n, n / 2] {
+                        for with_bias in [false, true] {
+                            let b = with_bias.then_some(&bias[..rows]);
+                            let mut want = vec![0.0; m * rows];
+                            cpu::linear(&x_q, m, k, WeightView::F32(&w_f32[..rows * k]), rows, b, &mut want);
+                            for (y_dtype, y_tol) in [(dtype, tol), (DType::F32, 1e-3)] {
+                                let mut y = nan_tensor(&gpu, y_dtype, m * rows)?;
+                                let (x_view, w_view) = (x_dev.view(), w_dev.view());
+                                let b_dev = with_bias.then(|| bias_dev.slice(0..rows));
+                                cuda::linear_fp8(
+                                    &gpu,
+                                    &gemms,
+                                    x_view,
+                                    m,
+                                    w_view,
+                                    rows,
+                                    b_dev,
+                                    y.view_mut(),
+                                    &mut scratch,
+                                )?;
+                                let what = format!(
+                                    "FP8 GEMM {layout} {dtype:?}->{y_dtype:?} m={m} k={k} rows={rows}/{n} bias={with_bias} {why}"
+                                );
+                                check(&what, &y.to_f32_vec(&gpu)?, &want, y_tol);
+                            }
+                        }
                     }
+                    // w as [gate; up] of inter = n / 2.
+                    let inter = n / 2;
+                    let mut gu = vec![0.0; m * n];
+                    cpu::linear(&x_q, m, k, WeightView::F32(&w_f32), n, None, &mut gu);
+                    let gu = rounded(&gu, dtype);
+                    let mut want = vec![0.0; m * inter];
+                    cpu::silu_and_mul(&gu, inter, &mut want);
+                    let mut gate_up = nan_tensor(&gpu, dtype, m * n)?;
+                    let mut got = nan_tensor(&gpu, dtype, m * inter)?;
+                    let (x_view, w_view, act) = (x_dev.view(), w_dev.view(), cuda::GatedActivation::Silu);
+                    let (gu_view, out) = (gate_up.view_mut(), got.view_mut());
+                    cuda::linear_gated_fp8(
+                        &gpu,
+                        &gemms,
+                        x_view,
+                        m,
+                        w_view,
+                        inter,
+                        None,
+                        act,
+                        gu_view,
+                        out,
+                        &mut scratch,
+                    )?;
+                    let what = format!("FP8 GEMM gated {layout} {dtype:?} m={m} k={k} inter={inter} {why}");
+                    check(&what, &got.to_f32_vec(&gpu)?, &want, 2.0 * tol);
                 }
             }
         }
@@ -2890,8 +2929,9 @@ fn reshape_and_cache_fp8_writes_the_cpus_codes() -> Result<(), GpuError> {
         // A sentinel code (0x55) shows which slots were written.
         let mut k_codes = gpu.upload(&vec![0x55u8; num_slots * kv_width])?;
         let mut v_codes = gpu.upload(&vec![0x55u8; num_slots * kv_width])?;
-        let k_cache = cuda::Fp8CacheMut::new(&gpu, &mut k_codes, scales.0);
-        let v_cache = cuda::Fp8CacheMut::new(&gpu, &mut v_codes, scales.1);
+        let len = num_slots * kv_width;
+        let k_cache = cuda::Fp8CacheMut::new(&gpu, &mut k_codes, len, scales.0);
+        let v_cache = cuda::Fp8CacheMut::new(&gpu, &mut v_codes, len, scales.1);
         cuda::reshape_and_cache_fp8(&gpu, k_dev.view(), v_dev.view(), &slots_dev, kv_width, k_cache, v_cache)?;
         let mut kc = cpu::KvStore::Fp8 { codes: vec![0x55; num_slots * kv_width], scale: scales.0 };
         let mut vc = cpu::KvStore::Fp8 { codes: vec![0x55; num_slots * kv_width], scale: scales.1 };
@@ -2908,8 +2948,10 @@ fn reshape_and_cache_fp8_writes_the_cpus_codes() -> Result<(), GpuError> {
 }
 
 /// Attention over FP8 caches against the CPU's over the same codes: decodes (the CUDA-core decode
-/// kernel, its context split or not), the same decodes through the general kernel, and mixed
-/// prefill and decode batches, with GQA and a sliding window.
+/// kernel, its context split or not), mixed prefill and decode batches (the tensor-core kernel in
+/// bf16 and f16: its K/V tiles rounded to the activations' dtype once converted), the decodes
+/// with a hint past one row (the same), and the general kernel on all of them, with GQA and a
+/// sliding window.
 #[test]
 fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
@@ -2953,7 +2995,8 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
                 let q = GpuTensor::from_f32(&gpu, &batch.q, dtype)?;
                 // The batch's own hint, and (decodes) a hint past 1, which takes the general kernel.
                 let hints = if batch.max_query_len <= 1 { vec![1, 2] } else { vec![batch.max_query_len] };
-                for max_query_len in hints {
+                let runs = hints.into_iter().flat_map(|hint| [(PICKED, hint), (AttentionKernel::General, hint)]);
+                for (kernel, max_query_len) in runs {
                     let work = Default::default();
                     let gpu_meta = GpuAttentionMetadata {
                         query_start_loc: qsl.as_view(),
@@ -2968,12 +3011,17 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
                         softcap: None,
                         work: &work,
                     };
-                    let (k_cache, v_cache) =
-                        (cuda::Fp8Cache::new(&gpu, &k_dev, scales.0), cuda::Fp8Cache::new(&gpu, &v_dev, scales.1));
+                    let len = k_codes.len();
+                    let (k_cache, v_cache) = (
+                        cuda::Fp8Cache::new(&gpu, &k_dev, len, scales.0),
+                        cuda::Fp8Cache::new(&gpu, &v_dev, len, scales.1),
+                    );
                     let mut out = nan_tensor(&gpu, dtype, batch.q.len())?;
-                    attention.run_fp8(&gpu, q.view(), k_cache, v_cache, &gpu_meta, heads, out.view_mut())?;
-                    let what =
-                        format!("FP8 paged_attention {dtype:?} {heads:?} window {window:?} hint {max_query_len}");
+                    let out_view = out.view_mut();
+                    attention.run_fp8_on(kernel, &gpu, q.view(), k_cache, v_cache, &gpu_meta, heads, out_view)?;
+                    let what = format!(
+                        "FP8 paged_attention {kernel:?} {dtype:?} {heads:?} window {window:?} hint {max_query_len}"
+                    );
                     check(&what, &out.to_f32_vec(&gpu)?, &want, tol);
                 }
             }

@@ -8,8 +8,9 @@
 //! in the activation dtype; `slot = block_id * block_size + offset`. An FP8 cache
 //! (`--kv-cache-dtype fp8`) holds the same slots as e4m3 codes of each value divided by the
 //! layer's K or V scale ([`Fp8Cache`], written by [`reshape_and_cache_fp8`]); its attention
-//! ([`PagedAttention::run_fp8`]) takes the CUDA-core decode kernel, or the general kernel, with
-//! the cache's element type: the tensor-core kernels read the activations' dtype only.
+//! ([`PagedAttention::run_fp8`]) takes the CUDA-core decode kernel for decodes and the
+//! tensor-core prefill kernel (or the general one) otherwise, each in a form that reads codes:
+//! the tensor-core decode kernels read the activations' dtype only.
 //!
 //! Four kernels compute attention. Batches of decodes (`max_query_len <= 1`) take a decode
 //! kernel: one block per (token, KV head, context partition), K/V read once per GQA group, and,
@@ -253,10 +254,11 @@ pub struct Fp8Cache<'a> {
 }
 
 impl<'a> Fp8Cache<'a> {
-    /// `codes` read with `scale` (positive and finite).
-    pub fn new(gpu: &Gpu, codes: &'a CudaSlice<u8>, scale: f32) -> Fp8Cache<'a> {
+    /// The first `len` codes of `codes`, read with `scale` (positive and finite).
+    pub fn new(gpu: &Gpu, codes: &'a CudaSlice<u8>, len: usize, scale: f32) -> Fp8Cache<'a> {
+        assert!(len <= codes.len(), "an FP8 cache of {len} codes in a buffer of {}", codes.len());
         assert!(scale.is_finite() && scale > 0.0, "an FP8 cache scale of {scale}");
-        Fp8Cache { ptr: gpu.index_ptr(codes), len: codes.len(), scale, _codes: PhantomData }
+        Fp8Cache { ptr: gpu.index_ptr(codes), len, scale, _codes: PhantomData }
     }
 
     pub fn len(&self) -> usize {
@@ -275,9 +277,10 @@ pub struct Fp8CacheMut<'a> {
 }
 
 impl<'a> Fp8CacheMut<'a> {
-    pub fn new(gpu: &Gpu, codes: &'a mut CudaSlice<u8>, scale: f32) -> Fp8CacheMut<'a> {
-        assert!(scale.is_finite() && scale > 0.0, "an FP8 cache scale of {scale}");
-        let view = Fp8Cache { ptr: gpu.index_ptr(codes), len: codes.len(), scale, _codes: PhantomData };
+    /// The first `len` codes of `codes`, written with `scale` (positive and finite).
+    pub fn new(gpu: &Gpu, codes: &'a mut CudaSlice<u8>, len: usize, scale: f32) -> Fp8CacheMut<'a> {
+        let view = Fp8Cache::new(gpu, codes, len, scale);
+        let view = Fp8Cache { _codes: PhantomData, ..view };
         Fp8CacheMut { view, _codes: PhantomData }
     }
 }
@@ -390,6 +393,25 @@ impl PagedAttention {
         self.attention(gpu, &Operands { q, caches, meta, heads }, out, AttentionKernel::Picked)
     }
 
+    /// [`Self::run_fp8`] on a kernel of the caller's choice (`Picked` or `General`), for tests
+    /// that compare the kernels.
+    #[cfg(feature = "bench-internals")]
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_fp8_on(
+        &self,
+        kernel: AttentionKernel,
+        gpu: &Gpu,
+        q: GpuView<'_>,
+        k_cache: Fp8Cache<'_>,
+        v_cache: Fp8Cache<'_>,
+        meta: &GpuAttentionMetadata<'_>,
+        heads: Heads,
+        out: GpuViewMut<'_>,
+    ) -> Result<(), GpuError> {
+        let caches = Caches::Fp8(k_cache, v_cache);
+        self.attention(gpu, &Operands { q, caches, meta, heads }, out, kernel)
+    }
+
     /// [`Self::run`] on a kernel of the caller's choice, for benchmarks and tests that compare
     /// the kernels. An error where the kernel does not apply (see [`AttentionKernel`]).
     #[cfg(feature = "bench-internals")]
@@ -446,7 +468,7 @@ impl Caches<'_> {
     }
 
     /// The FP8 caches' scales, `(k, v)`; `None` for dense caches.
-    fn fp8_scales(&self) -> Option<(f32, f32)> {
+    pub(crate) fn fp8_scales(&self) -> Option<(f32, f32)> {
         match self {
             Caches::Dense(..) => None,
             Caches::Fp8(k, v) => Some((k.scale, v.scale)),
@@ -531,20 +553,23 @@ impl PagedAttention {
                 if q.is_empty() {
                     return Ok(());
                 }
-                // The CUDA-core decode kernel, or the general one: the tensor-core kernels read
+                // Decodes take the CUDA-core decode kernel, prefills the tensor-core one where it
+                // has the head size, else the general kernel: the tensor-core decode kernels read
                 // the activations' dtype only.
+                let flash = flash_attention::kernel_for(gpu, head_dim, q, caches, &out);
                 return match route {
                     AttentionKernel::TensorCopies => Err(GpuError::Unsupported {
                         op: "PagedAttention::run_on(TensorCopies)",
                         reason: "an FP8 cache".into(),
                     }),
-                    _ if meta.max_query_len <= 1
-                        && route != AttentionKernel::General
-                        && decode_supported(gpu, head_dim, caches) =>
-                    {
+                    AttentionKernel::General => paged_general(gpu, operands, out),
+                    _ if meta.max_query_len <= 1 && decode_supported(gpu, head_dim, caches) => {
                         self.paged_decode(gpu, DecodeKernel::Cuda, TensorCopies::Never, operands, out)
                     }
-                    _ => paged_general(gpu, operands, out),
+                    _ => match flash {
+                        Some(kernel) => flash_attention::paged_flash(gpu, kernel, operands, out),
+                        None => paged_general(gpu, operands, out),
+                    },
                 };
             }
         };
@@ -590,7 +615,7 @@ impl PagedAttention {
             };
             let tensor = tensor.map_or(TensorCopies::Never, TensorCopies::WherePerWarp);
             self.paged_decode(gpu, kernel, tensor, operands, out)
-        } else if let Some(kernel) = flash_attention::kernel_for(gpu, head_dim, q, k_cache, v_cache, &out) {
+        } else if let Some(kernel) = flash_attention::kernel_for(gpu, head_dim, q, caches, &out) {
             flash_attention::paged_flash(gpu, kernel, operands, out)
         } else {
             paged_general(gpu, operands, out)

@@ -146,8 +146,17 @@ impl Shaped for CudaTensor {
 /// One layer's paged cache on the device: K and V, each `[num_blocks * block_size, kv_width]`, in
 /// the compute dtype or as e4m3 codes of each value divided by the layer's scale.
 pub enum CudaKvLayer {
-    Dense { k: GpuTensor, v: GpuTensor },
-    Fp8 { k: CudaSlice<u8>, v: CudaSlice<u8>, scales: KvScales },
+    Dense {
+        k: GpuTensor,
+        v: GpuTensor,
+    },
+    /// `len` codes each (their buffers hold at least one byte).
+    Fp8 {
+        k: CudaSlice<u8>,
+        v: CudaSlice<u8>,
+        len: usize,
+        scales: KvScales,
+    },
 }
 
 /// One step's batch on the device: views of its index buffers.
@@ -287,7 +296,7 @@ impl Device for Cuda {
             KvCacheDtype::Fp8 => {
                 // At least one byte, so that an empty cache still owns a valid allocation.
                 let zeros = || self.gpu.stream().alloc_zeros::<u8>(len.max(1));
-                CudaKvLayer::Fp8 { k: zeros()?, v: zeros()?, scales }
+                CudaKvLayer::Fp8 { k: zeros()?, v: zeros()?, len, scales }
             }
         })
     }
@@ -398,9 +407,9 @@ impl Device for Cuda {
                 k_cache.view_mut(),
                 v_cache.view_mut(),
             ),
-            CudaKvLayer::Fp8 { k: k_codes, v: v_codes, scales } => {
+            CudaKvLayer::Fp8 { k: k_codes, v: v_codes, len, scales } => {
                 let (k_cache, v_cache) =
-                    (Fp8CacheMut::new(gpu, k_codes, scales.k), Fp8CacheMut::new(gpu, v_codes, scales.v));
+                    (Fp8CacheMut::new(gpu, k_codes, *len, scales.k), Fp8CacheMut::new(gpu, v_codes, *len, scales.v));
                 reshape_and_cache_fp8(gpu, k.view(), v.view(), &b.slot_mapping, width, k_cache, v_cache)
             }
         }
@@ -419,8 +428,8 @@ impl Device for Cuda {
             CudaKvLayer::Dense { k, v } => {
                 self.attention.run(gpu, q.view(), k.view(), v.view(), &meta, layer.heads, out.view_mut())
             }
-            CudaKvLayer::Fp8 { k, v, scales } => {
-                let (k_cache, v_cache) = (Fp8Cache::new(gpu, k, scales.k), Fp8Cache::new(gpu, v, scales.v));
+            CudaKvLayer::Fp8 { k, v, len, scales } => {
+                let (k_cache, v_cache) = (Fp8Cache::new(gpu, k, *len, scales.k), Fp8Cache::new(gpu, v, *len, scales.v));
                 self.attention.run_fp8(gpu, q.view(), k_cache, v_cache, &meta, layer.heads, out.view_mut())
             }
         }

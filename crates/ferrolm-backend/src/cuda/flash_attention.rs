@@ -13,7 +13,7 @@ use std::fmt;
 
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
-use super::attention::{softcap_arg, Operands};
+use super::attention::{softcap_arg, Caches, Operands};
 use super::compile::{self, KernelFamilies};
 use super::gpu::to_u32;
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
@@ -24,9 +24,12 @@ const TILE_ROWS: usize = 64;
 /// Threads per block (`FA_THREADS`).
 const THREADS: usize = 128;
 
-/// The kernel of each head size (the file has them for bf16 and f16 only).
-pub(crate) const KERNELS: &[KernelFamilies] =
-    &[KernelFamilies { source: &compile::FLASH_ATTENTION, names: &NAMES, large_shared: true }];
+/// The kernel of each head size, over caches in the activations' dtype and over FP8 caches (the
+/// file has them for bf16 and f16 only).
+pub(crate) const KERNELS: &[KernelFamilies] = &[
+    KernelFamilies { source: &compile::FLASH_ATTENTION, names: &NAMES, large_shared: true },
+    KernelFamilies { source: &compile::FLASH_ATTENTION, names: &FP8_NAMES, large_shared: true },
+];
 
 const NAMES: [&str; 5] = [
     "flash_attention_d64",
@@ -35,24 +38,33 @@ const NAMES: [&str; 5] = [
     "flash_attention_d128",
     "flash_attention_d256",
 ];
+const FP8_NAMES: [&str; 5] = [
+    "flash_attention_fp8kv_d64",
+    "flash_attention_fp8kv_d80",
+    "flash_attention_fp8kv_d96",
+    "flash_attention_fp8kv_d128",
+    "flash_attention_fp8kv_d256",
+];
 
 /// One compiled head size: keys per K/V tile and whether the Q fragments stay in registers
 /// (the `BN` and `Q_IN_REGS` its kernel is instantiated with).
 #[derive(Debug, PartialEq)]
 pub(crate) struct FlashKernel {
     name: &'static str,
+    /// The same over FP8 caches (`flash_attention_fp8kv_d{D}`).
+    fp8_name: &'static str,
     head_dim: usize,
     key_tile: usize,
     q_in_regs: bool,
 }
 
 const VARIANTS: [FlashKernel; 5] = [
-    FlashKernel { name: NAMES[0], head_dim: 64, key_tile: 64, q_in_regs: true },
-    FlashKernel { name: NAMES[1], head_dim: 80, key_tile: 64, q_in_regs: true },
-    FlashKernel { name: NAMES[2], head_dim: 96, key_tile: 64, q_in_regs: true },
-    FlashKernel { name: NAMES[3], head_dim: 128, key_tile: 64, q_in_regs: true },
+    FlashKernel { name: NAMES[0], fp8_name: FP8_NAMES[0], head_dim: 64, key_tile: 64, q_in_regs: true },
+    FlashKernel { name: NAMES[1], fp8_name: FP8_NAMES[1], head_dim: 80, key_tile: 64, q_in_regs: true },
+    FlashKernel { name: NAMES[2], fp8_name: FP8_NAMES[2], head_dim: 96, key_tile: 64, q_in_regs: true },
+    FlashKernel { name: NAMES[3], fp8_name: FP8_NAMES[3], head_dim: 128, key_tile: 64, q_in_regs: true },
     // 128 f32 accumulators per thread leave no room for Q fragments or wider key tiles.
-    FlashKernel { name: NAMES[4], head_dim: 256, key_tile: 32, q_in_regs: false },
+    FlashKernel { name: NAMES[4], fp8_name: FP8_NAMES[4], head_dim: 256, key_tile: 32, q_in_regs: false },
 ];
 
 impl FlashKernel {
@@ -168,11 +180,11 @@ pub(crate) fn kernel_for(
     gpu: &Gpu,
     head_dim: usize,
     q: GpuView<'_>,
-    k_cache: GpuView<'_>,
-    v_cache: GpuView<'_>,
+    caches: Caches<'_>,
     out: &GpuViewMut<'_>,
 ) -> Option<&'static FlashKernel> {
-    let aligned = [q.ptr(), k_cache.ptr(), v_cache.ptr(), out.ptr()].iter().all(|p| p.is_multiple_of(16));
+    let (k_ptr, v_ptr) = caches.ptrs();
+    let aligned = [q.ptr(), k_ptr, v_ptr, out.ptr()].iter().all(|p| p.is_multiple_of(16));
     FlashKernel::find(q.dtype(), head_dim).filter(|k| aligned && k.shared_bytes() <= gpu.max_shared_per_block())
 }
 
@@ -238,13 +250,20 @@ pub(crate) fn paged_flash(
     ];
     let (scale_log2, softcap) = (meta.scale * std::f32::consts::LOG2_E, softcap_arg(meta));
     let (heads_per_tile, head_chunks) = (rows.heads_per_tile as u32, rows.head_chunks as u32);
-    let mut launch = gpu.launch_builder(kernel.name, q.dtype());
+    let fp8 = caches.fp8_scales();
+    let name = if fp8.is_some() { kernel.fp8_name } else { kernel.name };
+    let mut launch = gpu.launch_builder(name, q.dtype());
     launch.arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&out_ptr).arg(&work_ptr);
     launch.arg(&qsl_ptr).arg(&lens_ptr).arg(&tables_ptr);
     for a in &args {
         launch.arg(a);
     }
     launch.arg(&scale_log2).arg(&softcap).arg(&heads_per_tile).arg(&head_chunks);
+    // The FP8 kernel takes the caches' scales last.
+    let scales = fp8.unwrap_or((1.0, 1.0));
+    if fp8.is_some() {
+        launch.arg(&scales.0).arg(&scales.1);
+    }
     // SAFETY: the arguments match the kernel's parameters in order; `kernel_for` checked the
     // dtype, head size and alignment; every work item lies inside its request's query rows
     // (`work_items` over the checked `query_start_loc_host`, or one item per request without a

@@ -254,9 +254,17 @@ pub(super) fn gemv(
     Ok(())
 }
 
-/// Whether the FP8 GEMV kernel takes `m` rows of `x` (as the dense one, [`super::linear`]).
+/// Whether the FP8 GEMV kernel takes `m` rows of `x`: up to 4, whatever the matrix (the dense
+/// GEMV leaves 2 to 4 rows of large matrices to cuBLAS; an FP8 matrix's alternative reads more
+/// bytes, a dequantized copy or the activations' codes besides its own).
 pub(super) fn gemv_fits(x: GpuView<'_>, m: usize) -> bool {
     (1..=super::linear::GEMV_MAX_M).contains(&m) && x.ptr().is_multiple_of(16)
+}
+
+/// Warps per column of the FP8 GEMV: the dense kernel's choice for as many chunks (16 codes a
+/// chunk against 8 elements, so `k / 2` elements' worth), so that each lane keeps its full rounds.
+pub(super) fn gemv_ksplit(n: usize, k: usize) -> usize {
+    super::linear::gemv_ksplit(n, k / 2)
 }
 
 /// `out = w`'s values in `out`'s dtype, `[w.rows, w.cols]` (see the module's doc).

@@ -30,6 +30,9 @@ use crate::DType;
 
 /// cuBLASLt algorithms timed per shape, in cuBLASLt's order of preference.
 pub(crate) const CANDIDATES: usize = 8;
+/// FP8 GEMM plans kept at most (one per row count and projection shape); past it they are
+/// forgotten and looked up again as needed.
+const MAX_FP8_PLANS: usize = 1024;
 /// A plan is kept only when it beats `cublasGemmEx` by this factor: closer than that is noise.
 const MIN_GAIN: f32 = 0.97;
 
@@ -323,9 +326,17 @@ impl Gemms {
     /// algorithm, asked once per shape and remembered; an error on the way counts as none).
     pub(crate) fn fp8_supported(&self, gpu: &Gpu, shape: Fp8GemmShape) -> bool {
         let mut plans = self.fp8_plans.lock().unwrap_or_else(|e| e.into_inner());
+        if plans.len() >= MAX_FP8_PLANS && !plans.contains_key(&shape) {
+            // Prompt chunks bring any number of row counts: start over rather than grow.
+            plans.clear();
+        }
         let plan = plans.entry(shape).or_insert_with(|| {
-            let (_, workspace_bytes) = gpu.blas_workspace();
+            let (workspace, workspace_bytes) = gpu.blas_workspace();
             let planned = Plan::fp8(shape).and_then(|mut plan| {
+                // The heuristic takes vector scales only with their pointers set: any valid
+                // device address stands in until `run_fp8` sets the call's.
+                // SAFETY: an FP8 plan; the workspace outlives the lookup.
+                unsafe { plan.set_fp8_scales(workspace, workspace) }?;
                 plan.algo = plan.candidates(self.handle, 1, workspace_bytes)?.into_iter().next();
                 Ok(plan)
             });

@@ -24,16 +24,9 @@ template <typename T> __device__ __forceinline__ void load8_cached(const T* p, f
     unpack8(raw, x);
 }
 __device__ __forceinline__ void load8_cached(const unsigned char* p, float scale, float (&x)[8]) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(p);
-    const u32 words[2] = {raw.x, raw.y};
+    e4m3x8_to_float(*reinterpret_cast<const uint2*>(p), x);
 #pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const float2 lo = e4m3x2_to_float2(words[i]), hi = e4m3x2_to_float2(words[i] >> 16);
-        x[4 * i] = lo.x * scale;
-        x[4 * i + 1] = lo.y * scale;
-        x[4 * i + 2] = hi.x * scale;
-        x[4 * i + 3] = hi.y * scale;
-    }
+    for (int i = 0; i < 8; i++) x[i] *= scale;
 }
 
 // k, v: [T, kv_width]; slot_mapping: [T]. A negative slot is padding and is skipped; a slot past

@@ -256,17 +256,28 @@ __device__ __forceinline__ float2 e4m3x2_to_float2(u32 two /* low 16 bits: the f
 #endif
 }
 
-// 16 codes (16 bytes, the first in the lowest byte) as f32.
-__device__ __forceinline__ void e4m3x16_to_float(const uint4& raw, float (&x)[16]) {
-    const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+// N codes (N / 4 words, the first code in the lowest byte of the first word) as f32.
+template <int N> __device__ __forceinline__ void e4m3_words_to_float(const u32 (&words)[N / 4], float (&x)[N]) {
 #pragma unroll
-    for (int i = 0; i < 4; i++) {
+    for (int i = 0; i < N / 4; i++) {
         const float2 lo = e4m3x2_to_float2(words[i]), hi = e4m3x2_to_float2(words[i] >> 16);
         x[4 * i] = lo.x;
         x[4 * i + 1] = lo.y;
         x[4 * i + 2] = hi.x;
         x[4 * i + 3] = hi.y;
     }
+}
+
+// 16 codes (16 bytes) as f32.
+__device__ __forceinline__ void e4m3x16_to_float(const uint4& raw, float (&x)[16]) {
+    const u32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+    e4m3_words_to_float<16>(words, x);
+}
+
+// 8 codes (8 bytes) as f32.
+__device__ __forceinline__ void e4m3x8_to_float(const uint2& raw, float (&x)[8]) {
+    const u32 words[2] = {raw.x, raw.y};
+    e4m3_words_to_float<8>(words, x);
 }
 
 // An FP8 matrix's scales (crate::fp8's block grid, as the host places it): element (r, c) of

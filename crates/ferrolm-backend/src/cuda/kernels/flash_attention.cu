@@ -18,6 +18,11 @@
 // the tests': relative errors up to 1e-1 in bf16 and 1.5e-2 in f16; with the residual 4e-3 and
 // 5e-4, the rounding of the output itself, as in the other kernels).
 //
+// An FP8 cache (`flash_attention_fp8kv_*`, C = unsigned char) is read into registers instead,
+// 8 codes of K and of V per chunk, a tile ahead (the loads in flight during the tile before's
+// maths), and converted to T (code times the cache's scale, rounded once) into the buffer the
+// tile before has left: the same shared-memory tiles and the same maths.
+//
 // Shared memory, T: k_s [2][BN][D + 8], v_s [2][BN][D + 8], q_s [FA_ROWS][D + 8]. The 16-byte
 // pad makes a row's stride an odd number of 16-byte units, so the 8 rows one ldmatrix phase
 // reads fall in distinct banks. With Q_IN_REGS the Q fragments are loaded into registers once
@@ -134,9 +139,9 @@ __device__ __forceinline__ u32 window_start(u32 pos, u32 window) {
 // fastest. `scale_log2` is the softmax scale times log2(e); `softcap` 0 means no soft-cap of the
 // scaled scores (`soft_cap`); `window` 0 means none; `bs_mul`,
 // `bs_shift` divide by block_size (see fast_div): positions stay below 2^31.
-template <typename T, int D, int BN, bool Q_IN_REGS>
-__device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, const T* __restrict__ k_cache,
-                                                     const T* __restrict__ v_cache, T* __restrict__ out,
+template <typename T, typename C, int D, int BN, bool Q_IN_REGS>
+__device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, const C* __restrict__ k_cache,
+                                                     const C* __restrict__ v_cache, T* __restrict__ out,
                                                      const u32* __restrict__ work,
                                                      const u32* __restrict__ query_start_loc,
                                                      const u32* __restrict__ seq_lens,
@@ -144,7 +149,8 @@ __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, co
                                                      u32 num_kv_heads, u32 max_blocks_per_seq, u32 block_size,
                                                      u32 bs_mul, u32 bs_shift, u32 num_blocks, u32 window,
                                                      float scale_log2, float softcap, u32 heads_per_tile,
-                                                     u32 head_chunks) {
+                                                     u32 head_chunks, float k_scale, float v_scale) {
+    constexpr bool FP8 = sizeof(C) == 1;
     constexpr int STRIDE = D + 8;        // elements per shared-memory row
     constexpr int CH = D / 8;            // 16-byte chunks per row
     constexpr int TILE = BN * STRIDE;    // elements of one K or V buffer
@@ -203,28 +209,79 @@ __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, co
         }
     };
     auto load_kv = [&](u32 key0, const u32 (&blocks)[LOADS], u32 buf) {
+        if constexpr (!FP8) {
 #pragma unroll
-        for (int i = 0; i < LOADS; i++) {
-            const u32 e = tid + i * FA_THREADS, j = e / CH, c = e % CH, key = key0 + j;
-            const bool valid = blocks[i] < num_blocks;
-            const T* k_src = k_cache;
-            const T* v_src = v_cache;
-            if (valid) {
-                const u64 slot = (u64)blocks[i] * block_size + (key - fast_div(key, bs_mul, bs_shift) * block_size);
-                const u64 at = slot * kv_width + kv_head * D + c * 8;
-                k_src += at;
-                v_src += at;
+            for (int i = 0; i < LOADS; i++) {
+                const u32 e = tid + i * FA_THREADS, j = e / CH, c = e % CH, key = key0 + j;
+                const bool valid = blocks[i] < num_blocks;
+                const C* k_src = k_cache;
+                const C* v_src = v_cache;
+                if (valid) {
+                    const u64 slot =
+                        (u64)blocks[i] * block_size + (key - fast_div(key, bs_mul, bs_shift) * block_size);
+                    const u64 at = slot * kv_width + kv_head * D + c * 8;
+                    k_src += at;
+                    v_src += at;
+                }
+                const u32 at = buf * TILE + j * STRIDE + c * 8;
+                cp_async16(smem_addr(k_s + at), k_src, valid);
+                cp_async16(smem_addr(v_s + at), v_src, valid);
             }
-            const u32 at = buf * TILE + j * STRIDE + c * 8;
-            cp_async16(smem_addr(k_s + at), k_src, valid);
-            cp_async16(smem_addr(v_s + at), v_src, valid);
+        }
+    };
+    // FP8: `fetch_codes` loads a tile's codes into registers, `store_codes` converts them into
+    // buffer `buf` (keys of block ids past the cache as zeros).
+    uint2 k_codes[FP8 ? LOADS : 1], v_codes[FP8 ? LOADS : 1];
+    auto fetch_codes = [&](u32 key0, const u32 (&blocks)[LOADS]) {
+        if constexpr (FP8) {
+#pragma unroll
+            for (int i = 0; i < LOADS; i++) {
+                const u32 e = tid + i * FA_THREADS, j = e / CH, c = e % CH, key = key0 + j;
+                k_codes[i] = v_codes[i] = make_uint2(0, 0);
+                if (blocks[i] < num_blocks) {
+                    const u64 slot =
+                        (u64)blocks[i] * block_size + (key - fast_div(key, bs_mul, bs_shift) * block_size);
+                    const u64 at = slot * kv_width + kv_head * D + c * 8;
+                    k_codes[i] = *reinterpret_cast<const uint2*>(k_cache + at);
+                    v_codes[i] = *reinterpret_cast<const uint2*>(v_cache + at);
+                }
+            }
+        }
+    };
+    auto store_codes = [&](u32 buf) {
+        if constexpr (FP8) {
+#pragma unroll
+            for (int i = 0; i < LOADS; i++) {
+                const u32 e = tid + i * FA_THREADS, j = e / CH, c = e % CH;
+                const u32 at = buf * TILE + j * STRIDE + c * 8;
+                float kx[8], vx[8];
+                e4m3x8_to_float(k_codes[i], kx);
+                e4m3x8_to_float(v_codes[i], vx);
+                uint4 kt, vt;
+                kt.x = pack2(kx[0] * k_scale, kx[1] * k_scale, T());
+                kt.y = pack2(kx[2] * k_scale, kx[3] * k_scale, T());
+                kt.z = pack2(kx[4] * k_scale, kx[5] * k_scale, T());
+                kt.w = pack2(kx[6] * k_scale, kx[7] * k_scale, T());
+                vt.x = pack2(vx[0] * v_scale, vx[1] * v_scale, T());
+                vt.y = pack2(vx[2] * v_scale, vx[3] * v_scale, T());
+                vt.z = pack2(vx[4] * v_scale, vx[5] * v_scale, T());
+                vt.w = pack2(vx[6] * v_scale, vx[7] * v_scale, T());
+                *reinterpret_cast<uint4*>(k_s + at) = kt;
+                *reinterpret_cast<uint4*>(v_s + at) = vt;
+            }
         }
     };
     const u32 num_tiles = (kv_end - kv_begin + BN - 1) / BN;
     u32 blocks[LOADS];
     fetch_blocks(kv_begin, blocks);
-    load_kv(kv_begin, blocks, 0);
-    cp_async_commit();
+    if constexpr (FP8) {
+        fetch_codes(kv_begin, blocks);
+        cp_async_commit();  // the Q copies
+        store_codes(0);
+    } else {
+        load_kv(kv_begin, blocks, 0);
+        cp_async_commit();
+    }
     if (num_tiles > 1) fetch_blocks(kv_begin + BN, blocks);
 
     // This thread's rows of S and O: lo = 16 warp + lane / 4, hi = lo + 8. Padding rows take a
@@ -262,10 +319,17 @@ __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, co
 
     for (u32 it = 0; it < num_tiles; it++) {
         const u32 buf = it & 1, key0 = kv_begin + it * BN;
-        if (it + 1 < num_tiles) load_kv(key0 + BN, blocks, buf ^ 1);
-        cp_async_commit();
-        if (it + 2 < num_tiles) fetch_blocks(key0 + 2 * BN, blocks);
-        cp_async_wait<1>();
+        if constexpr (FP8) {
+            // The next tile's codes load during this tile's maths; `store_codes` below.
+            if (it + 1 < num_tiles) fetch_codes(key0 + BN, blocks);
+            if (it + 2 < num_tiles) fetch_blocks(key0 + 2 * BN, blocks);
+            cp_async_wait<0>();
+        } else {
+            if (it + 1 < num_tiles) load_kv(key0 + BN, blocks, buf ^ 1);
+            cp_async_commit();
+            if (it + 2 < num_tiles) fetch_blocks(key0 + 2 * BN, blocks);
+            cp_async_wait<1>();
+        }
         __syncthreads();
 
         if (warp_active) {
@@ -345,6 +409,11 @@ __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, co
                 }
             }
         }
+        // The buffer of the tile before is free (the last iteration ended on a barrier): FP8
+        // codes go in now, copies at the next iteration's start.
+        if constexpr (FP8) {
+            if (it + 1 < num_tiles) store_codes(buf ^ 1);
+        }
         // The next iteration loads into the buffer just read.
         __syncthreads();
     }
@@ -382,10 +451,21 @@ __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, co
         u32 block_size, u32 bs_mul, u32 bs_shift, u32 num_blocks, u32 window, float scale_log2, float softcap, \
         u32 heads_per_tile, u32 head_chunks) { \
         pdl_enter(); \
-        flash_attention_impl<T, D, BN, Q_IN_REGS>(q, k_cache, v_cache, out, work, query_start_loc, seq_lens, \
-                                                  block_tables, num_heads, num_kv_heads, max_blocks_per_seq, \
-                                                  block_size, bs_mul, bs_shift, num_blocks, window, scale_log2, \
-                                                  softcap, heads_per_tile, head_chunks); \
+        flash_attention_impl<T, T, D, BN, Q_IN_REGS>(q, k_cache, v_cache, out, work, query_start_loc, seq_lens, \
+                                                     block_tables, num_heads, num_kv_heads, max_blocks_per_seq, \
+                                                     block_size, bs_mul, bs_shift, num_blocks, window, scale_log2, \
+                                                     softcap, heads_per_tile, head_chunks, 1.f, 1.f); \
+    } \
+    extern "C" __global__ void __launch_bounds__(FA_THREADS, 2) flash_attention_fp8kv_d##D##_##S( \
+        const T* q, const unsigned char* k_cache, const unsigned char* v_cache, T* out, const u32* work, \
+        const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, u32 num_heads, u32 num_kv_heads, \
+        u32 max_blocks_per_seq, u32 block_size, u32 bs_mul, u32 bs_shift, u32 num_blocks, u32 window, \
+        float scale_log2, float softcap, u32 heads_per_tile, u32 head_chunks, float k_scale, float v_scale) { \
+        pdl_enter(); \
+        flash_attention_impl<T, unsigned char, D, BN, Q_IN_REGS>( \
+            q, k_cache, v_cache, out, work, query_start_loc, seq_lens, block_tables, num_heads, num_kv_heads, \
+            max_blocks_per_seq, block_size, bs_mul, bs_shift, num_blocks, window, scale_log2, softcap, \
+            heads_per_tile, head_chunks, k_scale, v_scale); \
     }
 #define FLASH_ATTENTION_HEAD_DIMS(T, S) \
     FLASH_ATTENTION(T, S, 64, 64, true) \
