@@ -168,6 +168,16 @@ impl Fp8Matrix {
     /// end to end; otherwise each row takes its own scales, in blocks as wide as the greatest
     /// common divisor of the parts' block widths (so that no new block straddles two old ones).
     pub fn stack(parts: Vec<Fp8Matrix>) -> Result<Fp8Matrix, String> {
+        if let [one] = parts.as_slice() {
+            if matches!(one.scales, Fp8Scales::Blocks { .. }) {
+                return Ok(parts.into_iter().next().expect("one part"));
+            }
+            // The codes move; only the scales take the grid's form.
+            let (block_rows, block_cols, scales) = one.scale_grid();
+            let scales = Fp8Scales::Blocks { block_rows, block_cols, scales: scales.to_vec() };
+            let Fp8Matrix { rows, cols, codes, .. } = parts.into_iter().next().expect("one part");
+            return Fp8Matrix::new(rows, cols, codes, scales);
+        }
         let Some(first) = parts.first() else { return Err("no parts to stack".into()) };
         let cols = first.cols;
         if let Some(p) = parts.iter().find(|p| p.cols != cols) {
