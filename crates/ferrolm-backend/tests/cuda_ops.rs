@@ -2947,11 +2947,11 @@ fn reshape_and_cache_fp8_writes_the_cpus_codes() -> Result<(), GpuError> {
     Ok(())
 }
 
-/// Attention over FP8 caches against the CPU's over the same codes: decodes (the CUDA-core decode
-/// kernel, its context split or not), mixed prefill and decode batches (the tensor-core kernel in
-/// bf16 and f16: its K/V tiles rounded to the activations' dtype once converted), the decodes
-/// with a hint past one row (the same), and the general kernel on all of them, with GQA and a
-/// sliding window.
+/// Attention over FP8 caches against the CPU's over the same codes: decodes (the tensor-core
+/// decode kernel in bf16 and f16, the CUDA-core one in f32, their contexts split or not), mixed
+/// prefill and decode batches (the tensor-core prefill kernel in bf16 and f16), the decodes with
+/// a hint past one row (the same), and the general kernel on all of them, with GQA and a sliding
+/// window. The tensor-core kernels round the converted K/V to the activations' dtype.
 #[test]
 fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };

@@ -8,9 +8,10 @@
 //! in the activation dtype; `slot = block_id * block_size + offset`. An FP8 cache
 //! (`--kv-cache-dtype fp8`) holds the same slots as e4m3 codes of each value divided by the
 //! layer's K or V scale ([`Fp8Cache`], written by [`reshape_and_cache_fp8`]); its attention
-//! ([`PagedAttention::run_fp8`]) takes the CUDA-core decode kernel for decodes and the
-//! tensor-core prefill kernel (or the general one) otherwise, each in a form that reads codes:
-//! the tensor-core decode kernels read the activations' dtype only.
+//! ([`PagedAttention::run_fp8`]) takes the tensor-core decode kernel's block form in bf16 and
+//! f16 (the CUDA-core one in f32, or for other head sizes) for decodes and the tensor-core
+//! prefill kernel (or the general one) otherwise, each in a form that reads codes: the per-warp
+//! decode forms read the activations' dtype only.
 //!
 //! Four kernels compute attention. Batches of decodes (`max_query_len <= 1`) take a decode
 //! kernel: one block per (token, KV head, context partition), K/V read once per GQA group, and,
@@ -80,6 +81,10 @@ pub(crate) const KERNELS: &[KernelFamilies] = &[
             DECODE_MMA_KERNELS[3].2,
             DECODE_MMA_TENSOR_KERNELS[0].1,
             DECODE_MMA_TENSOR_KERNELS[1].1,
+            DECODE_MMA_FP8_KERNELS[0].1,
+            DECODE_MMA_FP8_KERNELS[1].1,
+            DECODE_MMA_FP8_KERNELS[2].1,
+            DECODE_MMA_FP8_KERNELS[3].1,
         ],
         large_shared: true,
     },
@@ -131,6 +136,14 @@ pub(crate) const DECODE_MMA_KERNELS: [(usize, &str, &str); 4] = [
     (80, "paged_decode_mma_d80", "paged_decode_mma_warp_d80"),
     (96, "paged_decode_mma_d96", "paged_decode_mma_warp_d96"),
     (128, "paged_decode_mma_d128", "paged_decode_mma_warp_d128"),
+];
+/// The tensor-core decode kernel over FP8 caches (`paged_decode_mma_fp8kv_d{D}`, the block
+/// kernel only), `(head_dim, name)`; loaded for bf16 and f16 only.
+pub(crate) const DECODE_MMA_FP8_KERNELS: [(usize, &str); 4] = [
+    (64, "paged_decode_mma_fp8kv_d64"),
+    (80, "paged_decode_mma_fp8kv_d80"),
+    (96, "paged_decode_mma_fp8kv_d96"),
+    (128, "paged_decode_mma_fp8kv_d128"),
 ];
 /// The per-warp kernel in its form that copies K/V tiles as boxes of the caches' tensor maps
 /// (`paged_decode_mma_tensor_d{D}`, sm_90), `(head_dim, name)`; loaded for bf16 and f16 only.
@@ -563,9 +576,10 @@ impl PagedAttention {
                         reason: "an FP8 cache".into(),
                     }),
                     AttentionKernel::General => paged_general(gpu, operands, out),
-                    _ if meta.max_query_len <= 1 && decode_supported(gpu, head_dim, caches) => {
-                        self.paged_decode(gpu, DecodeKernel::Cuda, TensorCopies::Never, operands, out)
-                    }
+                    _ if meta.max_query_len <= 1 => match fp8_decode_kernel(gpu, head_dim, q, caches, &out) {
+                        Some(kernel) => self.paged_decode(gpu, kernel, TensorCopies::Never, operands, out),
+                        None => paged_general(gpu, operands, out),
+                    },
                     _ => match flash {
                         Some(kernel) => flash_attention::paged_flash(gpu, kernel, operands, out),
                         None => paged_general(gpu, operands, out),
@@ -654,11 +668,37 @@ fn decode_kernel(
         Some(&(_, name, warp_name))
             if q.dtype() != DType::F32
                 && aligned
-                && decode_mma_shared_bytes(head_dim) <= gpu.max_shared_per_block() =>
+                && decode_mma_shared_bytes(head_dim, false) <= gpu.max_shared_per_block() =>
         {
             Some(DecodeKernel::TensorCore(name, warp_name))
         }
         _ => decode_supported(gpu, head_dim, Caches::Dense(k_cache, v_cache)).then_some(DecodeKernel::Cuda),
+    }
+}
+
+/// The decode kernel over FP8 caches: the tensor-core block kernel in bf16 and f16 of its head
+/// sizes, else the CUDA-core one where it has the head size.
+fn fp8_decode_kernel(
+    gpu: &Gpu,
+    head_dim: usize,
+    q: GpuView<'_>,
+    caches: Caches<'_>,
+    out: &GpuViewMut<'_>,
+) -> Option<DecodeKernel> {
+    let (k_ptr, v_ptr) = caches.ptrs();
+    let aligned = q.ptr().is_multiple_of(4)
+        && out.ptr().is_multiple_of(4)
+        && k_ptr.is_multiple_of(16)
+        && v_ptr.is_multiple_of(16);
+    match DECODE_MMA_FP8_KERNELS.iter().find(|&&(d, _)| d == head_dim) {
+        Some(&(_, name))
+            if q.dtype() != DType::F32
+                && aligned
+                && decode_mma_shared_bytes(head_dim, true) <= gpu.max_shared_per_block() =>
+        {
+            Some(DecodeKernel::TensorCore(name, name))
+        }
+        _ => decode_supported(gpu, head_dim, caches).then_some(DecodeKernel::Cuda),
     }
 }
 
@@ -755,9 +795,11 @@ fn cache_tensor_map(cache: GpuView<'_>, num_kv_heads: usize, head_dim: usize) ->
 /// Shared memory of a tensor-core decode block: its ring of K/V tiles (4 tiles for head size
 /// 64, 3 above; rows of `head_dim + 8` 2-byte elements), which the cross-warp merge of 16 rows'
 /// f32 states reuses at the end.
-fn decode_mma_shared_bytes(head_dim: usize) -> usize {
+fn decode_mma_shared_bytes(head_dim: usize, fp8: bool) -> usize {
     let stages = if head_dim <= 64 { 4 } else { 3 };
-    let ring = stages * 2 * DECODE_MMA_TILE_KEYS * (head_dim + 8) * 2;
+    let tile = 2 * DECODE_MMA_TILE_KEYS * (head_dim + 8) * 2;
+    // FP8: one T tile, then the ring of unpadded codes.
+    let ring = if fp8 { tile + stages * 2 * DECODE_MMA_TILE_KEYS * head_dim } else { stages * tile };
     let merge = 4 * (DECODE_THREADS / 32) * DECODE_MMA_HEADS * (head_dim + 2);
     ring.max(merge)
 }
@@ -871,7 +913,7 @@ impl PagedAttention {
         let g = split.heads_per_block;
         let shared = match kernel {
             DecodeKernel::Cuda => decode_shared_bytes(caches.elem_size(q.dtype()), g, head_dim),
-            DecodeKernel::TensorCore(..) => decode_mma_shared_bytes(head_dim),
+            DecodeKernel::TensorCore(..) => decode_mma_shared_bytes(head_dim, caches.fp8_scales().is_some()),
         };
         let head_blocks = num_tokens * num_kv_heads * split.head_chunks;
         assert!(
@@ -881,7 +923,9 @@ impl PagedAttention {
         // Unsplit, the tensor-core kernel may give each warp a head block of its own (in its
         // tensor-copy form where the call asks for it).
         let forced = matches!(tensor_copies, TensorCopies::Always(_));
+        // Over FP8 caches the block kernel only.
         let per_warp = matches!(kernel, DecodeKernel::TensorCore(..))
+            && caches.fp8_scales().is_none()
             && (forced
                 || num_parts == 1 && self.decode_warp_items && {
                     // Two blocks of the tensor-core kernel per SM at most, by their registers.
@@ -1216,7 +1260,10 @@ mod tests {
         assert_eq!(tensor_copy_shared_bytes(128), 4 * 3 * 2 * 16 * 128 * 2 + 1024);
         assert_eq!(tensor_copy_shared_bytes(64), 4 * 4 * 2 * 16 * 64 * 2 + 1024);
         for (head_dim, _) in DECODE_MMA_TENSOR_KERNELS {
-            assert!(tensor_copy_shared_bytes(head_dim) <= decode_mma_shared_bytes(head_dim), "head_dim {head_dim}");
+            assert!(
+                tensor_copy_shared_bytes(head_dim) <= decode_mma_shared_bytes(head_dim, false),
+                "head_dim {head_dim}"
+            );
             assert!(2 * (tensor_copy_shared_bytes(head_dim) + 1024) <= 228 * 1024, "head_dim {head_dim}");
         }
     }
@@ -1225,9 +1272,14 @@ mod tests {
     fn tensor_core_decode_blocks_fit_two_per_sm() {
         // An H200 SM has 228 KiB of shared memory, 1 KiB of it reserved per block.
         for (head_dim, ..) in DECODE_MMA_KERNELS {
-            assert!(2 * (decode_mma_shared_bytes(head_dim) + 1024) <= 228 * 1024, "head_dim {head_dim}");
+            for fp8 in [false, true] {
+                let bytes = decode_mma_shared_bytes(head_dim, fp8);
+                assert!(2 * (bytes + 1024) <= 228 * 1024, "head_dim {head_dim} fp8 {fp8}");
+            }
         }
-        assert_eq!(decode_mma_shared_bytes(128), 104_448);
-        assert_eq!(decode_mma_shared_bytes(64), 73_728);
+        assert_eq!(decode_mma_shared_bytes(128, false), 104_448);
+        assert_eq!(decode_mma_shared_bytes(64, false), 73_728);
+        // FP8: a padded T tile of K and V (2 x 64 x 136 x 2), then 3 stages of codes (3 x 2 x 64 x 128).
+        assert_eq!(decode_mma_shared_bytes(128, true), 34_816 + 49_152);
     }
 }

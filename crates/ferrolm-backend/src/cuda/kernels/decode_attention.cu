@@ -15,6 +15,12 @@
 // tiles, rows padded to D + 8 elements so that ldmatrix reads hit distinct banks; each warp
 // keeps its own softmax state, and the warps' states are merged at the end through shared memory
 // (`decode_store`), which also writes the output or the partition's partial result.
+//
+// Over an FP8 cache (`paged_decode_mma_fp8kv_d{D}`, the block kernel only) the ring holds the
+// tiles' codes instead (D bytes a row, copied 16 at a time), and each tile is converted, code
+// times the cache's scale rounded once to T, into one padded T tile that the same maths reads:
+// the ring keeps its copies in flight, the conversion costs a pass through shared memory and a
+// barrier per tile.
 
 #define DM_WARPS 4
 #define DM_THREADS (DM_WARPS * 32)
@@ -74,6 +80,48 @@ __device__ __forceinline__ void decode_load_keys(T* k_s, const DecodeKv<T>& kv, 
         const u64 at = at_slot < 0 ? 0 : (u64)at_slot * kv.kv_width + kv.col0 + c * 8;
         cp_async16(smem_addr(k_s + j * STRIDE + c * 8), kv.k_cache + at, at_slot >= 0);
         cp_async16(smem_addr(v_s + j * STRIDE + c * 8), kv.v_cache + at, at_slot >= 0);
+    }
+}
+
+// Copies KEYS keys' FP8 codes from k0 into a ring slot (K rows, then V rows at codes_s + KEYS * D,
+// D bytes each, unpadded) with THREADS threads, this one `thread`; zero-filled as
+// decode_load_keys.
+template <int D, int KEYS, int THREADS>
+__device__ __forceinline__ void decode_load_codes(unsigned char* codes_s, const DecodeKv<unsigned char>& kv, u32 k0,
+                                                  u32 end, u32 thread) {
+    constexpr u32 CH = D / 16;  // 16-code chunks per row
+    unsigned char* v_s = codes_s + KEYS * D;
+    for (u32 e = thread; e < KEYS * CH; e += THREADS) {
+        const u32 j = e / CH, c = e % CH, key = k0 + j;
+        const long long at_slot = key < end ? decode_slot(kv.table, key, kv.block_size, kv.num_blocks) : -1;
+        const u64 at = at_slot < 0 ? 0 : (u64)at_slot * kv.kv_width + kv.col0 + c * 16;
+        cp_async16(smem_addr(codes_s + j * D + c * 16), kv.k_cache + at, at_slot >= 0);
+        cp_async16(smem_addr(v_s + j * D + c * 16), kv.v_cache + at, at_slot >= 0);
+    }
+}
+
+// Converts a ring slot of KEYS keys' codes (as decode_load_codes lays them) into a T tile of
+// padded rows (K rows, then V rows at tile + KEYS * (D + 8)), each value code times its scale.
+template <typename T, int D, int KEYS, int THREADS>
+__device__ __forceinline__ void decode_convert_codes(T* tile, const unsigned char* codes_s, float k_scale,
+                                                     float v_scale, u32 thread) {
+    constexpr u32 STRIDE = D + 8, CH = D / 8;  // 8-code pieces per row
+#pragma unroll
+    for (int kv = 0; kv < 2; kv++) {
+        const unsigned char* src = codes_s + kv * KEYS * D;
+        T* dst = tile + kv * KEYS * STRIDE;
+        const float scale = kv == 0 ? k_scale : v_scale;
+        for (u32 e = thread; e < KEYS * CH; e += THREADS) {
+            const u32 j = e / CH, c = e % CH;
+            float x[8];
+            e4m3x8_to_float(*reinterpret_cast<const uint2*>(src + j * D + c * 8), x);
+            uint4 packed;
+            packed.x = pack2(x[0] * scale, x[1] * scale, T());
+            packed.y = pack2(x[2] * scale, x[3] * scale, T());
+            packed.z = pack2(x[4] * scale, x[5] * scale, T());
+            packed.w = pack2(x[6] * scale, x[7] * scale, T());
+            *reinterpret_cast<uint4*>(dst + j * STRIDE + c * 8) = packed;
+        }
     }
 }
 
@@ -172,16 +220,17 @@ __device__ __forceinline__ void decode_mma_keys(u32 kb, u32 vb, u32 kx, u32 vx, 
 // head_chunks, num_parts) with head_chunks = ceil(group / DM_ROWS), head blocks fastest.
 // Shared memory: the ring, DM_STAGES * 2 * DM_TILE_KEYS * (D + 8) elements of T; after the
 // loop the same bytes hold red_s [DM_WARPS, DM_ROWS, D] and ml_s [DM_WARPS, DM_ROWS, 2] (f32).
-template <typename T, int D>
-__device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, const T* __restrict__ k_cache,
-                                                      const T* __restrict__ v_cache, T* __restrict__ out,
+template <typename T, typename C, int D>
+__device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, const C* __restrict__ k_cache,
+                                                      const C* __restrict__ v_cache, T* __restrict__ out,
                                                       float* part_out, float* part_ml, u32* counters,
                                                       const u32* __restrict__ query_start_loc,
                                                       const u32* __restrict__ seq_lens,
                                                       const u32* __restrict__ block_tables, u32 num_reqs,
                                                       u32 num_heads, u32 num_kv_heads, u32 max_blocks_per_seq,
                                                       u32 block_size, u32 num_blocks, u32 window, float scale,
-                                                      float softcap, u32 part_len) {
+                                                      float softcap, u32 part_len, float k_scale, float v_scale) {
+    constexpr bool FP8 = sizeof(C) == 1;
     constexpr int STRIDE = D + 8;              // elements per shared-memory row
     constexpr int TILE = DM_TILE_KEYS * STRIDE;
     constexpr int STAGES = DecodeMmaStages<D>::value;
@@ -189,7 +238,9 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
     constexpr int DT = D / 8;                  // 8-wide column tiles of O
     static_assert(D % 16 == 0, "mma tiles");
     extern __shared__ uint4 dm_smem[];
+    // FP8: the T tile (K then V) first, the ring of codes after it.
     T* ring = reinterpret_cast<T*>(dm_smem);
+    unsigned char* code_ring = reinterpret_cast<unsigned char*>(ring + 2 * TILE);
     float* red_s = reinterpret_cast<float*>(dm_smem);
     float* ml_s = red_s + DM_WARPS * DM_ROWS * D;
 
@@ -203,8 +254,8 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
 
     // The K/V rows of the first tiles go into the L2 while the kernels before this one finish
     // (see pdl_wait): the block tables and the context lengths were copied in before the step.
-    const DecodeKv<T> kv{k_cache, v_cache, table, kv_width, kv_head * D, block_size, num_blocks};
-    decode_prefetch<T, D>(kv, start, min(end, start + (STAGES - 1) * DM_TILE_KEYS), tid, DM_THREADS);
+    const DecodeKv<C> kv{k_cache, v_cache, table, kv_width, kv_head * D, block_size, num_blocks};
+    decode_prefetch<C, D>(kv, start, min(end, start + (STAGES - 1) * DM_TILE_KEYS), tid, DM_THREADS);
     pdl_enter();
     if (start >= end) {
         decode_empty_partition(work, part_out, part_ml, out, counters, red_s, num_heads, D);
@@ -212,8 +263,13 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
     }
 
     auto load_tile = [&](u32 tile, u32 slot) {
-        decode_load_keys<T, D, DM_TILE_KEYS, DM_THREADS>(ring + slot * 2 * TILE, kv, start + tile * DM_TILE_KEYS, end,
-                                                         tid);
+        if constexpr (FP8) {
+            decode_load_codes<D, DM_TILE_KEYS, DM_THREADS>(code_ring + slot * 2 * DM_TILE_KEYS * D, kv,
+                                                           start + tile * DM_TILE_KEYS, end, tid);
+        } else {
+            decode_load_keys<T, D, DM_TILE_KEYS, DM_THREADS>(ring + slot * 2 * TILE, kv, start + tile * DM_TILE_KEYS,
+                                                             end, tid);
+        }
     };
     const u32 num_tiles = (end - start + DM_TILE_KEYS - 1) / DM_TILE_KEYS;
     // One commit group per tile (empty past the last), so that "all but STAGES - 2 groups done"
@@ -254,10 +310,19 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
         if (next < num_tiles) load_tile(next, next % STAGES);
         cp_async_commit();
 
+        // FP8: this tile's codes into the T tile, which every warp finished with before the
+        // barrier above.
+        const T* kv_tile = ring + (tile % STAGES) * 2 * TILE;
+        if constexpr (FP8) {
+            decode_convert_codes<T, D, DM_TILE_KEYS, DM_THREADS>(
+                ring, code_ring + (tile % STAGES) * 2 * DM_TILE_KEYS * D, k_scale, v_scale, tid);
+            __syncthreads();
+            kv_tile = ring;
+        }
         const u32 key0 = start + tile * DM_TILE_KEYS + warp * DM_KEYS;
         if (key0 >= end) continue;  // warp-uniform: none of this warp's keys in the partition
-        const u32 kb = smem_addr(ring + (tile % STAGES) * 2 * TILE) + k_lane;
-        const u32 vb = smem_addr(ring + (tile % STAGES) * 2 * TILE + TILE) + v_lane;
+        const u32 kb = smem_addr(kv_tile) + k_lane;
+        const u32 vb = smem_addr(kv_tile + TILE) + v_lane;
         decode_mma_keys<T, D>(kb, vb, 0, 0, key0, end, tig, scale_log2, cap_log2, qf, o, m_lo, m_hi, l_lo, l_hi);
     }
     // Every copy has landed and every warp is done with the ring before red_s reuses it.
@@ -547,9 +612,19 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
         const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, u32 num_reqs, u32 num_heads, \
         u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, u32 num_blocks, u32 window, \
         float scale, float softcap, u32 part_len) { \
-        paged_decode_mma_impl<T, D>(q, k_cache, v_cache, out, part_out, part_ml, counters, query_start_loc, \
-                                    seq_lens, block_tables, num_reqs, num_heads, num_kv_heads, max_blocks_per_seq, \
-                                    block_size, num_blocks, window, scale, softcap, part_len); \
+        paged_decode_mma_impl<T, T, D>(q, k_cache, v_cache, out, part_out, part_ml, counters, query_start_loc, \
+                                       seq_lens, block_tables, num_reqs, num_heads, num_kv_heads, max_blocks_per_seq, \
+                                       block_size, num_blocks, window, scale, softcap, part_len, 1.f, 1.f); \
+    } \
+    extern "C" __global__ void __launch_bounds__(DM_THREADS, 2) paged_decode_mma_fp8kv_d##D##_##S( \
+        const T* q, const unsigned char* k_cache, const unsigned char* v_cache, T* out, float* part_out, \
+        float* part_ml, u32* counters, const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, \
+        u32 num_reqs, u32 num_heads, u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, \
+        u32 num_blocks, u32 window, float scale, float softcap, u32 part_len, float k_scale, float v_scale) { \
+        paged_decode_mma_impl<T, unsigned char, D>(q, k_cache, v_cache, out, part_out, part_ml, counters, \
+                                                   query_start_loc, seq_lens, block_tables, num_reqs, num_heads, \
+                                                   num_kv_heads, max_blocks_per_seq, block_size, num_blocks, window, \
+                                                   scale, softcap, part_len, k_scale, v_scale); \
     }
 // paged_decode_mma_warp_d{D}_{bf16,f16}: the decode kernel's parameters but the partition
 // workspace (part_out, part_ml, counters, part_len: unused, one partition).
