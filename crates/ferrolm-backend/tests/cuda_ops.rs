@@ -2959,9 +2959,16 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
     let block_size = 16;
     let scales = (0.004f32, 0.006f32);
     let attention = PagedAttention::new(&gpu)?;
-    for heads in
-        [Heads { num_heads: 8, num_kv_heads: 2, head_dim: 128 }, Heads { num_heads: 4, num_kv_heads: 4, head_dim: 64 }]
-    {
+    // Head sizes of every kernel form: 128 and 64 (all tensor-core), 80 (tensor-core decode with
+    // uneven loads; no CUDA-core decode), 256 (CUDA-core decode, the prefill kernel's Q in shared
+    // memory).
+    let all_heads = [
+        Heads { num_heads: 8, num_kv_heads: 2, head_dim: 128 },
+        Heads { num_heads: 4, num_kv_heads: 4, head_dim: 64 },
+        Heads { num_heads: 4, num_kv_heads: 2, head_dim: 80 },
+        Heads { num_heads: 2, num_kv_heads: 1, head_dim: 256 },
+    ];
+    for heads in all_heads {
         for (requests, window) in [(&DECODES[..], None), (&MIXED[..], None), (&DECODES[..], Some(40))] {
             for (dtype, tol) in DTYPES {
                 let batch = Batch::random(&mut rng, heads, requests, block_size, dtype);

@@ -566,9 +566,9 @@ impl PagedAttention {
                 if q.is_empty() {
                     return Ok(());
                 }
-                // Decodes take the CUDA-core decode kernel, prefills the tensor-core one where it
-                // has the head size, else the general kernel: the tensor-core decode kernels read
-                // the activations' dtype only.
+                // Decodes take the tensor-core decode kernel's block form in bf16/f16, else the
+                // CUDA-core one (`fp8_decode_kernel`); prefills the tensor-core prefill kernel
+                // where it has the head size; the general kernel the rest.
                 let flash = flash_attention::kernel_for(gpu, head_dim, q, caches, &out);
                 return match route {
                     AttentionKernel::TensorCopies => Err(GpuError::Unsupported {
@@ -986,7 +986,7 @@ impl PagedAttention {
                 cache_tensor_map(k_cache, num_kv_heads, head_dim)?,
                 cache_tensor_map(v_cache, num_kv_heads, head_dim)?,
             )),
-            (Some(_), Caches::Fp8(..)) => unreachable!("FP8 caches take the CUDA-core decode kernel"),
+            (Some(_), Caches::Fp8(..)) => unreachable!("FP8 caches never take the per-warp or tensor-copy form"),
             (None, _) => None,
         };
         if let Some((k_map, v_map)) = &maps {
@@ -994,7 +994,7 @@ impl PagedAttention {
         }
         // SAFETY: the arguments match the kernel's parameters in order (the decode kernels take the
         // same, the tensor-copy form two tensor maps more); head_dim, dtype and alignment suit the
-        // kernel (`decode_kernel`, `tensor_copy_kernel`), the workspace holds `num_parts` partitions of every (token, head),
+        // kernel (`decode_kernel`, `fp8_decode_kernel`, `tensor_copy_kernel`), the workspace holds `num_parts` partitions of every (token, head),
         // there is a zeroed counter per block of a partition (checked above), and the shared memory
         // is as the kernel lays it out.
         unsafe { launch.launch(cfg) }?;

@@ -1,5 +1,5 @@
 // Decode attention on tensor cores: batches of decodes (one query row per request) over bf16 or
-// f16 caches, for the head sizes of flash_attention.cu but 256. Computes what the decode kernel
+// f16 caches (or FP8 ones: see below), for the head sizes of flash_attention.cu but 256. Computes what the decode kernel
 // of attention.cu computes, with the same work split, workspace and partition merge: one block
 // per (token, up to DM_ROWS query heads of one KV head, context partition).
 //
@@ -238,7 +238,8 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
     constexpr int DT = D / 8;                  // 8-wide column tiles of O
     static_assert(D % 16 == 0, "mma tiles");
     extern __shared__ uint4 dm_smem[];
-    // FP8: the T tile (K then V) first, the ring of codes after it.
+    // FP8: the T tile (K then V: 2 * TILE elements) first, then the ring of codes (STAGES slots
+    // of 2 * DM_TILE_KEYS * D bytes), as `decode_mma_shared_bytes` sizes it.
     T* ring = reinterpret_cast<T*>(dm_smem);
     unsigned char* code_ring = reinterpret_cast<unsigned char*>(ring + 2 * TILE);
     float* red_s = reinterpret_cast<float*>(dm_smem);
