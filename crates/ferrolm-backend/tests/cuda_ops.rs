@@ -809,6 +809,20 @@ fn cpu_attention(
     window: Option<usize>,
     softcap: Option<f32>,
 ) -> Vec<f32> {
+    let (kc, vc) = (cpu::KvView::F32(&batch.k_cache), cpu::KvView::F32(&batch.v_cache));
+    cpu_attention_over(batch, heads, block_size, window, softcap, kc, vc)
+}
+
+/// [`cpu_attention`] over caches `kc` and `vc` in place of the batch's own.
+fn cpu_attention_over(
+    batch: &Batch,
+    heads: Heads,
+    block_size: usize,
+    window: Option<usize>,
+    softcap: Option<f32>,
+    kc: cpu::KvView<'_>,
+    vc: cpu::KvView<'_>,
+) -> Vec<f32> {
     let meta = cpu::AttentionMetadata {
         query_start_loc: &batch.query_start_loc,
         seq_lens: &batch.seq_lens,
@@ -821,9 +835,52 @@ fn cpu_attention(
     };
     let mut out = vec![0.0; batch.q.len()];
     let (h, kv, d) = (heads.num_heads, heads.num_kv_heads, heads.head_dim);
-    let (kc, vc) = (cpu::KvView::F32(&batch.k_cache), cpu::KvView::F32(&batch.v_cache));
     cpu::paged_attention(&batch.q, kc, vc, &meta, h, kv, d, &mut out);
     out
+}
+
+/// A batch's index buffers on the device.
+struct BatchIndices {
+    query_start_loc: CudaSlice<u32>,
+    seq_lens: CudaSlice<u32>,
+    block_tables: CudaSlice<u32>,
+}
+
+impl BatchIndices {
+    fn upload(gpu: &Gpu, batch: &Batch) -> Result<BatchIndices, GpuError> {
+        Ok(BatchIndices {
+            query_start_loc: gpu.upload(&batch.query_start_loc)?,
+            seq_lens: gpu.upload(&batch.seq_lens)?,
+            block_tables: gpu.upload(&batch.block_tables)?,
+        })
+    }
+
+    /// The GPU op's metadata of `batch` (scale `1 / sqrt(head_dim)`).
+    #[allow(clippy::too_many_arguments)]
+    fn meta<'a>(
+        &'a self,
+        batch: &'a Batch,
+        heads: Heads,
+        block_size: usize,
+        window: Option<usize>,
+        softcap: Option<f32>,
+        max_query_len: usize,
+        work: &'a cuda::AttentionWork,
+    ) -> GpuAttentionMetadata<'a> {
+        GpuAttentionMetadata {
+            query_start_loc: self.query_start_loc.as_view(),
+            query_start_loc_host: &batch.query_start_loc,
+            seq_lens: self.seq_lens.as_view(),
+            block_tables: self.block_tables.as_view(),
+            max_blocks_per_seq: batch.max_blocks_per_seq,
+            max_query_len,
+            block_size,
+            sliding_window: window,
+            scale: 1.0 / (heads.head_dim as f32).sqrt(),
+            softcap,
+            work,
+        }
+    }
 }
 
 /// The GPU op on `kernel` on `batch`, its output as f32.
@@ -854,21 +911,8 @@ fn gpu_attention_capped(
     dtype: DType,
     max_query_len: usize,
 ) -> Result<Vec<f32>, GpuError> {
-    let (qsl, lens, tables) =
-        (gpu.upload(&batch.query_start_loc)?, gpu.upload(&batch.seq_lens)?, gpu.upload(&batch.block_tables)?);
-    let gpu_meta = GpuAttentionMetadata {
-        query_start_loc: qsl.as_view(),
-        query_start_loc_host: &batch.query_start_loc,
-        seq_lens: lens.as_view(),
-        block_tables: tables.as_view(),
-        max_blocks_per_seq: batch.max_blocks_per_seq,
-        max_query_len,
-        block_size,
-        sliding_window: window,
-        scale: 1.0 / (heads.head_dim as f32).sqrt(),
-        softcap,
-        work: &Default::default(),
-    };
+    let (indices, work) = (BatchIndices::upload(gpu, batch)?, Default::default());
+    let gpu_meta = indices.meta(batch, heads, block_size, window, softcap, max_query_len, &work);
     let q = GpuTensor::from_f32(gpu, &batch.q, dtype)?;
     let k_cache = GpuTensor::from_f32(gpu, &batch.k_cache, dtype)?;
     let v_cache = GpuTensor::from_f32(gpu, &batch.v_cache, dtype)?;
@@ -2977,27 +3021,11 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
                     values.iter().map(|&x| ferrolm_backend::fp8::f32_to_e4m3(x / scale)).collect()
                 };
                 let (k_codes, v_codes) = (encode(&batch.k_cache, scales.0), encode(&batch.v_cache, scales.1));
-                let meta = cpu::AttentionMetadata {
-                    query_start_loc: &batch.query_start_loc,
-                    seq_lens: &batch.seq_lens,
-                    block_tables: &batch.block_tables,
-                    max_blocks_per_seq: batch.max_blocks_per_seq,
-                    block_size,
-                    sliding_window: window,
-                    scale: 1.0 / (heads.head_dim as f32).sqrt(),
-                    softcap: None,
-                };
-                let mut want = vec![0.0; batch.q.len()];
                 let kc = cpu::KvView::Fp8 { codes: &k_codes, scale: scales.0 };
                 let vc = cpu::KvView::Fp8 { codes: &v_codes, scale: scales.1 };
-                let (h, kv, d) = (heads.num_heads, heads.num_kv_heads, heads.head_dim);
-                cpu::paged_attention(&batch.q, kc, vc, &meta, h, kv, d, &mut want);
+                let want = cpu_attention_over(&batch, heads, block_size, window, None, kc, vc);
 
-                let (qsl, lens, tables) = (
-                    gpu.upload(&batch.query_start_loc)?,
-                    gpu.upload(&batch.seq_lens)?,
-                    gpu.upload(&batch.block_tables)?,
-                );
+                let indices = BatchIndices::upload(&gpu, &batch)?;
                 let (k_dev, v_dev) = (gpu.upload(&k_codes)?, gpu.upload(&v_codes)?);
                 let q = GpuTensor::from_f32(&gpu, &batch.q, dtype)?;
                 // The batch's own hint, and (decodes) a hint past 1, which takes the general kernel.
@@ -3005,19 +3033,7 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
                 let runs = hints.into_iter().flat_map(|hint| [(PICKED, hint), (AttentionKernel::General, hint)]);
                 for (kernel, max_query_len) in runs {
                     let work = Default::default();
-                    let gpu_meta = GpuAttentionMetadata {
-                        query_start_loc: qsl.as_view(),
-                        query_start_loc_host: &batch.query_start_loc,
-                        seq_lens: lens.as_view(),
-                        block_tables: tables.as_view(),
-                        max_blocks_per_seq: batch.max_blocks_per_seq,
-                        max_query_len,
-                        block_size,
-                        sliding_window: window,
-                        scale: 1.0 / (heads.head_dim as f32).sqrt(),
-                        softcap: None,
-                        work: &work,
-                    };
+                    let gpu_meta = indices.meta(&batch, heads, block_size, window, None, max_query_len, &work);
                     let len = k_codes.len();
                     let (k_cache, v_cache) = (
                         cuda::Fp8Cache::new(&gpu, &k_dev, len, scales.0),

@@ -292,9 +292,7 @@ pub struct Fp8CacheMut<'a> {
 impl<'a> Fp8CacheMut<'a> {
     /// The first `len` codes of `codes`, written with `scale` (positive and finite).
     pub fn new(gpu: &Gpu, codes: &'a mut CudaSlice<u8>, len: usize, scale: f32) -> Fp8CacheMut<'a> {
-        let view = Fp8Cache::new(gpu, codes, len, scale);
-        let view = Fp8Cache { _codes: PhantomData, ..view };
-        Fp8CacheMut { view, _codes: PhantomData }
+        Fp8CacheMut { view: Fp8Cache::new(gpu, codes, len, scale), _codes: PhantomData }
     }
 }
 
@@ -464,11 +462,15 @@ pub(crate) enum Caches<'a> {
 }
 
 impl Caches<'_> {
-    /// Elements of each cache.
+    /// Elements of each cache (the K cache's; `attention` checks that V's agree).
     pub(crate) fn len(&self) -> usize {
+        self.lens().0
+    }
+
+    fn lens(&self) -> (usize, usize) {
         match self {
-            Caches::Dense(k, _) => k.len(),
-            Caches::Fp8(k, _) => k.len,
+            Caches::Dense(k, v) => (k.len(), v.len()),
+            Caches::Fp8(k, v) => (k.len, v.len),
         }
     }
 
@@ -488,10 +490,10 @@ impl Caches<'_> {
         }
     }
 
-    /// Bytes of one cached element, given the activations' dtype.
-    fn elem_size(&self, dtype: DType) -> usize {
+    /// Bytes of one cached element.
+    fn elem_size(&self) -> usize {
         match self {
-            Caches::Dense(..) => dtype.size_in_bytes(),
+            Caches::Dense(k, _) => k.dtype().size_in_bytes(),
             Caches::Fp8(..) => 1,
         }
     }
@@ -557,11 +559,12 @@ impl PagedAttention {
         assert!(meta.sliding_window != Some(0), "{op}: sliding window of 0 sees nothing");
         assert!(meta.softcap.is_none_or(|c| c > 0.0), "{op}: a soft-cap must be positive");
         let kv_width = num_kv_heads * head_dim;
+        let (k_len, v_len) = caches.lens();
+        assert_eq!(k_len, v_len, "{op}: k_cache and v_cache differ in size");
+        assert_eq!(k_len % kv_width, 0, "{op}: cache is not whole slots");
         let (k_cache, v_cache) = match caches {
             Caches::Dense(k, v) => (k, v),
-            Caches::Fp8(k, v) => {
-                assert_eq!(k.len, v.len, "{op}: k_cache and v_cache differ in size");
-                assert_eq!(k.len % kv_width, 0, "{op}: cache is not whole slots");
+            Caches::Fp8(..) => {
                 same_dtype(op, q.dtype(), out.dtype());
                 if q.is_empty() {
                     return Ok(());
@@ -587,8 +590,6 @@ impl PagedAttention {
                 };
             }
         };
-        assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
-        assert_eq!(k_cache.len() % kv_width, 0, "{op}: cache is not whole slots");
         for dtype in [k_cache.dtype(), v_cache.dtype(), out.dtype()] {
             same_dtype(op, q.dtype(), dtype);
         }
@@ -808,11 +809,7 @@ fn decode_mma_shared_bytes(head_dim: usize, fp8: bool) -> usize {
 /// K/V rows into shared memory 16 bytes at a time (an FP8 row of at least 16 codes).
 fn decode_supported(gpu: &Gpu, head_dim: usize, caches: Caches<'_>) -> bool {
     let lanes = head_dim / 8;
-    let (k_ptr, v_ptr) = caches.ptrs();
-    let elem_size = match caches {
-        Caches::Dense(k, _) => k.dtype().size_in_bytes(),
-        Caches::Fp8(..) => 1,
-    };
+    let ((k_ptr, v_ptr), elem_size) = (caches.ptrs(), caches.elem_size());
     head_dim.is_multiple_of(8)
         && lanes.is_power_of_two()
         && lanes <= 32
@@ -910,10 +907,10 @@ impl PagedAttention {
 
         let kv_width = num_kv_heads * head_dim;
         let num_blocks = caches.len() / kv_width / meta.block_size;
-        let g = split.heads_per_block;
+        let (g, fp8) = (split.heads_per_block, caches.fp8_scales());
         let shared = match kernel {
-            DecodeKernel::Cuda => decode_shared_bytes(caches.elem_size(q.dtype()), g, head_dim),
-            DecodeKernel::TensorCore(..) => decode_mma_shared_bytes(head_dim, caches.fp8_scales().is_some()),
+            DecodeKernel::Cuda => decode_shared_bytes(caches.elem_size(), g, head_dim),
+            DecodeKernel::TensorCore(..) => decode_mma_shared_bytes(head_dim, fp8.is_some()),
         };
         let head_blocks = num_tokens * num_kv_heads * split.head_chunks;
         assert!(
@@ -925,7 +922,7 @@ impl PagedAttention {
         let forced = matches!(tensor_copies, TensorCopies::Always(_));
         // Over FP8 caches the block kernel only.
         let per_warp = matches!(kernel, DecodeKernel::TensorCore(..))
-            && caches.fp8_scales().is_none()
+            && fp8.is_none()
             && (forced
                 || num_parts == 1 && self.decode_warp_items && {
                     // Two blocks of the tensor-core kernel per SM at most, by their registers.
@@ -955,7 +952,6 @@ impl PagedAttention {
         let reqs = to_u32(op, "num_reqs", num_reqs);
         let args = shape_args(op, meta, num_heads, num_kv_heads, head_dim, num_blocks);
         let (part_len, softcap) = (to_u32(op, "partition length", split.part_len), softcap_arg(meta));
-        let fp8 = caches.fp8_scales();
         let name = tensor_copies.unwrap_or(match (kernel, g, fp8.is_some()) {
             (DecodeKernel::TensorCore(_, warp_name), ..) if per_warp => warp_name,
             (DecodeKernel::TensorCore(name, _), ..) => name,
@@ -976,9 +972,8 @@ impl PagedAttention {
         }
         launch.arg(&meta.scale).arg(&softcap).arg(&part_len);
         // The FP8 kernels take the caches' scales after the others.
-        let scales = fp8.unwrap_or((1.0, 1.0));
-        if fp8.is_some() {
-            launch.arg(&scales.0).arg(&scales.1);
+        if let Some((k_scale, v_scale)) = &fp8 {
+            launch.arg(k_scale).arg(v_scale);
         }
         // The tensor-copy form takes the caches' tensor maps after the others.
         let maps = match (tensor_copies, caches) {
@@ -1090,9 +1085,8 @@ fn paged_general(gpu: &Gpu, operands: &Operands<'_>, out: GpuViewMut<'_>) -> Res
         launch.arg(a);
     }
     launch.arg(&meta.scale).arg(&softcap).arg(&q_tile).arg(&heads_per_block);
-    let scales = fp8.unwrap_or((1.0, 1.0));
-    if fp8.is_some() {
-        launch.arg(&scales.0).arg(&scales.1);
+    if let Some((k_scale, v_scale)) = &fp8 {
+        launch.arg(k_scale).arg(v_scale);
     }
     // SAFETY: the arguments match the kernel's parameters in order (the FP8 kernel's two scales
     // last); the tile shape keeps every

@@ -247,7 +247,7 @@ impl Device for Cuda {
     }
 
     /// Projections read by `linear` keep their codes where the FP8 kernels take the stacked
-    /// layout ([`GpuFp8Matrix::fits`]); experts, tables and other layouts are dequantized.
+    /// layout ([`GpuFp8Matrix::new`]); experts, tables and other layouts are dequantized.
     fn fp8_matrix(&self, parts: Vec<Fp8Matrix>, usage: MatrixUse) -> Result<CudaMatrix, GpuError> {
         if usage != MatrixUse::Linear {
             return self.matrix(parts.iter().map(Fp8Matrix::dequantize).collect());

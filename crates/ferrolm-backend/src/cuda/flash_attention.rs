@@ -260,9 +260,8 @@ pub(crate) fn paged_flash(
     }
     launch.arg(&scale_log2).arg(&softcap).arg(&heads_per_tile).arg(&head_chunks);
     // The FP8 kernel takes the caches' scales last.
-    let scales = fp8.unwrap_or((1.0, 1.0));
-    if fp8.is_some() {
-        launch.arg(&scales.0).arg(&scales.1);
+    if let Some((k_scale, v_scale)) = &fp8 {
+        launch.arg(k_scale).arg(v_scale);
     }
     // SAFETY: the arguments match the kernel's parameters in order; `kernel_for` checked the
     // dtype, head size and alignment; every work item lies inside its request's query rows

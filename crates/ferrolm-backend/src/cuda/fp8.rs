@@ -91,12 +91,8 @@ struct Fp8Grid {
 unsafe impl DeviceRepr for Fp8Grid {}
 
 impl GpuFp8Matrix {
-    /// Whether the kernels take `m`'s layout (see the module's invariants).
-    pub fn fits(m: &Fp8Matrix) -> bool {
-        layout(m).is_some()
-    }
-
-    /// Uploads `m`, or `None` where the kernels do not take its layout ([`Self::fits`]).
+    /// Uploads `m`, or `None` where the kernels do not take its layout (see the module's
+    /// invariants).
     pub fn new(gpu: &Gpu, m: &Fp8Matrix) -> Result<Option<GpuFp8Matrix>, GpuError> {
         let Some((block_rows, col_shift, grid_cols)) = layout(m) else { return Ok(None) };
         let (_, _, scales) = m.scale_grid();

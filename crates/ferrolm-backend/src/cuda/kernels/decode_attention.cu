@@ -115,12 +115,7 @@ __device__ __forceinline__ void decode_convert_codes(T* tile, const unsigned cha
             const u32 j = e / CH, c = e % CH;
             float x[8];
             e4m3x8_to_float(*reinterpret_cast<const uint2*>(src + j * D + c * 8), x);
-            uint4 packed;
-            packed.x = pack2(x[0] * scale, x[1] * scale, T());
-            packed.y = pack2(x[2] * scale, x[3] * scale, T());
-            packed.z = pack2(x[4] * scale, x[5] * scale, T());
-            packed.w = pack2(x[6] * scale, x[7] * scale, T());
-            *reinterpret_cast<uint4*>(dst + j * STRIDE + c * 8) = packed;
+            *reinterpret_cast<uint4*>(dst + j * STRIDE + c * 8) = pack8_scaled<T>(x, scale);
         }
     }
 }

@@ -76,6 +76,16 @@ __device__ __forceinline__ u32 pack2(float x, float y, __half) {
     return *reinterpret_cast<const u32*>(&v);
 }
 
+// 8 values times `scale`, rounded to T, as 16 bytes (an FP8 cache's row piece once converted).
+template <typename T> __device__ __forceinline__ uint4 pack8_scaled(const float (&x)[8], float scale) {
+    uint4 r;
+    r.x = pack2(x[0] * scale, x[1] * scale, T());
+    r.y = pack2(x[2] * scale, x[3] * scale, T());
+    r.z = pack2(x[4] * scale, x[5] * scale, T());
+    r.w = pack2(x[6] * scale, x[7] * scale, T());
+    return r;
+}
+
 __device__ __forceinline__ u32 split2(float x, float y, u32& rest, __nv_bfloat16 tag) {
     const __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
     const float2 f = __bfloat1622float2(v);
@@ -257,17 +267,8 @@ __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, co
                 float kx[8], vx[8];
                 e4m3x8_to_float(k_codes[i], kx);
                 e4m3x8_to_float(v_codes[i], vx);
-                uint4 kt, vt;
-                kt.x = pack2(kx[0] * k_scale, kx[1] * k_scale, T());
-                kt.y = pack2(kx[2] * k_scale, kx[3] * k_scale, T());
-                kt.z = pack2(kx[4] * k_scale, kx[5] * k_scale, T());
-                kt.w = pack2(kx[6] * k_scale, kx[7] * k_scale, T());
-                vt.x = pack2(vx[0] * v_scale, vx[1] * v_scale, T());
-                vt.y = pack2(vx[2] * v_scale, vx[3] * v_scale, T());
-                vt.z = pack2(vx[4] * v_scale, vx[5] * v_scale, T());
-                vt.w = pack2(vx[6] * v_scale, vx[7] * v_scale, T());
-                *reinterpret_cast<uint4*>(k_s + at) = kt;
-                *reinterpret_cast<uint4*>(v_s + at) = vt;
+                *reinterpret_cast<uint4*>(k_s + at) = pack8_scaled<T>(kx, k_scale);
+                *reinterpret_cast<uint4*>(v_s + at) = pack8_scaled<T>(vx, v_scale);
             }
         }
     };
