@@ -113,7 +113,7 @@ def mean(xs):
     return sum(v) / len(v) if v else None
 b, n = mean(base), mean(new)
 ratio = f"{n / b:.3f}" if b and n else "-"
-unit = "ms" if row in ("ttft", "d384") else "tok/s"
+unit = "ms" if row.removesuffix("-fp8") in ("ttft", "d384") else "tok/s"
 print(f"{row:<12} {unit:<6} {' '.join(base):<24} {' '.join(new):<24} {ratio}")
 PY
 done

@@ -64,14 +64,14 @@ pub use cudarc::driver::{CudaSlice, CudaView, DevicePtr};
 pub use device::{Cuda, CudaBatch, CudaKvLayer, CudaMatrix, CudaTensor};
 pub use error::GpuError;
 pub use flash_attention::AttentionWork;
-pub use fp8::{Fp8View, GpuFp8Matrix};
-pub use gemm_tune::{GemmShape, GemmTuning, Gemms};
+pub use fp8::{tune_gemms as tune_fp8_gemms, Fp8View, GpuFp8Matrix, GpuRowCodes, RowCodes, RowCodesMut};
+pub use gemm_tune::{Fp8GemmShape, Fp8GemmTuning, GemmShape, GemmTuning, Gemms};
 #[cfg(feature = "bench-internals")]
 pub use gpu::StreamPriority;
 pub use gpu::{Gpu, GpuGraph, GpuOptions};
-pub use linear::{linear, linear_fp8, linear_gated, linear_gated_fp8};
+pub use linear::{linear, linear_fp8, linear_gated, linear_gated_fp8, Fp8Operands, GatedOut, GEMV_MAX_M};
 #[cfg(feature = "bench-internals")]
-pub use linear::{linear_cublas, linear_gemv_ksplit, GEMV_MAX_M};
+pub use linear::{linear_cublas, linear_gemv_ksplit};
 #[cfg(feature = "bench-internals")]
 pub use moe::moe_on_path;
 pub use moe::{add_sigmoid_gated, moe, moe_path, GpuExperts, GpuMoeScratch, MoePath, GEMV_MAX_SLOTS_PER_EXPERT};

@@ -30,6 +30,10 @@ pub enum Precision {
     Compute,
     /// f32 whatever the compute dtype: the residual stream and the logits.
     F32,
+    /// The compute dtype, in a buffer that FP8 projections read (a norm's or a gated
+    /// activation's output in an FP8 model): a device may keep each row's FP8 codes beside the
+    /// values, written by the op that writes them, so that the projection need not quantize them.
+    ProjectionInput,
 }
 
 /// The activation of a gated MLP: `act(gate) * up`.

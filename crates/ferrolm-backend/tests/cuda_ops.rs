@@ -10,7 +10,7 @@
 use ferrolm_backend::cpu;
 use ferrolm_backend::cuda::{
     self, AttentionKernel, CudaSlice, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuFp8Matrix, GpuOptions,
-    GpuRopeTable, GpuTensor, PagedAttention, QkNorms, QkvOut, QkvRows,
+    GpuRopeTable, GpuRowCodes, GpuTensor, PagedAttention, QkNorms, QkvOut, QkvRows,
 };
 use ferrolm_backend::{DType, Fp8Matrix, Fp8Scales, Heads, HostTensor, WeightView};
 use half::{bf16, f16};
@@ -198,7 +198,7 @@ fn rms_norm_matches_cpu() -> Result<(), GpuError> {
         for (dtype, tol) in DTYPES {
             let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
             let mut out = nan_tensor(&gpu, dtype, rows * h)?;
-            cuda::rms_norm(&gpu, x_dev.view(), w_dev.view(), 1e-6, out.view_mut())?;
+            cuda::rms_norm(&gpu, x_dev.view(), w_dev.view(), 1e-6, out.view_mut(), None)?;
             let mut want = vec![0.0; rows * h];
             cpu::rms_norm(&x_r, &w, 1e-6, &mut want);
             check(&format!("rms_norm {dtype:?} [{rows}, {h}]"), &out.to_f32_vec(&gpu)?, &want, tol);
@@ -220,7 +220,7 @@ fn add_rms_norm_updates_residual_and_normalizes_it() -> Result<(), GpuError> {
             let (mut res_dev, mut res_r) = upload(&gpu, &residual, dtype)?;
             let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
             let mut out = nan_tensor(&gpu, dtype, rows * h)?;
-            cuda::add_rms_norm(&gpu, res_dev.view_mut(), x_dev.view(), w_dev.view(), 1e-5, out.view_mut())?;
+            cuda::add_rms_norm(&gpu, res_dev.view_mut(), x_dev.view(), w_dev.view(), 1e-5, out.view_mut(), None)?;
             let mut want = vec![0.0; rows * h];
             cpu::add_rms_norm(&mut res_r, &x_r, &w, 1e-5, &mut want);
             let what = format!("add_rms_norm {dtype:?} [{rows}, {h}]");
@@ -250,7 +250,7 @@ fn add_normed_rms_norm_equals_the_ops_it_fuses() -> Result<(), GpuError> {
                 let mut x_want = GpuTensor::from_f32(&gpu, &x, dtype)?;
                 let mut want = nan_tensor(&gpu, dtype, rows * h)?;
                 cuda::rms_norm_inplace(&gpu, x_want.view_mut(), x_w.view(), 1e-6)?;
-                cuda::add_rms_norm(&gpu, res_want.view_mut(), x_want.view(), w.view(), 1e-6, want.view_mut())?;
+                cuda::add_rms_norm(&gpu, res_want.view_mut(), x_want.view(), w.view(), 1e-6, want.view_mut(), None)?;
                 let mut res_got = GpuTensor::from_f32(&gpu, &residual, residual_dtype)?;
                 let mut x_got = GpuTensor::from_f32(&gpu, &x, dtype)?;
                 let mut got = nan_tensor(&gpu, dtype, rows * h)?;
@@ -262,6 +262,7 @@ fn add_normed_rms_norm_equals_the_ops_it_fuses() -> Result<(), GpuError> {
                     w.view(),
                     1e-6,
                     got.view_mut(),
+                    None,
                 )?;
                 check(&format!("{what} residual"), &res_got.to_f32_vec(&gpu)?, &res_want.to_f32_vec(&gpu)?, tol);
                 check(&what, &got.to_f32_vec(&gpu)?, &want.to_f32_vec(&gpu)?, tol);
@@ -294,13 +295,13 @@ fn f32_residual_stream_with_half_precision_layers() -> Result<(), GpuError> {
             check(&format!("embedding to f32 {what}"), &residual.to_f32_vec(&gpu)?, &res_r, 1e-6);
 
             let mut out = nan_tensor(&gpu, dtype, rows * h)?;
-            cuda::rms_norm(&gpu, residual.view(), w_dev.view(), 1e-6, out.view_mut())?;
+            cuda::rms_norm(&gpu, residual.view(), w_dev.view(), 1e-6, out.view_mut(), None)?;
             let mut want = vec![0.0; rows * h];
             cpu::rms_norm(&res_r, &w, 1e-6, &mut want);
             check(&format!("rms_norm from f32 {what}"), &out.to_f32_vec(&gpu)?, &want, tol);
 
             let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
-            cuda::add_rms_norm(&gpu, residual.view_mut(), x_dev.view(), w_dev.view(), 1e-6, out.view_mut())?;
+            cuda::add_rms_norm(&gpu, residual.view_mut(), x_dev.view(), w_dev.view(), 1e-6, out.view_mut(), None)?;
             cpu::add_rms_norm(&mut res_r, &x_r, &w, 1e-6, &mut want);
             check(&format!("add_rms_norm f32 residual {what}"), &residual.to_f32_vec(&gpu)?, &res_r, 1e-6);
             check(&format!("add_rms_norm f32 residual {what} out"), &out.to_f32_vec(&gpu)?, &want, tol);
@@ -373,8 +374,8 @@ fn gated_activations_match_cpu() -> Result<(), GpuError> {
             for (name, cpu_op) in ops {
                 let mut out = nan_tensor(&gpu, dtype, rows * inter)?;
                 match name {
-                    "silu_and_mul" => cuda::silu_and_mul(&gpu, gu_dev.view(), inter, out.view_mut())?,
-                    _ => cuda::gelu_tanh_and_mul(&gpu, gu_dev.view(), inter, out.view_mut())?,
+                    "silu_and_mul" => cuda::silu_and_mul(&gpu, gu_dev.view(), inter, out.view_mut(), None)?,
+                    _ => cuda::gelu_tanh_and_mul(&gpu, gu_dev.view(), inter, out.view_mut(), None)?,
                 }
                 let mut want = vec![0.0; rows * inter];
                 cpu_op(&gu_r, inter, &mut want);
@@ -1617,6 +1618,7 @@ fn linear_gated_matches_linear_then_activation() -> Result<(), GpuError> {
                             act,
                             gate_up.view_mut(),
                             got.view_mut(),
+                            None,
                         )?;
                         let mut want = nan_tensor(&gpu, dtype, m * inter)?;
                         cuda::linear(
@@ -1632,10 +1634,10 @@ fn linear_gated_matches_linear_then_activation() -> Result<(), GpuError> {
                         )?;
                         match act {
                             cuda::GatedActivation::Silu => {
-                                cuda::silu_and_mul(&gpu, gate_up.view(), inter, want.view_mut())?
+                                cuda::silu_and_mul(&gpu, gate_up.view(), inter, want.view_mut(), None)?
                             }
                             cuda::GatedActivation::GeluTanh => {
-                                cuda::gelu_tanh_and_mul(&gpu, gate_up.view(), inter, want.view_mut())?
+                                cuda::gelu_tanh_and_mul(&gpu, gate_up.view(), inter, want.view_mut(), None)?
                             }
                         }
                         let (got, want) = (got.to_f32_vec(&gpu)?, want.to_f32_vec(&gpu)?);
@@ -2781,6 +2783,7 @@ fn fp8_linear_matches_cpu_on_dequantized_weights() -> Result<(), GpuError> {
                                 b_dev,
                                 y.view_mut(),
                                 &mut scratch,
+                                None,
                             )?;
                             let what = format!(
                                 "linear_fp8 {layout} {dtype:?}->{y_dtype:?} m={m} k={k} n={n} bias={with_bias}"
@@ -2796,7 +2799,18 @@ fn fp8_linear_matches_cpu_on_dequantized_weights() -> Result<(), GpuError> {
             let (x_dev, x_r) = upload(&gpu, &x, DType::F32)?;
             let mut scratch = GpuTensor::uninit(&gpu, DType::F32, n * k)?;
             let mut y = nan_tensor(&gpu, DType::F32, m * rows)?;
-            cuda::linear_fp8(&gpu, &gemms, x_dev.view(), m, w_dev.view(), rows, None, y.view_mut(), &mut scratch)?;
+            cuda::linear_fp8(
+                &gpu,
+                &gemms,
+                x_dev.view(),
+                m,
+                w_dev.view(),
+                rows,
+                None,
+                y.view_mut(),
+                &mut scratch,
+                None,
+            )?;
             let mut want = vec![0.0; m * rows];
             cpu::linear(&x_r, m, k, WeightView::F32(&w_f32[..rows * k]), rows, None, &mut want);
             check(&format!("linear_fp8 {layout} first {rows} rows"), &y.to_f32_vec(&gpu)?, &want, 1e-4);
@@ -2835,19 +2849,18 @@ fn fp8_linear_gated_matches_fp8_linear_then_activation() -> Result<(), GpuError>
                             inter,
                             None,
                             act,
-                            gu,
-                            out,
-                            &mut scratch,
+                            cuda::Fp8Operands { scratch: &mut scratch, x_codes: None },
+                            cuda::GatedOut { gate_up: gu, out, codes: None },
                         )?;
                         let mut want = nan_tensor(&gpu, dtype, m * inter)?;
                         let gu = gate_up.view_mut();
-                        cuda::linear_fp8(&gpu, &gemms, x_view, m, w_view, 2 * inter, None, gu, &mut scratch)?;
+                        cuda::linear_fp8(&gpu, &gemms, x_view, m, w_view, 2 * inter, None, gu, &mut scratch, None)?;
                         match act {
                             cuda::GatedActivation::Silu => {
-                                cuda::silu_and_mul(&gpu, gate_up.view(), inter, want.view_mut())?
+                                cuda::silu_and_mul(&gpu, gate_up.view(), inter, want.view_mut(), None)?
                             }
                             cuda::GatedActivation::GeluTanh => {
-                                cuda::gelu_tanh_and_mul(&gpu, gate_up.view(), inter, want.view_mut())?
+                                cuda::gelu_tanh_and_mul(&gpu, gate_up.view(), inter, want.view_mut(), None)?
                             }
                         }
                         let (got, want) = (got.to_f32_vec(&gpu)?, want.to_f32_vec(&gpu)?);
@@ -2892,7 +2905,14 @@ fn fp8_gemm_matches_cpu_on_quantized_activations() -> Result<(), GpuError> {
                     let x_q =
                         Fp8Matrix::quantize_rows(&HostTensor::from_f32(vec![m, k], x_r)).dequantize().to_f32_vec();
                     let mut scratch = GpuTensor::uninit(&gpu, dtype, n * k + m * k)?;
-                    for rows in [n, n / 2] {
+                    for (rows, tuned) in [(n, false), (n / 2, false), (n, true), (n / 2, true)] {
+                        if tuned {
+                            // The fastest of cuBLASLt's algorithms from now on, as at load.
+                            for output in [dtype, DType::F32] {
+                                let report = cuda::tune_fp8_gemms(&gpu, &gemms, w_dev.view(), rows, &[m], output)?;
+                                assert_eq!(report.len(), 1, "FP8 GEMM {layout} m={m} rows={rows}: not tuned {why}");
+                            }
+                        }
                         for with_bias in [false, true] {
                             let b = with_bias.then_some(&bias[..rows]);
                             let mut want = vec![0.0; m * rows];
@@ -2911,9 +2931,11 @@ fn fp8_gemm_matches_cpu_on_quantized_activations() -> Result<(), GpuError> {
                                     b_dev,
                                     y.view_mut(),
                                     &mut scratch,
+                                    None,
                                 )?;
                                 let what = format!(
-                                    "FP8 GEMM {layout} {dtype:?}->{y_dtype:?} m={m} k={k} rows={rows}/{n} bias={with_bias} {why}"
+                                    "FP8 GEMM {layout} {dtype:?}->{y_dtype:?} m={m} k={k} rows={rows}/{n} bias={with_bias} \
+                                     tuned={tuned} {why}"
                                 );
                                 check(&what, &y.to_f32_vec(&gpu)?, &want, y_tol);
                             }
@@ -2939,14 +2961,118 @@ fn fp8_gemm_matches_cpu_on_quantized_activations() -> Result<(), GpuError> {
                         inter,
                         None,
                         act,
-                        gu_view,
-                        out,
-                        &mut scratch,
+                        cuda::Fp8Operands { scratch: &mut scratch, x_codes: None },
+                        cuda::GatedOut { gate_up: gu_view, out, codes: None },
                     )?;
                     let what = format!("FP8 GEMM gated {layout} {dtype:?} m={m} k={k} inter={inter} {why}");
                     check(&what, &got.to_f32_vec(&gpu)?, &want, 2.0 * tol);
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+/// `codes` (`[rows, cols]`, written by a kernel) against the host's per-row quantization of the
+/// values `values` that kernel wrote: bit for bit, codes and scales.
+fn check_row_codes(what: &str, gpu: &Gpu, codes: &GpuRowCodes, values: &GpuTensor, rows: usize, cols: usize) {
+    let values = values.to_f32_vec(gpu).expect("values");
+    let want = Fp8Matrix::quantize_rows(&HostTensor::from_f32(vec![rows, cols], values[..rows * cols].to_vec()));
+    let (got_codes, got_scales) = codes.to_host(gpu, rows).expect("codes");
+    let Fp8Scales::Rows(want_scales) = want.scales() else { unreachable!("quantize_rows gives row scales") };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&got_scales), bits(want_scales), "{what}: the rows' FP8 scales");
+    let wrong = got_codes.iter().zip(want.codes()).filter(|(g, w)| g != w).count();
+    assert_eq!(wrong, 0, "{what}: {wrong} of {} FP8 codes differ from the host's", rows * cols);
+}
+
+/// The ops that write an FP8 projection's input (the norms, the gated activations, and the gated
+/// FP8 product that ends in one) write its rows' codes bit for bit as the GEMM's own
+/// quantization (`Fp8Matrix::quantize_rows` of the values they wrote), and an FP8 product that
+/// reads those codes gives the bits of one that quantizes its input itself.
+#[test]
+fn fused_fp8_codes_match_quantizing_the_rows() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let gemms = Gemms::new()?;
+    let mut rng = rng(53);
+    for (dtype, _) in DTYPES.into_iter().filter(|(d, _)| *d != DType::F32) {
+        // 4096: the 16-byte kernels; 1000: the same at a block of threads not a power of two;
+        // 100: the element-wise ones.
+        for &(rows, h) in &[(5, 4096), (37, 1000), (9, 100)] {
+            let what = |op: &str| format!("{op} {dtype:?} rows={rows} hidden={h}");
+            let x = random_vec(&mut rng, rows * h, 2.0);
+            let residual = random_vec(&mut rng, rows * h, 2.0);
+            let w = GpuTensor::from_f32(&gpu, &random_vec(&mut rng, h, 1.0), DType::F32)?;
+            let x_w = GpuTensor::from_f32(&gpu, &random_vec(&mut rng, h, 1.0), DType::F32)?;
+            let (x_dev, _) = upload(&gpu, &x, dtype)?;
+            let mut codes = GpuRowCodes::new(&gpu, rows + 3, h)?;
+            let mut out = nan_tensor(&gpu, dtype, rows * h)?;
+            cuda::rms_norm(&gpu, x_dev.view(), w.view(), 1e-6, out.view_mut(), Some(codes.rows_mut(rows)))?;
+            check_row_codes(&what("rms_norm"), &gpu, &codes, &out, rows, h);
+            let res = GpuTensor::from_f32(&gpu, &residual, DType::F32)?;
+            cuda::rms_norm(&gpu, res.view(), w.view(), 1e-6, out.view_mut(), Some(codes.rows_mut(rows)))?;
+            check_row_codes(&what("rms_norm from f32"), &gpu, &codes, &out, rows, h);
+            for residual_dtype in [DType::F32, dtype] {
+                let mut res = GpuTensor::from_f32(&gpu, &residual, residual_dtype)?;
+                let codes_mut = Some(codes.rows_mut(rows));
+                cuda::add_rms_norm(&gpu, res.view_mut(), x_dev.view(), w.view(), 1e-5, out.view_mut(), codes_mut)?;
+                check_row_codes(
+                    &what(&format!("add_rms_norm {residual_dtype:?} residual")),
+                    &gpu,
+                    &codes,
+                    &out,
+                    rows,
+                    h,
+                );
+                let mut x_normed = GpuTensor::from_f32(&gpu, &x, dtype)?;
+                let (res, x_view, out_view) = (res.view_mut(), x_normed.view_mut(), out.view_mut());
+                let codes_mut = Some(codes.rows_mut(rows));
+                cuda::add_normed_rms_norm(&gpu, res, x_view, x_w.view(), w.view(), 1e-6, out_view, codes_mut)?;
+                check_row_codes(&what("add_normed_rms_norm"), &gpu, &codes, &out, rows, h);
+            }
+            let inter = h;
+            let (gate_up, _) = upload(&gpu, &random_vec(&mut rng, rows * 2 * inter, 3.0), dtype)?;
+            cuda::silu_and_mul(&gpu, gate_up.view(), inter, out.view_mut(), Some(codes.rows_mut(rows)))?;
+            check_row_codes(&what("silu_and_mul"), &gpu, &codes, &out, rows, inter);
+            cuda::gelu_tanh_and_mul(&gpu, gate_up.view(), inter, out.view_mut(), Some(codes.rows_mut(rows)))?;
+            check_row_codes(&what("gelu_tanh_and_mul"), &gpu, &codes, &out, rows, inter);
+            // The FP8 GEMM over these codes, against the same product quantizing `out` itself.
+            if h % 16 == 0 {
+                let n = 256;
+                let wq = Fp8Matrix::quantize_rows(&HostTensor::from_f32(vec![n, h], random_vec(&mut rng, n * h, 1.0)));
+                let w_dev = GpuFp8Matrix::new(&gpu, &wq)?.expect("row scales over whole chunks");
+                let mut scratch = GpuTensor::uninit(&gpu, dtype, n * h + rows * h)?;
+                let mut ys = Vec::new();
+                for x_codes in [None, Some(codes.rows(rows))] {
+                    let mut y = nan_tensor(&gpu, dtype, rows * n)?;
+                    let (x_view, w_view) = (out.view(), w_dev.view());
+                    cuda::linear_fp8(&gpu, &gemms, x_view, rows, w_view, n, None, y.view_mut(), &mut scratch, x_codes)?;
+                    ys.push(y.to_f32_vec(&gpu)?);
+                }
+                let same = ys[0].iter().zip(&ys[1]).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{}: the FP8 GEMM over the fused codes differs", what("linear_fp8"));
+            }
+        }
+        // A gated FP8 product writes its output's codes, through the GEMV (up to 4 rows) or the
+        // GEMM and the activation.
+        let (k, inter) = (512, 384);
+        let wq = Fp8Matrix::quantize_rows(&HostTensor::from_f32(
+            vec![2 * inter, k],
+            random_vec(&mut rng, 2 * inter * k, 1.0),
+        ));
+        let w_dev = GpuFp8Matrix::new(&gpu, &wq)?.expect("row scales over whole chunks");
+        for m in [3, 20] {
+            let (x_dev, _) = upload(&gpu, &random_vec(&mut rng, m * k, 1.0), dtype)?;
+            let mut scratch = GpuTensor::uninit(&gpu, dtype, 2 * inter * k + m * k)?;
+            let mut gate_up = nan_tensor(&gpu, dtype, m * 2 * inter)?;
+            let mut out = nan_tensor(&gpu, dtype, m * inter)?;
+            let mut codes = GpuRowCodes::new(&gpu, m, inter)?;
+            let fp8 = cuda::Fp8Operands { scratch: &mut scratch, x_codes: None };
+            let gated =
+                cuda::GatedOut { gate_up: gate_up.view_mut(), out: out.view_mut(), codes: Some(codes.rows_mut(m)) };
+            let (x_view, w_view, act) = (x_dev.view(), w_dev.view(), cuda::GatedActivation::Silu);
+            cuda::linear_gated_fp8(&gpu, &gemms, x_view, m, w_view, inter, None, act, fp8, gated)?;
+            check_row_codes(&format!("linear_gated_fp8 {dtype:?} m={m}"), &gpu, &codes, &out, m, inter);
         }
     }
     Ok(())

@@ -104,6 +104,9 @@ impl Specs {
     fn of(cfg: &ModelConfig, splits_kv: bool) -> Specs {
         use Per::{Row, Token};
         use Precision::{Compute, F32};
+        // What the layers' projections read, where they are FP8: a device may keep its FP8
+        // codes too.
+        let input = if cfg.quantization.is_some() { Precision::ProjectionInput } else { Compute };
         let (h, q) = (cfg.hidden_size, cfg.q_size());
         let kv = cfg.kv_size();
         let split = if splits_kv { kv } else { 0 };
@@ -114,7 +117,7 @@ impl Specs {
         let shared_out = if shared > 0 { h } else { 0 };
         Specs {
             residual: Spec(F32, h, Token),
-            normed: Spec(Compute, h, Token),
+            normed: Spec(input, h, Token),
             pending: Spec(Compute, h, Token),
             qkv: Spec(Compute, q + 2 * kv, Token),
             q: Spec(Compute, q, Token),
@@ -123,14 +126,15 @@ impl Specs {
             attn: Spec(Compute, q, Token),
             o: Spec(Compute, h, Token),
             gate_up: Spec(Compute, 2 * inter, Token),
-            act: Spec(Compute, inter, Token),
+            act: Spec(input, inter, Token),
             router_logits: Spec(F32, experts, Token),
             shared_gate_up: Spec(Compute, 2 * shared, Token),
-            shared_act: Spec(Compute, shared, Token),
+            shared_act: Spec(input, shared, Token),
             shared_out: Spec(Compute, shared_out, Token),
             shared_gate: Spec(F32, usize::from(shared > 0), Token),
             last_residual: Spec(F32, h, Row),
             last_out: Spec(Compute, h, Row),
+            // The LM head stays in the compute dtype (`--quantization fp8` leaves it, as vLLM does).
             final_normed: Spec(Compute, h, Row),
             logits: Spec(F32, cfg.output_vocab_size, Row),
         }

@@ -6,7 +6,9 @@
 //! then samples (or takes prompt logprobs) on the logits where they are, and only the chosen
 //! tokens and the logprobs asked for come back (`GpuSampler`).
 
-use ferrolm_backend::cuda::{AttentionWork, Cuda, CudaKvLayer, Gpu, GpuError, GpuSampler, GpuView, StagedBuffer};
+use ferrolm_backend::cuda::{
+    AttentionWork, Cuda, CudaKvLayer, CudaMatrix, Fp8GemmShape, Gpu, GpuError, GpuSampler, GpuView, StagedBuffer,
+};
 use ferrolm_backend::{DType, Device, Linear};
 use ferrolm_sampling::{OwnedRowRequest, RowRequest, TokenLogprobs, TokenMasks};
 
@@ -109,21 +111,25 @@ impl CudaRunner {
     /// that each takes the faster (`Gemms::tune`): the projections and the LM head at each
     /// decode graph batch from 128 rows up to the one holding `max_decode_batch`. The first layer
     /// stands for all: every layer has the same shapes. Other shapes (prompt chunks among them:
-    /// at 8192 rows tuning gained 0.4 %) keep `cublasGemmEx`.
+    /// at 8192 rows tuning gained 0.4 %) keep `cublasGemmEx`. FP8 projections' GEMMs take the
+    /// fastest of cuBLASLt's FP8 algorithms at the same batches (other shapes its preferred one).
     pub fn tune_gemms(&self, max_decode_batch: usize) -> Result<(), ModelError> {
         let Some(layer) = self.decoder.first_layer() else { return Ok(()) };
-        // FP8 projections are left out: their GEMMs read a dequantized copy (`linear_fp8`).
-        fn projection(l: &Linear<Cuda>) -> Option<(GpuView<'_>, usize, DType)> {
-            let weight = l.weight.dense()?;
-            // A bias is added to an f32 product (see `linear`).
-            let output = if l.bias.is_some() { DType::F32 } else { weight.dtype() };
-            Some((weight.view(), l.out_features, output))
+        // A bias is added to an f32 product (see `linear`).
+        let output = |l: &Linear<Cuda>| if l.bias.is_some() { DType::F32 } else { self.dtype() };
+        let mut weights = Vec::new();
+        let mut fp8_weights = Vec::new();
+        for l in layer.projections() {
+            match &l.weight {
+                CudaMatrix::Dense(w) => weights.push((w.view(), l.out_features, output(l))),
+                CudaMatrix::Fp8(w) => fp8_weights.push((w.view(), l.out_features, output(l))),
+            }
         }
         // The head computes only its first `output_vocab_size` rows (`Device::linear_prefix`).
         let (head, vocab) = (self.decoder.lm_head(), self.decoder.config.output_vocab_size);
-        let mut weights: Vec<_> = layer.projections().into_iter().filter_map(projection).collect();
-        if let Some(weight) = head.weight.dense() {
-            weights.push((weight.slice(0..vocab * head.in_features), vocab, DType::F32));
+        match &head.weight {
+            CudaMatrix::Dense(w) => weights.push((w.slice(0..vocab * head.in_features), vocab, DType::F32)),
+            CudaMatrix::Fp8(w) => fp8_weights.push((w.view(), vocab, DType::F32)),
         }
         let started = std::time::Instant::now();
         // Decode batches from 128 rows on, where the GEMMs approach their compute bound: tuning
@@ -135,6 +141,7 @@ impl CudaRunner {
             return Ok(());
         }
         let report = self.dev.tune_gemms(&ms, &weights)?;
+        let fp8_report = self.dev.tune_fp8_gemms(&ms, &fp8_weights)?;
         for t in &report {
             tracing::debug!(
                 m = t.shape.m,
@@ -154,14 +161,24 @@ impl CudaRunner {
             let tuned = if t.taken { t.best_us.unwrap_or(t.default_us) } else { t.default_us };
             (before + t.default_us, after + tuned)
         });
+        for t in &fp8_report {
+            let Fp8GemmShape { m, n, k, .. } = t.shape;
+            let (heuristic_us, best_us, candidates) = (t.heuristic_us, t.best_us, t.candidates);
+            tracing::debug!(m, n, k, heuristic_us, best_us, candidates, "FP8 GEMM tuned");
+        }
+        let (fp8_before, fp8_after) = fp8_report
+            .iter()
+            .filter(|t| t.shape.m == largest)
+            .fold((0.0, 0.0), |(before, after), t| (before + t.heuristic_us.unwrap_or(t.best_us), after + t.best_us));
         tracing::info!(
             shapes = report.len(),
             taken,
+            fp8_shapes = fp8_report.len(),
             seconds = started.elapsed().as_secs_f64(),
             rows = largest,
-            us_before = before,
-            us_after = after,
-            "decode GEMMs tuned: cuBLASLt algorithms kept where faster than cuBLAS's default"
+            us_before = before + fp8_before,
+            us_after = after + fp8_after,
+            "decode GEMMs tuned: cuBLASLt algorithms kept where faster than cuBLAS's default (FP8: the fastest)"
         );
         Ok(())
     }

@@ -7,19 +7,22 @@
 //! The fused forms of the interface take today's fused kernels where they apply: the qkv
 //! projection, rotation and cache write in one GEMV kernel (or the projection, then one kernel
 //! for the rest, with the q/k norms too where a model has them), and the gate/up projection
-//! with its activation in one GEMV kernel.
+//! with its activation in one GEMV kernel. In an FP8 model, the norms and gated activations
+//! that write a projection's input write its FP8 codes too ([`CudaTensor`]), so that an FP8 GEMM
+//! reads them instead of quantizing its input first.
 
 use std::sync::{Mutex, PoisonError};
 
 use cudarc::driver::{CudaSlice, CudaView};
 
 use super::{
-    add_normed_rms_norm, add_rms_norm, add_sigmoid_gated, embedding, gather_rows, gelu_tanh_and_mul, linear,
+    add_normed_rms_norm, add_rms_norm, add_sigmoid_gated, embedding, fp8, gather_rows, gelu_tanh_and_mul, linear,
     linear_fp8, linear_gated, linear_gated_fp8, linear_qkv_rope_cache, moe, qkv_norm_rope_cache,
     qkv_norm_rope_cache_fits, qkv_rope_cache, reshape_and_cache, reshape_and_cache_fp8, rms_norm, rms_norm_inplace,
-    rope, silu_and_mul, softcap, split_qkv, Fp8Cache, Fp8CacheMut, GemmTuning, Gemms, Gpu, GpuAttentionMetadata,
-    GpuError, GpuExperts, GpuFp8Matrix, GpuMoeScratch, GpuRopeTable, GpuTensor, GpuView, GpuViewMut, PagedAttention,
-    QkNorms, QkvOut, QkvRows,
+    rope, silu_and_mul, softcap, split_qkv, Fp8Cache, Fp8CacheMut, Fp8GemmTuning, Fp8Operands, Fp8View, GatedOut,
+    GemmTuning, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuExperts, GpuFp8Matrix, GpuMoeScratch, GpuRopeTable,
+    GpuRowCodes, GpuTensor, GpuView, GpuViewMut, PagedAttention, QkNorms, QkvOut, QkvRows, RowCodes, RowCodesMut,
+    GEMV_MAX_M,
 };
 use crate::device::{
     unfused_attention_input, AttentionInput, Device, GatedActivation, KvCacheDtype, KvScales, LayerAttention, Linear,
@@ -66,11 +69,31 @@ impl Cuda {
         self.gemms.tune(&self.gpu, ms, weights)
     }
 
+    /// [`Self::tune_gemms`] for FP8 projections (`(w, n, output dtype)`): the FP8 GEMM of each at
+    /// each row count of `ms` takes the fastest of cuBLASLt's algorithms.
+    pub fn tune_fp8_gemms(
+        &self,
+        ms: &[usize],
+        weights: &[(Fp8View<'_>, usize, DType)],
+    ) -> Result<Vec<Fp8GemmTuning>, GpuError> {
+        let mut report = Vec::new();
+        for &(w, n, output) in weights {
+            report.extend(fp8::tune_gemms(&self.gpu, &self.gemms, w, n, ms, output)?);
+        }
+        Ok(report)
+    }
+
     fn dtype_of(&self, precision: Precision) -> DType {
         match precision {
-            Precision::Compute => self.dtype,
+            Precision::Compute | Precision::ProjectionInput => self.dtype,
             Precision::F32 => DType::F32,
         }
+    }
+
+    /// Whether a buffer of `precision` keeps its rows' FP8 codes: a projection input, where the
+    /// FP8 GEMM takes the compute dtype (bf16 or f16).
+    fn keeps_codes(&self, precision: Precision) -> bool {
+        precision == Precision::ProjectionInput && self.dtype != DType::F32
     }
 
     /// Runs `f` with the FP8 scratch (an FP8 matrix has been placed, so it exists).
@@ -103,12 +126,19 @@ impl CudaMatrix {
     }
 }
 
-/// An activation buffer on the device, `[rows, cols]` with room for `capacity` rows.
+/// An activation buffer on the device, `[rows, cols]` with room for `capacity` rows, and, for a
+/// projection input ([`Precision::ProjectionInput`]), its rows' FP8 codes.
+///
+/// Invariant: `codes_written` holds only while the codes are those of the rows as they are now.
+/// Every write of the values goes through [`CudaTensor::view_mut`], which clears it, or
+/// [`CudaTensor::view_mut_with_codes`], whose op writes the codes too; so does a change of rows.
 pub struct CudaTensor {
     /// `[capacity, cols]`
     buf: GpuTensor,
     rows: usize,
     cols: usize,
+    codes: Option<GpuRowCodes>,
+    codes_written: bool,
 }
 
 impl CudaTensor {
@@ -117,9 +147,24 @@ impl CudaTensor {
         self.buf.rows(0..self.rows, self.cols)
     }
 
-    /// `[rows, cols]`
+    /// `[rows, cols]`, for an op that writes the values alone.
     pub fn view_mut(&mut self) -> GpuViewMut<'_> {
+        self.codes_written = false;
         self.buf.rows_mut(0..self.rows, self.cols)
+    }
+
+    /// `[rows, cols]`, and where this buffer keeps codes and the FP8 GEMM would read them (more
+    /// rows than the FP8 GEMV takes), where the op writing the values writes the codes too.
+    pub fn view_mut_with_codes(&mut self) -> (GpuViewMut<'_>, Option<RowCodesMut<'_>>) {
+        let rows = self.rows;
+        let codes = self.codes.as_mut().filter(|_| rows > GEMV_MAX_M);
+        self.codes_written = codes.is_some();
+        (self.buf.rows_mut(0..rows, self.cols), codes.map(|c| c.rows_mut(rows)))
+    }
+
+    /// The rows' FP8 codes, where the op that wrote them wrote those too.
+    pub fn codes(&self) -> Option<RowCodes<'_>> {
+        self.codes.as_ref().filter(|_| self.codes_written).map(|c| c.rows(self.rows))
     }
 
     /// `[n, cols]`: the first `n` rows, whatever the rows set (a replayed graph's real rows).
@@ -140,6 +185,7 @@ impl Shaped for CudaTensor {
     fn set_rows(&mut self, rows: usize) {
         assert!(rows * self.cols <= self.buf.len(), "set_rows: {rows} rows of {} past the capacity", self.cols);
         self.rows = rows;
+        self.codes_written = false;
     }
 }
 
@@ -207,7 +253,7 @@ impl Cuda {
             // The first `n` rows of the row-major `[out, in]` weight are its first `n * k` elements.
             CudaMatrix::Dense(t) => linear(gpu, gemms, x.view(), m, k, t.slice(0..n * k), n, bias, y.view_mut()),
             CudaMatrix::Fp8(f) => self.with_fp8_scratch(|scratch| {
-                linear_fp8(gpu, gemms, x.view(), m, f.view(), n, bias, y.view_mut(), scratch)
+                linear_fp8(gpu, gemms, x.view(), m, f.view(), n, bias, y.view_mut(), scratch, x.codes())
             }),
         }
     }
@@ -226,11 +272,13 @@ impl Device for Cuda {
     fn tensor(&self, precision: Precision, capacity: usize, cols: usize) -> Result<CudaTensor, GpuError> {
         // Every buffer is written before it is read: no zeroing needed.
         let buf = GpuTensor::uninit(&self.gpu, self.dtype_of(precision), capacity * cols)?;
-        Ok(CudaTensor { buf, rows: capacity, cols })
+        let codes = if self.keeps_codes(precision) { Some(GpuRowCodes::new(&self.gpu, capacity, cols)?) } else { None };
+        Ok(CudaTensor { buf, rows: capacity, cols, codes, codes_written: false })
     }
 
     fn tensor_bytes(&self, precision: Precision, capacity: usize, cols: usize) -> usize {
-        capacity * cols * self.dtype_of(precision).size_in_bytes()
+        let codes = if self.keeps_codes(precision) { GpuRowCodes::bytes(capacity, cols) } else { 0 };
+        capacity * cols * self.dtype_of(precision).size_in_bytes() + codes
     }
 
     fn matrix(&self, parts: Vec<HostTensor>) -> Result<CudaMatrix, GpuError> {
@@ -323,7 +371,8 @@ impl Device for Cuda {
     }
 
     fn rms_norm(&self, x: &CudaTensor, w: &GpuTensor, eps: f32, out: &mut CudaTensor) -> Result<(), GpuError> {
-        rms_norm(&self.gpu, x.view(), w.view(), eps, out.view_mut())
+        let (out, codes) = out.view_mut_with_codes();
+        rms_norm(&self.gpu, x.view(), w.view(), eps, out, codes)
     }
 
     fn add_rms_norm(
@@ -334,7 +383,8 @@ impl Device for Cuda {
         eps: f32,
         out: &mut CudaTensor,
     ) -> Result<(), GpuError> {
-        add_rms_norm(&self.gpu, residual.view_mut(), x.view(), w.view(), eps, out.view_mut())
+        let (out, codes) = out.view_mut_with_codes();
+        add_rms_norm(&self.gpu, residual.view_mut(), x.view(), w.view(), eps, out, codes)
     }
 
     fn rms_norm_heads(&self, x: &mut CudaTensor, w: &GpuTensor, eps: f32) -> Result<(), GpuError> {
@@ -350,7 +400,8 @@ impl Device for Cuda {
         eps: f32,
         out: &mut CudaTensor,
     ) -> Result<(), GpuError> {
-        add_normed_rms_norm(&self.gpu, residual.view_mut(), x.view_mut(), x_w.view(), w.view(), eps, out.view_mut())
+        let (gpu, (out, codes)) = (&self.gpu, out.view_mut_with_codes());
+        add_normed_rms_norm(gpu, residual.view_mut(), x.view_mut(), x_w.view(), w.view(), eps, out, codes)
     }
 
     fn softcap(&self, x: &mut CudaTensor, cap: f32) -> Result<(), GpuError> {
@@ -441,10 +492,11 @@ impl Device for Cuda {
         act: GatedActivation,
         out: &mut CudaTensor,
     ) -> Result<(), GpuError> {
-        let inter = out.cols;
+        let (gpu, inter) = (&self.gpu, out.cols);
+        let (out, codes) = out.view_mut_with_codes();
         match act {
-            GatedActivation::Silu => silu_and_mul(&self.gpu, gate_up.view(), inter, out.view_mut()),
-            GatedActivation::GeluTanh => gelu_tanh_and_mul(&self.gpu, gate_up.view(), inter, out.view_mut()),
+            GatedActivation::Silu => silu_and_mul(gpu, gate_up.view(), inter, out, codes),
+            GatedActivation::GeluTanh => gelu_tanh_and_mul(gpu, gate_up.view(), inter, out, codes),
         }
     }
 
@@ -515,11 +567,15 @@ impl Device for Cuda {
         out: &mut CudaTensor,
     ) -> Result<(), GpuError> {
         let (gpu, gemms, m, k, inter) = (&self.gpu, &self.gemms, x.rows, w.in_features, out.cols);
-        let (x, bias, gate_up, out) = (x.view(), bias_view(w), gate_up.view_mut(), out.view_mut());
+        let (x_view, bias, gate_up) = (x.view(), bias_view(w), gate_up.view_mut());
+        let (out, codes) = out.view_mut_with_codes();
         match &w.weight {
-            CudaMatrix::Dense(t) => linear_gated(gpu, gemms, x, m, k, t.view(), inter, bias, act, gate_up, out),
+            CudaMatrix::Dense(t) => {
+                linear_gated(gpu, gemms, x_view, m, k, t.view(), inter, bias, act, gate_up, out, codes)
+            }
             CudaMatrix::Fp8(f) => self.with_fp8_scratch(|scratch| {
-                linear_gated_fp8(gpu, gemms, x, m, f.view(), inter, bias, act, gate_up, out, scratch)
+                let (fp8, out) = (Fp8Operands { scratch, x_codes: x.codes() }, GatedOut { gate_up, out, codes });
+                linear_gated_fp8(gpu, gemms, x_view, m, f.view(), inter, bias, act, fp8, out)
             }),
         }
     }

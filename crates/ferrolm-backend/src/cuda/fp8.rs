@@ -21,7 +21,7 @@ use std::marker::PhantomData;
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::compile::{self, KernelFamilies};
-use super::gemm_tune::{Fp8GemmShape, Gemms};
+use super::gemm_tune::{Fp8GemmShape, Fp8GemmTuning, Gemms};
 use super::gpu::to_u32;
 use super::{Gpu, GpuError, GpuTensor, GpuView, GpuViewMut};
 use crate::{DType, Fp8Matrix};
@@ -199,6 +199,116 @@ impl Fp8View<'_> {
     }
 }
 
+/// Each row's FP8 codes of a `[capacity, cols]` activation buffer, with each row's dynamic scale
+/// (`kernels/common.cuh`'s `quantize_row`): what an FP8 GEMM reads of its activations. The op
+/// that writes the buffer may write them too (the norms and gated activations take a
+/// [`RowCodesMut`]), so that the GEMM does not quantize its input again (`fp8_quantize_rows`).
+pub struct GpuRowCodes {
+    /// `[capacity, cols]`, read by the kernels through `codes_ptr`.
+    codes: CudaSlice<u8>,
+    codes_ptr: u64,
+    /// f32 `[capacity]`
+    scales: GpuTensor,
+    capacity: usize,
+    cols: usize,
+}
+
+/// The kernels' `RowCodes` (kernels/common.cuh), passed by value: a null `codes` keeps none.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct RowCodesArg {
+    codes: u64,
+    scales: u64,
+}
+
+// SAFETY: a plain #[repr(C)] struct of two device pointers, laid out as the kernels' `RowCodes`.
+unsafe impl DeviceRepr for RowCodesArg {}
+
+impl RowCodesArg {
+    pub(super) const NONE: RowCodesArg = RowCodesArg { codes: 0, scales: 0 };
+
+    pub(super) fn keeps_codes(&self) -> bool {
+        self.codes != 0
+    }
+}
+
+/// Where an op writes the codes and scales of its `rows` output rows of `cols`, borrowed from a
+/// [`GpuRowCodes`]. An op given one writes them for every row it writes.
+pub struct RowCodesMut<'a> {
+    arg: RowCodesArg,
+    rows: usize,
+    cols: usize,
+    _codes: PhantomData<&'a mut GpuRowCodes>,
+}
+
+/// The codes and scales of `rows` rows of `cols`, borrowed from a [`GpuRowCodes`].
+#[derive(Clone, Copy)]
+pub struct RowCodes<'a> {
+    arg: RowCodesArg,
+    rows: usize,
+    cols: usize,
+    _codes: PhantomData<&'a GpuRowCodes>,
+}
+
+impl GpuRowCodes {
+    /// Room for `capacity` rows of `cols` codes, unwritten.
+    pub fn new(gpu: &Gpu, capacity: usize, cols: usize) -> Result<GpuRowCodes, GpuError> {
+        // SAFETY: codes are read only after an op wrote them (the owner's invariant).
+        let codes = unsafe { gpu.stream().alloc::<u8>((capacity * cols).max(1)) }?;
+        Ok(GpuRowCodes {
+            codes_ptr: gpu.index_ptr(&codes),
+            codes,
+            scales: GpuTensor::uninit(gpu, DType::F32, capacity.max(1))?,
+            capacity,
+            cols,
+        })
+    }
+
+    /// Device bytes of [`GpuRowCodes::new`]`(capacity, cols)`.
+    pub fn bytes(capacity: usize, cols: usize) -> usize {
+        (capacity * cols).max(1) + 4 * capacity.max(1)
+    }
+
+    /// Where an op writes rows `0..rows`.
+    pub fn rows_mut(&mut self, rows: usize) -> RowCodesMut<'_> {
+        let RowCodes { arg, rows, cols, .. } = self.rows(rows);
+        RowCodesMut { arg, rows, cols, _codes: PhantomData }
+    }
+
+    /// Rows `0..rows`, as an op last wrote them.
+    pub fn rows(&self, rows: usize) -> RowCodes<'_> {
+        assert!(rows <= self.capacity, "{rows} rows of FP8 codes in room for {}", self.capacity);
+        let arg = RowCodesArg { codes: self.codes_ptr, scales: self.scales.view().ptr() };
+        RowCodes { arg, rows, cols: self.cols, _codes: PhantomData }
+    }
+
+    /// Rows `0..rows`' codes and scales, on the host.
+    pub fn to_host(&self, gpu: &Gpu, rows: usize) -> Result<(Vec<u8>, Vec<f32>), GpuError> {
+        assert!(rows <= self.capacity, "{rows} rows of FP8 codes in room for {}", self.capacity);
+        let mut codes = gpu.download(&self.codes)?;
+        codes.truncate(rows * self.cols);
+        let mut scales = self.scales.to_f32_vec(gpu)?;
+        scales.truncate(rows);
+        Ok((codes, scales))
+    }
+}
+
+impl RowCodesMut<'_> {
+    /// The kernels' argument for an op writing `rows` rows of `cols` (the op's own shape,
+    /// checked against the codes'); [`RowCodesArg::NONE`] for `None`.
+    pub(super) fn arg(codes: Option<&RowCodesMut<'_>>, op: &str, rows: usize, cols: usize) -> RowCodesArg {
+        codes.map_or(RowCodesArg::NONE, |c| {
+            assert!(
+                c.rows == rows && c.cols == cols,
+                "{op}: FP8 codes of [{}, {}] for rows of [{rows}, {cols}]",
+                c.rows,
+                c.cols
+            );
+            c.arg
+        })
+    }
+}
+
 /// The GEMV kernels of the FP8 products, by rows of x and what follows the product.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Epilogue {
@@ -284,6 +394,38 @@ pub(super) fn dequantize(gpu: &Gpu, w: Fp8View<'_>, out: GpuViewMut<'_>) -> Resu
     Ok(())
 }
 
+/// `codes` = `x`'s `m` rows of `k` quantized (`fp8_quantize_rows`), for an op whose kernel does
+/// not write its output's codes itself.
+pub(super) fn quantize_rows(
+    gpu: &Gpu,
+    x: GpuView<'_>,
+    m: usize,
+    k: usize,
+    codes: RowCodesMut<'_>,
+) -> Result<(), GpuError> {
+    assert_eq!(x.len(), m * k, "fp8_quantize_rows: x has {} elements, expected [{m}, {k}]", x.len());
+    let arg = RowCodesMut::arg(Some(&codes), "fp8_quantize_rows", m, k);
+    launch_quantize_rows(gpu, x, m, k, arg)
+}
+
+fn launch_quantize_rows(gpu: &Gpu, x: GpuView<'_>, m: usize, k: usize, codes: RowCodesArg) -> Result<(), GpuError> {
+    if m == 0 {
+        return Ok(());
+    }
+    let (x_ptr, k_u32) = (x.ptr(), to_u32("fp8_quantize_rows", "k", k));
+    let mut launch = gpu.launch_builder("fp8_quantize_rows", x.dtype());
+    launch.arg(&x_ptr).arg(&k_u32).arg(&codes.codes).arg(&codes.scales);
+    let cfg = LaunchConfig {
+        grid_dim: (to_u32("fp8_quantize_rows", "rows", m), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's parameters; x holds m rows of k, and `codes`
+    // room for m rows of k codes and m scales (its owner's shape, or the scratch's, checked).
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
 /// Bytes of the quantized activations at the start of the scratch buffer: `[m, k]` codes, then
 /// (16-byte aligned) `[m]` f32 scales.
 fn quantized_bytes(m: usize, k: usize) -> (usize, usize) {
@@ -291,10 +433,11 @@ fn quantized_bytes(m: usize, k: usize) -> (usize, usize) {
     (scales_at, scales_at + 4 * m)
 }
 
-/// `out[m, n] = x[m, k] · w^T` through an FP8 GEMM (see the module's doc), with the activations
-/// quantized into `scratch`; `false`, with nothing issued, where that GEMM does not take the
-/// product (f32 activations, block scales, unaligned operands, too small a scratch, or no
-/// cuBLASLt algorithm for the shape).
+/// `out[m, n] = x[m, k] · w^T` through an FP8 GEMM (see the module's doc), reading `x_codes`
+/// where the op that wrote `x` also wrote its codes, else quantizing `x` into `scratch` first;
+/// `false`, with nothing issued, where that GEMM does not take the product (f32 activations,
+/// block scales, unaligned operands, too small a scratch, or no cuBLASLt algorithm for the
+/// shape).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gemm(
     gpu: &Gpu,
@@ -306,32 +449,64 @@ pub(super) fn gemm(
     out_ptr: u64,
     out_dtype: DType,
     scratch: &mut GpuTensor,
+    x_codes: Option<RowCodes<'_>>,
 ) -> Result<bool, GpuError> {
     let k = w.cols;
+    if let Some(c) = &x_codes {
+        assert!(c.rows == m && c.cols == k, "linear: FP8 codes of [{}, {}] for x of [{m}, {k}]", c.rows, c.cols);
+    }
     let (scales_at, bytes) = quantized_bytes(m, k);
     let Some(w_scales) = w.row_scales else { return Ok(false) };
     let fits = x.dtype() != DType::F32
         && n.is_multiple_of(16)
         && out_ptr.is_multiple_of(16)
-        && bytes <= scratch.size_in_bytes()
+        && (x_codes.is_some() || bytes <= scratch.size_in_bytes())
         && u32::try_from(m).is_ok();
     let shape = Fp8GemmShape { m, n, k, output: out_dtype };
     if !fits || !gemms.fp8_supported(gpu, shape) {
         return Ok(false);
     }
-    let (x_ptr, codes) = (x.ptr(), scratch.view_mut().ptr());
-    let (k_u32, x_scales) = (to_u32("linear", "k", k), codes + scales_at as u64);
-    let mut launch = gpu.launch_builder("fp8_quantize_rows", x.dtype());
-    launch.arg(&x_ptr).arg(&k_u32).arg(&codes).arg(&x_scales);
-    let cfg = LaunchConfig { grid_dim: (m as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-    // SAFETY: the arguments match the kernel's parameters; x holds m rows of k, and the scratch
-    // the m rows of k codes and the m scales after them (checked above).
-    unsafe { launch.launch(cfg) }?;
+    let codes = match x_codes {
+        Some(c) => c.arg,
+        None => {
+            let codes = scratch.view_mut().ptr();
+            let arg = RowCodesArg { codes, scales: codes + scales_at as u64 };
+            launch_quantize_rows(gpu, x, m, k, arg)?;
+            arg
+        }
+    };
     // SAFETY: the weights hold at least n rows of k codes (n <= w.rows) and n row scales; the
-    // activations' codes and scales were just written; out holds m rows of n in `out_dtype`;
-    // all 16-byte aligned (allocations, k % 16 == 0, and the checks above).
-    unsafe { gemms.run_fp8(gpu, shape, w.codes, w_scales, codes, x_scales, out_ptr) }?;
+    // activations' m rows of codes and scales were written (by the op that wrote x, or just
+    // above); out holds m rows of n in `out_dtype`; all 16-byte aligned (allocations, k % 16 ==
+    // 0, and the checks above).
+    unsafe { gemms.run_fp8(gpu, shape, w.codes, w_scales, codes.codes, codes.scales, out_ptr) }?;
     Ok(true)
+}
+
+/// Times cuBLASLt's FP8 GEMMs of `w`'s first `n` rows at each row count of `ms`, into `output`,
+/// and keeps the fastest algorithm per shape ([`Gemms::tune_fp8`]). A matrix the FP8 GEMM does
+/// not take (block scales, `n` not a multiple of 16) gives nothing.
+pub fn tune_gemms(
+    gpu: &Gpu,
+    gemms: &Gemms,
+    w: Fp8View<'_>,
+    n: usize,
+    ms: &[usize],
+    output: DType,
+) -> Result<Vec<Fp8GemmTuning>, GpuError> {
+    let Some(w_scales) = w.row_scales else { return Ok(Vec::new()) };
+    assert!(n <= w.rows, "tune_gemms: {n} rows of an FP8 matrix of {}", w.rows);
+    if !n.is_multiple_of(16) {
+        return Ok(Vec::new());
+    }
+    let mut report = Vec::new();
+    for &m in ms.iter().filter(|&&m| m > 0) {
+        let shape = Fp8GemmShape { m, n, k: w.cols, output };
+        // SAFETY: the matrix holds at least n rows of k codes and their n row scales, 16-byte
+        // aligned allocations; n % 16 == 0 (checked).
+        report.extend(unsafe { gemms.tune_fp8(gpu, shape, w.codes, w_scales) }?);
+    }
+    Ok(report)
 }
 
 #[cfg(test)]

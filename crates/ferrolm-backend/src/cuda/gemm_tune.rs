@@ -72,6 +72,19 @@ pub struct GemmTuning {
     pub taken: bool,
 }
 
+/// What tuning measured for one FP8 shape ([`Gemms::tune_fp8`]).
+#[derive(Clone, Debug)]
+pub struct Fp8GemmTuning {
+    pub shape: Fp8GemmShape,
+    /// cuBLASLt's preferred algorithm's time (what an untuned shape runs), microseconds per GEMM,
+    /// if it ran.
+    pub heuristic_us: Option<f32>,
+    /// The fastest candidate's, which the shape now runs.
+    pub best_us: f32,
+    /// Candidates cuBLASLt offered (and that ran).
+    pub candidates: usize,
+}
+
 /// The descriptors of one shape's cuBLASLt GEMM and the algorithm chosen for it.
 struct Plan {
     desc: sys::cublasLtMatmulDesc_t,
@@ -79,17 +92,24 @@ struct Plan {
     b: sys::cublasLtMatrixLayout_t,
     d: sys::cublasLtMatrixLayout_t,
     algo: Option<sys::cublasLtMatmulAlgo_t>,
+    /// Chosen by timing ([`Gemms::tune_fp8`]), so kept when the FP8 plans start over.
+    tuned: bool,
 }
 
 impl Plan {
+    /// A plan of `desc` alone: its layouts null until set, so that `Drop` frees whatever was
+    /// created if a later step fails.
+    fn around(desc: sys::cublasLtMatmulDesc_t) -> Plan {
+        let null = std::ptr::null_mut();
+        Plan { desc, a: null, b: null, d: null, algo: None, tuned: false }
+    }
+
     /// The descriptors of `shape` (no algorithm yet). Column-major, as `cublasGemmEx` is
     /// called: `out^T [n, m] = (w [k, n])^T · x^T [k, m]`.
     fn new(shape: GemmShape) -> Result<Plan, GpuError> {
         let GemmShape { m, n, k, input, output } = shape;
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)?;
-        // From here on `Drop` frees whatever was created: the layouts start null.
-        let mut plan =
-            Plan { desc, a: std::ptr::null_mut(), b: std::ptr::null_mut(), d: std::ptr::null_mut(), algo: None };
+        let mut plan = Plan::around(desc);
         // CUBLAS_OP_T, CUBLAS_OP_N.
         let (transpose, keep): (i32, i32) = (1, 0);
         // SAFETY: the descriptor is live; each attribute is an i32 as cuBLASLt documents.
@@ -112,8 +132,7 @@ impl Plan {
     fn fp8(shape: Fp8GemmShape) -> Result<Plan, GpuError> {
         let Fp8GemmShape { m, n, k, output } = shape;
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)?;
-        let mut plan =
-            Plan { desc, a: std::ptr::null_mut(), b: std::ptr::null_mut(), d: std::ptr::null_mut(), algo: None };
+        let mut plan = Plan::around(desc);
         let (transpose, keep): (i32, i32) = (1, 0);
         let outer = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as u32;
         // SAFETY: the descriptor is live; the transposes are i32, the scale modes u32, as
@@ -277,7 +296,8 @@ fn data_type(dtype: DType) -> sys::cudaDataType {
 pub struct Gemms {
     handle: sys::cublasLtHandle_t,
     plans: Mutex<HashMap<GemmShape, Plan>>,
-    /// FP8 GEMMs by shape: cuBLASLt's plan, or `None` where it has none (`linear_fp8` then
+    /// FP8 GEMMs by shape: cuBLASLt's plan (its preferred algorithm, or the fastest where
+    /// [`Gemms::tune_fp8`] timed them), or `None` where it has none (`linear_fp8` then
     /// dequantizes the weights).
     fp8_plans: Mutex<HashMap<Fp8GemmShape, Option<Plan>>>,
 }
@@ -327,8 +347,9 @@ impl Gemms {
     pub(crate) fn fp8_supported(&self, gpu: &Gpu, shape: Fp8GemmShape) -> bool {
         let mut plans = self.fp8_plans.lock().unwrap_or_else(|e| e.into_inner());
         if plans.len() >= MAX_FP8_PLANS && !plans.contains_key(&shape) {
-            // Prompt chunks bring any number of row counts: start over rather than grow.
-            plans.clear();
+            // Prompt chunks bring any number of row counts: start over rather than grow, keeping
+            // what tuning chose (a few shapes per decode batch it was given).
+            plans.retain(|_, plan| plan.as_ref().is_some_and(|p| p.tuned));
         }
         let plan = plans.entry(shape).or_insert_with(|| {
             let (workspace, workspace_bytes) = gpu.blas_workspace();
@@ -377,6 +398,52 @@ impl Gemms {
             plan.set_fp8_scales(w_scales, x_scales)?;
             plan.run(gpu, self.handle, algo, w, x, out)
         }
+    }
+
+    /// Times up to [`CANDIDATES`] cuBLASLt FP8 algorithms on `shape` with the weights `w` and
+    /// their row scales `w_scales` (activations of spread codes and unit scales), and keeps the
+    /// fastest as the shape's plan, where an untuned shape takes cuBLASLt's preferred one.
+    /// `None` where cuBLASLt offers none. Synchronizes the stream: call it outside graph
+    /// capture.
+    ///
+    /// # Safety
+    /// `w` (`[n, k]` e4m3) and `w_scales` (`[n]` f32) must be valid device buffers, 16-byte
+    /// aligned, and `shape.n` a multiple of 16.
+    pub(crate) unsafe fn tune_fp8(
+        &self,
+        gpu: &Gpu,
+        shape: Fp8GemmShape,
+        w: u64,
+        w_scales: u64,
+    ) -> Result<Option<Fp8GemmTuning>, GpuError> {
+        let Fp8GemmShape { m, n, k, output } = shape;
+        // Codes of small values of both signs (zeros would time faster than real data).
+        let x_host: Vec<u8> = (0..m * k).map(|i| (i.wrapping_mul(2_654_435_761) >> 9) as u8 & 0xb7).collect();
+        let x = gpu.upload(&x_host)?;
+        let x_scales = GpuTensor::from_f32(gpu, &vec![1.0; m], DType::F32)?;
+        let out = GpuTensor::zeros(gpu, output, m * n)?;
+        let (x_ptr, x_scales_ptr, out_ptr) = (gpu.index_ptr(&x), x_scales.view().ptr(), out.view().ptr());
+        let mut plan = Plan::fp8(shape)?;
+        // SAFETY: an FP8 plan; the scales outlive its runs here (synchronized below).
+        unsafe { plan.set_fp8_scales(w_scales, x_scales_ptr) }?;
+        let (_, workspace_bytes) = gpu.blas_workspace();
+        let handle = self.handle;
+        let mut timed = Vec::new();
+        for (i, algo) in plan.candidates(handle, CANDIDATES, workspace_bytes)?.into_iter().enumerate() {
+            // SAFETY: the caller vouches for the weights; x, its scales and out hold the shape.
+            let run = gpu.time_us(|| unsafe { plan.run(gpu, handle, &algo, w, x_ptr, out_ptr) });
+            // A candidate that fails to launch is passed over, not fatal.
+            if let Ok(us) = run {
+                timed.push((i, us, algo));
+            }
+        }
+        gpu.synchronize()?;
+        let heuristic_us = timed.iter().find(|(i, _, _)| *i == 0).map(|&(_, us, _)| us);
+        let candidates = timed.len();
+        let Some((_, best_us, algo)) = timed.into_iter().min_by(|a, b| a.1.total_cmp(&b.1)) else { return Ok(None) };
+        (plan.algo, plan.tuned) = (Some(algo), true);
+        self.fp8_plans.lock().unwrap_or_else(|e| e.into_inner()).insert(shape, Some(plan));
+        Ok(Some(Fp8GemmTuning { shape, heuristic_us, best_us, candidates }))
     }
 
     /// Forgets every tuned plan: GEMMs go back to `cublasGemmEx` (to compare the two).

@@ -4,7 +4,7 @@
 
 use cudarc::driver::{result as driver, LaunchConfig};
 
-use super::fp8::{self, Epilogue, Fp8View};
+use super::fp8::{self, Epilogue, Fp8View, RowCodes, RowCodesMut};
 use super::gemm_tune::{GemmShape, Gemms};
 use super::gpu::{rows_config, to_u32};
 use super::{Gpu, GpuError, GpuTensor, GpuView, GpuViewMut};
@@ -80,16 +80,17 @@ pub fn linear_cublas(
     linear_with(gpu, gemms, x, m, k, Weight::Dense(w), n, bias, y, Route::Cublas)
 }
 
-/// The weight of a product: dense in x's dtype, or FP8 with the scratch buffer (x's dtype, at
-/// least the matrix's size) that a product of more rows than the FP8 GEMV takes dequantizes it
-/// into.
+/// The weight of a product: dense in x's dtype, or FP8 with
+/// - the scratch buffer (x's dtype, at least the matrix's size) that a product of more rows than
+///   the FP8 GEMV takes quantizes x into, or dequantizes the matrix into;
+/// - x's codes, where the op that wrote x also wrote them (the FP8 GEMM then reads them).
 pub(super) enum Weight<'a, 's> {
     Dense(GpuView<'a>),
-    Fp8(Fp8View<'a>, &'s mut GpuTensor),
+    Fp8(Fp8View<'a>, &'s mut GpuTensor, Option<RowCodes<'s>>),
 }
 
-/// [`linear`] over the first `n` rows of an FP8 matrix `w` (see [`super::fp8`]); `scratch` as
-/// [`Weight::Fp8`] says.
+/// [`linear`] over the first `n` rows of an FP8 matrix `w` (see [`super::fp8`]); `scratch` and
+/// `x_codes` as [`Weight::Fp8`] says.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_fp8(
     gpu: &Gpu,
@@ -101,9 +102,10 @@ pub fn linear_fp8(
     bias: Option<GpuView<'_>>,
     y: GpuViewMut<'_>,
     scratch: &mut GpuTensor,
+    x_codes: Option<RowCodes<'_>>,
 ) -> Result<(), GpuError> {
     assert!(n <= w.rows(), "linear_fp8: {n} output features from a matrix of {} rows", w.rows());
-    linear_with(gpu, gemms, x, m, w.cols(), Weight::Fp8(w, scratch), n, bias, y, Route::Auto)
+    linear_with(gpu, gemms, x, m, w.cols(), Weight::Fp8(w, scratch, x_codes), n, bias, y, Route::Auto)
 }
 
 /// Which kernel `linear_with` takes (`linear` always takes `Auto`; the others are for the
@@ -137,7 +139,7 @@ fn linear_with(
             assert_eq!(w.len(), n * k, "linear: w has {} elements, expected [n={n}, k={k}]", w.len());
             assert_eq!(x.dtype(), w.dtype(), "linear: x is {:?} but w is {:?}", x.dtype(), w.dtype());
         }
-        Weight::Fp8(w, _) => {
+        Weight::Fp8(w, _, _) => {
             assert!(w.cols() == k && w.rows() >= n, "linear: an FP8 w of {} columns, k = {k}", w.cols())
         }
     }
@@ -174,13 +176,13 @@ fn linear_with(
             gemv(gpu, x, m, k, w, n, ksplit, acc_ptr, acc_dtype)?
         }
         (Weight::Dense(w), Route::Auto | Route::Cublas) => gemm(gpu, gemms, x, m, k, w, n, acc_ptr, acc_dtype)?,
-        (Weight::Fp8(w, _), _) if fp8::gemv_fits(x, m) => {
+        (Weight::Fp8(w, _, _), _) if fp8::gemv_fits(x, m) => {
             let to_f32 = acc_dtype == DType::F32 && x.dtype() != DType::F32;
             let epilogue = if to_f32 { Epilogue::ToF32 } else { Epilogue::Store };
             fp8::gemv(gpu, x, m, w, n, fp8::gemv_ksplit(n, k), epilogue, acc_ptr)?
         }
-        (Weight::Fp8(w, scratch), _) => {
-            if !fp8::gemm(gpu, gemms, x, m, w, n, acc_ptr, acc_dtype, scratch)? {
+        (Weight::Fp8(w, scratch, x_codes), _) => {
+            if !fp8::gemm(gpu, gemms, x, m, w, n, acc_ptr, acc_dtype, scratch, x_codes)? {
                 let dense = dequantized(gpu, w, n, x.dtype(), scratch)?;
                 gemm(gpu, gemms, x, m, k, dense, n, acc_ptr, acc_dtype)?
             }
@@ -335,7 +337,8 @@ fn launch_gemv(
 /// (`[2 * inter, k]`), bit for bit as [`linear`] into `gate_up` (`[m, 2 * inter]`, x's dtype)
 /// followed by [`super::silu_and_mul`] or [`super::gelu_tanh_and_mul`]. Where the GEMV kernel
 /// takes the product and there is no bias, one kernel does both, the activation in its
-/// epilogue, and `gate_up` is left as it was.
+/// epilogue, and `gate_up` is left as it was. `out_codes`, where given, also gets `out`'s rows
+/// quantized (see [`super::fp8::GpuRowCodes`]).
 #[allow(clippy::too_many_arguments)]
 pub fn linear_gated(
     gpu: &Gpu,
@@ -349,12 +352,15 @@ pub fn linear_gated(
     act: GatedActivation,
     gate_up: GpuViewMut<'_>,
     out: GpuViewMut<'_>,
+    out_codes: Option<RowCodesMut<'_>>,
 ) -> Result<(), GpuError> {
     assert_eq!(w.len(), 2 * inter * k, "linear_gated: w has {} elements, expected [2 * {inter}, {k}]", w.len());
-    gated_with(gpu, gemms, x, m, k, Weight::Dense(w), inter, bias, act, gate_up, out)
+    let out = GatedOut { gate_up, out, codes: out_codes };
+    gated_with(gpu, gemms, x, m, k, Weight::Dense(w), inter, bias, act, out)
 }
 
-/// [`linear_gated`] over an FP8 `w` (`[2 * inter, k]`); `scratch` as [`Weight::Fp8`] says.
+/// [`linear_gated`] over an FP8 `w` (`[2 * inter, k]`), its operands and outputs in `fp8` and
+/// `out`.
 #[allow(clippy::too_many_arguments)]
 pub fn linear_gated_fp8(
     gpu: &Gpu,
@@ -365,12 +371,26 @@ pub fn linear_gated_fp8(
     inter: usize,
     bias: Option<GpuView<'_>>,
     act: GatedActivation,
-    gate_up: GpuViewMut<'_>,
-    out: GpuViewMut<'_>,
-    scratch: &mut GpuTensor,
+    fp8: Fp8Operands<'_, '_>,
+    out: GatedOut<'_>,
 ) -> Result<(), GpuError> {
     assert_eq!(w.rows(), 2 * inter, "linear_gated: an FP8 w of {} rows, expected 2 * {inter}", w.rows());
-    gated_with(gpu, gemms, x, m, w.cols(), Weight::Fp8(w, scratch), inter, bias, act, gate_up, out)
+    let weight = Weight::Fp8(w, fp8.scratch, fp8.x_codes);
+    gated_with(gpu, gemms, x, m, w.cols(), weight, inter, bias, act, out)
+}
+
+/// What an FP8 product takes beside its matrix: as [`Weight::Fp8`] says.
+pub struct Fp8Operands<'s, 'c> {
+    pub scratch: &'s mut GpuTensor,
+    pub x_codes: Option<RowCodes<'c>>,
+}
+
+/// Where a gated product's results go: `gate_up` (`[m, 2 * inter]`, scratch), `out`
+/// (`[m, inter]`) and, where given, `out`'s codes.
+pub struct GatedOut<'a> {
+    pub gate_up: GpuViewMut<'a>,
+    pub out: GpuViewMut<'a>,
+    pub codes: Option<RowCodesMut<'a>>,
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -384,20 +404,19 @@ fn gated_with(
     inter: usize,
     bias: Option<GpuView<'_>>,
     act: GatedActivation,
-    gate_up: GpuViewMut<'_>,
-    out: GpuViewMut<'_>,
+    GatedOut { gate_up, out, codes }: GatedOut<'_>,
 ) -> Result<(), GpuError> {
     assert_eq!(x.len(), m * k, "linear_gated: x has {} elements, expected [m={m}, k={k}]", x.len());
     assert_eq!(out.len(), m * inter, "linear_gated: out has {} elements, expected [{m}, {inter}]", out.len());
     assert_eq!(out.dtype(), x.dtype(), "linear_gated: out is {:?} but x is {:?}", out.dtype(), x.dtype());
     let fused = bias.is_none() && m > 0 && inter > 0;
     match &w {
-        Weight::Fp8(w, _) if fused && fp8::gemv_fits(x, m) => {
+        Weight::Fp8(w, _, _) if fused && fp8::gemv_fits(x, m) => {
             let epilogue = match act {
                 GatedActivation::Silu => Epilogue::Silu,
                 GatedActivation::GeluTanh => Epilogue::GeluTanh,
             };
-            return fp8::gemv(gpu, x, m, *w, inter, fp8::gemv_ksplit(2 * inter, k), epilogue, out.ptr());
+            fp8::gemv(gpu, x, m, *w, inter, fp8::gemv_ksplit(2 * inter, k), epilogue, out.ptr())?;
         }
         Weight::Dense(w) if fused && gemv_fits(x, m, k, *w) => {
             assert_eq!(x.dtype(), w.dtype(), "linear_gated: x is {:?} but w is {:?}", x.dtype(), w.dtype());
@@ -413,18 +432,25 @@ fn gated_with(
                 _ => unreachable!("gemv_fits admits 1..={GEMV_MAX_M} rows"),
             };
             // The split of the unfused product over 2 * inter rows, so that each sum is the same.
-            return launch_gemv(gpu, kernel, x, k, *w, inter, gemv_ksplit(2 * inter, k), out.ptr());
+            launch_gemv(gpu, kernel, x, k, *w, inter, gemv_ksplit(2 * inter, k), out.ptr())?;
         }
-        _ => {}
+        _ => {
+            assert!(inter > 0, "linear_gated: inter is 0");
+            let rows = gate_up.len() / (2 * inter);
+            assert!(rows >= m, "linear_gated: gate_up holds {rows} rows of 2 * {inter}, not {m}");
+            let mut gate_up = gate_up.rows(0..m, 2 * inter);
+            linear_with(gpu, gemms, x, m, k, w, 2 * inter, bias, gate_up.reborrow(), Route::Auto)?;
+            // The activation writes the codes too, where they are wanted.
+            return match act {
+                GatedActivation::Silu => super::ops::silu_and_mul(gpu, gate_up.as_view(), inter, out, codes),
+                GatedActivation::GeluTanh => super::ops::gelu_tanh_and_mul(gpu, gate_up.as_view(), inter, out, codes),
+            };
+        }
     }
-    assert!(inter > 0, "linear_gated: inter is 0");
-    let rows = gate_up.len() / (2 * inter);
-    assert!(rows >= m, "linear_gated: gate_up holds {rows} rows of 2 * {inter}, not {m}");
-    let mut gate_up = gate_up.rows(0..m, 2 * inter);
-    linear_with(gpu, gemms, x, m, k, w, 2 * inter, bias, gate_up.reborrow(), Route::Auto)?;
-    match act {
-        GatedActivation::Silu => super::ops::silu_and_mul(gpu, gate_up.as_view(), inter, out),
-        GatedActivation::GeluTanh => super::ops::gelu_tanh_and_mul(gpu, gate_up.as_view(), inter, out),
+    // The GEMV's epilogue wrote `out` alone: its codes, where wanted, from it.
+    match codes {
+        Some(codes) => fp8::quantize_rows(gpu, out.as_view(), m, inter, codes),
+        None => Ok(()),
     }
 }
 

@@ -4,6 +4,7 @@
 
 use cudarc::driver::{DevicePtr, LaunchConfig};
 
+use super::fp8::{RowCodesArg, RowCodesMut};
 use super::gpu::{rows_config, to_u32};
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
 use crate::DType;
@@ -82,37 +83,39 @@ pub fn embedding(
 }
 
 /// Row-wise RMSNorm: `out[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * w`. `x`, `out`: `[rows, w.len()]`
-/// in the activation dtype (`x` may be f32: an f32 residual stream); `w` f32.
-pub fn rms_norm(gpu: &Gpu, x: GpuView<'_>, w: GpuView<'_>, eps: f32, out: GpuViewMut<'_>) -> Result<(), GpuError> {
+/// in the activation dtype (`x` may be f32: an f32 residual stream); `w` f32. `codes`, where
+/// given, also gets `out`'s rows quantized (see [`super::fp8::GpuRowCodes`]).
+pub fn rms_norm(
+    gpu: &Gpu,
+    x: GpuView<'_>,
+    w: GpuView<'_>,
+    eps: f32,
+    out: GpuViewMut<'_>,
+    codes: Option<RowCodesMut<'_>>,
+) -> Result<(), GpuError> {
     let hidden = check_rows("rms_norm", x.len(), w);
     assert_eq!(out.len(), x.len(), "rms_norm: out has {} elements, x has {}", out.len(), x.len());
+    let rows = x.len() / hidden;
+    let codes = RowCodesMut::arg(codes.as_ref(), "rms_norm", rows, hidden);
+    let norm = NormLaunch { w, rows, hidden, eps, codes };
     if x.dtype() == DType::F32 && out.dtype() != DType::F32 {
-        return launch_rms_norm(
-            gpu,
-            "rms_norm_from_f32",
-            x.ptr(),
-            w,
-            out.ptr(),
-            out.dtype(),
-            x.len() / hidden,
-            hidden,
-            eps,
-        );
+        return launch_rms_norm(gpu, "rms_norm_from_f32", x.ptr(), out.ptr(), out.dtype(), norm);
     }
     same_dtype("rms_norm", x.dtype(), out.dtype());
-    launch_rms_norm(gpu, "rms_norm", x.ptr(), w, out.ptr(), x.dtype(), x.len() / hidden, hidden, eps)
+    launch_rms_norm(gpu, "rms_norm", x.ptr(), out.ptr(), x.dtype(), norm)
 }
 
 /// In-place row-wise RMSNorm over rows of `w.len()` (used per head for q/k norm).
 pub fn rms_norm_inplace(gpu: &Gpu, x: GpuViewMut<'_>, w: GpuView<'_>, eps: f32) -> Result<(), GpuError> {
     let hidden = check_rows("rms_norm_inplace", x.len(), w);
-    launch_rms_norm(gpu, "rms_norm", x.ptr(), w, x.ptr(), x.dtype(), x.len() / hidden, hidden, eps)
+    let norm = NormLaunch { w, rows: x.len() / hidden, hidden, eps, codes: RowCodesArg::NONE };
+    launch_rms_norm(gpu, "rms_norm", x.ptr(), x.ptr(), x.dtype(), norm)
 }
 
 /// Fused residual add + RMSNorm: `residual += x; out = rms_norm(residual, w, eps)`. The sum is
 /// rounded to the residual's dtype before it is normalised, as a stored residual would be. The
 /// residual is in the activation dtype of `x` and `out`, or f32 (then the stream between layers
-/// keeps f32 precision while the layers compute in bf16/f16).
+/// keeps f32 precision while the layers compute in bf16/f16). `codes` as in [`rms_norm`].
 pub fn add_rms_norm(
     gpu: &Gpu,
     residual: GpuViewMut<'_>,
@@ -120,6 +123,7 @@ pub fn add_rms_norm(
     w: GpuView<'_>,
     eps: f32,
     out: GpuViewMut<'_>,
+    codes: Option<RowCodesMut<'_>>,
 ) -> Result<(), GpuError> {
     let hidden = check_rows("add_rms_norm", residual.len(), w);
     assert_eq!(x.len(), residual.len(), "add_rms_norm: x has {} elements, residual {}", x.len(), residual.len());
@@ -132,6 +136,7 @@ pub fn add_rms_norm(
         "add_rms_norm"
     };
     let rows = residual.len() / hidden;
+    let codes = RowCodesMut::arg(codes.as_ref(), "add_rms_norm", rows, hidden);
     if rows == 0 {
         return Ok(());
     }
@@ -142,8 +147,9 @@ pub fn add_rms_norm(
         None => (kernel, hidden),
     };
     let mut launch = gpu.launch_builder(kernel, x.dtype());
-    launch.arg(&res_ptr).arg(&x_ptr).arg(&w_ptr).arg(&out_ptr).arg(&hidden_u32).arg(&eps);
-    // SAFETY: the arguments match the kernel's parameters; all buffers hold `rows` rows.
+    launch.arg(&res_ptr).arg(&x_ptr).arg(&w_ptr).arg(&out_ptr).arg(&hidden_u32).arg(&eps).arg(&codes);
+    // SAFETY: the arguments match the kernel's parameters; all buffers hold `rows` rows, and so
+    // do the codes, where given (checked).
     unsafe { launch.launch(rows_config(rows, width)) }?;
     Ok(())
 }
@@ -151,7 +157,9 @@ pub fn add_rms_norm(
 /// `residual += rms_norm(x, x_w, eps); out = rms_norm(residual, w, eps)`, the normed x rounded
 /// to its dtype as [`rms_norm_inplace`] would store it: in one kernel where rows are whole
 /// 16-byte chunks, else [`rms_norm_inplace`] on `x` and [`add_rms_norm`] (so `x` may be left
-/// normed). `x_w` and `w` are f32 `[hidden]`; the residual as in [`add_rms_norm`].
+/// normed). `x_w` and `w` are f32 `[hidden]`; the residual as in [`add_rms_norm`]; `codes` as in
+/// [`rms_norm`].
+#[allow(clippy::too_many_arguments)]
 pub fn add_normed_rms_norm(
     gpu: &Gpu,
     residual: GpuViewMut<'_>,
@@ -160,6 +168,7 @@ pub fn add_normed_rms_norm(
     w: GpuView<'_>,
     eps: f32,
     out: GpuViewMut<'_>,
+    codes: Option<RowCodesMut<'_>>,
 ) -> Result<(), GpuError> {
     let op = "add_normed_rms_norm";
     let hidden = check_rows(op, residual.len(), w);
@@ -177,17 +186,19 @@ pub fn add_normed_rms_norm(
     let (res_ptr, x_ptr, xw_ptr, w_ptr, out_ptr) = (residual.ptr(), x.ptr(), x_w.ptr(), w.ptr(), out.ptr());
     if !hidden.is_multiple_of(8) || ![res_ptr, x_ptr, xw_ptr, w_ptr, out_ptr].iter().all(|p| p.is_multiple_of(16)) {
         rms_norm_inplace(gpu, x.reborrow(), x_w, eps)?;
-        return add_rms_norm(gpu, residual, x.as_view(), w, eps, out);
+        return add_rms_norm(gpu, residual, x.as_view(), w, eps, out, codes);
     }
     let rows = residual.len() / hidden;
+    let codes = RowCodesMut::arg(codes.as_ref(), op, rows, hidden);
     if rows == 0 {
         return Ok(());
     }
     let hidden_u32 = to_u32(op, "hidden", hidden);
     let mut launch = gpu.launch_builder(kernel, x.dtype());
-    launch.arg(&res_ptr).arg(&x_ptr).arg(&xw_ptr).arg(&w_ptr).arg(&out_ptr).arg(&hidden_u32).arg(&eps);
+    launch.arg(&res_ptr).arg(&x_ptr).arg(&xw_ptr).arg(&w_ptr).arg(&out_ptr).arg(&hidden_u32).arg(&eps).arg(&codes);
     // SAFETY: the arguments match the kernel's parameters; all buffers hold `rows` rows, both
-    // weights `hidden` floats, and every row is whole 16-byte chunks.
+    // weights `hidden` floats, the codes (where given) `rows` rows, and every row is whole
+    // 16-byte chunks.
     unsafe { launch.launch(rows_config(rows, hidden / 8)) }?;
     Ok(())
 }
@@ -225,14 +236,28 @@ pub fn split_qkv(
     Ok(())
 }
 
-/// `out[r, j] = silu(gate_up[r, j]) * gate_up[r, inter + j]`; `gate_up`: `[rows, 2 * inter]`, `out`: `[rows, inter]`.
-pub fn silu_and_mul(gpu: &Gpu, gate_up: GpuView<'_>, inter: usize, out: GpuViewMut<'_>) -> Result<(), GpuError> {
-    act_and_mul(gpu, "silu_and_mul", gate_up, inter, out)
+/// `out[r, j] = silu(gate_up[r, j]) * gate_up[r, inter + j]`; `gate_up`: `[rows, 2 * inter]`,
+/// `out`: `[rows, inter]`. `codes`, where given, also gets `out`'s rows quantized (see
+/// [`super::fp8::GpuRowCodes`]).
+pub fn silu_and_mul(
+    gpu: &Gpu,
+    gate_up: GpuView<'_>,
+    inter: usize,
+    out: GpuViewMut<'_>,
+    codes: Option<RowCodesMut<'_>>,
+) -> Result<(), GpuError> {
+    act_and_mul(gpu, "silu_and_mul", gate_up, inter, out, codes)
 }
 
 /// As [`silu_and_mul`] with the tanh approximation of GELU (`gelu_pytorch_tanh`).
-pub fn gelu_tanh_and_mul(gpu: &Gpu, gate_up: GpuView<'_>, inter: usize, out: GpuViewMut<'_>) -> Result<(), GpuError> {
-    act_and_mul(gpu, "gelu_tanh_and_mul", gate_up, inter, out)
+pub fn gelu_tanh_and_mul(
+    gpu: &Gpu,
+    gate_up: GpuView<'_>,
+    inter: usize,
+    out: GpuViewMut<'_>,
+    codes: Option<RowCodesMut<'_>>,
+) -> Result<(), GpuError> {
+    act_and_mul(gpu, "gelu_tanh_and_mul", gate_up, inter, out, codes)
 }
 
 /// `dst[i, :] = src[indices[i], :]`; `src`: `[src_rows, width]`, `dst`: `[indices.len(), width]`
@@ -285,44 +310,56 @@ fn act_and_mul(
     gate_up: GpuView<'_>,
     inter: usize,
     out: GpuViewMut<'_>,
+    codes: Option<RowCodesMut<'_>>,
 ) -> Result<(), GpuError> {
     assert!(inter > 0, "{op}: inter is 0");
     assert_eq!(gate_up.len() % (2 * inter), 0, "{op}: gate_up has {} elements, not rows of 2 * {inter}", gate_up.len());
     let rows = gate_up.len() / (2 * inter);
     assert_eq!(out.len(), rows * inter, "{op}: out has {} elements, expected [{rows}, {inter}]", out.len());
     same_dtype(op, gate_up.dtype(), out.dtype());
+    let codes = RowCodesMut::arg(codes.as_ref(), op, rows, inter);
     if rows == 0 {
         return Ok(());
     }
     let (gu_ptr, out_ptr, inter_u32) = (gate_up.ptr(), out.ptr(), to_u32(op, "inter", inter));
     let mut launch = gpu.launch_builder(op, out.dtype());
-    launch.arg(&gu_ptr).arg(&out_ptr).arg(&inter_u32);
+    launch.arg(&gu_ptr).arg(&out_ptr).arg(&inter_u32).arg(&codes);
     // Blocks of 256 threads, each taking 8 columns at a time where it can (see the kernel), up
-    // to 64 blocks per row; fewer per row for a large batch.
+    // to 64 blocks per row; fewer per row for a large batch; one per row where it also writes the
+    // row's codes (the kernel's amax is over the whole row).
     let per_thread = if inter.is_multiple_of(8) { 8 } else { 1 };
     let chunks = inter.div_ceil(256 * per_thread).min(64).min(4096usize.div_ceil(rows)).max(1);
+    let chunks = if codes.keeps_codes() { 1 } else { chunks };
     let cfg = LaunchConfig {
         grid_dim: (to_u32(op, "rows", rows), chunks as u32, 1),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
-    // SAFETY: the arguments match the kernel's parameters; both buffers hold `rows` rows.
+    // SAFETY: the arguments match the kernel's parameters; both buffers hold `rows` rows, and so
+    // do the codes, where given (checked).
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }
 
 #[allow(clippy::too_many_arguments)]
+/// What a plain RMSNorm launch normalises: `rows` rows of `hidden` by `w`, and where their codes go.
+struct NormLaunch<'a> {
+    w: GpuView<'a>,
+    rows: usize,
+    hidden: usize,
+    eps: f32,
+    codes: RowCodesArg,
+}
+
 fn launch_rms_norm(
     gpu: &Gpu,
     kernel: &'static str,
     x_ptr: u64,
-    w: GpuView<'_>,
     out_ptr: u64,
     dtype: DType,
-    rows: usize,
-    hidden: usize,
-    eps: f32,
+    norm: NormLaunch<'_>,
 ) -> Result<(), GpuError> {
+    let NormLaunch { w, rows, hidden, eps, codes } = norm;
     if rows == 0 {
         return Ok(());
     }
@@ -332,8 +369,9 @@ fn launch_rms_norm(
         None => (kernel, hidden),
     };
     let mut launch = gpu.launch_builder(kernel, dtype);
-    launch.arg(&x_ptr).arg(&w_ptr).arg(&out_ptr).arg(&hidden_u32).arg(&eps);
-    // SAFETY: the arguments match the kernel's parameters; x and out hold `rows` rows.
+    launch.arg(&x_ptr).arg(&w_ptr).arg(&out_ptr).arg(&hidden_u32).arg(&eps).arg(&codes);
+    // SAFETY: the arguments match the kernel's parameters; x and out hold `rows` rows, and so do
+    // the codes, where given (checked by the caller).
     unsafe { launch.launch(rows_config(rows, width)) }?;
     Ok(())
 }

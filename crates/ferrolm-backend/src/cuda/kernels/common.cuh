@@ -54,6 +54,18 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
+// Maximum of `v` over the whole block, returned to every thread. `scratch`: 32 floats of shared
+// memory.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();  // `scratch` may still be read by a previous call
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < num_warps ? scratch[lane] : 0.f;
+    return warp_max(v);
+}
+
 // Programmatic dependent launch (sm_90 and later; no-ops before). The host launches every
 // kernel with programmatic stream serialization, so a kernel's blocks may start while the
 // kernel before it on the stream is still running. Every kernel therefore calls `pdl_wait`
@@ -321,4 +333,27 @@ __device__ __forceinline__ unsigned char f32_to_e4m3(float x) {
     if (biased > 15 || (biased == 15 && keep > 6)) return (unsigned char)(sign | 0x7e);
     return (unsigned char)(sign | ((u32)biased << 3) | keep);
 #endif
+}
+
+// Where an activation buffer keeps each row's FP8 codes beside its values (crate::cuda::fp8's
+// RowCodes): `codes` [rows, cols] and `scales` f32 [rows]. A null `codes` keeps none.
+struct RowCodes {
+    unsigned char* codes;
+    float* scales;
+};
+
+// Row `r` of `cols` T values (`row`) quantized with its own dynamic scale, as vLLM's FP8 GEMMs
+// quantize activations per token: scale = max(amax / 448, 1 / (448 * 512)) and codes = e4m3(x /
+// scale), the division in f32 (crate::fp8's quantize_rows, by row). Called by every thread of
+// a block (a multiple of 32 threads) once the row is visible to all of them (a __syncthreads
+// after a kernel's own writes); `scratch`: 32 floats of shared memory.
+template <typename T>
+__device__ __forceinline__ void quantize_row(const T* row, u32 cols, RowCodes out, u64 r, float* scratch) {
+    float amax = 0.f;
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) amax = fmaxf(amax, fabsf(to_float(row[c])));
+    amax = block_max(amax, scratch);
+    const float scale = fmaxf(amax / 448.f, 1.f / (448.f * 512.f));
+    if (threadIdx.x == 0) out.scales[r] = scale;
+    unsigned char* codes = out.codes + r * cols;
+    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) codes[c] = f32_to_e4m3(to_float(row[c]) / scale);
 }

@@ -95,10 +95,17 @@ __device__ __forceinline__ void act_and_mul_impl(const T* gate_up, T* out, u32 i
     }
 }
 
+// Where `codes` is not null, the grid is (rows, 1): each block writes its whole row, then the
+// row's FP8 codes and scale (`quantize_row`), for the FP8 projection that reads it.
 #define ACT_AND_MUL(NAME, ACT, T, S) \
-    extern "C" __global__ void NAME##_##S(const T* gate_up, T* out, u32 inter) { \
+    extern "C" __global__ void NAME##_##S(const T* gate_up, T* out, u32 inter, RowCodes codes) { \
+        __shared__ float scratch[32]; \
         pdl_enter(); \
         act_and_mul_impl<T>(gate_up, out, inter, [](float x) { return ACT(x); }); \
+        if (codes.codes != nullptr) { \
+            __syncthreads(); \
+            quantize_row(out + (u64)blockIdx.x * inter, inter, codes, blockIdx.x, scratch); \
+        } \
     }
 #define SILU_AND_MUL(T, S) ACT_AND_MUL(silu_and_mul, silu, T, S)
 #define GELU_TANH_AND_MUL(T, S) ACT_AND_MUL(gelu_tanh_and_mul, gelu_tanh, T, S)

@@ -18,25 +18,15 @@
         _Pragma("unroll") for (int j = 0; j < 16; j++) out[e + j] = from_float<T>(v[j] * scale); \
     }
 
-// Dynamic per-row (per-token) quantization of activations, as vLLM's FP8 GEMMs quantize them:
-// scales[r] = max(amax_r / 448, 1 / (448 * 512)) and codes[r, c] = e4m3(x[r, c] / scales[r]),
-// the division in f32 (crate::fp8's quantize_rows, by row). One block of 256 threads per row.
+// Dynamic per-row (per-token) quantization of activations (`quantize_row`), where the kernel
+// that wrote them kept no codes (see crate::cuda::fp8). One block of 256 threads per row.
 #define FP8_QUANTIZE_ROWS(T, S) \
     extern "C" __global__ void __launch_bounds__(256) fp8_quantize_rows_##S(const T* x, u32 k, unsigned char* codes, \
                                                                             float* scales) { \
-        __shared__ float red_s[32]; \
+        __shared__ float scratch[32]; \
         pdl_enter(); \
         const u64 r = blockIdx.x; \
-        const T* row = x + r * k; \
-        float amax = 0.f; \
-        for (u32 c = threadIdx.x; c < k; c += blockDim.x) amax = fmaxf(amax, fabsf(to_float(row[c]))); \
-        amax = warp_max(amax); \
-        if ((threadIdx.x & 31) == 0) red_s[threadIdx.x >> 5] = amax; \
-        __syncthreads(); \
-        for (u32 w = 0; w < (blockDim.x >> 5); w++) amax = fmaxf(amax, red_s[w]); \
-        const float scale = fmaxf(amax / 448.f, 1.f / (448.f * 512.f)); \
-        if (threadIdx.x == 0) scales[r] = scale; \
-        for (u32 c = threadIdx.x; c < k; c += blockDim.x) codes[r * k + c] = f32_to_e4m3(to_float(row[c]) / scale); \
+        quantize_row(x + r * k, k, RowCodes{codes, scales}, r, scratch); \
     }
 
 FOR_EACH_DTYPE(FP8_DEQUANTIZE)

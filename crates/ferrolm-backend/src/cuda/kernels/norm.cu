@@ -6,14 +6,26 @@
 // loaded before the wait on the kernel before (no kernel writes them), so that a row of up to
 // NORM_CACHED * blockDim.x elements (4096 at 1024 threads) costs one round of loads after the
 // wait; elements past that are read again, as are their weights.
+//
+// Every kernel takes a `RowCodes` last: where it is not null, the block also writes its row's
+// FP8 codes and scale (`quantize_row`), for an FP8 projection that reads the normed rows.
 #define NORM_CACHED 4
+
+// Where `codes` keeps codes: the row just written (`row`, by every thread of the block) quantized
+// into them (`quantize_row`), so that the FP8 projection reading it need not quantize it again.
+template <typename T>
+__device__ __forceinline__ void quantize_normed_row(const T* row, u32 hidden, RowCodes codes, float* scratch) {
+    if (codes.codes == nullptr) return;
+    __syncthreads();  // the row's values, written by the whole block
+    quantize_row(row, hidden, codes, blockIdx.x, scratch);
+}
 
 // Normalises row `blockIdx.x` of `hidden` elements into `out`. `first(i)` gives the element at
 // flat index i once the wait is over (it may also store it, as the residual add does); `again(i)`
 // reads it back for the elements past the cached ones.
 template <typename T, typename First, typename Again>
 __device__ __forceinline__ void rms_norm_row(First first, Again again, const float* w, T* out, u32 hidden,
-                                             float eps) {
+                                             float eps, RowCodes codes) {
     __shared__ float scratch[32];
     const u64 base = (u64)blockIdx.x * hidden;
     float wv[NORM_CACHED], v[NORM_CACHED];
@@ -44,6 +56,7 @@ __device__ __forceinline__ void rms_norm_row(First first, Again again, const flo
     for (u32 i = threadIdx.x + NORM_CACHED * blockDim.x; i < hidden; i += blockDim.x) {
         out[base + i] = from_float<T>(again(base + i) * inv_rms * w[i]);
     }
+    quantize_normed_row(out + base, hidden, codes, scratch);
 }
 
 // The same for rows of a multiple of 8 elements, 16-byte aligned, with 16-byte accesses: thread
@@ -55,7 +68,7 @@ __device__ __forceinline__ void rms_norm_row(First first, Again again, const flo
 
 template <typename T, typename First, typename Again>
 __device__ __forceinline__ void rms_norm_row8(First first, Again again, const float* w, T* out, u32 hidden,
-                                              float eps) {
+                                              float eps, RowCodes codes) {
     __shared__ float scratch[32];
     const u64 base = (u64)blockIdx.x * hidden;
     const u32 chunks = hidden / 8;
@@ -109,42 +122,46 @@ __device__ __forceinline__ void rms_norm_row8(First first, Again again, const fl
         for (int k = 0; k < 8; k++) y[k] = u[k] * inv_rms * wu[k];
         store8(out + base + 8 * (u64)j, y);
     }
+    quantize_normed_row(out + base, hidden, codes, scratch);
 }
 
 // x, out: [rows, hidden]. `out` may be `x` (in place): each thread reads an element before
 // it writes the same element.
 template <typename X, typename T>
-__device__ __forceinline__ void rms_norm_impl(const X* x, const float* w, T* out, u32 hidden, float eps) {
+__device__ __forceinline__ void rms_norm_impl(const X* x, const float* w, T* out, u32 hidden, float eps,
+                                              RowCodes codes) {
     auto read = [&](u64 i) { return to_float(x[i]); };
-    rms_norm_row<T>(read, read, w, out, hidden, eps);
+    rms_norm_row<T>(read, read, w, out, hidden, eps, codes);
 }
 
 // The same by 8-element chunks (hidden a multiple of 8, rows 16-byte aligned).
 template <typename X, typename T>
-__device__ __forceinline__ void rms_norm_vec8_impl(const X* x, const float* w, T* out, u32 hidden, float eps) {
+__device__ __forceinline__ void rms_norm_vec8_impl(const X* x, const float* w, T* out, u32 hidden, float eps,
+                                                   RowCodes codes) {
     auto read = [&](u64 i, float (&v)[8]) {
         Raw8<X> raw;
         load_raw(x + i, raw);
         unpack8(raw, v);
     };
-    rms_norm_row8<T>(read, read, w, out, hidden, eps);
+    rms_norm_row8<T>(read, read, w, out, hidden, eps, codes);
 }
 
 #define RMS_NORM(T, S) \
-    extern "C" __global__ void rms_norm_##S(const T* x, const float* w, T* out, u32 hidden, float eps) { \
-        rms_norm_impl<T, T>(x, w, out, hidden, eps); \
+    extern "C" __global__ void rms_norm_##S(const T* x, const float* w, T* out, u32 hidden, float eps, \
+                                            RowCodes codes) { \
+        rms_norm_impl<T, T>(x, w, out, hidden, eps, codes); \
     } \
     extern "C" __global__ void rms_norm_from_f32_##S(const float* x, const float* w, T* out, u32 hidden, \
-                                                     float eps) { \
-        rms_norm_impl<float, T>(x, w, out, hidden, eps); \
+                                                     float eps, RowCodes codes) { \
+        rms_norm_impl<float, T>(x, w, out, hidden, eps, codes); \
     } \
     extern "C" __global__ void __launch_bounds__(1024) \
-        rms_norm_vec8_##S(const T* x, const float* w, T* out, u32 hidden, float eps) { \
-        rms_norm_vec8_impl<T, T>(x, w, out, hidden, eps); \
+        rms_norm_vec8_##S(const T* x, const float* w, T* out, u32 hidden, float eps, RowCodes codes) { \
+        rms_norm_vec8_impl<T, T>(x, w, out, hidden, eps, codes); \
     } \
     extern "C" __global__ void __launch_bounds__(1024) \
-        rms_norm_from_f32_vec8_##S(const float* x, const float* w, T* out, u32 hidden, float eps) { \
-        rms_norm_vec8_impl<float, T>(x, w, out, hidden, eps); \
+        rms_norm_from_f32_vec8_##S(const float* x, const float* w, T* out, u32 hidden, float eps, RowCodes codes) { \
+        rms_norm_vec8_impl<float, T>(x, w, out, hidden, eps, codes); \
     }
 FOR_EACH_DTYPE(RMS_NORM)
 
@@ -152,20 +169,20 @@ FOR_EACH_DTYPE(RMS_NORM)
 // it: R is T, or f32 for an f32 residual stream), then `out = rms_norm(residual)`.
 template <typename R, typename T>
 __device__ __forceinline__ void add_rms_norm_impl(R* residual, const T* x, const float* w, T* out, u32 hidden,
-                                                  float eps) {
+                                                  float eps, RowCodes codes) {
     auto add = [&](u64 i) {
         const R sum = from_float<R>(to_float(residual[i]) + to_float(x[i]));
         residual[i] = sum;
         return to_float(sum);
     };
     auto read = [&](u64 i) { return to_float(residual[i]); };
-    rms_norm_row<T>(add, read, w, out, hidden, eps);
+    rms_norm_row<T>(add, read, w, out, hidden, eps, codes);
 }
 
 // The same by 8-element chunks (hidden a multiple of 8, rows 16-byte aligned).
 template <typename R, typename T>
 __device__ __forceinline__ void add_rms_norm_vec8_impl(R* residual, const T* x, const float* w, T* out, u32 hidden,
-                                                       float eps) {
+                                                       float eps, RowCodes codes) {
     auto add = [&](u64 i, float (&v)[8]) {
         Raw8<R> r_raw;
         Raw8<T> x_raw;
@@ -183,25 +200,26 @@ __device__ __forceinline__ void add_rms_norm_vec8_impl(R* residual, const T* x, 
         load_raw(residual + i, raw);
         unpack8(raw, v);
     };
-    rms_norm_row8<T>(add, read, w, out, hidden, eps);
+    rms_norm_row8<T>(add, read, w, out, hidden, eps, codes);
 }
 
 #define ADD_RMS_NORM(T, S) \
     extern "C" __global__ void add_rms_norm_##S(T* residual, const T* x, const float* w, T* out, u32 hidden, \
-                                                float eps) { \
-        add_rms_norm_impl<T, T>(residual, x, w, out, hidden, eps); \
+                                                float eps, RowCodes codes) { \
+        add_rms_norm_impl<T, T>(residual, x, w, out, hidden, eps, codes); \
     } \
     extern "C" __global__ void add_rms_norm_f32_residual_##S(float* residual, const T* x, const float* w, T* out, \
-                                                             u32 hidden, float eps) { \
-        add_rms_norm_impl<float, T>(residual, x, w, out, hidden, eps); \
+                                                             u32 hidden, float eps, RowCodes codes) { \
+        add_rms_norm_impl<float, T>(residual, x, w, out, hidden, eps, codes); \
     } \
     extern "C" __global__ void __launch_bounds__(1024) \
-        add_rms_norm_vec8_##S(T* residual, const T* x, const float* w, T* out, u32 hidden, float eps) { \
-        add_rms_norm_vec8_impl<T, T>(residual, x, w, out, hidden, eps); \
+        add_rms_norm_vec8_##S(T* residual, const T* x, const float* w, T* out, u32 hidden, float eps, \
+                              RowCodes codes) { \
+        add_rms_norm_vec8_impl<T, T>(residual, x, w, out, hidden, eps, codes); \
     } \
     extern "C" __global__ void __launch_bounds__(1024) add_rms_norm_f32_residual_vec8_##S( \
-        float* residual, const T* x, const float* w, T* out, u32 hidden, float eps) { \
-        add_rms_norm_vec8_impl<float, T>(residual, x, w, out, hidden, eps); \
+        float* residual, const T* x, const float* w, T* out, u32 hidden, float eps, RowCodes codes) { \
+        add_rms_norm_vec8_impl<float, T>(residual, x, w, out, hidden, eps, codes); \
     }
 FOR_EACH_DTYPE(ADD_RMS_NORM)
 
@@ -212,7 +230,8 @@ FOR_EACH_DTYPE(ADD_RMS_NORM)
 // first pass sums x's squares, then `add_rms_norm_vec8`'s pass with x normed on the way in.
 template <typename R, typename T>
 __device__ __forceinline__ void add_normed_rms_norm_vec8_impl(R* residual, const T* x, const float* x_w,
-                                                              const float* w, T* out, u32 hidden, float eps) {
+                                                              const float* w, T* out, u32 hidden, float eps,
+                                                              RowCodes codes) {
     __shared__ float x_scratch[32];
     const u64 base = (u64)blockIdx.x * hidden;
     const u32 chunks = hidden / 8;
@@ -251,16 +270,17 @@ __device__ __forceinline__ void add_normed_rms_norm_vec8_impl(R* residual, const
         load_raw(residual + i, raw);
         unpack8(raw, v);
     };
-    rms_norm_row8<T>(add, read, w, out, hidden, eps);
+    rms_norm_row8<T>(add, read, w, out, hidden, eps, codes);
 }
 
 #define ADD_NORMED_RMS_NORM(T, S) \
     extern "C" __global__ void __launch_bounds__(1024) add_normed_rms_norm_vec8_##S( \
-        T* residual, const T* x, const float* x_w, const float* w, T* out, u32 hidden, float eps) { \
-        add_normed_rms_norm_vec8_impl<T, T>(residual, x, x_w, w, out, hidden, eps); \
+        T* residual, const T* x, const float* x_w, const float* w, T* out, u32 hidden, float eps, RowCodes codes) { \
+        add_normed_rms_norm_vec8_impl<T, T>(residual, x, x_w, w, out, hidden, eps, codes); \
     } \
     extern "C" __global__ void __launch_bounds__(1024) add_normed_rms_norm_f32_residual_vec8_##S( \
-        float* residual, const T* x, const float* x_w, const float* w, T* out, u32 hidden, float eps) { \
-        add_normed_rms_norm_vec8_impl<float, T>(residual, x, x_w, w, out, hidden, eps); \
+        float* residual, const T* x, const float* x_w, const float* w, T* out, u32 hidden, float eps, \
+        RowCodes codes) { \
+        add_normed_rms_norm_vec8_impl<float, T>(residual, x, x_w, w, out, hidden, eps, codes); \
     }
 FOR_EACH_DTYPE(ADD_NORMED_RMS_NORM)
