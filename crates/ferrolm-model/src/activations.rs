@@ -104,9 +104,10 @@ impl Specs {
     fn of(cfg: &ModelConfig, splits_kv: bool) -> Specs {
         use Per::{Row, Token};
         use Precision::{Compute, F32};
-        // What the layers' projections read, where they are FP8: a device may keep its FP8
-        // codes too.
-        let input = if cfg.quantization.is_some() { Precision::ProjectionInput } else { Compute };
+        // What the layers' projections read, where FP8 GEMMs over per-token codes take them: a
+        // device may keep the codes too.
+        let fp8_inputs = cfg.quantization.is_some_and(|q| q.scales_whole_rows());
+        let input = if fp8_inputs { Precision::ProjectionInput } else { Compute };
         let (h, q) = (cfg.hidden_size, cfg.q_size());
         let kv = cfg.kv_size();
         let split = if splits_kv { kv } else { 0 };

@@ -77,6 +77,10 @@ impl Cuda {
         weights: &[(Fp8View<'_>, usize, DType)],
     ) -> Result<Vec<Fp8GemmTuning>, GpuError> {
         let mut report = Vec::new();
+        // f32 activations never take the FP8 GEMM (see `linear_fp8`).
+        if self.dtype == DType::F32 {
+            return Ok(report);
+        }
         for &(w, n, output) in weights {
             report.extend(fp8::tune_gemms(&self.gpu, &self.gemms, w, n, ms, output)?);
         }
@@ -131,7 +135,8 @@ impl CudaMatrix {
 ///
 /// Invariant: `codes_written` holds only while the codes are those of the rows as they are now.
 /// Every write of the values goes through [`CudaTensor::view_mut`], which clears it, or
-/// [`CudaTensor::view_mut_with_codes`], whose op writes the codes too; so does a change of rows.
+/// [`CudaTensor::view_mut_with_codes`], whose op writes the codes too (an op that fails instead
+/// aborts its step, and the next step's rows clear the flag); so does a change of rows.
 pub struct CudaTensor {
     /// `[capacity, cols]`
     buf: GpuTensor,

@@ -423,13 +423,24 @@ impl Gemms {
         let x_scales = GpuTensor::from_f32(gpu, &vec![1.0; m], DType::F32)?;
         let out = GpuTensor::zeros(gpu, output, m * n)?;
         let (x_ptr, x_scales_ptr, out_ptr) = (gpu.index_ptr(&x), x_scales.view().ptr(), out.view().ptr());
-        let mut plan = Plan::fp8(shape)?;
-        // SAFETY: an FP8 plan; the scales outlive its runs here (synchronized below).
-        unsafe { plan.set_fp8_scales(w_scales, x_scales_ptr) }?;
         let (_, workspace_bytes) = gpu.blas_workspace();
+        let planned = Plan::fp8(shape).and_then(|plan| {
+            // SAFETY: an FP8 plan; the scales outlive its runs here (synchronized below).
+            unsafe { plan.set_fp8_scales(w_scales, x_scales_ptr) }?;
+            let algos = plan.candidates(self.handle, CANDIDATES, workspace_bytes)?;
+            Ok((plan, algos))
+        });
+        // cuBLASLt declining the shape (an error, as `fp8_supported` counts it) leaves it untuned.
+        let (mut plan, algos) = match planned {
+            Ok(planned) => planned,
+            Err(e) => {
+                tracing::debug!(?shape, error = %e, "no FP8 GEMM from cuBLASLt to tune");
+                return Ok(None);
+            }
+        };
         let handle = self.handle;
         let mut timed = Vec::new();
-        for (i, algo) in plan.candidates(handle, CANDIDATES, workspace_bytes)?.into_iter().enumerate() {
+        for (i, algo) in algos.into_iter().enumerate() {
             // SAFETY: the caller vouches for the weights; x, its scales and out hold the shape.
             let run = gpu.time_us(|| unsafe { plan.run(gpu, handle, &algo, w, x_ptr, out_ptr) });
             // A candidate that fails to launch is passed over, not fatal.

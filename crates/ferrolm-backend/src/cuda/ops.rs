@@ -341,7 +341,6 @@ fn act_and_mul(
     Ok(())
 }
 
-#[allow(clippy::too_many_arguments)]
 /// What a plain RMSNorm launch normalises: `rows` rows of `hidden` by `w`, and where their codes go.
 struct NormLaunch<'a> {
     w: GpuView<'a>,

@@ -70,6 +70,12 @@ impl Quantization {
             Quantization::Fp8AtLoad => None,
         }
     }
+
+    /// Whether each row of a quantized weight has one scale (a tensor's or a channel's), as the
+    /// FP8 GEMMs over per-token-quantized inputs take them (block scales do not).
+    pub fn scales_whole_rows(&self) -> bool {
+        self.checkpoint().is_none_or(|c| !matches!(c.weights, WeightScaling::Block { .. }))
+    }
 }
 
 /// The `quantization_config` of a `config.json` (`None` when it has none); the error names what

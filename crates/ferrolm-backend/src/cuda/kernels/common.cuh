@@ -54,8 +54,8 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
     return warp_sum(v);
 }
 
-// Maximum of `v` over the whole block, returned to every thread. `scratch`: 32 floats of shared
-// memory.
+// Maximum of `v` over the whole block, returned to every thread, for values >= 0 (an amax: the
+// lanes past the warps count as 0). `scratch`: 32 floats of shared memory.
 __device__ __forceinline__ float block_max(float v, float* scratch) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
     v = warp_max(v);
