@@ -61,7 +61,8 @@ fn silu_and_mul(gpu: &Gpu, rows: usize, codes: bool) -> Result<(f64, usize), Gpu
     let t = best_mean(gpu, copies, |i| {
         let i = i % copies;
         let codes = all_codes.get_mut(i).map(|c| c.rows_mut(rows));
-        cuda::silu_and_mul(gpu, inputs[i].view(), INTER, outputs[i].view_mut(), codes)
+        let act = cuda::GatedActivation::Silu;
+        cuda::gated_activation(gpu, act, inputs[i].view(), INTER, outputs[i].view_mut(), codes)
     })?;
     Ok((t, bytes))
 }

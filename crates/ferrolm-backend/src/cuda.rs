@@ -76,8 +76,8 @@ pub use linear::{linear_cublas, linear_gemv_ksplit};
 pub use moe::moe_on_path;
 pub use moe::{add_sigmoid_gated, moe, moe_path, GpuExperts, GpuMoeScratch, MoePath, GEMV_MAX_SLOTS_PER_EXPERT};
 pub use ops::{
-    add_normed_rms_norm, add_rms_norm, embedding, gather_rows, gelu_tanh_and_mul, rms_norm, rms_norm_inplace,
-    silu_and_mul, softcap, split_qkv,
+    add_normed_rms_norm, add_rms_norm, embedding, gated_activation, gather_rows, rms_norm, rms_norm_inplace, softcap,
+    split_qkv,
 };
 pub use read_rate::read_rate;
 #[cfg(feature = "bench-internals")]

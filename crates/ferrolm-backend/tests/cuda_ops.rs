@@ -362,7 +362,8 @@ fn gated_activations_match_cpu() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
     let mut rng = rng(7);
     type CpuAct = fn(&[f32], usize, &mut [f32]);
-    let ops: [(&str, CpuAct); 2] = [("silu_and_mul", cpu::silu_and_mul), ("gelu_tanh_and_mul", cpu::gelu_tanh_and_mul)];
+    let ops: [(cuda::GatedActivation, CpuAct); 2] =
+        [(cuda::GatedActivation::Silu, cpu::silu_and_mul), (cuda::GatedActivation::GeluTanh, cpu::gelu_tanh_and_mul)];
     // The last shape has more columns than its blocks of a row cover at once (a strided loop).
     for (rows, inter) in [(1, 5), (3, 128), (9, 4864), (2, 14336), (600, 4864)] {
         let mut gate_up = random_vec(&mut rng, rows * 2 * inter, 8.0);
@@ -371,15 +372,12 @@ fn gated_activations_match_cpu() -> Result<(), GpuError> {
         gate_up[1.min(inter - 1)] = 200.0;
         for (dtype, tol) in DTYPES {
             let (gu_dev, gu_r) = upload(&gpu, &gate_up, dtype)?;
-            for (name, cpu_op) in ops {
+            for (act, cpu_op) in ops {
                 let mut out = nan_tensor(&gpu, dtype, rows * inter)?;
-                match name {
-                    "silu_and_mul" => cuda::silu_and_mul(&gpu, gu_dev.view(), inter, out.view_mut(), None)?,
-                    _ => cuda::gelu_tanh_and_mul(&gpu, gu_dev.view(), inter, out.view_mut(), None)?,
-                }
+                cuda::gated_activation(&gpu, act, gu_dev.view(), inter, out.view_mut(), None)?;
                 let mut want = vec![0.0; rows * inter];
                 cpu_op(&gu_r, inter, &mut want);
-                check(&format!("{name} {dtype:?} [{rows}, {inter}]"), &out.to_f32_vec(&gpu)?, &want, tol);
+                check(&format!("{act:?} and mul {dtype:?} [{rows}, {inter}]"), &out.to_f32_vec(&gpu)?, &want, tol);
             }
         }
     }
@@ -1632,14 +1630,7 @@ fn linear_gated_matches_linear_then_activation() -> Result<(), GpuError> {
                             bias,
                             gate_up.view_mut(),
                         )?;
-                        match act {
-                            cuda::GatedActivation::Silu => {
-                                cuda::silu_and_mul(&gpu, gate_up.view(), inter, want.view_mut(), None)?
-                            }
-                            cuda::GatedActivation::GeluTanh => {
-                                cuda::gelu_tanh_and_mul(&gpu, gate_up.view(), inter, want.view_mut(), None)?
-                            }
-                        }
+                        cuda::gated_activation(&gpu, act, gate_up.view(), inter, want.view_mut(), None)?;
                         let (got, want) = (got.to_f32_vec(&gpu)?, want.to_f32_vec(&gpu)?);
                         let same = got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits());
                         assert!(same, "{what}: differs from linear then the activation");
@@ -2855,14 +2846,7 @@ fn fp8_linear_gated_matches_fp8_linear_then_activation() -> Result<(), GpuError>
                         let mut want = nan_tensor(&gpu, dtype, m * inter)?;
                         let gu = gate_up.view_mut();
                         cuda::linear_fp8(&gpu, &gemms, x_view, m, w_view, 2 * inter, None, gu, &mut scratch, None)?;
-                        match act {
-                            cuda::GatedActivation::Silu => {
-                                cuda::silu_and_mul(&gpu, gate_up.view(), inter, want.view_mut(), None)?
-                            }
-                            cuda::GatedActivation::GeluTanh => {
-                                cuda::gelu_tanh_and_mul(&gpu, gate_up.view(), inter, want.view_mut(), None)?
-                            }
-                        }
+                        cuda::gated_activation(&gpu, act, gate_up.view(), inter, want.view_mut(), None)?;
                         let (got, want) = (got.to_f32_vec(&gpu)?, want.to_f32_vec(&gpu)?);
                         assert!(!got.iter().any(|v| v.is_nan()), "linear_gated_fp8 {layout} {dtype:?} m={m}: NaN");
                         let same = got.iter().zip(&want).all(|(g, w)| g.to_bits() == w.to_bits());
@@ -3032,10 +3016,11 @@ fn fused_fp8_codes_match_quantizing_the_rows() -> Result<(), GpuError> {
             }
             let inter = h;
             let (gate_up, _) = upload(&gpu, &random_vec(&mut rng, rows * 2 * inter, 3.0), dtype)?;
-            cuda::silu_and_mul(&gpu, gate_up.view(), inter, out.view_mut(), Some(codes.rows_mut(rows)))?;
-            check_row_codes(&what("silu_and_mul"), &gpu, &codes, &out, rows, inter);
-            cuda::gelu_tanh_and_mul(&gpu, gate_up.view(), inter, out.view_mut(), Some(codes.rows_mut(rows)))?;
-            check_row_codes(&what("gelu_tanh_and_mul"), &gpu, &codes, &out, rows, inter);
+            for act in [cuda::GatedActivation::Silu, cuda::GatedActivation::GeluTanh] {
+                let (out_view, codes_mut) = (out.view_mut(), Some(codes.rows_mut(rows)));
+                cuda::gated_activation(&gpu, act, gate_up.view(), inter, out_view, codes_mut)?;
+                check_row_codes(&what(&format!("{act:?} and mul")), &gpu, &codes, &out, rows, inter);
+            }
             // The FP8 GEMM over these codes, against the same product quantizing `out` itself.
             if h % 16 == 0 {
                 let n = 256;

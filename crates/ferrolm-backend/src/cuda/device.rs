@@ -16,13 +16,12 @@ use std::sync::{Mutex, PoisonError};
 use cudarc::driver::{CudaSlice, CudaView};
 
 use super::{
-    add_normed_rms_norm, add_rms_norm, add_sigmoid_gated, embedding, fp8, gather_rows, gelu_tanh_and_mul, linear,
+    add_normed_rms_norm, add_rms_norm, add_sigmoid_gated, embedding, fp8, gated_activation, gather_rows, linear,
     linear_fp8, linear_gated, linear_gated_fp8, linear_qkv_rope_cache, moe, qkv_norm_rope_cache,
     qkv_norm_rope_cache_fits, qkv_rope_cache, reshape_and_cache, reshape_and_cache_fp8, rms_norm, rms_norm_inplace,
-    rope, silu_and_mul, softcap, split_qkv, Fp8Cache, Fp8CacheMut, Fp8GemmTuning, Fp8Operands, Fp8View, GatedOut,
-    GemmTuning, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuExperts, GpuFp8Matrix, GpuMoeScratch, GpuRopeTable,
-    GpuRowCodes, GpuTensor, GpuView, GpuViewMut, PagedAttention, QkNorms, QkvOut, QkvRows, RowCodes, RowCodesMut,
-    GEMV_MAX_M,
+    rope, softcap, split_qkv, Fp8Cache, Fp8CacheMut, Fp8GemmTuning, Fp8Operands, Fp8View, GatedOut, GemmTuning, Gemms,
+    Gpu, GpuAttentionMetadata, GpuError, GpuExperts, GpuFp8Matrix, GpuMoeScratch, GpuRopeTable, GpuRowCodes, GpuTensor,
+    GpuView, GpuViewMut, PagedAttention, QkNorms, QkvOut, QkvRows, RowCodes, RowCodesMut, GEMV_MAX_M,
 };
 use crate::device::{
     unfused_attention_input, AttentionInput, Device, GatedActivation, KvCacheDtype, KvScales, LayerAttention, Linear,
@@ -499,10 +498,7 @@ impl Device for Cuda {
     ) -> Result<(), GpuError> {
         let (gpu, inter) = (&self.gpu, out.cols);
         let (out, codes) = out.view_mut_with_codes();
-        match act {
-            GatedActivation::Silu => silu_and_mul(gpu, gate_up.view(), inter, out, codes),
-            GatedActivation::GeluTanh => gelu_tanh_and_mul(gpu, gate_up.view(), inter, out, codes),
-        }
+        gated_activation(gpu, act, gate_up.view(), inter, out, codes)
     }
 
     fn moe_scratch(&self, tokens: usize, shape: MoeShape) -> Result<GpuMoeScratch, GpuError> {

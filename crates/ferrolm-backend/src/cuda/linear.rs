@@ -335,7 +335,7 @@ fn launch_gemv(
 
 /// `out[m, inter] = act(x · w_gate^T + b_gate) * (x · w_up^T + b_up)` for `w = [gate; up]`
 /// (`[2 * inter, k]`), bit for bit as [`linear`] into `gate_up` (`[m, 2 * inter]`, x's dtype)
-/// followed by [`super::silu_and_mul`] or [`super::gelu_tanh_and_mul`]. Where the GEMV kernel
+/// followed by [`super::gated_activation`]. Where the GEMV kernel
 /// takes the product and there is no bias, one kernel does both, the activation in its
 /// epilogue, and `gate_up` is left as it was. `out_codes`, where given, also gets `out`'s rows
 /// quantized (see [`super::fp8::GpuRowCodes`]).
@@ -441,10 +441,7 @@ fn gated_with(
             let mut gate_up = gate_up.rows(0..m, 2 * inter);
             linear_with(gpu, gemms, x, m, k, w, 2 * inter, bias, gate_up.reborrow(), Route::Auto)?;
             // The activation writes the codes too, where they are wanted.
-            return match act {
-                GatedActivation::Silu => super::ops::silu_and_mul(gpu, gate_up.as_view(), inter, out, codes),
-                GatedActivation::GeluTanh => super::ops::gelu_tanh_and_mul(gpu, gate_up.as_view(), inter, out, codes),
-            };
+            return super::ops::gated_activation(gpu, act, gate_up.as_view(), inter, out, codes);
         }
     }
     // The GEMV's epilogue wrote `out` alone: its codes, where wanted, from it.

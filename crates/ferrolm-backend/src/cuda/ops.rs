@@ -7,7 +7,7 @@ use cudarc::driver::{DevicePtr, LaunchConfig};
 use super::fp8::{RowCodesArg, RowCodesMut};
 use super::gpu::{rows_config, to_u32};
 use super::{Gpu, GpuError, GpuView, GpuViewMut};
-use crate::DType;
+use crate::{DType, GatedActivation};
 
 use super::compile::{self, KernelFamilies};
 
@@ -236,28 +236,22 @@ pub fn split_qkv(
     Ok(())
 }
 
-/// `out[r, j] = silu(gate_up[r, j]) * gate_up[r, inter + j]`; `gate_up`: `[rows, 2 * inter]`,
-/// `out`: `[rows, inter]`. `codes`, where given, also gets `out`'s rows quantized (see
-/// [`super::fp8::GpuRowCodes`]).
-pub fn silu_and_mul(
+/// `out[r, j] = act(gate_up[r, j]) * gate_up[r, inter + j]` (SiLU, or GELU with the tanh
+/// approximation: `gelu_pytorch_tanh`); `gate_up`: `[rows, 2 * inter]`, `out`: `[rows, inter]`.
+/// `codes`, where given, also gets `out`'s rows quantized (see [`super::fp8::GpuRowCodes`]).
+pub fn gated_activation(
     gpu: &Gpu,
+    act: GatedActivation,
     gate_up: GpuView<'_>,
     inter: usize,
     out: GpuViewMut<'_>,
     codes: Option<RowCodesMut<'_>>,
 ) -> Result<(), GpuError> {
-    act_and_mul(gpu, "silu_and_mul", gate_up, inter, out, codes)
-}
-
-/// As [`silu_and_mul`] with the tanh approximation of GELU (`gelu_pytorch_tanh`).
-pub fn gelu_tanh_and_mul(
-    gpu: &Gpu,
-    gate_up: GpuView<'_>,
-    inter: usize,
-    out: GpuViewMut<'_>,
-    codes: Option<RowCodesMut<'_>>,
-) -> Result<(), GpuError> {
-    act_and_mul(gpu, "gelu_tanh_and_mul", gate_up, inter, out, codes)
+    let op = match act {
+        GatedActivation::Silu => "silu_and_mul",
+        GatedActivation::GeluTanh => "gelu_tanh_and_mul",
+    };
+    act_and_mul(gpu, op, gate_up, inter, out, codes)
 }
 
 /// `dst[i, :] = src[indices[i], :]`; `src`: `[src_rows, width]`, `dst`: `[indices.len(), width]`

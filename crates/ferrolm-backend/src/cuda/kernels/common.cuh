@@ -43,27 +43,27 @@ __device__ __forceinline__ float warp_max(float v) {
 // c' = log2(e) c is log2(e) c tanh(s / c).
 __device__ __forceinline__ float soft_cap(float x, float cap) { return cap > 0.f ? tanhf(x / cap) * cap : x; }
 
-// Sum of `v` over the whole block, returned to every thread. `scratch`: 32 floats of shared memory.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+// `warp_op` (a warp-wide sum or maximum) of `v` over the whole block, returned to every thread;
+// lanes past the block's warps count as 0. `scratch`: 32 floats of shared memory.
+template <typename WarpOp>
+__device__ __forceinline__ float block_allreduce(float v, float* scratch, WarpOp warp_op) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-    v = warp_sum(v);
+    v = warp_op(v);
     __syncthreads();  // `scratch` may still be read by a previous call
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
     v = lane < num_warps ? scratch[lane] : 0.f;
-    return warp_sum(v);
+    return warp_op(v);
 }
 
-// Maximum of `v` over the whole block, returned to every thread, for values >= 0 (an amax: the
-// lanes past the warps count as 0). `scratch`: 32 floats of shared memory.
+// Sum of `v` over the whole block, returned to every thread. `scratch`: 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    return block_allreduce(v, scratch, [](float x) { return warp_sum(x); });
+}
+
+// Maximum of `v` over the whole block, returned to every thread, for values >= 0 (an amax).
 __device__ __forceinline__ float block_max(float v, float* scratch) {
-    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, num_warps = blockDim.x >> 5;
-    v = warp_max(v);
-    __syncthreads();  // `scratch` may still be read by a previous call
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < num_warps ? scratch[lane] : 0.f;
-    return warp_max(v);
+    return block_allreduce(v, scratch, [](float x) { return warp_max(x); });
 }
 
 // Programmatic dependent launch (sm_90 and later; no-ops before). The host launches every
