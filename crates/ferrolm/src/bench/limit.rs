@@ -12,7 +12,10 @@
 //!
 //! The GEMM rate is measured on the model's own projections at the engine's largest step
 //! (`--max-num-batched-tokens` rows): on a GPU through the backend's GEMMs with the fastest
-//! cuBLASLt algorithm for each shape, on the CPU through the CPU backend's `linear`.
+//! cuBLASLt algorithm for each shape, on the CPU through the CPU backend's `linear`. Where a GPU
+//! run's projections take FP8 GEMMs (FP8 weights with a scale per row), the projections are
+//! priced at the FP8 GEMMs' rate and the attention's arithmetic at the half-precision one (its
+//! kernels compute in bf16/f16 whatever the cache holds).
 //!
 //! A mixture-of-experts model's tokens multiply with their `top_k` routed experts only (plus
 //! the router and any shared expert), and a step reads only the experts its tokens pick. How
@@ -193,7 +196,11 @@ fn layer_projections(c: &ModelConfig) -> Vec<(usize, usize)> {
 /// The machine's GEMM rate on a model's projections.
 #[derive(Clone, Copy, Debug)]
 pub struct GemmRate {
+    /// The projections' rate, in the run's weight format.
     pub flops_per_s: f64,
+    /// The rate of the attention's arithmetic: the half-precision GEMMs' (the same as
+    /// `flops_per_s` unless the projections run in FP8).
+    pub attention_flops_per_s: f64,
     /// Rows of the products timed.
     pub rows: usize,
 }
@@ -202,10 +209,15 @@ impl GemmRate {
     pub fn tflops(&self) -> f64 {
         self.flops_per_s / 1e12
     }
+
+    pub fn attention_tflops(&self) -> f64 {
+        self.attention_flops_per_s / 1e12
+    }
 }
 
 /// Times one layer's projections of `config` at `rows` rows on `device` (`weights` the dtype
-/// of the weights: on the GPU also of the activations; on the CPU activations are f32).
+/// of the weights: on the GPU also of the activations; on the CPU activations are f32), and on
+/// the GPU in FP8 too where the run's projections take FP8 GEMMs.
 pub fn measure_gemm_rate(device: Device, config: &ModelConfig, weights: DType, rows: usize) -> Result<GemmRate> {
     let rows = rows.max(1);
     let (seconds, rows) = match device {
@@ -217,7 +229,12 @@ pub fn measure_gemm_rate(device: Device, config: &ModelConfig, weights: DType, r
     };
     let elements: usize = layer_projections(config).iter().map(|&(n, k)| n * k).sum();
     let flops = 2.0 * rows as f64 * elements as f64;
-    Ok(GemmRate { flops_per_s: flops / seconds, rows })
+    let half_rate = flops / seconds;
+    // The FP8 GEMM takes bf16/f16 activations and weights with a scale per row.
+    let fp8 =
+        device == Device::Cuda && weights != DType::F32 && config.quantization.is_some_and(|q| q.scales_whole_rows());
+    let projection_rate = if fp8 { flops / gpu_fp8_projection_seconds(config, weights, rows)? } else { half_rate };
+    Ok(GemmRate { flops_per_s: projection_rate, attention_flops_per_s: half_rate, rows })
 }
 
 /// Values in [-1, 1), spread (zeros multiply faster than data, on some hardware).
@@ -305,6 +322,34 @@ fn gpu_projection_seconds(config: &ModelConfig, dtype: DType, rows: usize) -> Re
     Ok(micros as f64 / 1e6)
 }
 
+#[cfg(not(feature = "cuda"))]
+fn gpu_fp8_projection_seconds(_config: &ModelConfig, _dtype: DType, _rows: usize) -> Result<f64> {
+    anyhow::bail!("this build of ferrolm has no CUDA backend (build with `--features cuda`)")
+}
+
+/// The sum over one layer's projections, quantized per row to e4m3, of their FP8 GEMMs' time
+/// with the fastest cuBLASLt algorithm (`cuda::tune_fp8_gemms`), `dtype` activations, in seconds.
+#[cfg(feature = "cuda")]
+fn gpu_fp8_projection_seconds(config: &ModelConfig, dtype: DType, rows: usize) -> Result<f64> {
+    use anyhow::Context;
+    use ferrolm_backend::cuda::{self, Gemms, Gpu, GpuFp8Matrix};
+    use ferrolm_backend::{Fp8Matrix, HostTensor};
+
+    let gpu = Gpu::new(0, &Default::default()).context("cannot measure the GPU's FP8 GEMM rate")?;
+    let gemms = Gemms::new()?;
+    let mut micros = 0.0f64;
+    for (i, (n, k)) in layer_projections(config).into_iter().enumerate() {
+        let values = HostTensor::from_f32(vec![n, k], probe_values(n * k, i).collect());
+        let w = GpuFp8Matrix::new(&gpu, &Fp8Matrix::quantize_rows(&values))?
+            .with_context(|| format!("a [{n}, {k}] projection the FP8 kernels do not take"))?;
+        let report = cuda::tune_fp8_gemms(&gpu, &gemms, w.view(), n, &[rows], dtype)?;
+        let tuned =
+            report.first().with_context(|| format!("cuBLASLt has no FP8 GEMM of [{rows}, {k}] x [{n}, {k}]"))?;
+        micros += f64::from(tuned.best_us);
+    }
+    Ok(micros / 1e6)
+}
+
 /// A run's limits at the measured ceilings, and how close the run came.
 #[derive(Clone, Copy, Debug)]
 pub struct ThroughputLimit {
@@ -319,10 +364,10 @@ pub struct ThroughputLimit {
 
 impl ThroughputLimit {
     pub fn of(work: &RunWork, rate: &GemmRate, bandwidth: &Bandwidth, output_tokens: usize, measured: f64) -> Self {
-        let (flops, bytes) = (rate.flops_per_s, bandwidth.bytes_per_s);
+        let (flops, attention_flops, bytes) = (rate.flops_per_s, rate.attention_flops_per_s, bandwidth.bytes_per_s);
         let gemms = (work.gemm_flops / flops).max(work.weight_read_bytes / bytes);
-        let attention = work.attention_flops / flops + work.kv_read_bytes / bytes;
-        let compute = (work.gemm_flops + work.attention_flops) / flops;
+        let attention = work.attention_flops / attention_flops + work.kv_read_bytes / bytes;
+        let compute = work.gemm_flops / flops + work.attention_flops / attention_flops;
         let memory = (work.kv_read_bytes + work.weight_read_bytes) / bytes;
         let in_sequence = output_tokens as f64 / (gemms + attention);
         let overlapped = output_tokens as f64 / compute.max(memory);
@@ -490,7 +535,7 @@ mod tests {
             mean_step_tokens: 2.0,
             experts_per_step: 0.0,
         };
-        let rate = GemmRate { flops_per_s: 100.0, rows: 4 };
+        let rate = GemmRate { flops_per_s: 100.0, attention_flops_per_s: 100.0, rows: 4 };
         let bandwidth = Bandwidth { bytes_per_s: 10.0, buffer_bytes: 1, repetitions: 1, threads: 1 };
         let limit = ThroughputLimit::of(&work, &rate, &bandwidth, 62, 1.0);
         // In sequence: GEMMs max(10 s of arithmetic, 5 s of weights) + attention 1 s + 20 s.
@@ -502,6 +547,11 @@ mod tests {
         // Weights read more slowly than they are multiplied: the GEMMs take the read time.
         let slow = ThroughputLimit::of(&work, &rate, &Bandwidth { bytes_per_s: 2.0, ..bandwidth }, 62, 1.0);
         assert_eq!(slow.in_sequence, 62.0 / (25.0 + 1.0 + 100.0));
+        // FP8 projections at twice the rate, the attention's arithmetic at the half-precision one:
+        // GEMMs max(5 s, 5 s) + attention 1 s + 20 s; overlapped max(6 s, 25 s).
+        let fp8 = ThroughputLimit::of(&work, &GemmRate { flops_per_s: 200.0, ..rate }, &bandwidth, 62, 1.0);
+        assert_eq!(fp8.in_sequence, 62.0 / 26.0);
+        assert_eq!(fp8.overlapped, 62.0 / 25.0);
     }
 
     #[test]

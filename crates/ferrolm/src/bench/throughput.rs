@@ -138,6 +138,7 @@ impl MeasuredLimit {
         table
             .section("Throughput Limit (work at measured ceilings)")
             .num(&format!("GEMM rate at {} rows (TFLOP/s)", self.rate.rows), self.rate.tflops())
+            .num("Attention arithmetic rate (TFLOP/s)", self.rate.attention_tflops())
             .num("Memory read bandwidth (GB/s)", self.bandwidth.gbps())
             .num("GEMM and attention arithmetic (TFLOP)", (w.gemm_flops + w.attention_flops) / 1e12)
             .num("K/V read by decode tokens (GB)", w.kv_read_bytes / 1e9)
@@ -159,6 +160,7 @@ impl MeasuredLimit {
         let (w, l) = (&self.work, &self.limit);
         self.bandwidth.insert_into(r);
         r.insert("gemm_tflops".into(), self.rate.tflops().into());
+        r.insert("attention_tflops".into(), self.rate.attention_tflops().into());
         r.insert("gemm_probe_rows".into(), self.rate.rows.into());
         r.insert("gemm_flops".into(), w.gemm_flops.into());
         r.insert("attention_flops".into(), w.attention_flops.into());
