@@ -283,6 +283,17 @@ mod tests {
     }
 
     #[test]
+    fn row_scaled_schemes_are_those_the_fp8_gemms_take() {
+        let parsed = |config: &Value| parse(config).unwrap().expect("a quantization");
+        let dynamic = json!({"num_bits": 8, "type": "float", "symmetric": true, "dynamic": true, "strategy": "token"});
+        assert!(parsed(&group(fp8("channel"), dynamic)).scales_whole_rows());
+        assert!(parsed(&group(fp8("tensor"), fp8("tensor"))).scales_whole_rows());
+        let qwen = json!({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}});
+        assert!(!parsed(&qwen).scales_whole_rows());
+        assert!(Quantization::Fp8AtLoad.scales_whole_rows());
+    }
+
+    #[test]
     fn refuses_other_formats_naming_them() {
         let refused = |config: Value, needle: &str| {
             let err = parse(&config).unwrap_err();
