@@ -13,9 +13,11 @@
 //! The GEMM rate is measured on the model's own projections at the engine's largest step
 //! (`--max-num-batched-tokens` rows): on a GPU through the backend's GEMMs with the fastest
 //! cuBLASLt algorithm for each shape, on the CPU through the CPU backend's `linear`. Where a GPU
-//! run's projections take FP8 GEMMs (FP8 weights with a scale per row), the projections are
-//! priced at the FP8 GEMMs' rate and the attention's arithmetic at the half-precision one (its
-//! kernels compute in bf16/f16 whatever the cache holds).
+//! run's projections take FP8 GEMMs (FP8 weights with a scale per row), the layers' projections
+//! are priced at the FP8 GEMMs' rate, measured on them (one that the FP8 GEMM does not take at
+//! its half-precision time, as the engine dequantizes it), and the rest at the half-precision
+//! rate: the attention's arithmetic (its kernels compute in bf16/f16 whatever the cache holds),
+//! the LM head, and a MoE model's routers and routed experts (placed dequantized).
 //!
 //! A mixture-of-experts model's tokens multiply with their `top_k` routed experts only (plus
 //! the router and any shared expert), and a step reads only the experts its tokens pick. How
@@ -59,6 +61,9 @@ pub struct RunWork {
     /// Every projection of every token through the model, and the LM head of every row whose
     /// logits are sampled (2 FLOP per multiply-add).
     pub gemm_flops: f64,
+    /// The part of `gemm_flops` computed in the compute dtype even where the projections are
+    /// FP8: the LM head, and a MoE model's routers and routed experts.
+    pub half_precision_gemm_flops: f64,
     /// Attention's two products (Q K^T and P V) over each token's causal context.
     pub attention_flops: f64,
     /// K and V read by decode tokens (one pass over the request's context each).
@@ -116,6 +121,9 @@ impl RunWork {
         let active: usize = (0..config.num_hidden_layers).map(|i| config.layer_active_matrix_elements(i)).sum();
         let flops_per_token = 2.0 * active as f64;
         let head_flops_per_row = 2.0 * (config.output_vocab_size * config.hidden_size) as f64;
+        let half_precision_elements: usize =
+            (0..config.num_hidden_layers).map(|i| layer_half_precision_elements(config, i)).sum();
+        let half_precision_flops_per_token = 2.0 * half_precision_elements as f64;
         // Per token of context one layer attends to: Q K^T and P V over every query head.
         let attention_flops_per_pair = 4.0 * config.q_size() as f64;
         // One layer's share of a token's K and V.
@@ -123,13 +131,16 @@ impl RunWork {
         let windows = layer_windows(config);
 
         // Pairs and decode context are summed over the layers, each within its own window.
-        let (mut gemm_flops, mut pairs, mut decode_context) = (0.0, 0.0, 0.0);
+        let (mut gemm_flops, mut half_precision_gemm_flops) = (0.0, 0.0);
+        let (mut pairs, mut decode_context) = (0.0, 0.0);
         let (mut tokens, mut request_steps, mut longest) = (0usize, 0usize, 0usize);
         let budget = caps.max_num_batched_tokens.max(1);
         for s in served.iter().filter(|s| s.output_len > 0) {
             // The last output token is sampled, never fed back.
             let fed = s.prompt_len + s.output_len - 1;
-            gemm_flops += fed as f64 * flops_per_token + s.output_len as f64 * head_flops_per_row;
+            let head_flops = s.output_len as f64 * head_flops_per_row;
+            gemm_flops += fed as f64 * flops_per_token + head_flops;
+            half_precision_gemm_flops += fed as f64 * half_precision_flops_per_token + head_flops;
             // Token i (1-based) of the sequence attends over min(i, window) tokens; the decode
             // tokens are those past the prompt.
             for &(window, count) in &windows {
@@ -145,6 +156,7 @@ impl RunWork {
         let mean_step_tokens = tokens as f64 / min_steps.max(1) as f64;
         RunWork {
             gemm_flops,
+            half_precision_gemm_flops,
             attention_flops: pairs * attention_flops_per_pair,
             kv_read_bytes: decode_context * kv_bytes_per_layer_token,
             weight_read_bytes: min_steps as f64 * weights.bytes(mean_step_tokens),
@@ -152,6 +164,17 @@ impl RunWork {
             mean_step_tokens,
             experts_per_step: weights.experts(mean_step_tokens),
         }
+    }
+}
+
+/// Elements of layer `layer`'s active matrices that stay in the compute dtype where the
+/// projections are FP8: a sparse layer's router and the `top_k` routed experts a token takes.
+fn layer_half_precision_elements(c: &ModelConfig, layer: usize) -> usize {
+    match &c.moe {
+        Some(m) if m.layer_is_sparse(layer) => {
+            m.num_experts_per_tok * m.expert_matrix_elements(c.hidden_size) + m.num_experts * c.hidden_size
+        }
+        _ => 0,
     }
 }
 
@@ -180,12 +203,24 @@ fn attended(n: usize, window: usize) -> f64 {
 /// routed expert, each at the full rows (no step gives one expert all of its tokens, so the
 /// rate is one the experts' smaller products approach from below), and its shared expert.
 fn layer_projections(c: &ModelConfig) -> Vec<(usize, usize)> {
+    projections(c, true)
+}
+
+/// [`layer_projections`] but a MoE model's routed expert: the projections that are FP8 where the
+/// weights are (the device places experts dequantized).
+fn fp8_projections(c: &ModelConfig) -> Vec<(usize, usize)> {
+    projections(c, false)
+}
+
+fn projections(c: &ModelConfig, routed_expert: bool) -> Vec<(usize, usize)> {
     let h = c.hidden_size;
     let mlp = |inter: usize| [(2 * inter, h), (h, inter)];
     let mut all = vec![(c.q_size() + 2 * c.kv_size(), h), (h, c.q_size())];
     match &c.moe {
         Some(m) => {
-            all.extend(mlp(m.moe_intermediate_size));
+            if routed_expert {
+                all.extend(mlp(m.moe_intermediate_size));
+            }
             all.extend(m.shared_expert_intermediate_size.into_iter().flat_map(mlp));
         }
         None => all.extend(mlp(c.intermediate_size)),
@@ -196,11 +231,13 @@ fn layer_projections(c: &ModelConfig) -> Vec<(usize, usize)> {
 /// The machine's GEMM rate on a model's projections.
 #[derive(Clone, Copy, Debug)]
 pub struct GemmRate {
-    /// The projections' rate, in the run's weight format.
+    /// The layers' projections' rate, in the run's weight format.
     pub flops_per_s: f64,
-    /// The rate of the attention's arithmetic: the half-precision GEMMs' (the same as
-    /// `flops_per_s` unless the projections run in FP8).
-    pub attention_flops_per_s: f64,
+    /// The half-precision GEMMs' rate, for the attention's arithmetic and the GEMMs that stay in
+    /// the compute dtype (the same as `flops_per_s` unless the projections run in FP8).
+    pub half_flops_per_s: f64,
+    /// Whether `flops_per_s` is the FP8 GEMMs'.
+    pub fp8: bool,
     /// Rows of the products timed.
     pub rows: usize,
 }
@@ -210,8 +247,8 @@ impl GemmRate {
         self.flops_per_s / 1e12
     }
 
-    pub fn attention_tflops(&self) -> f64 {
-        self.attention_flops_per_s / 1e12
+    pub fn half_tflops(&self) -> f64 {
+        self.half_flops_per_s / 1e12
     }
 }
 
@@ -225,16 +262,22 @@ pub fn measure_gemm_rate(device: Device, config: &ModelConfig, weights: DType, r
             let rows = rows.min(CPU_PROBE_ROWS);
             (cpu_projection_seconds(config, weights, rows), rows)
         }
-        Device::Cuda => (gpu_projection_seconds(config, weights, rows)?, rows),
+        Device::Cuda => (gpu_projection_seconds(&layer_projections(config), weights, rows)?, rows),
     };
-    let elements: usize = layer_projections(config).iter().map(|&(n, k)| n * k).sum();
-    let flops = 2.0 * rows as f64 * elements as f64;
-    let half_rate = flops / seconds;
+    let flops = |projections: &[(usize, usize)]| {
+        2.0 * rows as f64 * projections.iter().map(|&(n, k)| n * k).sum::<usize>() as f64
+    };
+    let half_rate = flops(&layer_projections(config)) / seconds;
     // The FP8 GEMM takes bf16/f16 activations and weights with a scale per row.
     let fp8 =
         device == Device::Cuda && weights != DType::F32 && config.quantization.is_some_and(|q| q.scales_whole_rows());
-    let projection_rate = if fp8 { flops / gpu_fp8_projection_seconds(config, weights, rows)? } else { half_rate };
-    Ok(GemmRate { flops_per_s: projection_rate, attention_flops_per_s: half_rate, rows })
+    let projection_rate = if fp8 {
+        let projections = fp8_projections(config);
+        flops(&projections) / gpu_fp8_projection_seconds(&projections, weights, rows)?
+    } else {
+        half_rate
+    };
+    Ok(GemmRate { flops_per_s: projection_rate, half_flops_per_s: half_rate, fp8, rows })
 }
 
 /// Values in [-1, 1), spread (zeros multiply faster than data, on some hardware).
@@ -294,14 +337,14 @@ impl Stored {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu_projection_seconds(_config: &ModelConfig, _dtype: DType, _rows: usize) -> Result<f64> {
+fn gpu_projection_seconds(_projections: &[(usize, usize)], _dtype: DType, _rows: usize) -> Result<f64> {
     anyhow::bail!("this build of ferrolm has no CUDA backend (build with `--features cuda`)")
 }
 
-/// The sum over one layer's projections of the fastest of `cublasGemmEx` and the cuBLASLt
+/// The sum over `projections` (`(out, in)`) of the fastest of `cublasGemmEx` and the cuBLASLt
 /// candidates (`Gemms::tune`, mean of its timed runs), in seconds.
 #[cfg(feature = "cuda")]
-fn gpu_projection_seconds(config: &ModelConfig, dtype: DType, rows: usize) -> Result<f64> {
+fn gpu_projection_seconds(projections: &[(usize, usize)], dtype: DType, rows: usize) -> Result<f64> {
     use anyhow::Context;
     use ferrolm_backend::cuda::{Gemms, Gpu, GpuTensor};
 
@@ -310,44 +353,47 @@ fn gpu_projection_seconds(config: &ModelConfig, dtype: DType, rows: usize) -> Re
         anyhow::bail!("the GPU's GEMM rate is measured in half precision only, and this run computes in float32");
     }
     let gpu = Gpu::new(0, &Default::default()).context("cannot measure the GPU's GEMM rate")?;
-    let projections = layer_projections(config);
     let weights = projections
         .iter()
         .enumerate()
         .map(|(i, &(n, k))| GpuTensor::from_f32(&gpu, &probe_values(n * k, i).collect::<Vec<_>>(), dtype))
         .collect::<Result<Vec<_>, _>>()?;
-    let shapes: Vec<_> = weights.iter().zip(&projections).map(|(w, &(n, _))| (w.view(), n, dtype)).collect();
+    let shapes: Vec<_> = weights.iter().zip(projections).map(|(w, &(n, _))| (w.view(), n, dtype)).collect();
     let report = Gemms::new()?.tune(&gpu, &[rows], &shapes)?;
     let micros: f32 = report.iter().map(|t| t.best_us.map_or(t.default_us, |best| best.min(t.default_us))).sum();
     Ok(micros as f64 / 1e6)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu_fp8_projection_seconds(_config: &ModelConfig, _dtype: DType, _rows: usize) -> Result<f64> {
+fn gpu_fp8_projection_seconds(_projections: &[(usize, usize)], _dtype: DType, _rows: usize) -> Result<f64> {
     anyhow::bail!("this build of ferrolm has no CUDA backend (build with `--features cuda`)")
 }
 
-/// The sum over one layer's projections, quantized per row to e4m3, of their FP8 GEMMs' time
-/// with the fastest cuBLASLt algorithm (`cuda::tune_fp8_gemms`), `dtype` activations, in seconds.
+/// The sum over `projections` (`(out, in)`), quantized per row to e4m3, of their FP8 GEMMs' time
+/// with the fastest cuBLASLt algorithm (`cuda::tune_fp8_gemms`), `dtype` activations, in seconds;
+/// a projection the FP8 GEMM does not take (as the engine then dequantizes it) at its
+/// half-precision time.
 #[cfg(feature = "cuda")]
-fn gpu_fp8_projection_seconds(config: &ModelConfig, dtype: DType, rows: usize) -> Result<f64> {
+fn gpu_fp8_projection_seconds(projections: &[(usize, usize)], dtype: DType, rows: usize) -> Result<f64> {
     use anyhow::Context;
     use ferrolm_backend::cuda::{self, Gemms, Gpu, GpuFp8Matrix};
     use ferrolm_backend::{Fp8Matrix, HostTensor};
 
     let gpu = Gpu::new(0, &Default::default()).context("cannot measure the GPU's FP8 GEMM rate")?;
     let gemms = Gemms::new()?;
-    let mut micros = 0.0f64;
-    for (i, (n, k)) in layer_projections(config).into_iter().enumerate() {
+    let mut seconds = 0.0f64;
+    for (i, &(n, k)) in projections.iter().enumerate() {
         let values = HostTensor::from_f32(vec![n, k], probe_values(n * k, i).collect());
-        let w = GpuFp8Matrix::new(&gpu, &Fp8Matrix::quantize_rows(&values))?
-            .with_context(|| format!("a [{n}, {k}] projection the FP8 kernels do not take"))?;
-        let report = cuda::tune_fp8_gemms(&gpu, &gemms, w.view(), n, &[rows], dtype)?;
-        let tuned =
-            report.first().with_context(|| format!("cuBLASLt has no FP8 GEMM of [{rows}, {k}] x [{n}, {k}]"))?;
-        micros += f64::from(tuned.best_us);
+        let tuned = match GpuFp8Matrix::new(&gpu, &Fp8Matrix::quantize_rows(&values))? {
+            Some(w) => cuda::tune_fp8_gemms(&gpu, &gemms, w.view(), n, &[rows], dtype)?.first().map(|t| t.best_us),
+            None => None,
+        };
+        seconds += match tuned {
+            Some(us) => f64::from(us) / 1e6,
+            None => gpu_projection_seconds(&[(n, k)], dtype, rows)?,
+        };
     }
-    Ok(micros / 1e6)
+    Ok(seconds)
 }
 
 /// A run's limits at the measured ceilings, and how close the run came.
@@ -364,10 +410,12 @@ pub struct ThroughputLimit {
 
 impl ThroughputLimit {
     pub fn of(work: &RunWork, rate: &GemmRate, bandwidth: &Bandwidth, output_tokens: usize, measured: f64) -> Self {
-        let (flops, attention_flops, bytes) = (rate.flops_per_s, rate.attention_flops_per_s, bandwidth.bytes_per_s);
-        let gemms = (work.gemm_flops / flops).max(work.weight_read_bytes / bytes);
-        let attention = work.attention_flops / attention_flops + work.kv_read_bytes / bytes;
-        let compute = work.gemm_flops / flops + work.attention_flops / attention_flops;
+        let (flops, half_flops, bytes) = (rate.flops_per_s, rate.half_flops_per_s, bandwidth.bytes_per_s);
+        let half = work.half_precision_gemm_flops;
+        let gemm_seconds = (work.gemm_flops - half) / flops + half / half_flops;
+        let gemms = gemm_seconds.max(work.weight_read_bytes / bytes);
+        let attention = work.attention_flops / half_flops + work.kv_read_bytes / bytes;
+        let compute = gemm_seconds + work.attention_flops / half_flops;
         let memory = (work.kv_read_bytes + work.weight_read_bytes) / bytes;
         let in_sequence = output_tokens as f64 / (gemms + attention);
         let overlapped = output_tokens as f64 / compute.max(memory);
@@ -419,6 +467,8 @@ mod tests {
         // Fed tokens 7 + 2 at 2 x 576 x 2 layers = 2304 FLOP each; 3 + 1 LM head rows at
         // 2 x 100 x 8 = 1600.
         assert_eq!(work.gemm_flops, 9.0 * 2304.0 + 4.0 * 1600.0);
+        // Of which the LM head stays in the compute dtype where the projections are FP8.
+        assert_eq!(work.half_precision_gemm_flops, 4.0 * 1600.0);
         // Causal pairs 1 + ... + 7 = 28 and 1 + 2 = 3, at 4 x 8 (query width) x 2 layers each.
         assert_eq!(work.attention_flops, 31.0 * 64.0);
         // Decode tokens 6 and 7 of the first request read 6 and 7 tokens of K/V; the second
@@ -453,6 +503,9 @@ mod tests {
         let work = RunWork::of(&c, &SERVED, caps, &weights, 10);
         // 9 fed tokens at 2 x 416 x 2 layers = 1664 FLOP each; 4 LM head rows at 1600.
         assert_eq!(work.gemm_flops, 9.0 * 1664.0 + 4.0 * 1600.0);
+        // The router and the 2 routed experts (2 x (32 + 192) x 2 layers = 896 FLOP a token) and
+        // the LM head stay in the compute dtype where the projections are FP8.
+        assert_eq!(work.half_precision_gemm_flops, 9.0 * 896.0 + 4.0 * 1600.0);
         // 9 tokens over the fewest 5 steps: 1.8 a step, expecting 4 (1 - (1/2)^1.8) experts.
         assert_eq!(work.min_steps, 5);
         assert_eq!(work.mean_step_tokens, 1.8);
@@ -475,6 +528,9 @@ mod tests {
         .expect("valid config");
         assert_eq!(layer_projections(&shared), [(24, 8), (8, 8), (8, 8), (8, 4), (12, 8), (8, 6)]);
         assert_eq!(layer_projections(&config(None)), [(16, 8), (8, 8), (32, 8), (8, 16)]);
+        // In FP8, the routed experts stay dequantized: the FP8 rate is the others'.
+        assert_eq!(fp8_projections(&shared), [(24, 8), (8, 8), (12, 8), (8, 6)]);
+        assert_eq!(fp8_projections(&config(None)), layer_projections(&config(None)));
     }
 
     #[test]
@@ -528,6 +584,7 @@ mod tests {
     fn limits_put_the_work_at_the_ceilings() {
         let work = RunWork {
             gemm_flops: 1000.0,
+            half_precision_gemm_flops: 0.0,
             attention_flops: 100.0,
             kv_read_bytes: 200.0,
             weight_read_bytes: 50.0,
@@ -535,7 +592,7 @@ mod tests {
             mean_step_tokens: 2.0,
             experts_per_step: 0.0,
         };
-        let rate = GemmRate { flops_per_s: 100.0, attention_flops_per_s: 100.0, rows: 4 };
+        let rate = GemmRate { flops_per_s: 100.0, half_flops_per_s: 100.0, fp8: false, rows: 4 };
         let bandwidth = Bandwidth { bytes_per_s: 10.0, buffer_bytes: 1, repetitions: 1, threads: 1 };
         let limit = ThroughputLimit::of(&work, &rate, &bandwidth, 62, 1.0);
         // In sequence: GEMMs max(10 s of arithmetic, 5 s of weights) + attention 1 s + 20 s.
@@ -547,10 +604,13 @@ mod tests {
         // Weights read more slowly than they are multiplied: the GEMMs take the read time.
         let slow = ThroughputLimit::of(&work, &rate, &Bandwidth { bytes_per_s: 2.0, ..bandwidth }, 62, 1.0);
         assert_eq!(slow.in_sequence, 62.0 / (25.0 + 1.0 + 100.0));
-        // FP8 projections at twice the rate, the attention's arithmetic at the half-precision one:
-        // GEMMs max(5 s, 5 s) + attention 1 s + 20 s; overlapped max(6 s, 25 s).
-        let fp8 = ThroughputLimit::of(&work, &GemmRate { flops_per_s: 200.0, ..rate }, &bandwidth, 62, 1.0);
-        assert_eq!(fp8.in_sequence, 62.0 / 26.0);
+        // FP8 projections at twice the rate, the attention's arithmetic and the 200 FLOP of
+        // half-precision GEMMs (a head, say) at the half-precision one: GEMMs max(4 + 2 s, 5 s)
+        // + attention 1 s + 20 s; overlapped max(7 s, 25 s).
+        let fp8_rate = GemmRate { flops_per_s: 200.0, fp8: true, ..rate };
+        let fp8 =
+            ThroughputLimit::of(&RunWork { half_precision_gemm_flops: 200.0, ..work }, &fp8_rate, &bandwidth, 62, 1.0);
+        assert_eq!(fp8.in_sequence, 62.0 / 27.0);
         assert_eq!(fp8.overlapped, 62.0 / 25.0);
     }
 

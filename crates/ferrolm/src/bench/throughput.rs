@@ -135,10 +135,11 @@ struct MeasuredLimit {
 impl MeasuredLimit {
     fn add_to(&self, table: &mut report::Table) {
         let (w, l) = (&self.work, &self.limit);
+        let fp8 = if self.rate.fp8 { ", FP8" } else { "" };
         table
             .section("Throughput Limit (work at measured ceilings)")
-            .num(&format!("GEMM rate at {} rows (TFLOP/s)", self.rate.rows), self.rate.tflops())
-            .num("Attention arithmetic rate (TFLOP/s)", self.rate.attention_tflops())
+            .num(&format!("GEMM rate at {} rows (TFLOP/s){fp8}", self.rate.rows), self.rate.tflops())
+            .num("Half-precision GEMM rate (TFLOP/s)", self.rate.half_tflops())
             .num("Memory read bandwidth (GB/s)", self.bandwidth.gbps())
             .num("GEMM and attention arithmetic (TFLOP)", (w.gemm_flops + w.attention_flops) / 1e12)
             .num("K/V read by decode tokens (GB)", w.kv_read_bytes / 1e9)
@@ -160,7 +161,9 @@ impl MeasuredLimit {
         let (w, l) = (&self.work, &self.limit);
         self.bandwidth.insert_into(r);
         r.insert("gemm_tflops".into(), self.rate.tflops().into());
-        r.insert("attention_tflops".into(), self.rate.attention_tflops().into());
+        r.insert("half_precision_gemm_tflops".into(), self.rate.half_tflops().into());
+        r.insert("gemm_fp8".into(), self.rate.fp8.into());
+        r.insert("half_precision_gemm_flops".into(), w.half_precision_gemm_flops.into());
         r.insert("gemm_probe_rows".into(), self.rate.rows.into());
         r.insert("gemm_flops".into(), w.gemm_flops.into());
         r.insert("attention_flops".into(), w.attention_flops.into());
