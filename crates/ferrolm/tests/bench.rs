@@ -107,10 +107,10 @@ fn check_throughput(v: &Value) {
     assert_close(num(v, "fraction_of_limit_in_sequence") * in_sequence, rate, "fraction x limit in sequence");
     assert_close(num(v, "fraction_of_limit_overlapped") * overlapped, rate, "fraction x limit overlapped");
     // Overlapped, the run takes the longer of its arithmetic and its reads at the ceilings (the
-    // projections at the GEMM rate, the rest at the half-precision one: the same rate here).
-    let half = num(v, "half_precision_gemm_flops");
-    let compute = (num(v, "gemm_flops") - half) / (num(v, "gemm_tflops") * 1e12)
-        + (half + num(v, "attention_flops")) / (num(v, "half_precision_gemm_tflops") * 1e12);
+    // projections at the GEMM rate, the rest at the compute dtype's: the same rate here).
+    let in_dtype = num(v, "compute_dtype_gemm_flops");
+    let compute = (num(v, "gemm_flops") - in_dtype) / (num(v, "gemm_tflops") * 1e12)
+        + (in_dtype + num(v, "attention_flops")) / (num(v, "compute_dtype_gemm_tflops") * 1e12);
     let memory = (num(v, "kv_read_bytes") + num(v, "weight_read_bytes")) / (num(v, "memory_bandwidth_gbps") * 1e9);
     assert_close(overlapped, output / compute.max(memory), "overlapped limit");
 }

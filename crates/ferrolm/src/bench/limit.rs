@@ -15,8 +15,8 @@
 //! cuBLASLt algorithm for each shape, on the CPU through the CPU backend's `linear`. Where a GPU
 //! run's projections take FP8 GEMMs (FP8 weights with a scale per row), the layers' projections
 //! are priced at the FP8 GEMMs' rate, measured on them (one that the FP8 GEMM does not take at
-//! its half-precision time, as the engine dequantizes it), and the rest at the half-precision
-//! rate: the attention's arithmetic (its kernels compute in bf16/f16 whatever the cache holds),
+//! its time in the compute dtype, as the engine dequantizes it), and the rest at the compute
+//! dtype's (bf16/f16) rate: the attention's arithmetic (its kernels compute in bf16/f16 whatever the cache holds),
 //! the LM head, and a MoE model's routers and routed experts (placed dequantized).
 //!
 //! A mixture-of-experts model's tokens multiply with their `top_k` routed experts only (plus
@@ -63,7 +63,7 @@ pub struct RunWork {
     pub gemm_flops: f64,
     /// The part of `gemm_flops` computed in the compute dtype even where the projections are
     /// FP8: the LM head, and a MoE model's routers and routed experts.
-    pub half_precision_gemm_flops: f64,
+    pub compute_dtype_gemm_flops: f64,
     /// Attention's two products (Q K^T and P V) over each token's causal context.
     pub attention_flops: f64,
     /// K and V read by decode tokens (one pass over the request's context each).
@@ -121,9 +121,9 @@ impl RunWork {
         let active: usize = (0..config.num_hidden_layers).map(|i| config.layer_active_matrix_elements(i)).sum();
         let flops_per_token = 2.0 * active as f64;
         let head_flops_per_row = 2.0 * (config.output_vocab_size * config.hidden_size) as f64;
-        let half_precision_elements: usize =
-            (0..config.num_hidden_layers).map(|i| layer_half_precision_elements(config, i)).sum();
-        let half_precision_flops_per_token = 2.0 * half_precision_elements as f64;
+        let compute_dtype_elements: usize =
+            (0..config.num_hidden_layers).map(|i| layer_compute_dtype_elements(config, i)).sum();
+        let compute_dtype_flops_per_token = 2.0 * compute_dtype_elements as f64;
         // Per token of context one layer attends to: Q K^T and P V over every query head.
         let attention_flops_per_pair = 4.0 * config.q_size() as f64;
         // One layer's share of a token's K and V.
@@ -131,7 +131,7 @@ impl RunWork {
         let windows = layer_windows(config);
 
         // Pairs and decode context are summed over the layers, each within its own window.
-        let (mut gemm_flops, mut half_precision_gemm_flops) = (0.0, 0.0);
+        let (mut gemm_flops, mut compute_dtype_gemm_flops) = (0.0, 0.0);
         let (mut pairs, mut decode_context) = (0.0, 0.0);
         let (mut tokens, mut request_steps, mut longest) = (0usize, 0usize, 0usize);
         let budget = caps.max_num_batched_tokens.max(1);
@@ -140,7 +140,7 @@ impl RunWork {
             let fed = s.prompt_len + s.output_len - 1;
             let head_flops = s.output_len as f64 * head_flops_per_row;
             gemm_flops += fed as f64 * flops_per_token + head_flops;
-            half_precision_gemm_flops += fed as f64 * half_precision_flops_per_token + head_flops;
+            compute_dtype_gemm_flops += fed as f64 * compute_dtype_flops_per_token + head_flops;
             // Token i (1-based) of the sequence attends over min(i, window) tokens; the decode
             // tokens are those past the prompt.
             for &(window, count) in &windows {
@@ -156,7 +156,7 @@ impl RunWork {
         let mean_step_tokens = tokens as f64 / min_steps.max(1) as f64;
         RunWork {
             gemm_flops,
-            half_precision_gemm_flops,
+            compute_dtype_gemm_flops,
             attention_flops: pairs * attention_flops_per_pair,
             kv_read_bytes: decode_context * kv_bytes_per_layer_token,
             weight_read_bytes: min_steps as f64 * weights.bytes(mean_step_tokens),
@@ -169,7 +169,7 @@ impl RunWork {
 
 /// Elements of layer `layer`'s active matrices that stay in the compute dtype where the
 /// projections are FP8: a sparse layer's router and the `top_k` routed experts a token takes.
-fn layer_half_precision_elements(c: &ModelConfig, layer: usize) -> usize {
+fn layer_compute_dtype_elements(c: &ModelConfig, layer: usize) -> usize {
     match &c.moe {
         Some(m) if m.layer_is_sparse(layer) => {
             m.num_experts_per_tok * m.expert_matrix_elements(c.hidden_size) + m.num_experts * c.hidden_size
@@ -233,9 +233,9 @@ fn projections(c: &ModelConfig, routed_expert: bool) -> Vec<(usize, usize)> {
 pub struct GemmRate {
     /// The layers' projections' rate, in the run's weight format.
     pub flops_per_s: f64,
-    /// The half-precision GEMMs' rate, for the attention's arithmetic and the GEMMs that stay in
+    /// The compute dtype's GEMM rate, for the attention's arithmetic and the GEMMs that stay in
     /// the compute dtype (the same as `flops_per_s` unless the projections run in FP8).
-    pub half_flops_per_s: f64,
+    pub compute_dtype_flops_per_s: f64,
     /// Whether `flops_per_s` is the FP8 GEMMs'.
     pub fp8: bool,
     /// Rows of the products timed.
@@ -247,8 +247,8 @@ impl GemmRate {
         self.flops_per_s / 1e12
     }
 
-    pub fn half_tflops(&self) -> f64 {
-        self.half_flops_per_s / 1e12
+    pub fn compute_dtype_tflops(&self) -> f64 {
+        self.compute_dtype_flops_per_s / 1e12
     }
 }
 
@@ -267,7 +267,7 @@ pub fn measure_gemm_rate(device: Device, config: &ModelConfig, weights: DType, r
     let flops = |projections: &[(usize, usize)]| {
         2.0 * rows as f64 * projections.iter().map(|&(n, k)| n * k).sum::<usize>() as f64
     };
-    let half_rate = flops(&layer_projections(config)) / seconds;
+    let compute_dtype_rate = flops(&layer_projections(config)) / seconds;
     // The FP8 GEMM takes bf16/f16 activations and weights with a scale per row.
     let fp8 =
         device == Device::Cuda && weights != DType::F32 && config.quantization.is_some_and(|q| q.scales_whole_rows());
@@ -275,9 +275,9 @@ pub fn measure_gemm_rate(device: Device, config: &ModelConfig, weights: DType, r
         let projections = fp8_projections(config);
         flops(&projections) / gpu_fp8_projection_seconds(&projections, weights, rows)?
     } else {
-        half_rate
+        compute_dtype_rate
     };
-    Ok(GemmRate { flops_per_s: projection_rate, half_flops_per_s: half_rate, fp8, rows })
+    Ok(GemmRate { flops_per_s: projection_rate, compute_dtype_flops_per_s: compute_dtype_rate, fp8, rows })
 }
 
 /// Values in [-1, 1), spread (zeros multiply faster than data, on some hardware).
@@ -372,7 +372,7 @@ fn gpu_fp8_projection_seconds(_projections: &[(usize, usize)], _dtype: DType, _r
 /// The sum over `projections` (`(out, in)`), quantized per row to e4m3, of their FP8 GEMMs' time
 /// with the fastest cuBLASLt algorithm (`cuda::tune_fp8_gemms`), `dtype` activations, in seconds;
 /// a projection the FP8 GEMM does not take (as the engine then dequantizes it) at its
-/// half-precision time.
+/// time in the compute dtype.
 #[cfg(feature = "cuda")]
 fn gpu_fp8_projection_seconds(projections: &[(usize, usize)], dtype: DType, rows: usize) -> Result<f64> {
     use anyhow::Context;
@@ -410,12 +410,12 @@ pub struct ThroughputLimit {
 
 impl ThroughputLimit {
     pub fn of(work: &RunWork, rate: &GemmRate, bandwidth: &Bandwidth, output_tokens: usize, measured: f64) -> Self {
-        let (flops, half_flops, bytes) = (rate.flops_per_s, rate.half_flops_per_s, bandwidth.bytes_per_s);
-        let half = work.half_precision_gemm_flops;
-        let gemm_seconds = (work.gemm_flops - half) / flops + half / half_flops;
+        let (flops, dtype_flops, bytes) = (rate.flops_per_s, rate.compute_dtype_flops_per_s, bandwidth.bytes_per_s);
+        let in_dtype = work.compute_dtype_gemm_flops;
+        let gemm_seconds = (work.gemm_flops - in_dtype) / flops + in_dtype / dtype_flops;
         let gemms = gemm_seconds.max(work.weight_read_bytes / bytes);
-        let attention = work.attention_flops / half_flops + work.kv_read_bytes / bytes;
-        let compute = gemm_seconds + work.attention_flops / half_flops;
+        let attention = work.attention_flops / dtype_flops + work.kv_read_bytes / bytes;
+        let compute = gemm_seconds + work.attention_flops / dtype_flops;
         let memory = (work.kv_read_bytes + work.weight_read_bytes) / bytes;
         let in_sequence = output_tokens as f64 / (gemms + attention);
         let overlapped = output_tokens as f64 / compute.max(memory);
@@ -468,7 +468,7 @@ mod tests {
         // 2 x 100 x 8 = 1600.
         assert_eq!(work.gemm_flops, 9.0 * 2304.0 + 4.0 * 1600.0);
         // Of which the LM head stays in the compute dtype where the projections are FP8.
-        assert_eq!(work.half_precision_gemm_flops, 4.0 * 1600.0);
+        assert_eq!(work.compute_dtype_gemm_flops, 4.0 * 1600.0);
         // Causal pairs 1 + ... + 7 = 28 and 1 + 2 = 3, at 4 x 8 (query width) x 2 layers each.
         assert_eq!(work.attention_flops, 31.0 * 64.0);
         // Decode tokens 6 and 7 of the first request read 6 and 7 tokens of K/V; the second
@@ -505,7 +505,7 @@ mod tests {
         assert_eq!(work.gemm_flops, 9.0 * 1664.0 + 4.0 * 1600.0);
         // The router and the 2 routed experts (2 x (32 + 192) x 2 layers = 896 FLOP a token) and
         // the LM head stay in the compute dtype where the projections are FP8.
-        assert_eq!(work.half_precision_gemm_flops, 9.0 * 896.0 + 4.0 * 1600.0);
+        assert_eq!(work.compute_dtype_gemm_flops, 9.0 * 896.0 + 4.0 * 1600.0);
         // 9 tokens over the fewest 5 steps: 1.8 a step, expecting 4 (1 - (1/2)^1.8) experts.
         assert_eq!(work.min_steps, 5);
         assert_eq!(work.mean_step_tokens, 1.8);
@@ -584,7 +584,7 @@ mod tests {
     fn limits_put_the_work_at_the_ceilings() {
         let work = RunWork {
             gemm_flops: 1000.0,
-            half_precision_gemm_flops: 0.0,
+            compute_dtype_gemm_flops: 0.0,
             attention_flops: 100.0,
             kv_read_bytes: 200.0,
             weight_read_bytes: 50.0,
@@ -592,7 +592,7 @@ mod tests {
             mean_step_tokens: 2.0,
             experts_per_step: 0.0,
         };
-        let rate = GemmRate { flops_per_s: 100.0, half_flops_per_s: 100.0, fp8: false, rows: 4 };
+        let rate = GemmRate { flops_per_s: 100.0, compute_dtype_flops_per_s: 100.0, fp8: false, rows: 4 };
         let bandwidth = Bandwidth { bytes_per_s: 10.0, buffer_bytes: 1, repetitions: 1, threads: 1 };
         let limit = ThroughputLimit::of(&work, &rate, &bandwidth, 62, 1.0);
         // In sequence: GEMMs max(10 s of arithmetic, 5 s of weights) + attention 1 s + 20 s.
@@ -605,11 +605,11 @@ mod tests {
         let slow = ThroughputLimit::of(&work, &rate, &Bandwidth { bytes_per_s: 2.0, ..bandwidth }, 62, 1.0);
         assert_eq!(slow.in_sequence, 62.0 / (25.0 + 1.0 + 100.0));
         // FP8 projections at twice the rate, the attention's arithmetic and the 200 FLOP of
-        // half-precision GEMMs (a head, say) at the half-precision one: GEMMs max(4 + 2 s, 5 s)
+        // compute-dtype GEMMs (a head, say) at the compute dtype's: GEMMs max(4 + 2 s, 5 s)
         // + attention 1 s + 20 s; overlapped max(7 s, 25 s).
         let fp8_rate = GemmRate { flops_per_s: 200.0, fp8: true, ..rate };
         let fp8 =
-            ThroughputLimit::of(&RunWork { half_precision_gemm_flops: 200.0, ..work }, &fp8_rate, &bandwidth, 62, 1.0);
+            ThroughputLimit::of(&RunWork { compute_dtype_gemm_flops: 200.0, ..work }, &fp8_rate, &bandwidth, 62, 1.0);
         assert_eq!(fp8.in_sequence, 62.0 / 27.0);
         assert_eq!(fp8.overlapped, 62.0 / 25.0);
     }

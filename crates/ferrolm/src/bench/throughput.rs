@@ -135,11 +135,17 @@ struct MeasuredLimit {
 impl MeasuredLimit {
     fn add_to(&self, table: &mut report::Table) {
         let (w, l) = (&self.work, &self.limit);
-        let fp8 = if self.rate.fp8 { ", FP8" } else { "" };
+        let rows = self.rate.rows;
+        table.section("Throughput Limit (work at measured ceilings)");
+        if self.rate.fp8 {
+            // The projections in FP8; the LM head, experts and attention in the compute dtype.
+            table
+                .num(&format!("FP8 GEMM rate at {rows} rows (TFLOP/s)"), self.rate.tflops())
+                .num(&format!("GEMM rate at {rows} rows, compute dtype (TFLOP/s)"), self.rate.compute_dtype_tflops());
+        } else {
+            table.num(&format!("GEMM rate at {rows} rows (TFLOP/s)"), self.rate.tflops());
+        }
         table
-            .section("Throughput Limit (work at measured ceilings)")
-            .num(&format!("GEMM rate at {} rows (TFLOP/s){fp8}", self.rate.rows), self.rate.tflops())
-            .num("Half-precision GEMM rate (TFLOP/s)", self.rate.half_tflops())
             .num("Memory read bandwidth (GB/s)", self.bandwidth.gbps())
             .num("GEMM and attention arithmetic (TFLOP)", (w.gemm_flops + w.attention_flops) / 1e12)
             .num("K/V read by decode tokens (GB)", w.kv_read_bytes / 1e9)
@@ -161,9 +167,9 @@ impl MeasuredLimit {
         let (w, l) = (&self.work, &self.limit);
         self.bandwidth.insert_into(r);
         r.insert("gemm_tflops".into(), self.rate.tflops().into());
-        r.insert("half_precision_gemm_tflops".into(), self.rate.half_tflops().into());
+        r.insert("compute_dtype_gemm_tflops".into(), self.rate.compute_dtype_tflops().into());
         r.insert("gemm_fp8".into(), self.rate.fp8.into());
-        r.insert("half_precision_gemm_flops".into(), w.half_precision_gemm_flops.into());
+        r.insert("compute_dtype_gemm_flops".into(), w.compute_dtype_gemm_flops.into());
         r.insert("gemm_probe_rows".into(), self.rate.rows.into());
         r.insert("gemm_flops".into(), w.gemm_flops.into());
         r.insert("attention_flops".into(), w.attention_flops.into());
