@@ -309,6 +309,18 @@ fn check_latency(v: &Value) {
     // The decode rate is the inverse of the time per output token when every request has the
     // same length (to within the spread of the iterations).
     assert!(rate > 0.5 * 1000.0 / num(v, "p99_tpot_ms") && rate < 2.0 * 1000.0 / num(v, "median_tpot_ms") + 1.0);
+    // The first token's limit: the prompt's arithmetic at the GEMM rate measured in the run (no
+    // FP8 GEMM on the CPU), or its weights at the bandwidth, whichever takes longer, then its
+    // attention.
+    let (ttft_limit, ttft_fraction) = (num(v, "ttft_limit_ms"), num(v, "ttft_fraction_of_limit"));
+    assert_eq!(v["gemm_fp8"], false);
+    let rate = num(v, "gemm_tflops") * 1e12;
+    assert_close(num(v, "compute_dtype_gemm_tflops") * 1e12, rate, "one GEMM rate without FP8");
+    let gemms = (num(v, "prefill_gemm_flops") / rate).max(num(v, "prefill_weight_read_bytes") / (bw * 1e9));
+    let seconds = gemms + num(v, "prefill_attention_flops") / rate;
+    assert_close(ttft_limit, seconds * 1e3, "TTFT limit = prefill work at the measured ceilings");
+    assert_close(ttft_fraction, ttft_limit / num(v, "median_ttft_ms"), "fraction = TTFT limit / median TTFT");
+    assert!(num(v, "gemm_probe_rows") >= 1.0);
 }
 
 #[test]

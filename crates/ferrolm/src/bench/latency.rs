@@ -1,5 +1,7 @@
 //! `ferrolm bench latency`: one request at a time, timing the first token and every decode step,
-//! and comparing the decode rate with what this machine's memory bandwidth allows.
+//! and comparing the decode rate with what this machine's memory bandwidth allows, and the first
+//! token with what its prefill's arithmetic allows at this machine's GEMM rate (measured in the
+//! same run, on the model's own projections, in FP8 where the run's projections are FP8).
 //!
 //! Each iteration gets a fresh random prompt, so the prefix cache never shortens a prefill.
 
@@ -15,6 +17,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 
 use super::bandwidth::{self, Bandwidth, BandwidthArgs, DecodeLimit};
+use super::limit::{self, GemmRate, RunWork, Served, StepCaps, ThroughputLimit};
 use super::metrics::{LatencySummaries, RequestTiming};
 use super::setup::{self, BenchModel, ModelArgs};
 use super::{collect_timing, free_engine, model_label, report, Device, SamplingFlags};
@@ -94,10 +97,13 @@ pub fn run(args: LatencyArgs) -> Result<()> {
     let decode_seconds: f64 = timings.iter().map(|t| t.latency - t.ttft).sum();
     let decode_rate = if decode_seconds > 0.0 { decode_tokens as f64 / decode_seconds } else { 0.0 };
     let limit = bandwidth::decode_limit(&bw, bytes_per_decode_token(&model, &args), decode_rate);
+    let first = TtftLimit::measure(&args, device, &model, &bw, summaries.ttft.median)?;
 
     print_table(&model, &summaries, decode_rate, &bw, &limit);
+    first.print();
     if let Some(path) = &args.json {
         let mut results = results(&args, &model, &timings, &summaries, decode_rate, &bw, &limit);
+        first.insert_into(&mut results);
         results.insert("num_steps".into(), stats.num_steps.into());
         results.insert("num_steps_ahead".into(), stats.num_steps_ahead.into());
         results.insert("host_gap_seconds".into(), (stats.host_gap_us as f64 / 1e6).into());
@@ -170,4 +176,63 @@ fn results(
     r.insert("decode_limit_tokens_per_s".into(), limit.tokens_per_s.into());
     r.insert("fraction_of_limit".into(), limit.fraction.into());
     r
+}
+
+/// The first token's limit: its prompt's prefill (every projection of every prompt token, one
+/// LM-head row, the causal attention over the prompt, the weights read once per step of at most
+/// `--max-num-batched-tokens`), priced as `bench throughput` prices a run, at the GEMM rate
+/// measured here at the prefill's rows and the bandwidth measured above.
+struct TtftLimit {
+    rate: GemmRate,
+    work: RunWork,
+    /// Milliseconds the prefill takes at those ceilings.
+    ms: f64,
+    /// The limit over the median TTFT (1 = at the limit).
+    fraction: f64,
+}
+
+impl TtftLimit {
+    fn measure(args: &LatencyArgs, device: Device, model: &BenchModel, bw: &Bandwidth, median_ms: f64) -> Result<Self> {
+        let budget = args.model.engine.max_num_batched_tokens;
+        let caps = StepCaps { max_num_seqs: 1, max_num_batched_tokens: budget };
+        let served = [Served { prompt_len: args.input_len, output_len: 1 }];
+        let work = RunWork::of(&model.config, &served, caps, &model.step_weights(), model.kv_bytes_per_context_token());
+        // The GPU multiplies in the engine's dtype; the CPU in f32 from the stored weights.
+        let weights = if device == Device::Cpu { model.dtype } else { model.activation_dtype };
+        let rows = args.input_len.min(budget);
+        eprintln!("measuring {device:?} GEMM rate ({rows} rows)...");
+        let rate = limit::measure_gemm_rate(device, &model.config, weights, rows)?;
+        // One output token: the limit in tokens per second is one over the prefill's seconds.
+        let prefill = ThroughputLimit::of(&work, &rate, bw, 1, 1000.0 / median_ms);
+        Ok(TtftLimit { rate, work, ms: 1000.0 / prefill.in_sequence, fraction: prefill.fraction_in_sequence })
+    }
+
+    fn print(&self) {
+        let rows = self.rate.rows;
+        let mut table = report::Table::new("First-Token Limit (prefill at measured ceilings)");
+        if self.rate.fp8 {
+            table
+                .num(&format!("FP8 GEMM rate at {rows} rows (TFLOP/s)"), self.rate.tflops())
+                .num(&format!("GEMM rate at {rows} rows, compute dtype (TFLOP/s)"), self.rate.compute_dtype_tflops());
+        } else {
+            table.num(&format!("GEMM rate at {rows} rows (TFLOP/s)"), self.rate.tflops());
+        }
+        table
+            .num("Prefill arithmetic (GFLOP)", (self.work.gemm_flops + self.work.attention_flops) / 1e9)
+            .num("TTFT limit (ms)", self.ms)
+            .text("Fraction of limit (limit / median TTFT)", format!("{:.1}%", self.fraction * 100.0))
+            .print();
+    }
+
+    fn insert_into(&self, r: &mut Map<String, Value>) {
+        r.insert("gemm_tflops".into(), self.rate.tflops().into());
+        r.insert("compute_dtype_gemm_tflops".into(), self.rate.compute_dtype_tflops().into());
+        r.insert("gemm_fp8".into(), self.rate.fp8.into());
+        r.insert("gemm_probe_rows".into(), self.rate.rows.into());
+        r.insert("prefill_gemm_flops".into(), self.work.gemm_flops.into());
+        r.insert("prefill_attention_flops".into(), self.work.attention_flops.into());
+        r.insert("prefill_weight_read_bytes".into(), self.work.weight_read_bytes.into());
+        r.insert("ttft_limit_ms".into(), self.ms.into());
+        r.insert("ttft_fraction_of_limit".into(), self.fraction.into());
+    }
 }

@@ -4,7 +4,7 @@
 //! - `throughput`: every request submitted at once to an in-process engine, with the run's work
 //!   priced at the machine's GEMM rate and memory bandwidth (the throughput limit).
 //! - `latency`: one request at a time, with the machine's memory bandwidth and the batch-1 decode
-//!   limit it implies.
+//!   limit it implies, and the first token's limit at the GEMM rate.
 //! - `serve`: Poisson arrivals against any OpenAI-compatible server over HTTP.
 //!
 //! Every mode prints an aligned table and, with `--json FILE`, writes every figure together with
