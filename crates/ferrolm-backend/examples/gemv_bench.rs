@@ -3,20 +3,23 @@
 //!
 //! ```text
 //! cargo build --release -p ferrolm-backend --features cuda,bench-internals --example gemv_bench
-//! target/release/examples/gemv_bench
+//! target/release/examples/gemv_bench        # or `gemv_bench fp8`: the FP8 rows alone
 //! ```
 //!
 //! Each shape's weights are cycled through in enough copies that one pass is several times the
 //! 50 MB L2 cache, so the reads come from device memory as in a decode step. A line gives the
 //! mean time per call over 64 back-to-back calls (best of 5 such runs) and the weight bytes read
-//! per call over that time. Last, the 8B projections and LM head at 192, 384, 512 and 8192 rows,
-//! as TFLOP/s, on cuBLAS's default kernels and again after `Gemms::tune`.
+//! per call over that time. Then the 8B projections and LM head at 192, 384, 512 and 8192 rows,
+//! as TFLOP/s, on cuBLAS's default kernels and again after `Gemms::tune`. Last, the 8B
+//! projections with FP8 weights (one scale per row): `cuda::linear_fp8` at 1 to 4 rows (the FP8
+//! GEMV, one byte a weight, as GB/s of codes) and at 8 to 512 rows (the FP8 GEMM, the rows
+//! quantized first, as TFLOP/s, untuned and after `tune_fp8_gemms`).
 
 mod bench_support;
 
 use bench_support::{best_mean, open_gpu, random_tensor};
-use ferrolm_backend::cuda::{self, Gemms, Gpu, GpuError, GpuTensor};
-use ferrolm_backend::DType;
+use ferrolm_backend::cuda::{self, Gemms, Gpu, GpuError, GpuFp8Matrix, GpuTensor};
+use ferrolm_backend::{DType, Fp8Matrix, Fp8Scales};
 
 /// Bytes of weights cycled through per shape.
 const WORKING_SET: usize = 512 << 20;
@@ -27,7 +30,6 @@ fn main() {
         Ok(gemms) => gemms,
         Err(e) => return eprintln!("cuBLASLt: {e}"),
     };
-    println!("{:<34} {:>3} {:>10} {:>10} {:>10} {:>10}", "shape (n x k)", "m", "gemv us", "GB/s", "cublas us", "GB/s");
     let shapes = [
         ("8b qkv", 6144, 4096),
         ("8b o_proj", 4096, 4096),
@@ -40,6 +42,11 @@ fn main() {
         ("1b down", 2048, 8192),
         ("1b lm_head", 128256, 2048),
     ];
+    // `gemv_bench fp8`: the FP8 rows alone.
+    if std::env::args().nth(1).as_deref() == Some("fp8") {
+        return fp8_section(&gpu, &gemms, &shapes);
+    }
+    println!("{:<34} {:>3} {:>10} {:>10} {:>10} {:>10}", "shape (n x k)", "m", "gemv us", "GB/s", "cublas us", "GB/s");
     for (name, n, k) in shapes {
         for m in [1, 2, 4] {
             if let Err(e) = run(&gpu, &gemms, name, m, n, k) {
@@ -108,6 +115,73 @@ fn main() {
             (Err(e), _) | (_, Err(e)) => eprintln!("{name} tuned GEMM: {e}"),
         }
     }
+    fp8_section(&gpu, &gemms, &shapes);
+}
+
+/// The 8B's projections with FP8 weights: the GEMV's rate at 1 to 4 rows (GB/s of codes) and
+/// the FP8 GEMM's at more (TFLOP/s), untuned and tuned.
+fn fp8_section(gpu: &Gpu, gemms: &Gemms, shapes: &[(&str, usize, usize)]) {
+    println!();
+    println!(
+        "{:<34} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "FP8 (n x k)", "m1 GB/s", "m2 GB/s", "m4 GB/s", "m8 TF/s", "m64", "m512"
+    );
+    let ms = [1, 2, 4, 8, 64, 512];
+    for &(name, n, k) in shapes.iter().filter(|&&(name, n, _)| name.starts_with("8b") && n != 128256) {
+        for tuned in [false, true] {
+            match fp8_rates(gpu, gemms, n, k, &ms, tuned) {
+                Ok(r) => println!(
+                    "{:<34} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0}",
+                    format!("{name} ({n} x {k}){}", if tuned { " tuned" } else { "" }),
+                    r[0],
+                    r[1],
+                    r[2],
+                    r[3],
+                    r[4],
+                    r[5]
+                ),
+                Err(e) => eprintln!("{name} FP8: {e}"),
+            }
+        }
+    }
+}
+
+/// `linear_fp8` over copies of a random `[n, k]` FP8 matrix with row scales at each of `ms`
+/// rows: GB/s of codes up to 4 rows, TFLOP/s beyond (after `tune_fp8_gemms` where `tuned`).
+fn fp8_rates(gpu: &Gpu, gemms: &Gemms, n: usize, k: usize, ms: &[usize], tuned: bool) -> Result<Vec<f64>, GpuError> {
+    let copies = WORKING_SET.div_ceil(n * k).clamp(1, 16);
+    let mut seed = 0x853c_49e6_748f_ea9b_u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let mut weights = Vec::with_capacity(copies);
+    for _ in 0..copies {
+        // Codes of magnitude below 0x7e (no NaN), either sign.
+        let codes: Vec<u8> = (0..n * k).map(|_| (next() % 0x7e) as u8 | (next() as u8 & 0x80)).collect();
+        let scales = (0..n).map(|i| (1 + i % 7) as f32 / 448.0).collect();
+        let w = Fp8Matrix::new(n, k, codes, Fp8Scales::Rows(scales)).expect("codes and scales of the shape");
+        weights.push(GpuFp8Matrix::new(gpu, &w)?.expect("row scales and whole chunks"));
+    }
+    let largest = ms.iter().copied().max().unwrap_or(1);
+    let x = random_tensor(gpu, DType::BF16, largest * k, &mut 0x2545_f491_4f6c_dd1d_u64)?;
+    let mut y = GpuTensor::zeros(gpu, DType::BF16, largest * n)?;
+    let mut scratch = GpuTensor::zeros(gpu, DType::BF16, (largest * k).div_ceil(2) + largest * 2 + 16)?;
+    if tuned {
+        let gemm_rows: Vec<usize> = ms.iter().copied().filter(|&m| m > cuda::GEMV_MAX_M).collect();
+        cuda::tune_fp8_gemms(gpu, gemms, weights[0].view(), n, &gemm_rows, DType::BF16)?;
+    }
+    let mut rates = Vec::with_capacity(ms.len());
+    for &m in ms {
+        let t = best_mean(gpu, copies, |i| {
+            let (x, w, y) = (x.slice(0..m * k), weights[i % copies].view(), y.slice_mut(0..m * n));
+            cuda::linear_fp8(gpu, gemms, x, m, w, n, None, y, &mut scratch, None)
+        })?;
+        rates.push(if m <= cuda::GEMV_MAX_M { (n * k) as f64 / t / 1e9 } else { 2.0 * (m * n * k) as f64 / t / 1e12 });
+    }
+    Ok(rates)
 }
 
 /// TFLOP/s of `linear` at `m` rows (cuBLAS past a few rows).
