@@ -128,60 +128,64 @@ fn fp8_section(gpu: &Gpu, gemms: &Gemms, shapes: &[(&str, usize, usize)]) {
     );
     let ms = [1, 2, 4, 8, 64, 512];
     for &(name, n, k) in shapes.iter().filter(|&&(name, n, _)| name.starts_with("8b") && n != 128256) {
-        for tuned in [false, true] {
-            match fp8_rates(gpu, gemms, n, k, &ms, tuned) {
-                Ok(r) => println!(
-                    "{:<34} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0}",
-                    format!("{name} ({n} x {k}){}", if tuned { " tuned" } else { "" }),
-                    r[0],
-                    r[1],
-                    r[2],
-                    r[3],
-                    r[4],
-                    r[5]
-                ),
-                Err(e) => eprintln!("{name} FP8: {e}"),
+        match fp8_rates(gpu, gemms, n, k, &ms) {
+            Ok(runs) => {
+                for (r, label) in runs.iter().zip(["", " tuned"]) {
+                    println!(
+                        "{:<34} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0} {:>9.0}",
+                        format!("{name} ({n} x {k}){label}"),
+                        r[0],
+                        r[1],
+                        r[2],
+                        r[3],
+                        r[4],
+                        r[5]
+                    );
+                }
             }
+            Err(e) => eprintln!("{name} FP8: {e}"),
         }
     }
 }
 
 /// `linear_fp8` over copies of a random `[n, k]` FP8 matrix with row scales at each of `ms`
-/// rows: GB/s of codes up to 4 rows, TFLOP/s beyond (after `tune_fp8_gemms` where `tuned`).
-fn fp8_rates(gpu: &Gpu, gemms: &Gemms, n: usize, k: usize, ms: &[usize], tuned: bool) -> Result<Vec<f64>, GpuError> {
+/// rows: GB/s of codes up to 4 rows, TFLOP/s beyond; before `tune_fp8_gemms`, then after.
+fn fp8_rates(gpu: &Gpu, gemms: &Gemms, n: usize, k: usize, ms: &[usize]) -> Result<[Vec<f64>; 2], GpuError> {
     let copies = WORKING_SET.div_ceil(n * k).clamp(1, 16);
-    let mut seed = 0x853c_49e6_748f_ea9b_u64;
-    let mut next = move || {
-        seed ^= seed << 13;
-        seed ^= seed >> 7;
-        seed ^= seed << 17;
-        seed
-    };
-    let mut weights = Vec::with_capacity(copies);
-    for _ in 0..copies {
-        // Codes of magnitude below 0x7e (no NaN), either sign.
-        let codes: Vec<u8> = (0..n * k).map(|_| (next() % 0x7e) as u8 | (next() as u8 & 0x80)).collect();
-        let scales = (0..n).map(|i| (1 + i % 7) as f32 / 448.0).collect();
-        let w = Fp8Matrix::new(n, k, codes, Fp8Scales::Rows(scales)).expect("codes and scales of the shape");
-        weights.push(GpuFp8Matrix::new(gpu, &w)?.expect("row scales and whole chunks"));
-    }
+    // Codes of magnitude below 0x7e (no NaN), either sign; the copies hold the same values in
+    // distinct memory.
+    let codes: Vec<u8> = (0..n * k)
+        .map(|i| {
+            let h = (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            ((h >> 40) % 0x7e) as u8 | ((h >> 32) as u8 & 0x80)
+        })
+        .collect();
+    let scales = (0..n).map(|i| (1 + i % 7) as f32 / 448.0).collect();
+    let w = Fp8Matrix::new(n, k, codes, Fp8Scales::Rows(scales)).expect("codes and scales of the shape");
+    let weights = (0..copies)
+        .map(|_| GpuFp8Matrix::new(gpu, &w).map(|m| m.expect("row scales and whole chunks")))
+        .collect::<Result<Vec<_>, _>>()?;
     let largest = ms.iter().copied().max().unwrap_or(1);
     let x = random_tensor(gpu, DType::BF16, largest * k, &mut 0x2545_f491_4f6c_dd1d_u64)?;
     let mut y = GpuTensor::zeros(gpu, DType::BF16, largest * n)?;
     let mut scratch = GpuTensor::zeros(gpu, DType::BF16, (largest * k).div_ceil(2) + largest * 2 + 16)?;
-    if tuned {
-        let gemm_rows: Vec<usize> = ms.iter().copied().filter(|&m| m > cuda::GEMV_MAX_M).collect();
-        cuda::tune_fp8_gemms(gpu, gemms, weights[0].view(), n, &gemm_rows, DType::BF16)?;
+    let mut runs = [Vec::new(), Vec::new()];
+    for (run, tuned) in runs.iter_mut().zip([false, true]) {
+        if tuned {
+            let gemm_rows: Vec<usize> = ms.iter().copied().filter(|&m| m > cuda::GEMV_MAX_M).collect();
+            cuda::tune_fp8_gemms(gpu, gemms, weights[0].view(), n, &gemm_rows, DType::BF16)?;
+        }
+        for &m in ms {
+            let t = best_mean(gpu, copies, |i| {
+                let (x, w, y) = (x.slice(0..m * k), weights[i % copies].view(), y.slice_mut(0..m * n));
+                cuda::linear_fp8(gpu, gemms, x, m, w, n, None, y, &mut scratch, None)
+            })?;
+            let rate =
+                if m <= cuda::GEMV_MAX_M { (n * k) as f64 / t / 1e9 } else { 2.0 * (m * n * k) as f64 / t / 1e12 };
+            run.push(rate);
+        }
     }
-    let mut rates = Vec::with_capacity(ms.len());
-    for &m in ms {
-        let t = best_mean(gpu, copies, |i| {
-            let (x, w, y) = (x.slice(0..m * k), weights[i % copies].view(), y.slice_mut(0..m * n));
-            cuda::linear_fp8(gpu, gemms, x, m, w, n, None, y, &mut scratch, None)
-        })?;
-        rates.push(if m <= cuda::GEMV_MAX_M { (n * k) as f64 / t / 1e9 } else { 2.0 * (m * n * k) as f64 / t / 1e12 });
-    }
-    Ok(rates)
+    Ok(runs)
 }
 
 /// TFLOP/s of `linear` at `m` rows (cuBLAS past a few rows).
