@@ -208,15 +208,8 @@ impl TtftLimit {
     }
 
     fn print(&self) {
-        let rows = self.rate.rows;
         let mut table = report::Table::new("First-Token Limit (prefill at measured ceilings)");
-        if self.rate.fp8 {
-            table
-                .num(&format!("FP8 GEMM rate at {rows} rows (TFLOP/s)"), self.rate.tflops())
-                .num(&format!("GEMM rate at {rows} rows, compute dtype (TFLOP/s)"), self.rate.compute_dtype_tflops());
-        } else {
-            table.num(&format!("GEMM rate at {rows} rows (TFLOP/s)"), self.rate.tflops());
-        }
+        self.rate.add_to(&mut table);
         table
             .num("Prefill arithmetic (GFLOP)", (self.work.gemm_flops + self.work.attention_flops) / 1e9)
             .num("TTFT limit (ms)", self.ms)
@@ -225,10 +218,7 @@ impl TtftLimit {
     }
 
     fn insert_into(&self, r: &mut Map<String, Value>) {
-        r.insert("gemm_tflops".into(), self.rate.tflops().into());
-        r.insert("compute_dtype_gemm_tflops".into(), self.rate.compute_dtype_tflops().into());
-        r.insert("gemm_fp8".into(), self.rate.fp8.into());
-        r.insert("gemm_probe_rows".into(), self.rate.rows.into());
+        self.rate.insert_into(r);
         r.insert("prefill_gemm_flops".into(), self.work.gemm_flops.into());
         r.insert("prefill_attention_flops".into(), self.work.attention_flops.into());
         r.insert("prefill_weight_read_bytes".into(), self.work.weight_read_bytes.into());

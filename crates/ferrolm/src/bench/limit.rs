@@ -32,8 +32,10 @@ use anyhow::Result;
 use ferrolm_backend::{DType, WeightView};
 use ferrolm_model::config::{ModelConfig, MoeConfig};
 use half::{bf16, f16};
+use serde_json::{Map, Value};
 
 use super::bandwidth::{Bandwidth, Device};
+use super::report::Table;
 
 /// Rows of the CPU's GEMM probe at most (the rate is flat beyond a few hundred rows, and a CPU
 /// takes seconds per projection of a 7B model there).
@@ -249,6 +251,27 @@ impl GemmRate {
 
     pub fn compute_dtype_tflops(&self) -> f64 {
         self.compute_dtype_flops_per_s / 1e12
+    }
+
+    /// The rate's rows of a result table: the FP8 rate and the compute dtype's where the
+    /// projections are FP8 (the LM head, experts and attention stay in the compute dtype).
+    pub fn add_to(&self, table: &mut Table) {
+        let rows = self.rows;
+        if self.fp8 {
+            table
+                .num(&format!("FP8 GEMM rate at {rows} rows (TFLOP/s)"), self.tflops())
+                .num(&format!("GEMM rate at {rows} rows, compute dtype (TFLOP/s)"), self.compute_dtype_tflops());
+        } else {
+            table.num(&format!("GEMM rate at {rows} rows (TFLOP/s)"), self.tflops());
+        }
+    }
+
+    /// The rate's keys of a result's JSON.
+    pub fn insert_into(&self, r: &mut Map<String, Value>) {
+        r.insert("gemm_tflops".into(), self.tflops().into());
+        r.insert("compute_dtype_gemm_tflops".into(), self.compute_dtype_tflops().into());
+        r.insert("gemm_fp8".into(), self.fp8.into());
+        r.insert("gemm_probe_rows".into(), self.rows.into());
     }
 }
 

@@ -135,16 +135,8 @@ struct MeasuredLimit {
 impl MeasuredLimit {
     fn add_to(&self, table: &mut report::Table) {
         let (w, l) = (&self.work, &self.limit);
-        let rows = self.rate.rows;
         table.section("Throughput Limit (work at measured ceilings)");
-        if self.rate.fp8 {
-            // The projections in FP8; the LM head, experts and attention in the compute dtype.
-            table
-                .num(&format!("FP8 GEMM rate at {rows} rows (TFLOP/s)"), self.rate.tflops())
-                .num(&format!("GEMM rate at {rows} rows, compute dtype (TFLOP/s)"), self.rate.compute_dtype_tflops());
-        } else {
-            table.num(&format!("GEMM rate at {rows} rows (TFLOP/s)"), self.rate.tflops());
-        }
+        self.rate.add_to(table);
         table
             .num("Memory read bandwidth (GB/s)", self.bandwidth.gbps())
             .num("GEMM and attention arithmetic (TFLOP)", (w.gemm_flops + w.attention_flops) / 1e12)
@@ -166,11 +158,8 @@ impl MeasuredLimit {
     fn insert_into(&self, r: &mut serde_json::Map<String, Value>) {
         let (w, l) = (&self.work, &self.limit);
         self.bandwidth.insert_into(r);
-        r.insert("gemm_tflops".into(), self.rate.tflops().into());
-        r.insert("compute_dtype_gemm_tflops".into(), self.rate.compute_dtype_tflops().into());
-        r.insert("gemm_fp8".into(), self.rate.fp8.into());
+        self.rate.insert_into(r);
         r.insert("compute_dtype_gemm_flops".into(), w.compute_dtype_gemm_flops.into());
-        r.insert("gemm_probe_rows".into(), self.rate.rows.into());
         r.insert("gemm_flops".into(), w.gemm_flops.into());
         r.insert("attention_flops".into(), w.attention_flops.into());
         r.insert("kv_read_bytes".into(), w.kv_read_bytes.into());
