@@ -2932,9 +2932,11 @@ fn fp8_gemm_matches_cpu_on_quantized_activations() -> Result<(), GpuError> {
                                 let rows_magnitude: Vec<f32> =
                                     (0..m).flat_map(|r| magnitude[r * n..r * n + rows].to_vec()).collect();
                                 let worst = fp8_gemm_error(&got, &want, &rows_magnitude, y_dtype);
-                                eprintln!("{what}: error {worst:.2e} of Σ|x w|");
+                                let (relative, _) = worst_relative_error(&got, &want);
+                                let line = format!("{what}: error {worst:.2e} of Σ|x w|, relative {relative:.2e}");
+                                eprintln!("{line}");
                                 if worst > FP8_ACCUMULATION {
-                                    failures.push(format!("{what}: error {worst:.2e} of Σ|x w|"));
+                                    failures.push(line);
                                 }
                             }
                         }
@@ -2963,9 +2965,10 @@ fn fp8_gemm_matches_cpu_on_quantized_activations() -> Result<(), GpuError> {
                         cuda::GatedOut { gate_up: gu_view, out, codes: None },
                     )?;
                     let what = format!("FP8 GEMM gated {layout} {dtype:?} m={m} k={k} inter={inter} {why}");
-                    let (err, _) = worst_relative_error(&got.to_f32_vec(&gpu)?, &want);
+                    let got = got.to_f32_vec(&gpu)?;
+                    let (err, _) = worst_relative_error(&got, &want);
                     eprintln!("{what}: relative error {err:.2e}");
-                    if err > 2.0 * tol {
+                    if err > 2.0 * tol || got.iter().any(|v| !v.is_finite()) {
                         failures.push(format!("{what}: relative error {err:.2e}"));
                     }
                 }
@@ -2978,7 +2981,9 @@ fn fp8_gemm_matches_cpu_on_quantized_activations() -> Result<(), GpuError> {
 
 /// What the FP8 GEMM may err by beyond rounding its output, as a fraction of Σ |x_i w_i|: the
 /// tensor cores keep fewer bits than f32 in the FP8 products' running sums (about 14, between
-/// the promotions to f32 that cuBLASLt makes without fast accumulation).
+/// the promotions to f32 that cuBLASLt makes without fast accumulation), and 2^-11 is four times
+/// the 2^-13 by which a 14-bit sum may be off. The relative error is printed beside it, to
+/// tighten the bound from measured cases.
 const FP8_ACCUMULATION: f32 = 1.0 / 2048.0;
 
 /// The largest error of `got` against `want` beyond the rounding of an output of `dtype` (a
@@ -3150,11 +3155,13 @@ fn reshape_and_cache_fp8_writes_the_cpus_codes() -> Result<(), GpuError> {
 /// decode kernel in bf16 and f16, the CUDA-core one in f32, their contexts split or not), mixed
 /// prefill and decode batches (the tensor-core prefill kernel in bf16 and f16), the decodes with
 /// a hint past one row (the same), and the general kernel on all of them, with GQA and a sliding
-/// window. The kernels convert each code to its value times the cache's scale, rounded to the
-/// activations' dtype, before their arithmetic: the CPU's reference is its attention over those
-/// values, and the dense kernels over them must give what the FP8 kernels give. (Against the
-/// CPU's reading of the codes in f32, a bf16 run differs by the rounding of each K/V value, which
-/// a short context's output, a sum of few values that cancel, can leave 10 % of itself.)
+/// window. The tensor-core kernels (the picked ones in bf16 and f16, but the CUDA-core decode of
+/// head size 256) convert each code to its value times the cache's scale rounded to the
+/// activations' dtype before their arithmetic: their reference is the CPU's attention over those
+/// values, and the dense kernels over them must give what they give. The others compute with
+/// the values in f32, as the CPU reads the codes. (A bf16 run against the f32 values differs by
+/// the rounding of each K/V value, which a short context's output, a sum of few values that
+/// cancel, can leave 10 % of itself.)
 #[test]
 fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
@@ -3162,8 +3169,6 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
     let block_size = 16;
     let scales = (0.004f32, 0.006f32);
     let attention = PagedAttention::new(&gpu)?;
-    // The FP8 kernels against the dense ones over the same values: the same arithmetic.
-    const DENSE_TOL: f32 = 1e-3;
     let mut failures = Vec::new();
     // Head sizes of every kernel form: 128 and 64 (all tensor-core), 80 (tensor-core decode with
     // uneven loads; no CUDA-core decode), 256 (CUDA-core decode, the prefill kernel's Q in shared
@@ -3220,16 +3225,30 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
                     attention.run_on(kernel, &gpu, q.view(), kd, vd, &gpu_meta, heads, dense.view_mut())?;
                     let got = out.to_f32_vec(&gpu)?;
                     assert!(got.iter().all(|x| x.is_finite()), "FP8 paged_attention: a value not finite");
-                    let (vs_cpu, _) = worst_relative_error(&got, &want_converted);
+                    // Whether this run's kernel rounds the converted values to the dtype.
+                    let rounds = dtype != DType::F32
+                        && matches!(kernel, AttentionKernel::Picked)
+                        && (max_query_len > 1 || heads.head_dim != 256);
+                    let (vs_converted, _) = worst_relative_error(&got, &want_converted);
                     let (vs_codes, _) = worst_relative_error(&got, &want);
+                    let vs_cpu = if rounds { vs_converted } else { vs_codes };
+                    // The same values through the dense kernels (where the FP8 kernel rounds them
+                    // as these hold them): the same arithmetic but for the decode's form (the
+                    // dense one may take the per-warp kernel), within an output rounding.
                     let (vs_dense, _) = worst_relative_error(&got, &dense.to_f32_vec(&gpu)?);
+                    let dense_tol = match dtype {
+                        DType::BF16 => 1.0 / 128.0,
+                        DType::F16 => 1.0 / 1024.0,
+                        _ => 1e-5,
+                    };
                     let what = format!(
                         "FP8 paged_attention {kernel:?} {dtype:?} {heads:?} window {window:?} hint {max_query_len}: \
-                         {vs_cpu:.2e} from the CPU over the converted values ({vs_codes:.2e} from its f32 reading \
-                         of the codes), {vs_dense:.2e} from the dense kernel over them"
+                         {vs_converted:.2e} from the CPU over the values rounded to the dtype, {vs_codes:.2e} over \
+                         them in f32 (its reference: {}), {vs_dense:.2e} from the dense kernels",
+                        if rounds { "rounded" } else { "f32" }
                     );
                     eprintln!("{what}");
-                    if vs_cpu > tol || vs_dense > DENSE_TOL {
+                    if vs_cpu > tol || (rounds && vs_dense > dense_tol) {
                         failures.push(what);
                     }
                 }

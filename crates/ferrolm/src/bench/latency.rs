@@ -97,13 +97,23 @@ pub fn run(args: LatencyArgs) -> Result<()> {
     let decode_seconds: f64 = timings.iter().map(|t| t.latency - t.ttft).sum();
     let decode_rate = if decode_seconds > 0.0 { decode_tokens as f64 / decode_seconds } else { 0.0 };
     let limit = bandwidth::decode_limit(&bw, bytes_per_decode_token(&model, &args), decode_rate);
-    let first = TtftLimit::measure(&args, device, &model, &bw, summaries.ttft.median)?;
+    let first = match TtftLimit::measure(&args, device, &model, &bw, summaries.ttft.median) {
+        Ok(first) => Some(first),
+        Err(e) => {
+            eprintln!("warning: no first-token limit: {e:#}");
+            None
+        }
+    };
 
     print_table(&model, &summaries, decode_rate, &bw, &limit);
-    first.print();
+    if let Some(first) = &first {
+        first.print();
+    }
     if let Some(path) = &args.json {
         let mut results = results(&args, &model, &timings, &summaries, decode_rate, &bw, &limit);
-        first.insert_into(&mut results);
+        if let Some(first) = &first {
+            first.insert_into(&mut results);
+        }
         results.insert("num_steps".into(), stats.num_steps.into());
         results.insert("num_steps_ahead".into(), stats.num_steps_ahead.into());
         results.insert("host_gap_seconds".into(), (stats.host_gap_us as f64 / 1e6).into());
