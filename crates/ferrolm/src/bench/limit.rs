@@ -16,8 +16,9 @@
 //! run's projections take FP8 GEMMs (FP8 weights with a scale per row), the layers' projections
 //! are priced at the FP8 GEMMs' rate, measured on them (one that the FP8 GEMM does not take at
 //! its time in the compute dtype, as the engine dequantizes it), and the rest at the compute
-//! dtype's (bf16/f16) rate: the attention's arithmetic (its kernels compute in bf16/f16 whatever the cache holds),
-//! the LM head, and a MoE model's routers and routed experts (placed dequantized).
+//! dtype's (bf16/f16) rate: the attention's arithmetic (its kernels compute in bf16/f16
+//! whatever the cache holds), the LM head, and a MoE model's routers and routed experts (placed
+//! dequantized).
 //!
 //! A mixture-of-experts model's tokens multiply with their `top_k` routed experts only (plus
 //! the router and any shared expert), and a step reads only the experts its tokens pick. How
