@@ -25,7 +25,7 @@ mod weights;
 
 pub use activation::{gelu_tanh_and_mul, silu_and_mul};
 pub use attention::{paged_attention, AttentionMetadata};
-pub use device::{Cpu, CpuBatch, CpuKvLayer, CpuRope, CpuTensor};
+pub use device::{Cpu, CpuBatch, CpuKvLayer, CpuMatrix, CpuRope, CpuTensor, Fp8Inputs};
 pub use embedding::embedding;
 pub use kv_cache::{reshape_and_cache, reshape_and_cache_into, KvStore, KvView};
 pub use linear::{linear, linear_gemm, linear_gemv, GEMV_MAX_M};

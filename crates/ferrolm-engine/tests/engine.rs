@@ -256,7 +256,7 @@ fn a_hybrid_model_gives_the_tokens_of_the_unpaged_model() {
         let mut config = ferrolm_model::ModelConfig::from_dir(&dir).expect("config");
         config.sliding_layers = vec![true, false, true];
         let weights = ferrolm_model::WeightSource::open_dir(&dir).expect("weights");
-        Model::load(&ferrolm_backend::cpu::Cpu, config, &weights).expect("model")
+        Model::load(&ferrolm_backend::cpu::Cpu::default(), config, &weights).expect("model")
     };
     let mut model = load();
     assert_eq!(model.config.kv_cache_windows(), vec![None, Some(24)]);

@@ -24,7 +24,7 @@ impl Decoder<Cpu> {
         }
         let config = ModelConfig::from_dir(dir)?;
         let src = WeightSource::open_dir(dir)?;
-        Model::load(&Cpu, config, &src)
+        Model::load(&Cpu::default(), config, &src)
     }
 
     /// A KV cache of `num_blocks` blocks of `block_size` tokens in every KV cache group.
@@ -38,7 +38,7 @@ impl Decoder<Cpu> {
     pub fn new_grouped_kv_cache(&self, num_blocks: &[usize], block_size: usize) -> KvCache {
         let groups = self.config.kv_cache_groups().len();
         let num_blocks = if num_blocks.len() == 1 { vec![num_blocks[0]; groups] } else { num_blocks.to_vec() };
-        let Ok(layers) = self.kv_cache(&Cpu, &num_blocks, block_size);
+        let Ok(layers) = self.kv_cache(&Cpu::default(), &num_blocks, block_size);
         KvCache { num_blocks, block_size, kv_width: self.config.kv_size(), layers }
     }
 
@@ -57,12 +57,12 @@ impl Decoder<Cpu> {
         acts: &'a mut Option<Activations<Cpu>>,
     ) -> &'a [f32] {
         let rows = input.step_rows();
-        let Ok(_) = Activations::ensure(acts, &Cpu, &self.config, rows.tokens, rows.logits);
+        let Ok(_) = Activations::ensure(acts, &Cpu::default(), &self.config, rows.tokens, rows.logits);
         let acts = acts.as_mut().expect("activations were just ensured");
         let batches = cpu_batches(input, kv.block_size);
         acts.set_rows(rows.tokens, rows.logits);
         if rows.tokens > 0 {
-            let Ok(()) = self.run(&Cpu, &batches, rows, &mut kv.layers, acts);
+            let Ok(()) = self.run(&Cpu::default(), &batches, rows, &mut kv.layers, acts);
         } else {
             // Nothing to run: no logits rows either.
             debug_assert_eq!(rows, StepRows { tokens: 0, logits: 0, identity: true });

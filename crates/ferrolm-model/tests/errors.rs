@@ -214,7 +214,7 @@ fn an_fp8_kv_cache_takes_the_checkpoints_scales() {
         let mut config = ferrolm_model::ModelConfig::from_dir(dir).expect("config");
         config.kv_cache_dtype = kv;
         let src = ferrolm_model::WeightSource::open_dir(dir).expect("weights");
-        Model::load(&ferrolm_backend::cpu::Cpu, config, &src)
+        Model::load(&ferrolm_backend::cpu::Cpu::default(), config, &src)
     };
     let dir = with_extra_tensors("llama3_gqa_fp8_dynamic", &extra);
     let model = load(dir.path(), KvCacheDtype::Fp8).expect("model");

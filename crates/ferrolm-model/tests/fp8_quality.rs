@@ -62,7 +62,7 @@ fn demo_model_in_fp8_keeps_its_held_out_log_likelihood() {
             config.quantize_at_load().expect("a bf16 checkpoint");
         }
         config.kv_cache_dtype = cache;
-        mean_log_likelihood(&Model::load(&Cpu, config, &src).expect("model"), &windows)
+        mean_log_likelihood(&Model::load(&Cpu::default(), config, &src).expect("model"), &windows)
     };
 
     let base = score(false, KvCacheDtype::Auto);

@@ -28,7 +28,7 @@ fn load(name: &str) -> (Model, Value) {
 fn load_dir(dir: &std::path::Path) -> (Model, Value) {
     let config = ModelConfig::from_dir(dir).expect("config");
     let src = WeightSource::open_dir(dir).expect("weights");
-    let model = Model::load(&Cpu, config, &src).expect("model");
+    let model = Model::load(&Cpu::default(), config, &src).expect("model");
     let reference: Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).expect("reference")).expect("json");
     (model, reference)

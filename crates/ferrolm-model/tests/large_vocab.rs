@@ -22,7 +22,7 @@ fn model() -> Result<Model, BoxError> {
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 4, "final_logit_softcapping": CAP,
     }))?;
-    Ok(Model::load(&Cpu, config, &WeightSource::random(DType::BF16, 3))?)
+    Ok(Model::load(&Cpu::default(), config, &WeightSource::random(DType::BF16, 3))?)
 }
 
 /// Ids at both ends of the vocabulary and past 2^16 and 2^17.

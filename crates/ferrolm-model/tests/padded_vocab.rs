@@ -42,7 +42,8 @@ fn runners(dir: &Path) -> Result<Vec<Named>, BoxError> {
     let config = ModelConfig::from_dir(dir)?;
     let src = WeightSource::open_dir(dir)?;
     #[cfg_attr(not(feature = "cuda"), allow(unused_mut))]
-    let mut all: Vec<Named> = vec![("cpu".into(), Box::new(CpuRunner::new(Model::load(&Cpu, config.clone(), &src)?)))];
+    let mut all: Vec<Named> =
+        vec![("cpu".into(), Box::new(CpuRunner::new(Model::load(&Cpu::default(), config.clone(), &src)?)))];
     #[cfg(feature = "cuda")]
     match ferrolm_backend::cuda::Gpu::new(0, &Default::default()) {
         Ok(gpu) => {
@@ -133,7 +134,7 @@ fn a_limited_config_gives_logits_of_the_tokenizer_width() -> TestResult {
     let padded = padded_copy(&fixture("llama3_gqa"))?;
     let mut config = ModelConfig::from_dir(padded.path())?;
     config.limit_output_vocab(padded.num_tokens);
-    let model = Model::load(&Cpu, config, &WeightSource::open_dir(padded.path())?)?;
+    let model = Model::load(&Cpu::default(), config, &WeightSource::open_dir(padded.path())?)?;
     let mut kv = model.new_kv_cache(4, BLOCK_SIZE);
     let mut input = ModelInput::default();
     input.push_request(&[5, 6, 7], 0, &[0], BLOCK_SIZE, true, true);

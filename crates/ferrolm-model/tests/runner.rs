@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 mod common;
 
 use common::{block_table, ids};
-use ferrolm_backend::cpu::Cpu;
+use ferrolm_backend::cpu::{Cpu, Fp8Inputs};
 use ferrolm_model::{CpuRunner, Model, ModelConfig, ModelInput, ModelRunner, WeightSource};
 use ferrolm_sampling::mask::{allow, allows};
 use ferrolm_sampling::{RequestSampler, RowRequest, SamplePlan, SamplingParams, TokenLogprobs, TokenMasks};
@@ -65,9 +65,13 @@ fn load_cuda(
 }
 
 fn load_model(dir: &Path) -> Model {
+    load_model_with(dir, Cpu::default())
+}
+
+fn load_model_with(dir: &Path, cpu: Cpu) -> Model {
     let config = ModelConfig::from_dir(dir).expect("config");
     let src = WeightSource::open_dir(dir).expect("weights");
-    Model::load(&Cpu, config, &src).expect("model")
+    Model::load(&cpu, config, &src).expect("model")
 }
 
 fn reference(name: &str) -> Value {
@@ -110,65 +114,144 @@ fn executed(runner: &mut dyn ModelRunner, input: &ModelInput, rows: &[RowRequest
     out.into_iter().enumerate().map(|(i, r)| r.unwrap_or_else(|| panic!("row {i}: no token"))).collect()
 }
 
+/// What a fixture's run must give, case by case: HF's reference outputs, or a CPU run's.
+struct Case {
+    prompt: Vec<u32>,
+    /// The token fed back after each greedy step: HF's greedy tokens, so that every backend and
+    /// every reference decode the same sequence.
+    fed: Vec<u32>,
+    /// The teacher-forced logprob of each prompt token after the first.
+    prompt_logprobs: Vec<f64>,
+    steps: Vec<Step>,
+}
+
+/// One greedy step of a [`Case`].
+struct Step {
+    token: u32,
+    logprob: f64,
+    /// Top-1 minus top-2 logprob.
+    margin: f64,
+    /// HF's bf16 token where it leaves its f32 one (a MoE router near a tie).
+    bf16_argmax: Option<u32>,
+}
+
+/// The cases of a fixture's `reference.json`.
+fn hf_cases(reference: &Value) -> Vec<Case> {
+    let cases = reference["cases"].as_array().expect("cases");
+    let case = |case: &Value| {
+        let fed = ids(&case["greedy_ids"]);
+        let steps = fed
+            .iter()
+            .zip(case["steps"].as_array().expect("steps"))
+            .map(|(&token, step)| Step {
+                token,
+                logprob: step["top5"][0][1].as_f64().expect("top1 logprob"),
+                margin: step["margin"].as_f64().expect("margin"),
+                bf16_argmax: step.get("bf16_argmax").map(|v| v.as_u64().expect("bf16_argmax") as u32),
+            })
+            .collect();
+        let lps = case["prompt_logprobs"].as_array().expect("lp")[1..].iter().map(|v| v.as_f64().expect("f")).collect();
+        Case { prompt: ids(&case["prompt_ids"]), fed, prompt_logprobs: lps, steps }
+    };
+    cases.iter().map(case).collect()
+}
+
+/// A case run on `runner`: the prompt read in chunks of 7 tokens, every row's logprob of the
+/// next prompt token; then greedy steps (the top `num_top` logprobs each), teacher-forced on
+/// `case.fed`. Returns the prompt logprobs and each step's result.
+fn run_case(runner: &mut dyn ModelRunner, case: &Case, num_top: u32) -> (Vec<f64>, Vec<TokenLogprobs>) {
+    let (prompt, fed) = (&case.prompt, &case.fed);
+    let num_blocks = (prompt.len() + fed.len()).div_ceil(BLOCK_SIZE);
+    let pool = 2 * num_blocks + 3;
+    let table = block_table(num_blocks, pool);
+    runner.allocate_kv_cache(&[pool], BLOCK_SIZE).expect("kv cache");
+    let mut prompt_logprobs = Vec::new();
+    let mut start = 0;
+    while start < prompt.len() {
+        let end = (start + 7).min(prompt.len());
+        let mut input = ModelInput::default();
+        input.push_request(&prompt[start..end], start, &table, BLOCK_SIZE, true, true);
+        let rows: Vec<RowRequest> = (start..end)
+            .map(|pos| RowRequest::Logprobs { token: prompt.get(pos + 1).copied().unwrap_or(0), num_top: 0 })
+            .collect();
+        let results = executed(runner, &input, &rows);
+        // The last prompt token has no next one to score.
+        let scored = (start..end).filter(|pos| pos + 1 < prompt.len());
+        prompt_logprobs.extend(scored.zip(&results).map(|(_, r)| f64::from(r.logprob)));
+        start = end;
+    }
+
+    runner.allocate_kv_cache(&[pool], BLOCK_SIZE).expect("kv cache");
+    let plan = greedy_plan(num_top);
+    let mut input = ModelInput::default();
+    input.push_request(prompt, 0, &table, BLOCK_SIZE, true, false);
+    let mut steps = Vec::new();
+    for (step, &token) in fed.iter().enumerate() {
+        let result = executed(runner, &input, &[RowRequest::Sample(&plan)]);
+        steps.push(result.into_iter().next().expect("one row"));
+        input = ModelInput::default();
+        input.push_request(&[token], prompt.len() + step, &table, BLOCK_SIZE, true, false);
+    }
+    (prompt_logprobs, steps)
+}
+
+/// `hf`'s cases as `runner` computes them: its logprobs, greedy tokens and margins, HF's bf16
+/// tokens kept.
+fn cases_on(runner: &mut dyn ModelRunner, hf: &[Case]) -> Vec<Case> {
+    let case = |case: &Case| {
+        let (prompt_logprobs, results) = run_case(runner, case, 2);
+        let steps = results
+            .iter()
+            .zip(&case.steps)
+            .map(|(r, hf)| Step {
+                token: r.token,
+                logprob: f64::from(r.logprob),
+                margin: f64::from(r.top_logprobs[0].1 - r.top_logprobs[1].1),
+                bf16_argmax: hf.bf16_argmax,
+            })
+            .collect();
+        Case { prompt: case.prompt.clone(), fed: case.fed.clone(), prompt_logprobs, steps }
+    };
+    hf.iter().map(case).collect()
+}
+
 fn check_fixture(name: &str) {
-    let reference = reference(name);
-    for (backend, mut runner, rule) in backends(&fixture(name)) {
+    let dir = fixture(name);
+    let hf = hf_cases(&reference(name));
+    // Where the GPU quantizes the inputs of FP8 projections (bf16 and f16, beyond its GEMV's
+    // rows), the reference is the CPU quantizing them the same way; else HF's.
+    let fp8 = ModelConfig::from_dir(&dir).expect("config").quantization.is_some();
+    let mut quantized_inputs: Option<Vec<Case>> = None;
+    for (backend, mut runner, rule) in backends(&dir) {
         let what = format!("{name} on {backend}");
+        let want = match rule {
+            Rule::Bf16 if fp8 => quantized_inputs.get_or_insert_with(|| {
+                let mut cpu = CpuRunner::new(load_model_with(&dir, Cpu::with_fp8_inputs(Fp8Inputs::GPU)));
+                cases_on(&mut cpu, &hf)
+            }),
+            _ => &hf,
+        };
         let (mut errors, mut max_err, mut flips) = (Vec::new(), 0.0f64, Vec::new());
-        for (case_idx, case) in reference["cases"].as_array().expect("cases").iter().enumerate() {
-            let prompt = ids(&case["prompt_ids"]);
-            let greedy = ids(&case["greedy_ids"]);
-            let num_blocks = (prompt.len() + greedy.len()).div_ceil(BLOCK_SIZE);
-            let pool = 2 * num_blocks + 3;
-            let table = block_table(num_blocks, pool);
-
-            // Teacher-forced prompt logprobs, read in chunks of 7 tokens, every row in full.
-            runner.allocate_kv_cache(&[pool], BLOCK_SIZE).expect("kv cache");
-            let want: Vec<f64> =
-                case["prompt_logprobs"].as_array().expect("lp")[1..].iter().map(|v| v.as_f64().expect("f")).collect();
-            let mut start = 0;
-            while start < prompt.len() {
-                let end = (start + 7).min(prompt.len());
-                let mut input = ModelInput::default();
-                input.push_request(&prompt[start..end], start, &table, BLOCK_SIZE, true, true);
-                let rows: Vec<RowRequest> = (start..end)
-                    .map(|pos| RowRequest::Logprobs { token: prompt.get(pos + 1).copied().unwrap_or(0), num_top: 0 })
-                    .collect();
-                let results = executed(runner.as_mut(), &input, &rows);
-                for (row, pos) in (start..end).enumerate() {
-                    if pos + 1 < prompt.len() {
-                        let got = f64::from(results[row].logprob);
-                        let err = (got - want[pos]).abs();
-                        assert!(got.is_finite(), "{what} case {case_idx} prompt logprob {pos}: {got}");
-                        errors.push(err);
-                        max_err = max_err.max(err);
-                    }
-                }
-                start = end;
+        for (case_idx, case) in want.iter().enumerate() {
+            let (prompt_logprobs, results) = run_case(runner.as_mut(), case, 0);
+            for (pos, (&got, &want)) in prompt_logprobs.iter().zip(&case.prompt_logprobs).enumerate() {
+                assert!(got.is_finite(), "{what} case {case_idx} prompt logprob {pos}: {got}");
+                let err = (got - want).abs();
+                errors.push(err);
+                max_err = max_err.max(err);
             }
-
-            // Greedy decoding with the argmax picked by the runner, teacher-forced on the
-            // reference tokens so that later steps stay comparable.
-            runner.allocate_kv_cache(&[pool], BLOCK_SIZE).expect("kv cache");
-            let plan = greedy_plan(0);
-            let mut input = ModelInput::default();
-            input.push_request(&prompt, 0, &table, BLOCK_SIZE, true, false);
-            let mut result = executed(runner.as_mut(), &input, &[RowRequest::Sample(&plan)]);
-            for (step, (&want_id, step_ref)) in greedy.iter().zip(case["steps"].as_array().expect("steps")).enumerate()
-            {
-                let (token, logprob) = (result[0].token, f64::from(result[0].logprob));
-                let margin = step_ref["margin"].as_f64().expect("margin");
-                let want_lp = step_ref["top5"][0][1].as_f64().expect("top1 logprob");
-                let hf_bf16 = step_ref.get("bf16_argmax").map(|v| v.as_u64().expect("bf16_argmax") as u32);
+            for (step, (r, want)) in results.iter().zip(&case.steps).enumerate() {
+                let (token, logprob) = (r.token, f64::from(r.logprob));
+                let (want_id, margin, want_lp) = (want.token, want.margin, want.logprob);
                 match rule {
                     Rule::Close(_) => {
                         assert_eq!(token, want_id, "{what} case {case_idx} step {step}: greedy token (margin {margin})")
                     }
                     // Every differing token is reported before the test fails.
-                    Rule::Bf16 => match hf_bf16 {
+                    Rule::Bf16 => match want.bf16_argmax {
                         Some(hf) if hf != want_id && token != want_id && token != hf => flips.push(format!(
-                            "case {case_idx} step {step}: greedy token {token}, neither HF's f32 {want_id} nor its \
-                             bf16 {hf}"
+                            "case {case_idx} step {step}: greedy token {token}, neither the reference's {want_id} \
+                             nor HF's bf16 {hf}"
                         )),
                         Some(hf) if hf != want_id => {}
                         _ if margin > BF16_MARGIN && token != want_id => flips.push(format!(
@@ -183,13 +266,14 @@ fn check_fixture(name: &str) {
                     errors.push(err);
                     max_err = max_err.max(err);
                 }
-                let mut input = ModelInput::default();
-                input.push_request(&[want_id], prompt.len() + step, &table, BLOCK_SIZE, true, false);
-                result = executed(runner.as_mut(), &input, &[RowRequest::Sample(&plan)]);
             }
         }
         let mean = errors.iter().sum::<f64>() / errors.len().max(1) as f64;
-        eprintln!("{what}: {} logprobs, max abs error {max_err:.2e}, mean {mean:.2e}", errors.len());
+        let against = if std::ptr::eq(want, &hf) { "HF" } else { "the CPU quantizing FP8 inputs as the GPU" };
+        eprintln!(
+            "{what}: {} logprobs against {against}'s, max abs error {max_err:.2e}, mean {mean:.2e}",
+            errors.len()
+        );
         assert!(flips.is_empty(), "{what}: {} greedy tokens differ:\n{}", flips.len(), flips.join("\n"));
         match rule {
             Rule::Close(tol) => assert!(max_err < tol, "{what}: max logprob error {max_err} over {tol}"),
@@ -208,6 +292,15 @@ macro_rules! fixtures {
 }
 
 include!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../testdata/fixtures/names.rs"));
+
+/// One token of [`decode`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Decoded {
+    token: u32,
+    logprob: f32,
+    /// Top-1 minus top-2 logprob.
+    margin: f32,
+}
 
 /// Greedy tokens of `prompts`, decoded `steps` tokens each, in one shared batch (`together`) or
 /// one by one, and the margin (top-1 minus top-2 logprob) of each step when run alone.
@@ -262,22 +355,23 @@ fn greedy_batch(
 /// requests still going. With `ahead`, each step is launched before the one before it is
 /// collected and takes its tokens from that step's sampled rows on the device
 /// (`ModelInput::previous_tokens`); otherwise each step is collected before the next is built.
-/// Per request: each token with its logprob.
-fn decode(runner: &mut dyn ModelRunner, prompts: &[Vec<u32>], lens: &[usize], ahead: bool) -> Vec<Vec<(u32, f32)>> {
+/// Per request: each token with its logprob and its margin (top-1 minus top-2 logprob).
+fn decode(runner: &mut dyn ModelRunner, prompts: &[Vec<u32>], lens: &[usize], ahead: bool) -> Vec<Vec<Decoded>> {
     let n = prompts.len();
     let blocks_each =
         (prompts.iter().map(Vec::len).max().unwrap_or(0) + lens.iter().max().unwrap_or(&0)).div_ceil(BLOCK_SIZE);
     let tables: Vec<Vec<u32>> = (0..n).map(|i| (0..blocks_each).map(|b| (b * n + i) as u32).collect()).collect();
     runner.allocate_kv_cache(&[blocks_each * n], BLOCK_SIZE).expect("kv cache");
-    let plan = greedy_plan(1);
+    let plan = greedy_plan(2);
     let rows = |k: usize| vec![RowRequest::Sample(&plan); k];
-    let mut out: Vec<Vec<(u32, f32)>> = vec![Vec::new(); n];
-    let record = |runner: &mut dyn ModelRunner, in_flight: &[usize], out: &mut Vec<Vec<(u32, f32)>>| {
+    let mut out: Vec<Vec<Decoded>> = vec![Vec::new(); n];
+    let record = |runner: &mut dyn ModelRunner, in_flight: &[usize], out: &mut Vec<Vec<Decoded>>| {
         let answers = runner.collect().expect("collect");
         assert_eq!(answers.len(), in_flight.len());
         for (&i, a) in in_flight.iter().zip(answers) {
             let a = a.expect("a token");
-            out[i].push((a.token, a.logprob));
+            let margin = a.top_logprobs[0].1 - a.top_logprobs[1].1;
+            out[i].push(Decoded { token: a.token, logprob: a.logprob, margin });
         }
     };
     let mut input = ModelInput::default();
@@ -305,7 +399,7 @@ fn decode(runner: &mut dyn ModelRunner, prompts: &[Vec<u32>], lens: &[usize], ah
                 break;
             }
             for &i in &next {
-                let last = out[i].last().expect("a token").0;
+                let last = out[i].last().expect("a token").token;
                 input.push_request(&[last], prompts[i].len() + count[i] - 1, &tables[i], BLOCK_SIZE, true, false);
             }
             runner.launch(&input, &rows(next.len())).expect("launch");
@@ -798,12 +892,14 @@ fn seeded_sampling_gives_the_host_tokens() {
 }
 
 /// FP8 on the GPU gives the tokens of FP8 on the CPU, for an FP8 KV cache (its cache write and
-/// attention kernels), weights quantized at load (`--quantization fp8`: the FP8 GEMV, and
-/// prompts through the FP8 GEMM or the dequantized weights) and both: the demo model decoded
-/// greedily, steps launched ahead as graphs, in f32 (every token, logprobs within 0.02: a value
-/// a hair apart may round to the next code) and in bf16 (each request's first token; the tokens
-/// up to a request's first difference, at least half of all, with a mean logprob difference of
-/// at most 0.05; finite logprobs throughout).
+/// attention kernels), weights quantized at load (`--quantization fp8`: the FP8 GEMV, and steps
+/// of more rows through the FP8 GEMM) and both: the demo model decoded greedily, steps launched
+/// ahead as graphs. In f32, against the exact CPU: every token, logprobs within 0.02 (a value a
+/// hair apart may round to the next code). In bf16, against the CPU quantizing the FP8
+/// projections' inputs as the GPU does ([`Fp8Inputs::GPU`]): each request's tokens equal up to
+/// its first difference, which must come where the CPU's margin is at most [`BF16_MARGIN`] (a
+/// near tie), with a mean logprob difference of at most 0.05 over those tokens; finite logprobs
+/// throughout.
 #[cfg(feature = "cuda")]
 #[test]
 fn fp8_on_the_gpu_gives_the_cpus_tokens() {
@@ -820,6 +916,7 @@ fn fp8_on_the_gpu_gives_the_cpus_tokens() {
         ("FP8 weights", KvCacheDtype::Auto, Some(Quantization::Fp8AtLoad)),
         ("both", KvCacheDtype::Fp8, Some(Quantization::Fp8AtLoad)),
     ];
+    let mut failures = Vec::new();
     for (variant, kv_cache_dtype, quantization) in variants {
         let config = || {
             let mut config = ModelConfig::from_dir(&dir).expect("config");
@@ -827,9 +924,12 @@ fn fp8_on_the_gpu_gives_the_cpus_tokens() {
             config.quantization = quantization;
             config
         };
-        let mut cpu = CpuRunner::new(Model::load(&Cpu, config(), &src).expect("model"));
-        let want = decode(&mut cpu, &prompts, &lens, false);
-        for dtype in [DType::F32, DType::BF16] {
+        let cpu = |inputs| {
+            let mut runner = CpuRunner::new(Model::load(&Cpu::with_fp8_inputs(inputs), config(), &src).expect("model"));
+            decode(&mut runner, &prompts, &lens, false)
+        };
+        let (exact, quantized_inputs) = (cpu(Fp8Inputs::Exact), cpu(Fp8Inputs::GPU));
+        for (dtype, want) in [(DType::F32, &exact), (DType::BF16, &quantized_inputs)] {
             let gpu = match Gpu::new(0, &Default::default()) {
                 Ok(gpu) => gpu,
                 Err(err) if err.means_no_gpu() => {
@@ -841,22 +941,26 @@ fn fp8_on_the_gpu_gives_the_cpus_tokens() {
             let mut runner = ferrolm_model::cuda::CudaRunner::load(gpu, dtype, config(), &src).expect("upload");
             let got = decode(&mut runner, &prompts, &lens, true);
             let what = format!("{variant} {dtype:?}");
-            let (mut agreed, mut diff, mut first_misses) = (0usize, 0.0f64, Vec::new());
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let (mut agreed, mut diff) = (0usize, 0.0f64);
+            for (i, (g, w)) in got.iter().zip(want).enumerate() {
                 assert_eq!(g.len(), lens[i], "{what}: request {i}");
-                assert!(g.iter().all(|(_, lp)| lp.is_finite()), "{what}: request {i}: {g:?}");
+                assert!(g.iter().all(|d| d.logprob.is_finite()), "{what}: request {i}: {g:?}");
                 if dtype == DType::F32 {
-                    for (step, ((gt, glp), (wt, wlp))) in g.iter().zip(w).enumerate() {
-                        assert_eq!(gt, wt, "{what}: request {i} step {step}");
-                        assert!((glp - wlp).abs() <= 0.02, "{what}: request {i} step {step}: {glp} against {wlp}");
+                    for (step, (g, w)) in g.iter().zip(w).enumerate() {
+                        assert_eq!(g.token, w.token, "{what}: request {i} step {step}");
+                        let err = (g.logprob - w.logprob).abs();
+                        assert!(err <= 0.02, "{what}: request {i} step {step}: {} against {}", g.logprob, w.logprob);
                     }
-                } else {
-                    if g[0].0 != w[0].0 {
-                        first_misses.push(format!("request {i}: {:?} against {:?}", g[0], w[0]));
-                    }
-                    for ((_, glp), (_, wlp)) in g.iter().zip(w).take_while(|((gt, _), (wt, _))| gt == wt) {
-                        agreed += 1;
-                        diff += f64::from((glp - wlp).abs());
+                    continue;
+                }
+                let same = g.iter().zip(w).take_while(|(g, w)| g.token == w.token).count();
+                agreed += same;
+                diff += g.iter().zip(w).take(same).map(|(g, w)| f64::from((g.logprob - w.logprob).abs())).sum::<f64>();
+                if let (Some(g), Some(w)) = (g.get(same), w.get(same)) {
+                    let line = format!("{what}: request {i} step {same}: {g:?} against {w:?}");
+                    eprintln!("{line}");
+                    if f64::from(w.margin) > BF16_MARGIN {
+                        failures.push(line);
                     }
                 }
             }
@@ -864,10 +968,11 @@ fn fp8_on_the_gpu_gives_the_cpus_tokens() {
                 let total: usize = lens.iter().sum();
                 let mean = diff / agreed.max(1) as f64;
                 eprintln!("{what}: {agreed} of {total} tokens agree, mean logprob difference {mean:.3e}");
-                assert!(first_misses.is_empty(), "{what}: first tokens (token, logprob) differ: {first_misses:?}");
-                assert!(2 * agreed >= total, "{what}: {agreed} of {total} tokens agree");
-                assert!(mean <= 0.05, "{what}: mean logprob difference {mean}");
+                if mean > 0.05 {
+                    failures.push(format!("{what}: mean logprob difference {mean}"));
+                }
             }
         }
     }
+    assert!(failures.is_empty(), "{} differences beyond near ties:\n{}", failures.len(), failures.join("\n"));
 }

@@ -258,10 +258,10 @@ pub fn make_runner(mut config: ModelConfig, weights: &WeightSource, args: &Engin
 
 fn cpu_runner(config: ModelConfig, weights: &WeightSource) -> Result<Placed> {
     let started = std::time::Instant::now();
-    let model = Model::load(&Cpu, config, weights)?;
+    let model = Model::load(&Cpu::default(), config, weights)?;
     tracing::info!(device = "cpu", seconds = started.elapsed().as_secs_f64(), "model placed");
     // The dtype the checkpoint (or --dummy-weights) stores the matrices in.
-    let (weight_bytes, weight_dtype) = (model.weight_bytes(), model.lm_head().weight.dtype());
+    let (weight_bytes, weight_dtype) = (model.weight_bytes(), model.lm_head().weight.values().dtype());
     Ok(Placed { runner: Box::new(CpuRunner::new(model)), device_kv_bytes: None, weight_bytes, weight_dtype })
 }
 

@@ -1,6 +1,11 @@
 //! [`Cpu`]: the device interface over the CPU ops. Activations are f32 `Vec`s; weights stay in
 //! host memory in their checkpoint dtype (a memory-mapped file where it can be), widened as
-//! they are used. Nothing fails at run time: the error type is `Infallible`.
+//! they are used; FP8 weights dequantized exactly to f32 at load. Nothing fails at run time: the
+//! error type is `Infallible`.
+//!
+//! By default every product is exact in f32. A [`Cpu`] made with [`Cpu::with_fp8_inputs`]
+//! computes the inputs of FP8 projections as the GPU does in bf16 and f16, quantized per token
+//! ([`Fp8Inputs`]), so that a CPU run is the reference of a GPU run of that precision.
 
 use std::convert::Infallible;
 
@@ -13,11 +18,67 @@ use crate::device::{
     Device, GatedActivation, KvCacheDtype, KvScales, LayerAttention, Linear, MoeInput, MoeShape, Precision,
     RopeFrequencies, Shaped,
 };
-use crate::{DType, HostTensor};
+use crate::{DType, Fp8Matrix, HostTensor, MatrixUse};
 
-/// The CPU as a [`Device`].
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Cpu;
+/// The CPU as a [`Device`]; `Cpu::default()` computes exactly.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Cpu {
+    fp8_inputs: Fp8Inputs,
+}
+
+/// How the CPU computes with the inputs of an FP8 projection.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Fp8Inputs {
+    /// As they are: the exact product with the dequantized weights.
+    #[default]
+    Exact,
+    /// Quantized per token to e4m3 (each row's `amax / 448`, as [`Fp8Matrix::quantize_rows`]
+    /// quantizes a matrix) in steps of more than this many rows, for matrices of one scale per
+    /// row whose sides are multiples of 16 and that a linear op reads: what the GPU does in bf16
+    /// and f16 beyond its FP8 GEMV (`cuda::GEMV_MAX_M` rows), where the FP8 GEMM takes the
+    /// product.
+    PerTokenBeyond(usize),
+}
+
+impl Fp8Inputs {
+    /// What the CUDA backend does in bf16 and f16: per token beyond its FP8 GEMV's 4 rows
+    /// (`cuda::GEMV_MAX_M`, which a check there keeps equal to this).
+    pub const GPU: Fp8Inputs = Fp8Inputs::PerTokenBeyond(4);
+}
+
+impl Cpu {
+    /// A CPU that computes the inputs of FP8 projections as `fp8_inputs` says.
+    pub fn with_fp8_inputs(fp8_inputs: Fp8Inputs) -> Cpu {
+        Cpu { fp8_inputs }
+    }
+}
+
+/// A weight matrix `[out, in]` in host memory, and how the CPU computes with its inputs.
+#[derive(Debug)]
+pub struct CpuMatrix {
+    values: HostTensor,
+    /// Steps of more rows than this quantize their inputs per token ([`Fp8Inputs::PerTokenBeyond`]).
+    quantize_inputs_beyond: Option<usize>,
+}
+
+impl CpuMatrix {
+    /// The matrix's values, in their storage dtype.
+    pub fn values(&self) -> &HostTensor {
+        &self.values
+    }
+
+    /// `x`: `[m, k]`, as this matrix's product computes with it: quantized per token in steps of
+    /// more rows than its bound with `n` output features a multiple of 16, else as it is.
+    fn input<'x>(&self, x: &'x [f32], m: usize, k: usize, n: usize) -> std::borrow::Cow<'x, [f32]> {
+        match self.quantize_inputs_beyond {
+            Some(rows) if m > rows && n.is_multiple_of(16) => {
+                let q = Fp8Matrix::quantize_rows(&HostTensor::from_f32(vec![m, k], x.to_vec()));
+                std::borrow::Cow::Owned(q.dequantize().to_f32_vec())
+            }
+            _ => std::borrow::Cow::Borrowed(x),
+        }
+    }
+}
 
 /// An f32 activation buffer `[rows, cols]` with room for `capacity` rows.
 #[derive(Clone, Debug)]
@@ -104,7 +165,7 @@ pub struct CpuBatch<'a> {
 impl Device for Cpu {
     type Error = Infallible;
     type Tensor = CpuTensor;
-    type Matrix = HostTensor;
+    type Matrix = CpuMatrix;
     type Vector = Vec<f32>;
     type Rope = CpuRope;
     type KvLayer = CpuKvLayer;
@@ -119,12 +180,26 @@ impl Device for Cpu {
         capacity * cols * std::mem::size_of::<f32>()
     }
 
-    fn matrix(&self, parts: Vec<HostTensor>) -> Result<HostTensor, Infallible> {
-        Ok(HostTensor::concat_rows(parts))
+    fn matrix(&self, parts: Vec<HostTensor>) -> Result<CpuMatrix, Infallible> {
+        Ok(CpuMatrix { values: HostTensor::concat_rows(parts), quantize_inputs_beyond: None })
     }
 
-    fn matrix_bytes(&self, matrix: &HostTensor) -> usize {
-        matrix.size_in_bytes()
+    fn fp8_matrix(&self, parts: Vec<Fp8Matrix>, usage: MatrixUse) -> Result<CpuMatrix, Infallible> {
+        // One scale per row of the stacked matrix (the FP8 GEMM's outer-vector scaling), and
+        // whole 16-column chunks, as the GPU's FP8 matrices need.
+        let quantize_inputs_beyond = match self.fp8_inputs {
+            Fp8Inputs::PerTokenBeyond(rows) if usage == MatrixUse::Linear => {
+                let one_scale_a_row = parts.iter().all(|p| p.cols().is_multiple_of(16) && p.scale_grid().1 >= p.cols());
+                one_scale_a_row.then_some(rows)
+            }
+            _ => None,
+        };
+        let values = HostTensor::concat_rows(parts.iter().map(Fp8Matrix::dequantize).collect());
+        Ok(CpuMatrix { values, quantize_inputs_beyond })
+    }
+
+    fn matrix_bytes(&self, matrix: &CpuMatrix) -> usize {
+        matrix.values.size_in_bytes()
     }
 
     fn vector(&self, values: &[f32]) -> Result<Vec<f32>, Infallible> {
@@ -165,11 +240,11 @@ impl Device for Cpu {
     fn embedding(
         &self,
         b: &CpuBatch<'_>,
-        table: &HostTensor,
+        table: &CpuMatrix,
         scale: f32,
         out: &mut CpuTensor,
     ) -> Result<(), Infallible> {
-        embedding(b.token_ids, table.view(), out.cols, scale, out.as_mut_slice());
+        embedding(b.token_ids, table.values.view(), out.cols, scale, out.as_mut_slice());
         Ok(())
     }
 
@@ -205,7 +280,9 @@ impl Device for Cpu {
         assert_eq!(y.cols, w.out_features, "linear: y has {} columns, the weight gives {}", y.cols, w.out_features);
         let m = x.rows;
         assert_eq!(y.rows, m, "linear: y has {} rows, x has {m}", y.rows);
-        linear(x.as_slice(), m, w.in_features, w.weight.view(), w.out_features, w.bias.as_deref(), y.as_mut_slice());
+        let (k, n) = (w.in_features, w.out_features);
+        let x = w.weight.input(x.as_slice(), m, k, n);
+        linear(&x, m, k, w.weight.values.view(), n, w.bias.as_deref(), y.as_mut_slice());
         Ok(())
     }
 
@@ -215,9 +292,10 @@ impl Device for Cpu {
         assert!(n <= w.out_features, "linear_prefix: y has {n} columns, the weight gives only {}", w.out_features);
         assert_eq!(y.rows, m, "linear_prefix: y has {} rows, x has {m}", y.rows);
         // The first `n` rows of the row-major `[out, in]` weight are its first `n * k` elements.
-        let weight = w.weight.view().slice(0, n * k);
+        let weight = w.weight.values.view().slice(0, n * k);
         let bias = w.bias.as_deref().map(|b| &b[..n]);
-        linear(x.as_slice(), m, k, weight, n, bias, y.as_mut_slice());
+        let x = w.weight.input(x.as_slice(), m, k, n);
+        linear(&x, m, k, weight, n, bias, y.as_mut_slice());
         Ok(())
     }
 
@@ -312,8 +390,8 @@ impl Device for Cpu {
         assert_eq!(a.router_logits.cols, e.num_experts, "moe: {} router logits a row", a.router_logits.cols);
         assert_eq!((a.router_logits.rows, a.out.rows), (tokens, tokens), "moe: rows differ from x's {tokens}");
         let weights = MoeWeights {
-            gate_up: e.gate_up.view(),
-            down: e.down.view(),
+            gate_up: e.gate_up.values.view(),
+            down: e.down.values.view(),
             shape: e.shape(),
             norm_topk_prob: e.norm_topk_prob,
             activation: e.activation,
@@ -338,5 +416,67 @@ impl Device for Cpu {
             dst[i * width..(i + 1) * width].copy_from_slice(&src[r * width..(r + 1) * width]);
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::{random_vec, rng};
+    use crate::Fp8Scales;
+
+    /// `y = x w^T` through `cpu`'s linear op over the FP8 matrix `w` (read as a projection).
+    fn product(cpu: Cpu, w: &Fp8Matrix, x: &[f32], m: usize) -> Vec<f32> {
+        let Ok(weight) = cpu.fp8_matrix(vec![w.clone()], MatrixUse::Linear);
+        let linear = Linear::<Cpu> { weight, bias: None, out_features: w.rows(), in_features: w.cols() };
+        let (mut x_t, mut y) = (CpuTensor::zeros(m, w.cols()), CpuTensor::zeros(m, w.rows()));
+        x_t.as_mut_slice().copy_from_slice(x);
+        let Ok(()) = cpu.linear(&x_t, &linear, &mut y);
+        y.as_slice().to_vec()
+    }
+
+    /// The exact product of `x` (or of its per-token e4m3 values) with `w`'s values.
+    fn reference(w: &Fp8Matrix, x: &[f32], m: usize, quantized: bool) -> Vec<f32> {
+        let x_t = HostTensor::from_f32(vec![m, w.cols()], x.to_vec());
+        let x = if quantized { Fp8Matrix::quantize_rows(&x_t).dequantize() } else { x_t }.to_f32_vec();
+        let mut y = vec![0.0; m * w.rows()];
+        crate::cpu::linear(&x, m, w.cols(), w.dequantize().view(), w.rows(), None, &mut y);
+        y
+    }
+
+    #[test]
+    fn fp8_inputs_are_quantized_per_token_only_where_the_gpu_quantizes_them() {
+        let mut rng = rng(5);
+        let (rows, cols) = (32, 64);
+        let values = HostTensor::from_f32(vec![rows, cols], random_vec(&mut rng, rows * cols, 1.0));
+        let per_row = Fp8Matrix::quantize_rows(&values);
+        let codes = per_row.codes().to_vec();
+        let tensor = Fp8Matrix::new(rows, cols, codes.clone(), Fp8Scales::Tensor(0.01)).unwrap();
+        let blocks = Fp8Scales::Blocks { block_rows: 16, block_cols: 32, scales: vec![0.01, 0.02, 0.03, 0.04] };
+        let blocks = Fp8Matrix::new(rows, cols, codes, blocks).unwrap();
+        let narrow =
+            Fp8Matrix::quantize_rows(&HostTensor::from_f32(vec![24, cols], values.to_f32_vec()[..24 * cols].to_vec()));
+        let emulating = Cpu::with_fp8_inputs(Fp8Inputs::PerTokenBeyond(4));
+        for m in [1, 4, 5, 9] {
+            // Rows of different magnitudes, so that each takes its own scale.
+            let x: Vec<f32> = random_vec(&mut rng, m * cols, 1.0)
+                .iter()
+                .enumerate()
+                .map(|(i, v)| v * (1 + i / cols) as f32)
+                .collect();
+            for (what, w, quantizes) in [
+                ("row scales", &per_row, m > 4),
+                ("a tensor scale", &tensor, m > 4),
+                ("block scales", &blocks, false),
+                ("24 output features", &narrow, false),
+            ] {
+                let want = reference(w, &x, m, quantizes);
+                assert_eq!(product(emulating, w, &x, m), want, "{what}, m = {m}");
+                assert_eq!(product(Cpu::default(), w, &x, m), reference(w, &x, m, false), "{what}, m = {m}: exact");
+                if quantizes {
+                    assert_ne!(want, reference(w, &x, m, false), "{what}, m = {m}: the quantization shows");
+                }
+            }
+        }
     }
 }

@@ -280,7 +280,7 @@ mod tests {
 
     use super::*;
     use crate::cpu::testutil::{nan_vec, random_vec, rng};
-    use crate::cpu::{Cpu, CpuTensor};
+    use crate::cpu::{Cpu, CpuMatrix, CpuTensor};
     use crate::device::{Device, Experts, MoeInput, Shaped};
     use crate::HostTensor;
 
@@ -346,8 +346,8 @@ mod tests {
         let t = |rows, cols, v: &Vec<f32>| HostTensor::from_f32(vec![rows, cols], v.clone());
         let gate_up = experts.iter().flat_map(|e| [t(i, h, &e.gate), t(i, h, &e.up)]).collect();
         let down = experts.iter().map(|e| t(h, i, &e.down)).collect();
-        let Ok(gate_up) = Cpu.matrix(gate_up);
-        let Ok(down) = Cpu.matrix(down);
+        let Ok(gate_up) = Cpu::default().matrix(gate_up);
+        let Ok(down) = Cpu::default().matrix(down);
         Experts {
             gate_up,
             down,
@@ -370,13 +370,13 @@ mod tests {
     fn run(experts: &Experts<Cpu>, x: &[f32], logits: &[f32], capacity: usize) -> Vec<f32> {
         let shape = experts.shape();
         let tokens = x.len() / shape.hidden;
-        let Ok(mut scratch) = Cpu.moe_scratch(capacity, shape);
+        let Ok(mut scratch) = Cpu::default().moe_scratch(capacity, shape);
         let x = tensor(tokens, shape.hidden, x);
         let logits = tensor(tokens, shape.num_experts, logits);
         let mut out = tensor(tokens, shape.hidden, &nan_vec(tokens * shape.hidden));
         let batch = crate::cpu::testutil::empty_batch();
         let input = MoeInput { x: &x, router_logits: &logits, experts, scratch: &mut scratch, out: &mut out };
-        let Ok(()) = Cpu.moe(&batch, input);
+        let Ok(()) = Cpu::default().moe(&batch, input);
         assert_eq!(out.rows(), tokens);
         out.as_slice().to_vec()
     }
@@ -501,7 +501,11 @@ mod tests {
             round(&mut e.down);
         }
         let f32_experts = stacked(&all, SHAPE, true);
-        let to_bf16 = |m: HostTensor| m.into_dtype(crate::DType::BF16);
+        let to_bf16 = |m: CpuMatrix| {
+            let values = HostTensor::from_f32(m.values().shape().to_vec(), m.values().to_f32_vec());
+            let Ok(m) = Cpu::default().matrix(vec![values.into_dtype(crate::DType::BF16)]);
+            m
+        };
         let bf16_experts =
             Experts::<Cpu> { gate_up: to_bf16(f32_experts.gate_up), down: to_bf16(f32_experts.down), ..f32_experts };
         let tokens = 12;
@@ -516,7 +520,7 @@ mod tests {
         let mut rng = rng(37);
         let all = experts(7, SHAPE);
         let e = stacked(&all, SHAPE, true);
-        let Ok(mut scratch) = Cpu.moe_scratch(20, SHAPE);
+        let Ok(mut scratch) = Cpu::default().moe_scratch(20, SHAPE);
         let batch = crate::cpu::testutil::empty_batch();
         for tokens in [20, 4, 0, 11] {
             let xv = random_vec(&mut rng, tokens * SHAPE.hidden, 1.0);
@@ -524,10 +528,10 @@ mod tests {
             let (x, logits) = (tensor(tokens, SHAPE.hidden, &xv), tensor(tokens, SHAPE.num_experts, &lv));
             let mut out = tensor(tokens, SHAPE.hidden, &nan_vec(tokens * SHAPE.hidden));
             let input = MoeInput { x: &x, router_logits: &logits, experts: &e, scratch: &mut scratch, out: &mut out };
-            let Ok(()) = Cpu.moe(&batch, input);
+            let Ok(()) = Cpu::default().moe(&batch, input);
             assert_matches(out.as_slice(), &reference(&xv, &lv, &all, SHAPE, true), &format!("{tokens} tokens"));
         }
-        assert_eq!(Cpu.moe_scratch_bytes(20, SHAPE), CpuMoeScratch::bytes(20, SHAPE));
+        assert_eq!(Cpu::default().moe_scratch_bytes(20, SHAPE), CpuMoeScratch::bytes(20, SHAPE));
     }
 
     #[test]
