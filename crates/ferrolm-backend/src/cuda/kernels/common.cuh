@@ -301,7 +301,10 @@ struct Fp8Grid {
     u32 col_shift;
     u32 grid_cols;
     // Row r's scales.
-    __device__ __forceinline__ const float* row(u64 r) const { return scales + (r / block_rows) * grid_cols; }
+    // (rows fit in u32: the host places no larger matrix.)
+    __device__ __forceinline__ const float* row(u64 r) const {
+        return scales + (u64)((u32)r / block_rows) * grid_cols;
+    }
 };
 
 // `x` rounded to the nearest e4m3 value (ties to even), saturating at +-448 (NaN stays NaN), as

@@ -62,7 +62,8 @@ __device__ __forceinline__ void gemv_chunk(const Raw8<T>& wraw, const T* x, u32 
 // - DenseRows<T>: w in the activations' dtype, 8 elements a chunk, used as gemv_chunk uses them.
 // - Fp8Rows<T>: e4m3 codes with a block grid of scales (Fp8Grid), 16 codes a chunk. A chunk's
 //   products with x are summed, then scaled once by its block's scale (blocks are at least 16
-//   columns wide and start on a chunk, so a chunk lies in one block); k % 16 == 0.
+//   columns wide and start on a chunk, so a chunk lies in one block); k % 16 == 0. A row of one
+//   scale (a whole-row block) reads it once, with the row cursor.
 // Each gives a row cursor (`row`), loads a chunk raw (`load`) and adds its products with the M
 // rows of x to `acc` (`dot`).
 template <typename T> struct DenseRows {
@@ -86,18 +87,22 @@ template <typename T> struct Fp8Rows {
     struct Row {
         const unsigned char* codes;
         const float* scales;
+        float first;  // scales[0], the row's one scale where a block spans the row
     };
     const unsigned char* w;
     Fp8Grid grid;
     u32 k;
-    __device__ __forceinline__ Row row(u64 i) const { return Row{w + i * k, grid.row(i)}; }
+    __device__ __forceinline__ Row row(u64 i) const {
+        const float* scales = grid.row(i);
+        return Row{w + i * k, scales, *scales};
+    }
     __device__ __forceinline__ void load(Row r, u32 c, Raw& raw) const {
         raw = *reinterpret_cast<const uint4*>(r.codes + (u64)c * 16);
     }
     template <int M> __device__ __forceinline__ void dot(Row r, const Raw& raw, const T* x, u32 c, float (&acc)[M]) const {
         float wv[16];
         e4m3x16_to_float(raw, wv);
-        const float scale = r.scales[(c * 16) >> grid.col_shift];
+        const float scale = grid.col_shift >= 31 ? r.first : r.scales[(c * 16) >> grid.col_shift];
 #pragma unroll
         for (int m = 0; m < M; m++) {
             float sum = 0.f;
@@ -150,13 +155,14 @@ __device__ __forceinline__ void gemv_prefetch_later_blocks(const T* w, u32 k, u3
     }
 }
 
-// The column sums of the block's warps: for the warp's column j (rows h * n + j of w, h < NW)
-// the dot products with the M rows of x, its ksplit parts met in shared memory. Returns whether
-// this thread holds a column's totals (`sums[h]` of row `lane`): lane < M of the column's first
+// The column sums of the block's warps: for the warp's column j of n (rows h * step + j of w,
+// h < NW; a row past the last, `rows`, reads row j again and its sum goes unused) the dot
+// products with the M rows of x, its ksplit parts met in shared memory. Returns whether this
+// thread holds a column's totals (`sums[h]` of row `lane`): lane < M of the column's first
 // warp, for j < n. Every thread of the block must call it (it synchronizes).
 template <typename T, int M, int NW, bool BLOCK_COLUMNS = true, typename WF>
-__device__ __forceinline__ bool gemv_column(const WF& wf, const T* x, u32 k, u32 n, u32 ksplit, u32 j,
-                                            float (&sums)[NW]) {
+__device__ __forceinline__ bool gemv_column(const WF& wf, const T* x, u32 k, u32 n, u32 step, u32 rows, u32 ksplit,
+                                            u32 j, float (&sums)[NW]) {
     constexpr int U = GEMV_UNROLL(M * NW);
     __shared__ float part_s[GEMV_WARPS][M * NW];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -169,7 +175,10 @@ __device__ __forceinline__ bool gemv_column(const WF& wf, const T* x, u32 k, u32
     }
     typename WF::Row wr[NW];
 #pragma unroll
-    for (int h = 0; h < NW; h++) wr[h] = wf.row((u64)h * n + j);  // read only when j < n
+    for (int h = 0; h < NW; h++) {
+        const u64 r = (u64)h * step + j;
+        wr[h] = wf.row(r < rows ? r : j);  // read only when j < n
+    }
     const u32 chunks = k / WF::ELEMS, stride = 32 * ksplit;
     u32 c = part * 32 + lane;
     // The weights depend on no kernel: the lane's first U chunks are loaded before waiting for
@@ -245,14 +254,23 @@ __device__ __forceinline__ bool gemv_column(const WF& wf, const T* x, u32 k, u32
     return true;
 }
 
+// A plain FP8 product (ACT 0 over Fp8Rows) takes two rows a warp, j and j + ceil(n / 2), so that
+// x is loaded and widened once for both (widening the codes costs more than a dense row's
+// elements): grid ceil(ceil(n / 2) / (GEMV_WARPS / ksplit)) blocks. Each row's sum is the one
+// a warp of its own computes.
 template <typename T, typename O, int M, int ACT, typename WF>
 __device__ __forceinline__ void gemv_impl(const WF& wf, const T* x, O* y, u32 k, u32 n, u32 ksplit) {
-    constexpr int NW = ACT == 0 ? 1 : 2;  // rows of w per column
+    constexpr bool PAIRS = ACT == 0 && !WF::DENSE;
+    constexpr int NW = ACT == 0 && !PAIRS ? 1 : 2;  // rows of w per column
+    const u32 cols = PAIRS ? (n + 1) / 2 : n;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 j = blockIdx.x * (GEMV_WARPS / ksplit) + warp / ksplit;
     float s[NW];
-    if (!gemv_column<T, M, NW>(wf, x, k, n, ksplit, j, s)) return;
-    if constexpr (ACT == 0) {
+    if (!gemv_column<T, M, NW>(wf, x, k, cols, cols, PAIRS ? n : NW * n, ksplit, j, s)) return;
+    if constexpr (PAIRS) {
+        y[(u64)lane * n + j] = from_float<O>(s[0]);
+        if (cols + j < n) y[(u64)lane * n + cols + j] = from_float<O>(s[1]);
+    } else if constexpr (ACT == 0) {
         y[(u64)lane * n + j] = from_float<O>(s[0]);
     } else {
         const float g = to_float(from_float<T>(s[0])), u = to_float(from_float<T>(s[NW - 1]));
@@ -282,7 +300,7 @@ __device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, T* q_out,
     const u32 n = (num_heads + 2 * num_kv_heads) * head_dim;
     const u32 j = head * head_dim + hi * half + i;
     float s[1];
-    if (gemv_column<T, M, 1, false>(DenseRows<T>{w, k}, x, k, n, ksplit, j, s)) {
+    if (gemv_column<T, M, 1, false>(DenseRows<T>{w, k}, x, k, n, n, n, ksplit, j, s)) {
         vals_s[col][lane] = to_float(from_float<T>(s[0]));
     }
     __syncthreads();
