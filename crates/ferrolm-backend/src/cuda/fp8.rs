@@ -346,10 +346,11 @@ pub(super) fn gemv(
     let (x_ptr, w_ptr, grid) = (x.ptr(), w.codes, w.grid);
     let (k_u32, n_u32, ksplit_u32) = (to_u32("linear", "k", k), to_u32("linear", "n", n), ksplit as u32);
     let warps = super::linear::GEMV_WARPS;
-    // A plain product's warp takes two rows, j and j + ceil(n / 2) (kernels/gemv.cu, gemv_impl).
+    // A plain product of 2 to 4 rows takes two rows of w a warp, j and j + ceil(n / 2)
+    // (kernels/gemv.cu, gemv_impl).
     let columns = match epilogue {
-        Epilogue::Store | Epilogue::ToF32 => n.div_ceil(2),
-        Epilogue::Silu | Epilogue::GeluTanh => n,
+        Epilogue::Store | Epilogue::ToF32 if m >= 2 => n.div_ceil(2),
+        _ => n,
     };
     let cfg = LaunchConfig {
         grid_dim: (to_u32("linear", "GEMV blocks", columns.div_ceil(warps / ksplit)), 1, 1),

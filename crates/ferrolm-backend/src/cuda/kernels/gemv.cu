@@ -254,13 +254,15 @@ __device__ __forceinline__ bool gemv_column(const WF& wf, const T* x, u32 k, u32
     return true;
 }
 
-// A plain FP8 product (ACT 0 over Fp8Rows) takes two rows a warp, j and j + ceil(n / 2), so that
-// x is loaded and widened once for both (widening the codes costs more than a dense row's
-// elements): grid ceil(ceil(n / 2) / (GEMV_WARPS / ksplit)) blocks. Each row's sum is the one
-// a warp of its own computes.
+// A plain FP8 product of 2 to 4 rows of x (ACT 0 over Fp8Rows, M >= 2) takes two rows of w a
+// warp, j and j + ceil(n / 2), so that x is loaded and widened once for both (widening the codes
+// costs more than a dense row's elements): grid ceil(ceil(n / 2) / (GEMV_WARPS / ksplit))
+// blocks. Each row's sum is the one a warp of its own computes. One row of x keeps a warp a row:
+// on the H100 (gemv_bench fp8) pairs read the 8B's projections at 2 to 4 rows 8 to 30 % faster,
+// at one row 4 to 22 % slower (half the warps, half the loads in flight).
 template <typename T, typename O, int M, int ACT, typename WF>
 __device__ __forceinline__ void gemv_impl(const WF& wf, const T* x, O* y, u32 k, u32 n, u32 ksplit) {
-    constexpr bool PAIRS = ACT == 0 && !WF::DENSE;
+    constexpr bool PAIRS = ACT == 0 && !WF::DENSE && M >= 2;
     constexpr int NW = ACT == 0 && !PAIRS ? 1 : 2;  // rows of w per column
     const u32 cols = PAIRS ? (n + 1) / 2 : n;
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
