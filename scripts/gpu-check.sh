@@ -5,8 +5,8 @@
 #
 #   scripts/gpu-check.sh [BIN_DIR] [quick|full]
 #
-# BIN_DIR (default .device-carry) holds `ferrolm` (built with --features cuda), `cuda_ops` and
-# `runner` (the test binaries), and optionally `attention_bench`, `gemv_bench`,
+# BIN_DIR (default .device-carry) holds `ferrolm` (built with --features cuda), `cuda_ops`,
+# `runner` and `fp8_quality` (the test binaries), and optionally `attention_bench`, `gemv_bench`,
 # `elementwise_bench` (the attention, GEMV and element-wise kernels alone) and `overlap_bench`
 # (a step's GEMMs and attention split over two streams).
 # `quick` skips the 8B throughput runs (`full` includes a 1000-request run of about 3 minutes).
@@ -35,13 +35,14 @@ run_tests() { # name binary
     if timeout "${TEST_TIMEOUT:-300}" "$bin" --test-threads 1 --nocapture >"$OUT/$name.log" 2>&1; then status=pass; else status=FAIL; fi
     # On the GPU machine nothing may skip.
     if grep -q "skipping" "$OUT/$name.log"; then status="FAIL (tests skipped)"; fi
-    grep -E "^test result|panicked|skipping|max abs error|tokens compared" "$OUT/$name.log" | head -40
+    grep -E "^test result|panicked|skipping|max abs error|tokens compared|held-out|^  fp8" "$OUT/$name.log" | head -40
     summary+=("$(printf '%-34s %s (%s)' "tests: $name" "$status" "$(grep -m1 '^test result' "$OUT/$name.log" | cut -c14-60)")")
 }
 
 if [ "${TESTS:-1}" = 1 ]; then
     run_tests cuda_ops "$BIN/cuda_ops"
     run_tests runner "$BIN/runner"
+    run_tests fp8_quality "$BIN/fp8_quality"
 fi
 
 # Attention kernels alone, 8B shape (decode at batch 1 and 256, prefill, mixed), the GEMV
