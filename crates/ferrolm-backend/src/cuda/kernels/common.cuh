@@ -345,18 +345,61 @@ struct RowCodes {
     float* scales;
 };
 
+// Two values as e4m3 codes, `lo`'s in the low byte: each rounded as f32_to_e4m3 rounds it (one
+// instruction from sm_89 on).
+__device__ __forceinline__ u32 f32x2_to_e4m3x2(float lo, float hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short pair;
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+    return pair;
+#else
+    return (u32)f32_to_e4m3(lo) | ((u32)f32_to_e4m3(hi) << 8);
+#endif
+}
+
 // Row `r` of `cols` T values (`row`) quantized with its own dynamic scale, as vLLM's FP8 GEMMs
 // quantize activations per token: scale = max(amax / 448, 1 / (448 * 512)) and codes = e4m3(x /
 // scale), the division in f32 (crate::fp8's quantize_rows, by row). Called by every thread of
 // a block (a multiple of 32 threads) once the row is visible to all of them (a __syncthreads
-// after a kernel's own writes); `scratch`: 32 floats of shared memory.
+// after a kernel's own writes); `scratch`: 32 floats of shared memory. Threads take 8 values at
+// a time (16-byte loads, 8 codes stored at once) where the row and its codes allow it, else
+// one: the same codes either way.
 template <typename T>
 __device__ __forceinline__ void quantize_row(const T* row, u32 cols, RowCodes out, u64 r, float* scratch) {
+    unsigned char* codes = out.codes + r * cols;
+    const bool by8 = (cols & 7) == 0 && ((u64)row & 15) == 0 && ((u64)codes & 7) == 0;
     float amax = 0.f;
-    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) amax = fmaxf(amax, fabsf(to_float(row[c])));
+    if (by8) {
+        for (u32 c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {
+            Raw8<T> raw;
+            load_raw(row + c, raw);
+            float v[8];
+            unpack8(raw, v);
+#pragma unroll
+            for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(v[i]));
+        }
+    } else {
+        for (u32 c = threadIdx.x; c < cols; c += blockDim.x) amax = fmaxf(amax, fabsf(to_float(row[c])));
+    }
     amax = block_max(amax, scratch);
     const float scale = fmaxf(amax / 448.f, 1.f / (448.f * 512.f));
     if (threadIdx.x == 0) out.scales[r] = scale;
-    unsigned char* codes = out.codes + r * cols;
-    for (u32 c = threadIdx.x; c < cols; c += blockDim.x) codes[c] = f32_to_e4m3(to_float(row[c]) / scale);
+    if (by8) {
+        for (u32 c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {
+            Raw8<T> raw;
+            load_raw(row + c, raw);
+            float v[8];
+            unpack8(raw, v);
+            u32 words[2];
+#pragma unroll
+            for (int w = 0; w < 2; w++) {
+                const u32 lo = f32x2_to_e4m3x2(v[4 * w] / scale, v[4 * w + 1] / scale);
+                const u32 hi = f32x2_to_e4m3x2(v[4 * w + 2] / scale, v[4 * w + 3] / scale);
+                words[w] = lo | (hi << 16);
+            }
+            *reinterpret_cast<uint2*>(codes + c) = make_uint2(words[0], words[1]);
+        }
+    } else {
+        for (u32 c = threadIdx.x; c < cols; c += blockDim.x) codes[c] = f32_to_e4m3(to_float(row[c]) / scale);
+    }
 }

@@ -62,8 +62,7 @@ __device__ __forceinline__ void gemv_chunk(const Raw8<T>& wraw, const T* x, u32 
 // - DenseRows<T>: w in the activations' dtype, 8 elements a chunk, used as gemv_chunk uses them.
 // - Fp8Rows<T>: e4m3 codes with a block grid of scales (Fp8Grid), 16 codes a chunk. A chunk's
 //   products with x are summed, then scaled once by its block's scale (blocks are at least 16
-//   columns wide and start on a chunk, so a chunk lies in one block); k % 16 == 0. A row of one
-//   scale (a whole-row block) reads it once, with the row cursor.
+//   columns wide and start on a chunk, so a chunk lies in one block); k % 16 == 0.
 // Each gives a row cursor (`row`), loads a chunk raw (`load`) and adds its products with the M
 // rows of x to `acc` (`dot`).
 template <typename T> struct DenseRows {
@@ -87,22 +86,18 @@ template <typename T> struct Fp8Rows {
     struct Row {
         const unsigned char* codes;
         const float* scales;
-        float first;  // scales[0], the row's one scale where a block spans the row
     };
     const unsigned char* w;
     Fp8Grid grid;
     u32 k;
-    __device__ __forceinline__ Row row(u64 i) const {
-        const float* scales = grid.row(i);
-        return Row{w + i * k, scales, *scales};
-    }
+    __device__ __forceinline__ Row row(u64 i) const { return Row{w + i * k, grid.row(i)}; }
     __device__ __forceinline__ void load(Row r, u32 c, Raw& raw) const {
         raw = *reinterpret_cast<const uint4*>(r.codes + (u64)c * 16);
     }
     template <int M> __device__ __forceinline__ void dot(Row r, const Raw& raw, const T* x, u32 c, float (&acc)[M]) const {
         float wv[16];
         e4m3x16_to_float(raw, wv);
-        const float scale = grid.col_shift >= 31 ? r.first : r.scales[(c * 16) >> grid.col_shift];
+        const float scale = r.scales[(c * 16) >> grid.col_shift];
 #pragma unroll
         for (int m = 0; m < M; m++) {
             float sum = 0.f;
