@@ -13,13 +13,10 @@
 // Keys are taken in tiles of BN: the K and V rows of a tile are gathered from the paged cache
 // with 16-byte cp.async into shared memory, double-buffered. S = Q K^T and O += P V run on
 // mma.m16n8k16 with f32 accumulators; the softmax is online, in f32 registers, in base 2.
-// In a tile whose rows attend to fewer than FA_RESIDUAL_BELOW_KEYS keys, P enters P V as a T
-// part plus a T residual (two mma each): rounded once to bf16, each weight would be off by up to
-// 2^-9, which rows of few keys do not average away (emulated on inputs like the tests': relative
-// errors up to 1e-1 in bf16 and 1.5e-2 in f16; with the residual 4e-3 and 5e-4, the rounding of
-// the output itself, as in the other kernels). Rows of more keys average the roundings of as many
-// weights, and take P rounded once, as FlashAttention does: the residual's two mma of three were
-// a third of a long prompt's tensor-core work.
+// P enters P V as a T part plus a T residual (two mma each): rounded once to bf16, each weight
+// would be off by up to 2^-9, which rows of few keys do not average away (emulated on inputs like
+// the tests': relative errors up to 1e-1 in bf16 and 1.5e-2 in f16; with the residual 4e-3 and
+// 5e-4, the rounding of the output itself, as in the other kernels).
 //
 // An FP8 cache (`flash_attention_fp8kv_*`, C = unsigned char) is read into registers instead,
 // 8 codes of K and of V per chunk, a tile ahead (the loads in flight during the tile before's
@@ -30,10 +27,6 @@
 // pad makes a row's stride an odd number of 16-byte units, so the 8 rows one ldmatrix phase
 // reads fall in distinct banks. With Q_IN_REGS the Q fragments are loaded into registers once
 // and q_s is the second K buffer, free again before the first tile's successor is loaded.
-
-#ifndef FA_RESIDUAL_BELOW_KEYS
-#define FA_RESIDUAL_BELOW_KEYS 256
-#endif
 
 #define FA_WARPS 4
 #define FA_THREADS (FA_WARPS * 32)
@@ -201,8 +194,6 @@ __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, co
     const u32 pos_last = pos0 + ntok - 1;
     const u32 kv_begin = window_start(pos0, window), kv_end = pos_last + 1;
     const u32 last_window_start = window_start(pos_last, window);
-    // The fewest keys a row of the tile attends to: its first row's.
-    const bool p_residual = pos0 + 1 - kv_begin < FA_RESIDUAL_BELOW_KEYS;
     const u32 kv_width = num_kv_heads * D;
     const u32* table = block_tables + (u64)r * max_blocks_per_seq;
 
@@ -414,10 +405,8 @@ __device__ __forceinline__ void flash_attention_impl(const T* __restrict__ q, co
                     ldmatrix_x4_trans(b, vb + (kk * 16 * STRIDE + np * 16) * sizeof(T));
                     mma16816(o[2 * np], p, b[0], b[1], T());
                     mma16816(o[2 * np + 1], p, b[2], b[3], T());
-                    if (p_residual) {
-                        mma16816(o[2 * np], p_rest, b[0], b[1], T());
-                        mma16816(o[2 * np + 1], p_rest, b[2], b[3], T());
-                    }
+                    mma16816(o[2 * np], p_rest, b[0], b[1], T());
+                    mma16816(o[2 * np + 1], p_rest, b[2], b[3], T());
                 }
             }
         }
