@@ -357,6 +357,18 @@ __device__ __forceinline__ u32 f32x2_to_e4m3x2(float lo, float hi) {
 #endif
 }
 
+// f(c, v) for each of this thread's runs of 8 values v of `row`, at columns c..c + 7, threads
+// taking runs in turn (cols % 8 == 0, `row` 16-byte aligned).
+template <typename T, typename F> __device__ __forceinline__ void each_run_of_8(const T* row, u32 cols, F f) {
+    for (u32 c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {
+        Raw8<T> raw;
+        load_raw(row + c, raw);
+        float v[8];
+        unpack8(raw, v);
+        f(c, v);
+    }
+}
+
 // Row `r` of `cols` T values (`row`) quantized with its own dynamic scale, as vLLM's FP8 GEMMs
 // quantize activations per token: scale = max(amax / 448, 1 / (448 * 512)) and codes = e4m3(x /
 // scale), the division in f32 (crate::fp8's quantize_rows, by row). Called by every thread of
@@ -370,14 +382,10 @@ __device__ __forceinline__ void quantize_row(const T* row, u32 cols, RowCodes ou
     const bool by8 = (cols & 7) == 0 && ((u64)row & 15) == 0 && ((u64)codes & 7) == 0;
     float amax = 0.f;
     if (by8) {
-        for (u32 c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {
-            Raw8<T> raw;
-            load_raw(row + c, raw);
-            float v[8];
-            unpack8(raw, v);
+        each_run_of_8(row, cols, [&](u32, const float (&v)[8]) {
 #pragma unroll
             for (int i = 0; i < 8; i++) amax = fmaxf(amax, fabsf(v[i]));
-        }
+        });
     } else {
         for (u32 c = threadIdx.x; c < cols; c += blockDim.x) amax = fmaxf(amax, fabsf(to_float(row[c])));
     }
@@ -385,11 +393,7 @@ __device__ __forceinline__ void quantize_row(const T* row, u32 cols, RowCodes ou
     const float scale = fmaxf(amax / 448.f, 1.f / (448.f * 512.f));
     if (threadIdx.x == 0) out.scales[r] = scale;
     if (by8) {
-        for (u32 c = threadIdx.x * 8; c < cols; c += blockDim.x * 8) {
-            Raw8<T> raw;
-            load_raw(row + c, raw);
-            float v[8];
-            unpack8(raw, v);
+        each_run_of_8(row, cols, [&](u32 c, const float (&v)[8]) {
             u32 words[2];
 #pragma unroll
             for (int w = 0; w < 2; w++) {
@@ -398,7 +402,7 @@ __device__ __forceinline__ void quantize_row(const T* row, u32 cols, RowCodes ou
                 words[w] = lo | (hi << 16);
             }
             *reinterpret_cast<uint2*>(codes + c) = make_uint2(words[0], words[1]);
-        }
+        });
     } else {
         for (u32 c = threadIdx.x; c < cols; c += blockDim.x) codes[c] = f32_to_e4m3(to_float(row[c]) / scale);
     }
