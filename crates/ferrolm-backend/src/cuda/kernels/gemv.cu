@@ -253,8 +253,8 @@ __device__ __forceinline__ bool gemv_column(const WF& wf, const T* x, u32 k, u32
 // warp, j and j + ceil(n / 2), so that x is loaded and widened once for both (widening the codes
 // costs more than a dense row's elements): grid ceil(ceil(n / 2) / (GEMV_WARPS / ksplit))
 // blocks. Each row's sum is the one a warp of its own computes. One row of x keeps a warp a row:
-// on the H100 (gemv_bench fp8) pairs read the 8B's projections at 2 to 4 rows 8 to 30 % faster,
-// at one row 4 to 22 % slower (half the warps, half the loads in flight).
+// on the H100 (gemv_bench fp8) pairs read the 8B's projections at 2 to 4 rows 15 to 53 % faster,
+// at one row no faster and gate_up 18 % slower (half the warps, half the loads in flight).
 template <typename T, typename O, int M, int ACT, typename WF>
 __device__ __forceinline__ void gemv_impl(const WF& wf, const T* x, O* y, u32 k, u32 n, u32 ksplit) {
     constexpr bool PAIRS = ACT == 0 && !WF::DENSE && M >= 2;
