@@ -111,13 +111,16 @@ fn demo_model_in_fp8_keeps_its_held_out_log_likelihood() {
     let tokens = windows.iter().map(|w| w.len() - 1).sum::<usize>();
     println!("held-out mean log-likelihood over {tokens} tokens: bf16 weights, f32 cache {base:.5}");
     let (exact, w8a8) = (Fp8Inputs::Exact, Fp8Inputs::GPU);
+    let (weights, weights_w8a8) = (score(true, KvCacheDtype::Auto, exact), score(true, KvCacheDtype::Auto, w8a8));
+    // The inputs were quantized (a mode that quantized nothing would score as exact inputs do).
+    assert_ne!(weights, weights_w8a8, "W8A8 inputs");
     check_variants(
         base,
         &[
-            ("fp8 weights", score(true, KvCacheDtype::Auto, exact)),
+            ("fp8 weights", weights),
             ("fp8 KV cache", score(false, KvCacheDtype::Fp8, exact)),
             ("fp8 weights and KV cache", score(true, KvCacheDtype::Fp8, exact)),
-            ("fp8 weights, inputs per token (W8A8)", score(true, KvCacheDtype::Auto, w8a8)),
+            ("fp8 weights, inputs per token (W8A8)", weights_w8a8),
             ("fp8 weights (W8A8) and KV cache", score(true, KvCacheDtype::Fp8, w8a8)),
         ],
     );

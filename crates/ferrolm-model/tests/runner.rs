@@ -62,8 +62,8 @@ impl Bf16Bounds {
     /// and f16), against the CPU quantizing them the same way. A quantizer turns a bf16-sized
     /// difference in its input into a step of the e4m3 grid, and the differences grow layer by
     /// layer, so the two runs may end up as far apart as two independent draws of the
-    /// quantization's noise: √2 times its own effect, measured on the CPU between the exact and
-    /// the quantizing runs ([`QuantizationEffect`]).
+    /// quantization's noise: √2 times its own effect, between an exact run (HF's reference, or
+    /// the CPU's) and the CPU's quantizing one ([`QuantizationEffect`]).
     fn widened_by(self, effect: QuantizationEffect) -> Bf16Bounds {
         Bf16Bounds { mean: self.mean + SQRT_2 * effect.mean, margin: self.margin + SQRT_2 * effect.swing }
     }
@@ -315,6 +315,9 @@ fn check_fixture(name: &str) {
             _ => (&hf, BF16),
         };
         let (mut errors, mut max_err, mut flips) = (Vec::new(), 0.0f64, Vec::new());
+        // The quantization's signature: steps where the quantizing CPU leaves HF's token, both
+        // margins above BF16_MARGIN, which a GPU that quantized nothing would not leave.
+        let (mut signature, mut followed) = (0usize, 0usize);
         for (case_idx, case) in want.iter().enumerate() {
             let (prompt_logprobs, results) = run_case(runner.as_mut(), case, 0);
             for (pos, (&got, &want)) in prompt_logprobs.iter().zip(&case.prompt_logprobs).enumerate() {
@@ -325,6 +328,11 @@ fn check_fixture(name: &str) {
             }
             for (step, (r, want)) in results.iter().zip(&case.steps).enumerate() {
                 let (token, logprob) = (r.token, f64::from(r.logprob));
+                let hf_step = &hf[case_idx].steps[step];
+                if hf_step.token != want.token && hf_step.margin > BF16_MARGIN && want.margin > BF16_MARGIN {
+                    signature += 1;
+                    followed += usize::from(token == want.token);
+                }
                 let (want_id, margin, want_lp) = (want.token, want.margin, want.logprob);
                 match rule {
                     Rule::Close(_) => {
@@ -358,6 +366,10 @@ fn check_fixture(name: &str) {
             errors.len()
         );
         assert!(flips.is_empty(), "{what}: {} greedy tokens differ:\n{}", flips.len(), flips.join("\n"));
+        if signature > 0 {
+            eprintln!("{what}: takes the quantizing CPU's token at {followed} of its {signature} departures from HF's");
+            assert!(2 * followed >= signature, "{what}: does not quantize as the CPU does ({followed} of {signature})");
+        }
         match rule {
             Rule::Close(tol) => assert!(max_err < tol, "{what}: max logprob error {max_err} over {tol}"),
             Rule::Bf16 => assert!(mean <= bounds.mean, "{what}: mean logprob error {mean} over {}", bounds.mean),
@@ -978,11 +990,12 @@ fn seeded_sampling_gives_the_host_tokens() {
 /// attention kernels), weights quantized at load (`--quantization fp8`: the FP8 GEMV, and steps
 /// of more rows through the FP8 GEMM) and both: the demo model decoded greedily, steps launched
 /// ahead as graphs. In f32, against the exact CPU: every token, logprobs within 0.02, and with
-/// an FP8 cache within 0.02 more than the cache's quantization moves any on the CPU (a value a
-/// hair from a midpoint may round to either code: one such step moved a logprob by 0.061 on an
-/// H100). In bf16, each request's tokens equal up to its first
+/// an FP8 cache one in 20 of them within 0.02 more than the cache's quantization moves any on
+/// the CPU (a value a hair from a midpoint may round to either code: one such step moved a
+/// logprob by 0.061 on an H100). In bf16, each request's tokens equal up to its first
 /// difference, which must come where the CPU's margin is at most [`BF16_MARGIN`] (a near tie),
-/// with a mean logprob difference of at most 0.05 over those tokens; finite logprobs throughout.
+/// with a mean logprob difference of at most 0.05 over those tokens and at least a quarter of
+/// all tokens agreeing; finite logprobs throughout.
 /// Where the weights are FP8, the bf16 run's reference is the CPU quantizing the FP8 products'
 /// inputs as the GPU does ([`Fp8Inputs::GPU`]), its bounds widened by what that quantization
 /// changes on the CPU ([`Bf16Bounds::widened_by`]).
@@ -1017,9 +1030,11 @@ fn fp8_on_the_gpu_gives_the_cpus_tokens() {
         };
         let exact = cpu(Fp8Inputs::Exact, kv_cache_dtype);
         // In f32 the runs differ in rounding only, but a cached value a hair from the midpoint
-        // of two e4m3 codes may round to either: what one such code moves is bounded by what
-        // quantizing the whole cache moves on the CPU.
-        let f32_bound = if kv_cache_dtype == KvCacheDtype::Fp8 {
+        // of two e4m3 codes may round to either. A few tokens (one in 20) may then move by more
+        // than F32_LOGPROB, as far as the largest move quantizing the whole cache makes on the
+        // CPU (a heuristic ceiling: one code's step moves less than every code's rounding, as a
+        // rule, not by proof).
+        let f32_outlier = if kv_cache_dtype == KvCacheDtype::Fp8 {
             let effect = QuantizationEffect::between(&cpu(Fp8Inputs::Exact, KvCacheDtype::Auto), &exact);
             eprintln!("{variant}: the FP8 cache on the CPU: {effect:?}");
             F32_LOGPROB + effect.largest
@@ -1047,16 +1062,20 @@ fn fp8_on_the_gpu_gives_the_cpus_tokens() {
             let mut runner = ferrolm_model::cuda::CudaRunner::load(gpu, dtype, config(), &src).expect("upload");
             let got = decode(&mut runner, &prompts, &lens, true);
             let what = format!("{variant} {dtype:?}");
-            let (mut agreed, mut diff) = (0usize, 0.0f64);
+            let (mut agreed, mut diff, mut outliers) = (0usize, 0.0f64, 0usize);
             for (i, (g, w)) in got.iter().zip(want).enumerate() {
                 assert_eq!(g.len(), lens[i], "{what}: request {i}");
                 assert!(g.iter().all(|d| d.logprob.is_finite()), "{what}: request {i}: {g:?}");
                 if dtype == DType::F32 {
                     for (step, (g, w)) in g.iter().zip(w).enumerate() {
                         assert_eq!(g.token, w.token, "{what}: request {i} step {step}");
-                        let err = (g.logprob - w.logprob).abs();
+                        let err = f64::from((g.logprob - w.logprob).abs());
                         let (got, want) = (g.logprob, w.logprob);
-                        assert!(f64::from(err) <= f32_bound, "{what}: request {i} step {step}: {got} against {want}");
+                        assert!(err <= f32_outlier, "{what}: request {i} step {step}: {got} against {want}");
+                        if err > F32_LOGPROB {
+                            eprintln!("{what}: request {i} step {step}: {got} against {want}");
+                            outliers += 1;
+                        }
                     }
                     continue;
                 }
@@ -1071,14 +1090,20 @@ fn fp8_on_the_gpu_gives_the_cpus_tokens() {
                     }
                 }
             }
+            let total: usize = lens.iter().sum();
+            assert!(20 * outliers <= total, "{what}: {outliers} of {total} logprobs beyond {F32_LOGPROB}");
             if dtype == DType::BF16 {
-                let total: usize = lens.iter().sum();
                 let mean = diff / agreed.max(1) as f64;
                 eprintln!(
                     "{what}: {agreed} of {total} tokens agree, mean logprob difference {mean:.3e} ({bf16_bounds:?})"
                 );
                 if mean > bf16_bounds.mean {
                     failures.push(format!("{what}: mean logprob difference {mean}"));
+                }
+                // Not every request may part at once: the exact and the quantizing CPU runs agree
+                // on 30 of 65 tokens.
+                if 4 * agreed < total {
+                    failures.push(format!("{what}: {agreed} of {total} tokens agree"));
                 }
             }
         }

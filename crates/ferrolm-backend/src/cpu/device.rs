@@ -20,7 +20,10 @@ use crate::device::{
 };
 use crate::{DType, Fp8Matrix, HostTensor, MatrixUse};
 
-/// The CPU as a [`Device`]; `Cpu::default()` computes exactly.
+/// The CPU as a [`Device`]. How it computes with an FP8 projection's inputs is set when the
+/// projection's matrix is placed ([`Device::fp8_matrix`]): a model loaded by
+/// `Cpu::with_fp8_inputs(Fp8Inputs::GPU)` quantizes them whichever `Cpu` runs it;
+/// `Cpu::default()` places matrices that compute exactly.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Cpu {
     fp8_inputs: Fp8Inputs,
@@ -33,10 +36,14 @@ pub enum Fp8Inputs {
     #[default]
     Exact,
     /// Quantized per token to e4m3 (each row's `amax / 448`, as [`Fp8Matrix::quantize_rows`]
-    /// quantizes a matrix) in steps of more than this many rows, for matrices of one scale per
-    /// row whose sides are multiples of 16 and that a linear op reads: what the GPU does in bf16
-    /// and f16 beyond its FP8 GEMV (`cuda::GEMV_MAX_M` rows), where the FP8 GEMM takes the
-    /// product.
+    /// quantizes a matrix) in steps of more than this many rows, for the matrices a linear op
+    /// reads whose stacked scales are one per row and whose columns (k) are a multiple of 16,
+    /// where the product's output features (n) are a multiple of 16 too: what the GPU does in
+    /// bf16 and f16 beyond its FP8 GEMV (`cuda::GEMV_MAX_M` rows), where its FP8 GEMM takes the
+    /// product. Not modelled: the GPU's fallbacks to a dequantized copy where cuBLASLt has no
+    /// FP8 GEMM for a shape, or where a step's codes need more bytes than the FP8 scratch holds
+    /// (sized for the largest FP8 matrix dequantized; on the tiny test models, steps of about
+    /// 240 tokens; the tests' steps are smaller).
     PerTokenBeyond(usize),
 }
 
@@ -185,17 +192,18 @@ impl Device for Cpu {
     }
 
     fn fp8_matrix(&self, parts: Vec<Fp8Matrix>, usage: MatrixUse) -> Result<CpuMatrix, Infallible> {
-        // One scale per row of the stacked matrix (the FP8 GEMM's outer-vector scaling), and
-        // whole 16-column chunks, as the GPU's FP8 matrices need.
+        // The matrix as the GPU places it (one grid of scales for the stacked parts, the same
+        // values): its FP8 GEMM takes one scale per row (outer-vector scaling) and whole
+        // 16-column chunks.
+        let stacked = Fp8Matrix::stack(parts).unwrap_or_else(|e| panic!("fp8_matrix: {e}"));
         let quantize_inputs_beyond = match self.fp8_inputs {
             Fp8Inputs::PerTokenBeyond(rows) if usage == MatrixUse::Linear => {
-                let one_scale_a_row = parts.iter().all(|p| p.cols().is_multiple_of(16) && p.scale_grid().1 >= p.cols());
-                one_scale_a_row.then_some(rows)
+                let cols = stacked.cols();
+                (cols.is_multiple_of(16) && stacked.scale_grid().1 >= cols).then_some(rows)
             }
             _ => None,
         };
-        let values = HostTensor::concat_rows(parts.iter().map(Fp8Matrix::dequantize).collect());
-        Ok(CpuMatrix { values, quantize_inputs_beyond })
+        Ok(CpuMatrix { values: stacked.dequantize(), quantize_inputs_beyond })
     }
 
     fn matrix_bytes(&self, matrix: &CpuMatrix) -> usize {

@@ -24,6 +24,22 @@ pub(super) const GRAPH_BATCHES: [usize; 28] = [
     480, 512,
 ];
 
+// A bucket ends at the FP8 GEMV's row limit, so that padding never takes a decode batch across
+// it: the GPU quantizes an FP8 product's inputs at the batch sizes where the CPU's reference
+// does (`Fp8Inputs::GPU`).
+const _: () = assert!(holds(&GRAPH_BATCHES, ferrolm_backend::cuda::GEMV_MAX_M), "GRAPH_BATCHES must hold GEMV_MAX_M");
+
+const fn holds(batches: &[usize], n: usize) -> bool {
+    let mut i = 0;
+    while i < batches.len() {
+        if batches[i] == n {
+            return true;
+        }
+        i += 1;
+    }
+    false
+}
+
 /// The graph batch a decode batch of `n` requests is padded to, if one holds it.
 pub(super) fn graph_batch(n: usize) -> Option<usize> {
     GRAPH_BATCHES.iter().copied().find(|&b| b >= n)
