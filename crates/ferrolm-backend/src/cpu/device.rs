@@ -487,4 +487,55 @@ mod tests {
             }
         }
     }
+    #[test]
+    fn the_quantizing_cpu_decides_on_the_matrix_as_the_gpu_places_it() {
+        let emulating = Cpu::with_fp8_inputs(Fp8Inputs::GPU);
+        let part = |rows: usize, cols: usize, scales: Fp8Scales| {
+            Fp8Matrix::new(rows, cols, vec![0x38; rows * cols], scales).unwrap()
+        };
+        let beyond = |parts: Vec<Fp8Matrix>, usage: MatrixUse| {
+            let Ok(m) = emulating.fp8_matrix(parts, usage);
+            m.quantize_inputs_beyond
+        };
+        let blocks = |rows: usize, cols: usize, bc: usize| Fp8Scales::Blocks {
+            block_rows: 1,
+            block_cols: bc,
+            scales: vec![0.5; rows * cols.div_ceil(bc)],
+        };
+        // Parts of a tensor scale and of row scales stack to one scale a row: quantized.
+        let mixed = vec![part(3, 32, Fp8Scales::Tensor(0.5)), part(2, 32, Fp8Scales::Rows(vec![1.0, 2.0]))];
+        assert_eq!(beyond(mixed, MatrixUse::Linear), Some(4));
+        // A row part beside blocks 16 wide: the stacked grid is 16 wide, as the GPU keeps it.
+        let narrow = vec![part(2, 32, Fp8Scales::Rows(vec![1.0, 2.0])), part(2, 32, blocks(2, 32, 16))];
+        assert_eq!(beyond(narrow, MatrixUse::Linear), None);
+        // Columns no multiple of 16; experts and embeddings (dense on the GPU).
+        assert_eq!(beyond(vec![part(2, 24, Fp8Scales::Tensor(0.5))], MatrixUse::Linear), None);
+        assert_eq!(beyond(vec![part(2, 32, Fp8Scales::Tensor(0.5))], MatrixUse::Experts), None);
+        assert_eq!(beyond(vec![part(2, 32, Fp8Scales::Tensor(0.5))], MatrixUse::Embedding), None);
+        // Exact everywhere by default.
+        let Ok(m) = Cpu::default().fp8_matrix(vec![part(2, 32, Fp8Scales::Tensor(0.5))], MatrixUse::Linear);
+        assert_eq!(m.quantize_inputs_beyond, None);
+    }
+
+    #[test]
+    fn a_prefix_quantizes_where_its_own_features_are_whole_chunks() {
+        let mut rng = rng(9);
+        let (rows, cols, m) = (40, 32, 6);
+        let values = HostTensor::from_f32(vec![rows, cols], random_vec(&mut rng, rows * cols, 1.0));
+        let w = Fp8Matrix::quantize_rows(&values);
+        let cpu = Cpu::with_fp8_inputs(Fp8Inputs::GPU);
+        let Ok(weight) = cpu.fp8_matrix(vec![w.clone()], MatrixUse::Linear);
+        let linear = Linear::<Cpu> { weight, bias: None, out_features: rows, in_features: cols };
+        let x: Vec<f32> =
+            random_vec(&mut rng, m * cols, 1.0).iter().enumerate().map(|(i, v)| v * (1 + i % 7) as f32).collect();
+        let mut x_t = CpuTensor::zeros(m, cols);
+        x_t.as_mut_slice().copy_from_slice(&x);
+        for (n, quantized) in [(32, true), (24, false)] {
+            let mut y = CpuTensor::zeros(m, n);
+            let Ok(()) = cpu.linear_prefix(&x_t, &linear, &mut y);
+            let want = reference(&w, &x, m, quantized);
+            let want: Vec<f32> = (0..m).flat_map(|r| want[r * rows..r * rows + n].to_vec()).collect();
+            assert_eq!(y.as_slice(), want.as_slice(), "prefix of {n}");
+        }
+    }
 }
