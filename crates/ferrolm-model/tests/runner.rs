@@ -82,10 +82,19 @@ struct QuantizationEffect {
 }
 
 impl QuantizationEffect {
-    /// `(logprob, margin, token)` of each compared step of the exact and the quantizing runs.
-    fn of(pairs: impl IntoIterator<Item = ((f64, f64, u32), (f64, f64, u32))>) -> QuantizationEffect {
+    /// From the exact and the quantizing runs' teacher-forced logprobs (`scored`, compared
+    /// alike) and `(logprob, margin, token)` of each greedy step.
+    fn of(
+        scored: impl IntoIterator<Item = (f64, f64)>,
+        steps: impl IntoIterator<Item = ((f64, f64, u32), (f64, f64, u32))>,
+    ) -> QuantizationEffect {
         let (mut sum, mut count, mut largest, mut swing) = (0.0, 0usize, 0.0f64, 0.0f64);
-        for ((lp_a, margin_a, a), (lp_b, margin_b, b)) in pairs {
+        for (lp_a, lp_b) in scored {
+            sum += (lp_a - lp_b).abs();
+            count += 1;
+            largest = largest.max((lp_a - lp_b).abs());
+        }
+        for ((lp_a, margin_a, a), (lp_b, margin_b, b)) in steps {
             if a == b {
                 sum += (lp_a - lp_b).abs();
                 count += 1;
@@ -102,11 +111,12 @@ impl QuantizationEffect {
     /// its first difference (the later ones decode another text).
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     fn between(a: &[Vec<Decoded>], b: &[Vec<Decoded>]) -> QuantizationEffect {
-        QuantizationEffect::of(a.iter().zip(b).flat_map(|(a, b)| {
+        let steps = a.iter().zip(b).flat_map(|(a, b)| {
             let same = a.iter().zip(b).take_while(|(a, b)| a.token == b.token).count();
             let step = |d: &Decoded| (f64::from(d.logprob), f64::from(d.margin), d.token);
             a.iter().zip(b).take(same + 1).map(move |(a, b)| (step(a), step(b)))
-        }))
+        });
+        QuantizationEffect::of([], steps)
     }
 }
 
@@ -301,12 +311,13 @@ fn check_fixture(name: &str) {
                 let (cases, bounds) = quantized_inputs.get_or_insert_with(|| {
                     let mut cpu = CpuRunner::new(load_model_with(&dir, Cpu::with_fp8_inputs(Fp8Inputs::GPU)));
                     let cases = cases_on(&mut cpu, &hf);
-                    let effect = QuantizationEffect::of(hf.iter().zip(&cases).flat_map(|(exact, quantized)| {
-                        let prompt = exact.prompt_logprobs.iter().zip(&quantized.prompt_logprobs);
-                        let prompt = prompt.map(|(&a, &b)| ((a, 0.0, 0), (b, 0.0, 0)));
-                        let step = |s: &Step| (s.logprob, s.margin, s.token);
-                        prompt.chain(exact.steps.iter().zip(&quantized.steps).map(move |(a, b)| (step(a), step(b))))
-                    }));
+                    let pairs = || hf.iter().zip(&cases);
+                    let scored = pairs()
+                        .flat_map(|(a, b)| a.prompt_logprobs.iter().copied().zip(b.prompt_logprobs.iter().copied()));
+                    let step = |s: &Step| (s.logprob, s.margin, s.token);
+                    let steps =
+                        pairs().flat_map(|(a, b)| a.steps.iter().zip(&b.steps).map(move |(a, b)| (step(a), step(b))));
+                    let effect = QuantizationEffect::of(scored, steps);
                     eprintln!("{name}: quantizing the FP8 inputs on the CPU: {effect:?}");
                     (cases, BF16.widened_by(effect))
                 });
@@ -1042,15 +1053,16 @@ fn fp8_on_the_gpu_gives_the_cpus_tokens() {
             F32_LOGPROB
         };
         let demo_bounds = Bf16Bounds { mean: 0.05, margin: BF16_MARGIN };
-        let (bf16_want, bf16_bounds) = if quantization.is_some() {
-            let quantized = cpu(Fp8Inputs::GPU, kv_cache_dtype);
-            let effect = QuantizationEffect::between(&exact, &quantized);
-            eprintln!("{variant}: quantizing the FP8 inputs on the CPU: {effect:?}");
-            (quantized, demo_bounds.widened_by(effect))
-        } else {
-            (exact.clone(), demo_bounds)
+        let quantized = quantization.is_some().then(|| cpu(Fp8Inputs::GPU, kv_cache_dtype));
+        let (bf16_want, bf16_bounds) = match &quantized {
+            Some(quantized) => {
+                let effect = QuantizationEffect::between(&exact, quantized);
+                eprintln!("{variant}: quantizing the FP8 inputs on the CPU: {effect:?}");
+                (quantized, demo_bounds.widened_by(effect))
+            }
+            None => (&exact, demo_bounds),
         };
-        for (dtype, want) in [(DType::F32, &exact), (DType::BF16, &bf16_want)] {
+        for (dtype, want) in [(DType::F32, &exact), (DType::BF16, bf16_want)] {
             let gpu = match Gpu::new(0, &Default::default()) {
                 Ok(gpu) => gpu,
                 Err(err) if err.means_no_gpu() => {

@@ -7,6 +7,7 @@
 //! computes the inputs of FP8 projections as the GPU does in bf16 and f16, quantized per token
 //! ([`Fp8Inputs`]), so that a CPU run is the reference of a GPU run of that precision.
 
+use std::borrow::Cow;
 use std::convert::Infallible;
 
 use super::{
@@ -76,13 +77,13 @@ impl CpuMatrix {
 
     /// `x`: `[m, k]`, as this matrix's product computes with it: quantized per token in steps of
     /// more rows than its bound with `n` output features a multiple of 16, else as it is.
-    fn input<'x>(&self, x: &'x [f32], m: usize, k: usize, n: usize) -> std::borrow::Cow<'x, [f32]> {
+    fn input<'x>(&self, x: &'x [f32], m: usize, k: usize, n: usize) -> Cow<'x, [f32]> {
         match self.quantize_inputs_beyond {
             Some(rows) if m > rows && n.is_multiple_of(16) => {
                 let q = Fp8Matrix::quantize_rows(&HostTensor::from_f32(vec![m, k], x.to_vec()));
-                std::borrow::Cow::Owned(q.dequantize().to_f32_vec())
+                Cow::Owned(q.dequantize().to_f32_vec())
             }
-            _ => std::borrow::Cow::Borrowed(x),
+            _ => Cow::Borrowed(x),
         }
     }
 }
