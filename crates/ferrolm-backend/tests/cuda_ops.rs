@@ -2708,8 +2708,9 @@ fn random_fp8(rng: &mut ChaCha8Rng, rows: usize, cols: usize, scales: Fp8Scales)
 }
 
 /// The scale layouts an FP8 product meets, for a `[rows, cols]` matrix: per tensor, per row,
-/// 128 x 128 blocks (partial at the edges where 128 does not divide), and q/k/v parts in blocks
-/// that do not end on a block row (stacked as one-row blocks 16 wide).
+/// 128 x 128 blocks (partial at the edges where 128 does not divide), 16 x 64 blocks (the
+/// narrowest the tensor-core GEMV takes), and q/k/v parts in blocks that do not end on a block
+/// row (stacked as one-row blocks 16 wide, which the GEMV of gemv.cu takes).
 fn fp8_layouts(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Vec<(&'static str, Fp8Matrix)> {
     let scale = |rng: &mut ChaCha8Rng| rng.random_range(0.5f32..2.0) / 448.0;
     let tensor_scale = scale(rng);
@@ -2718,6 +2719,8 @@ fn fp8_layouts(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Vec<(&'static 
     let per_row = random_fp8(rng, rows, cols, Fp8Scales::Rows(per_row));
     let grid = (0..rows.div_ceil(128) * cols.div_ceil(128)).map(|_| scale(rng)).collect();
     let blocks = random_fp8(rng, rows, cols, Fp8Scales::Blocks { block_rows: 128, block_cols: 128, scales: grid });
+    let grid = (0..rows.div_ceil(16) * cols.div_ceil(64)).map(|_| scale(rng)).collect();
+    let narrow = random_fp8(rng, rows, cols, Fp8Scales::Blocks { block_rows: 16, block_cols: 64, scales: grid });
     let split = rows / 3 + 1;
     let mut part = |rows: usize| {
         let grid = (0..rows.div_ceil(8) * cols.div_ceil(16)).map(|_| scale(rng)).collect();
@@ -2729,6 +2732,7 @@ fn fp8_layouts(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Vec<(&'static 
         ("tensor", Fp8Matrix::stack(vec![tensor]).unwrap()),
         ("rows", Fp8Matrix::stack(vec![per_row]).unwrap()),
         ("blocks", Fp8Matrix::stack(vec![blocks]).unwrap()),
+        ("blocks of 64 columns", Fp8Matrix::stack(vec![narrow]).unwrap()),
         ("stacked", stacked),
     ]
 }

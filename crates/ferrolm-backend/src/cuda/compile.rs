@@ -50,11 +50,23 @@ pub(crate) const DECODE_ATTENTION: KernelSource =
 pub(crate) const SAMPLING: KernelSource = kernel_source!("sampling.cu", &[], false);
 pub(crate) const GEMV: KernelSource = kernel_source!("gemv.cu", &[&ELEMENTWISE, &ROPE], false);
 pub(crate) const FP8: KernelSource = kernel_source!("fp8.cu", &[], false);
+pub(crate) const FP8_GEMV: KernelSource = kernel_source!("fp8_gemv.cu", &[&ELEMENTWISE, &ROPE, &GEMV], true);
 pub(crate) const MOE: KernelSource = kernel_source!("moe.cu", &[&ELEMENTWISE, &FLASH_ATTENTION], false);
 
 /// Every kernel file, the slowest to compile first (so that they start first).
-pub(crate) const SOURCES: [&KernelSource; 10] =
-    [&ATTENTION, &DECODE_ATTENTION, &GEMV, &MOE, &SAMPLING, &FLASH_ATTENTION, &NORM, &ROPE, &FP8, &ELEMENTWISE];
+pub(crate) const SOURCES: [&KernelSource; 11] = [
+    &ATTENTION,
+    &DECODE_ATTENTION,
+    &GEMV,
+    &MOE,
+    &SAMPLING,
+    &FLASH_ATTENTION,
+    &FP8_GEMV,
+    &NORM,
+    &ROPE,
+    &FP8,
+    &ELEMENTWISE,
+];
 
 /// The entry points an op family loads from one kernel file: `{name}_{dtype}` for each name and
 /// each dtype the file has.
@@ -467,7 +479,7 @@ mod tests {
         assert!(text[last..].starts_with("#define FOR_EACH_DTYPE(M) M(__half, f16)\n"));
         assert_eq!(text.matches("#define FOR_EACH_DTYPE(M) \n").count(), 2);
         assert!(instantiate("M(float, f32)").contains("#define FOR_EACH_HALF_DTYPE(M) \n"));
-        assert_eq!(Unit::all().len(), 3 * SOURCES.len() - 2);
+        assert_eq!(Unit::all().len(), 3 * SOURCES.len() - 3);
     }
 
     #[test]

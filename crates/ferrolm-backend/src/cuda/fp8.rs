@@ -2,9 +2,10 @@
 //! scales ([`GpuFp8Matrix`], placed from [`crate::Fp8Matrix::stack`]'s one grid), and the
 //! product of activations with it.
 //!
-//! Up to [`GEMV_MAX_M`](super::linear) rows take the GEMV kernel's FP8 form (`gemv_fp8_*` in
-//! kernels/gemv.cu), which reads each weight once, as one byte, and computes with the
-//! activations as they are. More rows of bf16 or f16 activations, where every row of the matrix
+//! Up to [`GEMV_MAX_M`](super::linear) rows take an FP8 GEMV, which reads each weight once, as
+//! one byte, and computes with the activations as they are: for bf16 and f16 activations over
+//! blocks of 64 columns or more the tensor-core kernel (`fp8_gemv_*` in kernels/fp8_gemv.cu),
+//! else the GEMV kernel's FP8 form (`gemv_fp8_*` in kernels/gemv.cu). More rows of bf16 or f16 activations, where every row of the matrix
 //! has one scale (tensor or channel scales: cuBLASLt's outer-vector scaling), take an FP8 GEMM
 //! on the tensor cores: the activations quantized per token first (`fp8_quantize_rows`, vLLM's
 //! dynamic per-token scales), so that the product differs from the CPU's by that rounding too.
@@ -47,6 +48,28 @@ pub(crate) const KERNELS: &[KernelFamilies] = &[
             "gemv_fp8_gelu_tanh_m2",
             "gemv_fp8_gelu_tanh_m3",
             "gemv_fp8_gelu_tanh_m4",
+        ],
+        large_shared: false,
+    },
+    KernelFamilies {
+        source: &compile::FP8_GEMV,
+        names: &[
+            "fp8_gemv_m1",
+            "fp8_gemv_m2",
+            "fp8_gemv_m3",
+            "fp8_gemv_m4",
+            "fp8_gemv_m1_to_f32",
+            "fp8_gemv_m2_to_f32",
+            "fp8_gemv_m3_to_f32",
+            "fp8_gemv_m4_to_f32",
+            "fp8_gemv_silu_m1",
+            "fp8_gemv_silu_m2",
+            "fp8_gemv_silu_m3",
+            "fp8_gemv_silu_m4",
+            "fp8_gemv_gelu_tanh_m1",
+            "fp8_gemv_gelu_tanh_m2",
+            "fp8_gemv_gelu_tanh_m3",
+            "fp8_gemv_gelu_tanh_m4",
         ],
         large_shared: false,
     },
@@ -321,37 +344,51 @@ pub(super) enum Epilogue {
 }
 
 /// `out[m, n] = x[m, k] · w^T` (`w`'s `n` rows of `k`; a gated epilogue takes `w = [gate; up]`,
-/// `2 n` rows, and writes `act(gate) * up`) through the FP8 GEMV kernel with `ksplit` warps per
-/// column; `m` is 1 to 4 and x 16-byte aligned (the caller checks).
-#[allow(clippy::too_many_arguments)]
+/// `2 n` rows, and writes `act(gate) * up`) through an FP8 GEMV kernel; `m` is 1 to 4 and x
+/// 16-byte aligned (the caller checks, [`gemv_fits`]). Half activations over blocks of 64
+/// columns or more take the tensor-core kernel (kernels/fp8_gemv.cu), the rest gemv.cu's.
 pub(super) fn gemv(
     gpu: &Gpu,
     x: GpuView<'_>,
     m: usize,
     w: Fp8View<'_>,
     n: usize,
-    ksplit: usize,
     epilogue: Epilogue,
     out_ptr: u64,
 ) -> Result<(), GpuError> {
-    const NAMES: [[&str; 4]; 4] = [
-        ["gemv_fp8_m1", "gemv_fp8_m2", "gemv_fp8_m3", "gemv_fp8_m4"],
-        ["gemv_fp8_m1_to_f32", "gemv_fp8_m2_to_f32", "gemv_fp8_m3_to_f32", "gemv_fp8_m4_to_f32"],
-        ["gemv_fp8_silu_m1", "gemv_fp8_silu_m2", "gemv_fp8_silu_m3", "gemv_fp8_silu_m4"],
-        ["gemv_fp8_gelu_tanh_m1", "gemv_fp8_gelu_tanh_m2", "gemv_fp8_gelu_tanh_m3", "gemv_fp8_gelu_tanh_m4"],
-    ];
     assert!((1..=4).contains(&m), "FP8 GEMV: {m} rows");
-    let kernel = NAMES[epilogue as usize][m - 1];
     let k = w.cols;
+    let warps = super::linear::GEMV_WARPS;
+    let rows = if matches!(epilogue, Epilogue::Silu | Epilogue::GeluTanh) { 2 * n } else { n };
+    let (kernel, ksplit, columns) = if takes_tensor_cores(x.dtype(), w) {
+        const NAMES: [[&str; 4]; 4] = [
+            ["fp8_gemv_m1", "fp8_gemv_m2", "fp8_gemv_m3", "fp8_gemv_m4"],
+            ["fp8_gemv_m1_to_f32", "fp8_gemv_m2_to_f32", "fp8_gemv_m3_to_f32", "fp8_gemv_m4_to_f32"],
+            ["fp8_gemv_silu_m1", "fp8_gemv_silu_m2", "fp8_gemv_silu_m3", "fp8_gemv_silu_m4"],
+            ["fp8_gemv_gelu_tanh_m1", "fp8_gemv_gelu_tanh_m2", "fp8_gemv_gelu_tanh_m3", "fp8_gemv_gelu_tanh_m4"],
+        ];
+        // A warp's tile: 16 rows of w (a gated tile 8 outputs' gate and up rows).
+        let tiles = rows.div_ceil(TC_TILE_ROWS);
+        (NAMES[epilogue as usize][m - 1], tc_ksplit(tiles, k), tiles)
+    } else {
+        const NAMES: [[&str; 4]; 4] = [
+            ["gemv_fp8_m1", "gemv_fp8_m2", "gemv_fp8_m3", "gemv_fp8_m4"],
+            ["gemv_fp8_m1_to_f32", "gemv_fp8_m2_to_f32", "gemv_fp8_m3_to_f32", "gemv_fp8_m4_to_f32"],
+            ["gemv_fp8_silu_m1", "gemv_fp8_silu_m2", "gemv_fp8_silu_m3", "gemv_fp8_silu_m4"],
+            ["gemv_fp8_gelu_tanh_m1", "gemv_fp8_gelu_tanh_m2", "gemv_fp8_gelu_tanh_m3", "gemv_fp8_gelu_tanh_m4"],
+        ];
+        // A plain product of 2 to 4 rows takes two rows of w a warp, j and j + ceil(n / 2)
+        // (kernels/gemv.cu, gemv_impl).
+        let columns = match epilogue {
+            Epilogue::Store | Epilogue::ToF32 if m >= 2 => n.div_ceil(2),
+            _ => n,
+        };
+        // As many warps per column as the dense kernel takes for as many chunks (16 codes a
+        // chunk against 8 elements, so `k / 2` elements' worth): each lane keeps its full rounds.
+        (NAMES[epilogue as usize][m - 1], super::linear::gemv_ksplit(rows, k / 2), columns)
+    };
     let (x_ptr, w_ptr, grid) = (x.ptr(), w.codes, w.grid);
     let (k_u32, n_u32, ksplit_u32) = (to_u32("linear", "k", k), to_u32("linear", "n", n), ksplit as u32);
-    let warps = super::linear::GEMV_WARPS;
-    // A plain product of 2 to 4 rows takes two rows of w a warp, j and j + ceil(n / 2)
-    // (kernels/gemv.cu, gemv_impl).
-    let columns = match epilogue {
-        Epilogue::Store | Epilogue::ToF32 if m >= 2 => n.div_ceil(2),
-        _ => n,
-    };
     let cfg = LaunchConfig {
         grid_dim: (to_u32("linear", "GEMV blocks", columns.div_ceil(warps / ksplit)), 1, 1),
         block_dim: (warps as u32 * 32, 1, 1),
@@ -361,9 +398,35 @@ pub(super) fn gemv(
     launch.arg(&x_ptr).arg(&w_ptr).arg(&out_ptr).arg(&k_u32).arg(&n_u32).arg(&ksplit_u32).arg(&grid);
     // SAFETY: the arguments match the kernel's parameters; x holds m rows of k, w at least n (a
     // gated kernel's 2 n) rows of k codes with their grid, out m rows of n in the kernel's
-    // output type; k % 16 == 0 (the matrix's invariant) and x is 16-byte aligned (the caller).
+    // output type; k % 16 == 0 (the matrix's invariant) and x is 16-byte aligned (the caller);
+    // the tensor-core kernel's blocks are at least 64 columns wide (takes_tensor_cores).
     unsafe { launch.launch(cfg) }?;
     Ok(())
+}
+
+/// Whether the FP8 GEMV runs on the tensor cores (kernels/fp8_gemv.cu): for bf16 and f16
+/// activations, where a 64-column chunk lies in one scale block.
+fn takes_tensor_cores(dtype: DType, w: Fp8View<'_>) -> bool {
+    dtype != DType::F32 && w.grid.col_shift >= TC_CHUNK.trailing_zeros()
+}
+
+/// The tensor-core FP8 GEMV's chunk of columns (4 lanes of 16 codes) and a warp's tile of rows.
+const TC_CHUNK: usize = 64;
+const TC_TILE_ROWS: usize = 16;
+/// Chunks a lane of the tensor-core FP8 GEMV loads together (FP8_GEMV_UNROLL in fp8_gemv.cu).
+const TC_ROUND: usize = 4;
+/// Warps the tensor-core FP8 GEMV aims to run, about 16 a streaming multiprocessor on an H100
+/// or H200 (132), enough 16-byte loads in flight to cover the memory's latency.
+const TC_TARGET_WARPS: usize = 2048;
+
+/// Warps per tile of the tensor-core FP8 GEMV (a power of two up to `GEMV_WARPS`): as many as
+/// bring `tiles` tiles to [`TC_TARGET_WARPS`], short of leaving a lane less than a full round
+/// of chunks.
+fn tc_ksplit(tiles: usize, k: usize) -> usize {
+    let by_warps = (TC_TARGET_WARPS / tiles.max(1)).max(1);
+    let by_chunks = (k / TC_CHUNK / TC_ROUND).max(1);
+    let split = by_warps.min(by_chunks).clamp(1, super::linear::GEMV_WARPS);
+    1 << split.ilog2()
 }
 
 /// Whether the FP8 GEMV kernel takes `m` rows of `x`: up to 4, whatever the matrix (the dense
@@ -371,12 +434,6 @@ pub(super) fn gemv(
 /// bytes, a dequantized copy or the activations' codes besides its own).
 pub(super) fn gemv_fits(x: GpuView<'_>, m: usize) -> bool {
     (1..=super::linear::GEMV_MAX_M).contains(&m) && x.ptr().is_multiple_of(16)
-}
-
-/// Warps per column of the FP8 GEMV: the dense kernel's choice for as many chunks (16 codes a
-/// chunk against 8 elements, so `k / 2` elements' worth), so that each lane keeps its full rounds.
-pub(super) fn gemv_ksplit(n: usize, k: usize) -> usize {
-    super::linear::gemv_ksplit(n, k / 2)
 }
 
 /// `out = w`'s values in `out`'s dtype, `[w.rows, w.cols]` (see the module's doc).

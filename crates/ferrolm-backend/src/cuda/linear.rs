@@ -181,7 +181,7 @@ fn linear_with(
         (Weight::Fp8(w, _, _), _) if fp8::gemv_fits(x, m) => {
             let to_f32 = acc_dtype == DType::F32 && x.dtype() != DType::F32;
             let epilogue = if to_f32 { Epilogue::ToF32 } else { Epilogue::Store };
-            fp8::gemv(gpu, x, m, w, n, fp8::gemv_ksplit(n, k), epilogue, acc_ptr)?
+            fp8::gemv(gpu, x, m, w, n, epilogue, acc_ptr)?
         }
         (Weight::Fp8(w, scratch, x_codes), _) => {
             if !fp8::gemm(gpu, gemms, x, m, w, n, acc_ptr, acc_dtype, scratch, x_codes)? {
@@ -418,7 +418,7 @@ fn gated_with(
                 GatedActivation::Silu => Epilogue::Silu,
                 GatedActivation::GeluTanh => Epilogue::GeluTanh,
             };
-            fp8::gemv(gpu, x, m, *w, inter, fp8::gemv_ksplit(2 * inter, k), epilogue, out.ptr())?;
+            fp8::gemv(gpu, x, m, *w, inter, epilogue, out.ptr())?;
         }
         Weight::Dense(w) if fused && gemv_fits(x, m, k, *w) => {
             assert_eq!(x.dtype(), w.dtype(), "linear_gated: x is {:?} but w is {:?}", x.dtype(), w.dtype());

@@ -247,6 +247,23 @@ template <typename T> __device__ __forceinline__ void store8(T* p, const float (
 // module holds one dtype's entry points and a file whose device functions another uses adds none.
 #define FOR_EACH_HALF_DTYPE(M) M(__nv_bfloat16, bf16) M(__half, f16)
 
+// d += a b for one 16x8x16 tile. Fragments (g = lane / 4, c = 2 * (lane % 4)): a0 (g, c..c+1),
+// a1 (g + 8, c..), a2 (g, c + 8..), a3 (g + 8, c + 8..) of A [16, 16]; b0 (k c..c+1, n g),
+// b1 (k c + 8.., n g) of B [16, 8]; d0, d1 (g, c..c+1), d2, d3 (g + 8, c..c+1) of D [16, 8].
+__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1, __nv_bfloat16) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1, __half) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // FP8 (e4m3: 1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities, 0x7f and 0xff
 // NaN) codes as f32, exactly. On sm_89 and later one instruction converts two codes to two
 // halves (every e4m3 value is a half). Before, the bits are moved into a half's: the sign to bit

@@ -47,23 +47,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
                  : "r"(addr));
 }
 
-// d += a b for one 16x8x16 tile. Fragments (g = lane / 4, c = 2 * (lane % 4)): a0 (g, c..c+1),
-// a1 (g + 8, c..), a2 (g, c + 8..), a3 (g + 8, c + 8..) of A [16, 16]; b0 (k c..c+1, n g),
-// b1 (k c + 8.., n g) of B [16, 8]; d0, d1 (g, c..c+1), d2, d3 (g + 8, c..c+1) of D [16, 8].
-__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1, __nv_bfloat16) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1, __half) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // (x, y) rounded to a pair of T in one register, x in the low half; `rest` gets what rounding
 // left out, rounded the same way.
 __device__ __forceinline__ u32 pack2(float x, float y, __nv_bfloat16) {
