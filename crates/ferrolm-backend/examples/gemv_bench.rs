@@ -4,6 +4,7 @@
 //! ```text
 //! cargo build --release -p ferrolm-backend --features cuda,bench-internals --example gemv_bench
 //! target/release/examples/gemv_bench        # or `gemv_bench fp8`: the FP8 rows alone
+//! target/release/examples/gemv_bench fp8-ksplit   # the FP8 GEMV at each split of k
 //! ```
 //!
 //! Each shape's weights are cycled through in enough copies that one pass is several times the
@@ -42,9 +43,12 @@ fn main() {
         ("1b down", 2048, 8192),
         ("1b lm_head", 128256, 2048),
     ];
-    // `gemv_bench fp8`: the FP8 rows alone.
-    if std::env::args().nth(1).as_deref() == Some("fp8") {
-        return fp8_section(&gpu, &gemms, &shapes);
+    // `gemv_bench fp8`: the FP8 rows alone; `gemv_bench fp8-ksplit`: the FP8 GEMV at 1 and 4
+    // rows with each split of k over a tile's (or column's) warps.
+    match std::env::args().nth(1).as_deref() {
+        Some("fp8") => return fp8_section(&gpu, &gemms, &shapes),
+        Some("fp8-ksplit") => return fp8_ksplit_section(&gpu, &gemms, &shapes),
+        _ => {}
     }
     println!("{:<34} {:>3} {:>10} {:>10} {:>10} {:>10}", "shape (n x k)", "m", "gemv us", "GB/s", "cublas us", "GB/s");
     for (name, n, k) in shapes {
@@ -148,9 +152,32 @@ fn fp8_section(gpu: &Gpu, gemms: &Gemms, shapes: &[(&str, usize, usize)]) {
     }
 }
 
-/// `linear_fp8` over copies of a random `[n, k]` FP8 matrix with row scales at each of `ms`
-/// rows: GB/s of codes up to 4 rows, TFLOP/s beyond; before `tune_fp8_gemms`, then after.
-fn fp8_rates(gpu: &Gpu, gemms: &Gemms, n: usize, k: usize, ms: &[usize]) -> Result<[Vec<f64>; 2], GpuError> {
+/// The 8B's projections and LM head with FP8 weights through the FP8 GEMV at 1 and 4 rows, GB/s
+/// of codes at each split of k (1, 2, 4, 8 warps) and at the kernel's own choice.
+fn fp8_ksplit_section(gpu: &Gpu, gemms: &Gemms, shapes: &[(&str, usize, usize)]) {
+    println!();
+    println!("{:<30} {:>3} {:>8} {:>8} {:>8} {:>8} {:>8}", "FP8 GEMV GB/s (n x k)", "m", "ks 1", "2", "4", "8", "chosen");
+    for &(name, n, k) in shapes.iter().filter(|&&(name, _, _)| name.starts_with("8b")) {
+        for m in [1, 4] {
+            match fp8_ksplit_rates(gpu, gemms, n, k, m) {
+                Ok(r) => println!(
+                    "{:<30} {m:>3} {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>8.0}",
+                    format!("{name} ({n} x {k})"),
+                    r[0],
+                    r[1],
+                    r[2],
+                    r[3],
+                    r[4]
+                ),
+                Err(e) => eprintln!("{name} FP8 m={m}: {e}"),
+            }
+        }
+    }
+}
+
+/// Copies of a random `[n, k]` FP8 matrix with row scales, enough that a pass over them is
+/// several times the L2 cache.
+fn fp8_weights(gpu: &Gpu, n: usize, k: usize) -> Result<Vec<GpuFp8Matrix>, GpuError> {
     let copies = WORKING_SET.div_ceil(n * k).clamp(1, 16);
     // Codes of magnitude below 0x7e (no NaN), either sign; the copies hold the same values in
     // distinct memory.
@@ -162,9 +189,36 @@ fn fp8_rates(gpu: &Gpu, gemms: &Gemms, n: usize, k: usize, ms: &[usize]) -> Resu
         .collect();
     let scales = (0..n).map(|i| (1 + i % 7) as f32 / 448.0).collect();
     let w = Fp8Matrix::new(n, k, codes, Fp8Scales::Rows(scales)).expect("codes and scales of the shape");
-    let weights = (0..copies)
-        .map(|_| GpuFp8Matrix::new(gpu, &w).map(|m| m.expect("row scales and whole chunks")))
-        .collect::<Result<Vec<_>, _>>()?;
+    (0..copies).map(|_| GpuFp8Matrix::new(gpu, &w).map(|m| m.expect("row scales and whole chunks"))).collect()
+}
+
+/// GB/s of codes of the FP8 GEMV at `m` rows with k split over 1, 2, 4 and 8 warps, then at
+/// the kernel's own split.
+fn fp8_ksplit_rates(gpu: &Gpu, gemms: &Gemms, n: usize, k: usize, m: usize) -> Result<[f64; 5], GpuError> {
+    let weights = fp8_weights(gpu, n, k)?;
+    let copies = weights.len();
+    let x = random_tensor(gpu, DType::BF16, m * k, &mut 0x2545_f491_4f6c_dd1d_u64)?;
+    let mut y = GpuTensor::zeros(gpu, DType::BF16, m * n)?;
+    let mut scratch = GpuTensor::zeros(gpu, DType::BF16, 16)?;
+    let mut rates = [0.0; 5];
+    for (slot, ksplit) in [Some(1), Some(2), Some(4), Some(8), None].into_iter().enumerate() {
+        let t = best_mean(gpu, copies, |i| {
+            let (w, y) = (weights[i % copies].view(), y.view_mut());
+            match ksplit {
+                Some(ksplit) => cuda::linear_fp8_gemv_ksplit(gpu, gemms, x.view(), m, w, n, ksplit, y, &mut scratch),
+                None => cuda::linear_fp8(gpu, gemms, x.view(), m, w, n, None, y, &mut scratch, None),
+            }
+        })?;
+        rates[slot] = (n * k) as f64 / t / 1e9;
+    }
+    Ok(rates)
+}
+
+/// `linear_fp8` over copies of a random `[n, k]` FP8 matrix with row scales at each of `ms`
+/// rows: GB/s of codes up to 4 rows, TFLOP/s beyond; before `tune_fp8_gemms`, then after.
+fn fp8_rates(gpu: &Gpu, gemms: &Gemms, n: usize, k: usize, ms: &[usize]) -> Result<[Vec<f64>; 2], GpuError> {
+    let weights = fp8_weights(gpu, n, k)?;
+    let copies = weights.len();
     let largest = ms.iter().copied().max().unwrap_or(1);
     let x = random_tensor(gpu, DType::BF16, largest * k, &mut 0x2545_f491_4f6c_dd1d_u64)?;
     let mut y = GpuTensor::zeros(gpu, DType::BF16, largest * n)?;

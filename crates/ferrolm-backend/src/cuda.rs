@@ -71,7 +71,7 @@ pub use gpu::StreamPriority;
 pub use gpu::{Gpu, GpuGraph, GpuOptions};
 pub use linear::{linear, linear_fp8, linear_gated, linear_gated_fp8, Fp8Operands, GatedOut, GEMV_MAX_M};
 #[cfg(feature = "bench-internals")]
-pub use linear::{linear_cublas, linear_gemv_ksplit};
+pub use linear::{linear_cublas, linear_fp8_gemv_ksplit, linear_gemv_ksplit};
 #[cfg(feature = "bench-internals")]
 pub use moe::moe_on_path;
 pub use moe::{add_sigmoid_gated, moe, moe_path, GpuExperts, GpuMoeScratch, MoePath, GEMV_MAX_SLOTS_PER_EXPERT};

@@ -346,7 +346,9 @@ pub(super) enum Epilogue {
 /// `out[m, n] = x[m, k] · w^T` (`w`'s `n` rows of `k`; a gated epilogue takes `w = [gate; up]`,
 /// `2 n` rows, and writes `act(gate) * up`) through an FP8 GEMV kernel; `m` is 1 to 4 and x
 /// 16-byte aligned (the caller checks, [`gemv_fits`]). Half activations over blocks of 64
-/// columns or more take the tensor-core kernel (kernels/fp8_gemv.cu), the rest gemv.cu's.
+/// columns or more take the tensor-core kernel (kernels/fp8_gemv.cu), the rest gemv.cu's;
+/// `ksplit` (warps per tile or column) overrides the kernel's choice.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn gemv(
     gpu: &Gpu,
     x: GpuView<'_>,
@@ -354,6 +356,7 @@ pub(super) fn gemv(
     w: Fp8View<'_>,
     n: usize,
     epilogue: Epilogue,
+    ksplit: Option<usize>,
     out_ptr: u64,
 ) -> Result<(), GpuError> {
     assert!((1..=4).contains(&m), "FP8 GEMV: {m} rows");
@@ -369,7 +372,7 @@ pub(super) fn gemv(
         ];
         // A warp's tile: 16 rows of w (a gated tile 8 outputs' gate and up rows).
         let tiles = rows.div_ceil(TC_TILE_ROWS);
-        (NAMES[epilogue as usize][m - 1], tc_ksplit(tiles, k), tiles)
+        (NAMES[epilogue as usize][m - 1], ksplit.unwrap_or_else(|| tc_ksplit(tiles, k)), tiles)
     } else {
         const NAMES: [[&str; 4]; 4] = [
             ["gemv_fp8_m1", "gemv_fp8_m2", "gemv_fp8_m3", "gemv_fp8_m4"],
@@ -385,7 +388,7 @@ pub(super) fn gemv(
         };
         // As many warps per column as the dense kernel takes for as many chunks (16 codes a
         // chunk against 8 elements, so `k / 2` elements' worth): each lane keeps its full rounds.
-        (NAMES[epilogue as usize][m - 1], super::linear::gemv_ksplit(rows, k / 2), columns)
+        (NAMES[epilogue as usize][m - 1], ksplit.unwrap_or_else(|| super::linear::gemv_ksplit(rows, k / 2)), columns)
     };
     let (x_ptr, w_ptr, grid) = (x.ptr(), w.codes, w.grid);
     let (k_u32, n_u32, ksplit_u32) = (to_u32("linear", "k", k), to_u32("linear", "n", n), ksplit as u32);

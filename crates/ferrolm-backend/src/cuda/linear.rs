@@ -181,7 +181,14 @@ fn linear_with(
         (Weight::Fp8(w, _, _), _) if fp8::gemv_fits(x, m) => {
             let to_f32 = acc_dtype == DType::F32 && x.dtype() != DType::F32;
             let epilogue = if to_f32 { Epilogue::ToF32 } else { Epilogue::Store };
-            fp8::gemv(gpu, x, m, w, n, epilogue, acc_ptr)?
+            let ksplit = match route {
+                Route::GemvSplit(ksplit) => {
+                    assert!(ksplit.is_power_of_two() && ksplit <= GEMV_WARPS, "ksplit {ksplit}: not a power of two up to 8");
+                    Some(ksplit)
+                }
+                _ => None,
+            };
+            fp8::gemv(gpu, x, m, w, n, epilogue, ksplit, acc_ptr)?
         }
         (Weight::Fp8(w, scratch, x_codes), _) => {
             if !fp8::gemm(gpu, gemms, x, m, w, n, acc_ptr, acc_dtype, scratch, x_codes)? {
@@ -275,6 +282,26 @@ pub fn linear_gemv_ksplit(
     y: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
     linear_with(gpu, gemms, x, m, k, Weight::Dense(w), n, None, y, Route::GemvSplit(ksplit))
+}
+
+/// [`linear_fp8`] through its GEMV kernel with `ksplit` warps per column (or tile) instead of
+/// the kernel's own choice, for benchmarks that look for that choice (examples/gemv_bench.rs).
+/// Up to [`GEMV_MAX_M`] rows.
+#[cfg(feature = "bench-internals")]
+#[allow(clippy::too_many_arguments)]
+pub fn linear_fp8_gemv_ksplit(
+    gpu: &Gpu,
+    gemms: &Gemms,
+    x: GpuView<'_>,
+    m: usize,
+    w: Fp8View<'_>,
+    n: usize,
+    ksplit: usize,
+    y: GpuViewMut<'_>,
+    scratch: &mut GpuTensor,
+) -> Result<(), GpuError> {
+    assert!(m <= GEMV_MAX_M && fp8::gemv_fits(x, m), "linear_fp8_gemv_ksplit: the GEMV kernel does not take this product");
+    linear_with(gpu, gemms, x, m, w.cols(), Weight::Fp8(w, scratch, None), n, None, y, Route::GemvSplit(ksplit))
 }
 
 /// `out[m, n] = x[m, k] · w[n, k]^T` through the GEMV kernel (`gemv_fits` holds) with `ksplit`
@@ -418,7 +445,7 @@ fn gated_with(
                 GatedActivation::Silu => Epilogue::Silu,
                 GatedActivation::GeluTanh => Epilogue::GeluTanh,
             };
-            fp8::gemv(gpu, x, m, *w, inter, epilogue, out.ptr())?;
+            fp8::gemv(gpu, x, m, *w, inter, epilogue, None, out.ptr())?;
         }
         Weight::Dense(w) if fused && gemv_fits(x, m, k, *w) => {
             assert_eq!(x.dtype(), w.dtype(), "linear_gated: x is {:?} but w is {:?}", x.dtype(), w.dtype());

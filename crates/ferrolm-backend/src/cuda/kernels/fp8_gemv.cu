@@ -30,7 +30,14 @@
 // (GEMV_WARPS / ksplit)) blocks of GEMV_WARPS warps; needs k % 16 == 0 and 16-byte aligned x.
 
 // Chunks a lane loads before it uses them (32 bytes of codes each: its two rows).
+#ifndef FP8_GEMV_UNROLL
 #define FP8_GEMV_UNROLL 4
+#endif
+// An experiment (FERROLM_KERNEL_DEFINES="FP8_GEMV_STAGES=2"): a round's codes are loaded while
+// the round before is used, instead of after it.
+#ifndef FP8_GEMV_STAGES
+#define FP8_GEMV_STAGES 1
+#endif
 
 // Two codes (low 16 bits, the first in the low byte) as a pair of T (the first in the low half)
 // for mma16816: halves, or bf16 values times 2^-112 (FP8_GEMV_UNSCALE undoes it).
@@ -135,28 +142,39 @@ __device__ __forceinline__ void fp8_gemv_impl(const T* x, const unsigned char* w
             fp8_gemv_chunk<T>(a, xr, acc);
         }
     };
-    uint4 wraw[U][2];
     u32 c = part;
     bool full = c + stride * (U - 1) < full_chunks;
-    auto load_w = [&]() {
+    auto load_w = [&](uint4 (&dst)[U][2], u32 c0) {
 #pragma unroll
         for (int u = 0; u < U; u++) {
 #pragma unroll
-            for (int h = 0; h < 2; h++) wraw[u][h] = *reinterpret_cast<const uint4*>(wrow[h] + (u64)(c + stride * u) * 64);
+            for (int h = 0; h < 2; h++) dst[u][h] = *reinterpret_cast<const uint4*>(wrow[h] + (u64)(c0 + stride * u) * 64);
         }
     };
-    if (full) load_w();
-    pdl_enter();
-    while (full) {
-        // The round's x first, all in flight together.
+    // A round: U chunks, their x loaded first, all in flight together.
+    auto round = [&](const uint4 (&a)[U][2], u32 c0) {
         uint4 xr[U][2];
 #pragma unroll
-        for (int u = 0; u < U; u++) load_x(c + stride * u, true, xr[u]);
+        for (int u = 0; u < U; u++) load_x(c0 + stride * u, true, xr[u]);
 #pragma unroll
-        for (int u = 0; u < U; u++) use(wraw[u], xr[u], c + stride * u);
-        c += stride * U;
-        full = c + stride * (U - 1) < full_chunks;
-        if (full) load_w();
+        for (int u = 0; u < U; u++) use(a[u], xr[u], c0 + stride * u);
+    };
+    uint4 wraw[FP8_GEMV_STAGES][U][2];
+    if (full) load_w(wraw[0], c);
+    pdl_enter();
+    while (full) {
+        // With two stages the next round's codes are asked for before this round's maths.
+#pragma unroll
+        for (int st = 0; st < FP8_GEMV_STAGES; st++) {
+            const u32 next = c + stride * U;
+            const bool more = next + stride * (U - 1) < full_chunks;
+            if (FP8_GEMV_STAGES > 1 && more) load_w(wraw[(st + 1) % FP8_GEMV_STAGES], next);
+            round(wraw[st], c);
+            if (FP8_GEMV_STAGES == 1 && more) load_w(wraw[0], next);
+            c = next;
+            full = more;
+            if (!full) break;
+        }
     }
     // The last chunks, fewer than a round, one at a time; in the last (a partial chunk where
     // k % 64 != 0) lanes past k load nothing and add zeros.
