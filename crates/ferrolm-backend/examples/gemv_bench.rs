@@ -156,7 +156,10 @@ fn fp8_section(gpu: &Gpu, gemms: &Gemms, shapes: &[(&str, usize, usize)]) {
 /// of codes at each split of k (1, 2, 4, 8 warps) and at the kernel's own choice.
 fn fp8_ksplit_section(gpu: &Gpu, gemms: &Gemms, shapes: &[(&str, usize, usize)]) {
     println!();
-    println!("{:<30} {:>3} {:>8} {:>8} {:>8} {:>8} {:>8}", "FP8 GEMV GB/s (n x k)", "m", "ks 1", "2", "4", "8", "chosen");
+    println!(
+        "{:<30} {:>3} {:>8} {:>8} {:>8} {:>8} {:>8}",
+        "FP8 GEMV GB/s (n x k)", "m", "ks 1", "2", "4", "8", "chosen"
+    );
     for &(name, n, k) in shapes.iter().filter(|&&(name, _, _)| name.starts_with("8b")) {
         for m in [1, 4] {
             match fp8_ksplit_rates(gpu, gemms, n, k, m) {

@@ -83,8 +83,8 @@ pub use read_rate::read_rate;
 #[cfg(feature = "bench-internals")]
 pub use read_rate::{word_pattern, xor_words};
 pub use rope::{
-    linear_qkv_rope_cache, qkv_norm_rope_cache, qkv_norm_rope_cache_fits, qkv_rope_cache, rope, GpuRopeTable, QkNorms,
-    QkvOut, QkvRows,
+    fp8_qkv_rope_cache_fits, linear_fp8_qkv_rope_cache, linear_qkv_rope_cache, qkv_norm_rope_cache,
+    qkv_norm_rope_cache_fits, qkv_rope_cache, rope, GpuRopeTable, QkNorms, QkvOut, QkvRows,
 };
 pub use sampling::GpuSampler;
 pub use staging::{StagedBuffer, StagedPart};

@@ -711,6 +711,75 @@ fn linear_qkv_rope_cache_equals_linear_then_qkv_rope_cache() -> Result<(), GpuEr
     Ok(())
 }
 
+/// `linear_fp8_qkv_rope_cache` (the tensor-core FP8 GEMV with the rotation and cache write in
+/// its epilogue) gives the bits of `linear_fp8` into qkv followed by `qkv_rope_cache`, over row
+/// and 128-block scales, head sizes 128, 64 and 80 (5, 4 and 5 tiles of 8 pairs a head), k
+/// splits of 1 to 8 warps and k with a partial chunk; the fit declines f32 activations, a
+/// partial rotary dimension and blocks of 16 columns.
+#[test]
+fn linear_fp8_qkv_rope_cache_equals_linear_fp8_then_qkv_rope_cache() -> Result<(), GpuError> {
+    let Some(gpu) = gpu_or_skip() else { return Ok(()) };
+    let gemms = Gemms::new()?;
+    let mut rng = rng(24);
+    // (heads, kv_heads, head_dim, k)
+    let shapes = [(32, 8, 128, 4096), (8, 2, 64, 1040), (6, 2, 80, 8192), (4, 1, 64, 128)];
+    for (heads, kv_heads, dim, k) in shapes {
+        let (q_size, kv_size) = (heads * dim, kv_heads * dim);
+        let n = q_size + 2 * kv_size;
+        let short = inv_freq(dim, 10000.0);
+        let long: Vec<f32> = short.iter().map(|f| f * 0.25).collect();
+        let table = GpuRopeTable::new(&gpu, &short, Some((60, long.as_slice())), 1.1)?;
+        let heads_of = Heads { num_heads: heads, num_kv_heads: kv_heads, head_dim: dim };
+        for (layout, w) in fp8_layouts(&mut rng, n, k) {
+            let w_dev = GpuFp8Matrix::new(&gpu, &w)?.expect("the kernels take every layout under test");
+            for m in 1..=cuda::GEMV_MAX_M {
+                let (positions, slots, num_slots) = step_rows(&mut rng, m);
+                let (pos_dev, slots_dev) = (gpu.upload(&positions)?, gpu.upload(&slots)?);
+                let x = random_vec(&mut rng, m * k, 1.0);
+                for (dtype, _) in DTYPES {
+                    let what = format!(
+                        "linear_fp8_qkv_rope_cache {layout} {dtype:?} m={m} ({heads}+2x{kv_heads})x{dim} k={k}"
+                    );
+                    let (x_dev, _) = upload(&gpu, &x, dtype)?;
+                    let fits = cuda::fp8_qkv_rope_cache_fits(x_dev.view(), m, w_dev.view(), heads_of, &table);
+                    assert_eq!(fits, dtype != DType::F32 && layout != "stacked", "{what}: fits");
+                    if !fits {
+                        continue;
+                    }
+                    let sentinel = |v: f32| GpuTensor::from_f32(&gpu, &vec![v; num_slots * kv_size], dtype);
+                    let rows =
+                        QkvRows { positions: &pos_dev, slot_mapping: &slots_dev, heads: heads_of, table: &table };
+                    // Unfused.
+                    let mut qkv = nan_tensor(&gpu, dtype, m * n)?;
+                    let mut scratch = GpuTensor::uninit(&gpu, dtype, 16)?;
+                    let (x_view, w_view) = (x_dev.view(), w_dev.view());
+                    cuda::linear_fp8(&gpu, &gemms, x_view, m, w_view, n, None, qkv.view_mut(), &mut scratch, None)?;
+                    let mut q_want = nan_tensor(&gpu, dtype, m * q_size)?;
+                    let (mut kc_want, mut vc_want) = (sentinel(-5.0)?, sentinel(-6.0)?);
+                    cuda::qkv_rope_cache(&gpu, qkv.view(), &rows, qkv_out(&mut q_want, &mut kc_want, &mut vc_want))?;
+                    // Fused.
+                    let mut q_got = nan_tensor(&gpu, dtype, m * q_size)?;
+                    let (mut kc_got, mut vc_got) = (sentinel(-5.0)?, sentinel(-6.0)?);
+                    let out = qkv_out(&mut q_got, &mut kc_got, &mut vc_got);
+                    cuda::linear_fp8_qkv_rope_cache(&gpu, x_view, w_view, &rows, out)?;
+                    let bits = |t: &GpuTensor| -> Result<Vec<u32>, GpuError> {
+                        Ok(t.to_f32_vec(&gpu)?.iter().map(|x| x.to_bits()).collect())
+                    };
+                    assert_eq!(bits(&q_got)?, bits(&q_want)?, "{what}: q");
+                    assert_eq!(bits(&kc_got)?, bits(&kc_want)?, "{what}: k cache");
+                    assert_eq!(bits(&vc_got)?, bits(&vc_want)?, "{what}: v cache");
+                }
+            }
+        }
+        // A partial rotary dimension takes the unfused path.
+        let partial = GpuRopeTable::new(&gpu, &inv_freq(dim / 2, 10000.0), None, 1.0)?;
+        let w = GpuFp8Matrix::new(&gpu, &fp8_layouts(&mut rng, n, k).swap_remove(1).1)?.expect("row scales");
+        let x = GpuTensor::from_f32(&gpu, &random_vec(&mut rng, k, 1.0), DType::BF16)?;
+        assert!(!cuda::fp8_qkv_rope_cache_fits(x.view(), 1, w.view(), heads_of, &partial), "partial rotary: fits");
+    }
+    Ok(())
+}
+
 /// A flattened batch laid out in a paged cache, on the host (values as stored in `dtype`).
 struct Batch {
     /// `[T, num_heads * head_dim]`

@@ -16,12 +16,13 @@ use std::sync::{Mutex, PoisonError};
 use cudarc::driver::{CudaSlice, CudaView};
 
 use super::{
-    add_normed_rms_norm, add_rms_norm, add_sigmoid_gated, embedding, fp8, gated_activation, gather_rows, linear,
-    linear_fp8, linear_gated, linear_gated_fp8, linear_qkv_rope_cache, moe, qkv_norm_rope_cache,
-    qkv_norm_rope_cache_fits, qkv_rope_cache, reshape_and_cache, reshape_and_cache_fp8, rms_norm, rms_norm_inplace,
-    rope, softcap, split_qkv, Fp8Cache, Fp8CacheMut, Fp8GemmTuning, Fp8Operands, Fp8View, GatedOut, GemmTuning, Gemms,
-    Gpu, GpuAttentionMetadata, GpuError, GpuExperts, GpuFp8Matrix, GpuMoeScratch, GpuRopeTable, GpuRowCodes, GpuTensor,
-    GpuView, GpuViewMut, PagedAttention, QkNorms, QkvOut, QkvRows, RowCodes, RowCodesMut, GEMV_MAX_M,
+    add_normed_rms_norm, add_rms_norm, add_sigmoid_gated, embedding, fp8, fp8_qkv_rope_cache_fits, gated_activation,
+    gather_rows, linear, linear_fp8, linear_fp8_qkv_rope_cache, linear_gated, linear_gated_fp8, linear_qkv_rope_cache,
+    moe, qkv_norm_rope_cache, qkv_norm_rope_cache_fits, qkv_rope_cache, reshape_and_cache, reshape_and_cache_fp8,
+    rms_norm, rms_norm_inplace, rope, softcap, split_qkv, Fp8Cache, Fp8CacheMut, Fp8GemmTuning, Fp8Operands, Fp8View,
+    GatedOut, GemmTuning, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuExperts, GpuFp8Matrix, GpuMoeScratch,
+    GpuRopeTable, GpuRowCodes, GpuTensor, GpuView, GpuViewMut, PagedAttention, QkNorms, QkvOut, QkvRows, RowCodes,
+    RowCodesMut, GEMV_MAX_M,
 };
 use crate::device::{
     unfused_attention_input, AttentionInput, Device, GatedActivation, KvCacheDtype, KvScales, LayerAttention, Linear,
@@ -551,9 +552,25 @@ impl Device for Cuda {
             return qkv_norm_rope_cache(gpu, a.qkv.view(), &rows, norms, out);
         }
         let out = QkvOut { q: a.q.view_mut(), k_cache: k_cache.view_mut(), v_cache: v_cache.view_mut() };
-        if let (None, CudaMatrix::Dense(weight)) = (&w.bias, &w.weight) {
-            // Projection, rotation and cache write in one kernel where the GEMV takes the product.
-            return linear_qkv_rope_cache(gpu, &self.gemms, a.x.view(), weight.view(), &rows, a.qkv.view_mut(), out);
+        // Projection, rotation and cache write in one kernel where a GEMV takes the product.
+        match (&w.bias, &w.weight) {
+            (None, CudaMatrix::Dense(weight)) => {
+                return linear_qkv_rope_cache(
+                    gpu,
+                    &self.gemms,
+                    a.x.view(),
+                    weight.view(),
+                    &rows,
+                    a.qkv.view_mut(),
+                    out,
+                );
+            }
+            (None, CudaMatrix::Fp8(weight))
+                if fp8_qkv_rope_cache_fits(a.x.view(), a.x.rows, weight.view(), a.heads, a.rope) =>
+            {
+                return linear_fp8_qkv_rope_cache(gpu, a.x.view(), weight.view(), &rows, out);
+            }
+            _ => {}
         }
         self.linear(a.x, w, a.qkv)?;
         qkv_rope_cache(gpu, a.qkv.view(), &rows, out)

@@ -70,6 +70,10 @@ pub(crate) const KERNELS: &[KernelFamilies] = &[
             "fp8_gemv_gelu_tanh_m2",
             "fp8_gemv_gelu_tanh_m3",
             "fp8_gemv_gelu_tanh_m4",
+            "fp8_gemv_rope_cache_m1",
+            "fp8_gemv_rope_cache_m2",
+            "fp8_gemv_rope_cache_m3",
+            "fp8_gemv_rope_cache_m4",
         ],
         large_shared: false,
     },
@@ -207,6 +211,11 @@ pub struct Fp8View<'a> {
 }
 
 impl Fp8View<'_> {
+    /// The kernels' arguments for the matrix: its codes' address and its grid (`Fp8Grid`).
+    pub(super) fn kernel_args(&self) -> (u64, impl DeviceRepr + Copy) {
+        (self.codes, self.grid)
+    }
+
     /// The first `n` rows.
     pub fn prefix(self, n: usize) -> Self {
         assert!(n <= self.rows, "an FP8 matrix of {} rows has no first {n}", self.rows);
@@ -409,13 +418,13 @@ pub(super) fn gemv(
 
 /// Whether the FP8 GEMV runs on the tensor cores (kernels/fp8_gemv.cu): for bf16 and f16
 /// activations, where a 64-column chunk lies in one scale block.
-fn takes_tensor_cores(dtype: DType, w: Fp8View<'_>) -> bool {
+pub(super) fn takes_tensor_cores(dtype: DType, w: Fp8View<'_>) -> bool {
     dtype != DType::F32 && w.grid.col_shift >= TC_CHUNK.trailing_zeros()
 }
 
 /// The tensor-core FP8 GEMV's chunk of columns (4 lanes of 16 codes) and a warp's tile of rows.
 const TC_CHUNK: usize = 64;
-const TC_TILE_ROWS: usize = 16;
+pub(super) const TC_TILE_ROWS: usize = 16;
 /// Chunks a lane of the tensor-core FP8 GEMV loads together (FP8_GEMV_UNROLL in fp8_gemv.cu).
 const TC_ROUND: usize = 4;
 /// Warps the tensor-core FP8 GEMV aims to run, about 16 a streaming multiprocessor on an H100
@@ -425,7 +434,7 @@ const TC_TARGET_WARPS: usize = 2048;
 /// Warps per tile of the tensor-core FP8 GEMV (a power of two up to `GEMV_WARPS`): as many as
 /// bring `tiles` tiles to [`TC_TARGET_WARPS`], short of leaving a lane less than a full round
 /// of chunks.
-fn tc_ksplit(tiles: usize, k: usize) -> usize {
+pub(super) fn tc_ksplit(tiles: usize, k: usize) -> usize {
     let by_warps = (TC_TARGET_WARPS / tiles.max(1)).max(1);
     let by_chunks = (k / TC_CHUNK / TC_ROUND).max(1);
     let split = by_warps.min(by_chunks).clamp(1, super::linear::GEMV_WARPS);

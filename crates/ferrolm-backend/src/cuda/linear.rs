@@ -183,7 +183,10 @@ fn linear_with(
             let epilogue = if to_f32 { Epilogue::ToF32 } else { Epilogue::Store };
             let ksplit = match route {
                 Route::GemvSplit(ksplit) => {
-                    assert!(ksplit.is_power_of_two() && ksplit <= GEMV_WARPS, "ksplit {ksplit}: not a power of two up to 8");
+                    assert!(
+                        ksplit.is_power_of_two() && ksplit <= GEMV_WARPS,
+                        "ksplit {ksplit}: not a power of two up to 8"
+                    );
                     Some(ksplit)
                 }
                 _ => None,
@@ -300,7 +303,10 @@ pub fn linear_fp8_gemv_ksplit(
     y: GpuViewMut<'_>,
     scratch: &mut GpuTensor,
 ) -> Result<(), GpuError> {
-    assert!(m <= GEMV_MAX_M && fp8::gemv_fits(x, m), "linear_fp8_gemv_ksplit: the GEMV kernel does not take this product");
+    assert!(
+        m <= GEMV_MAX_M && fp8::gemv_fits(x, m),
+        "linear_fp8_gemv_ksplit: the GEMV kernel does not take this product"
+    );
     linear_with(gpu, gemms, x, m, w.cols(), Weight::Fp8(w, scratch, None), n, None, y, Route::GemvSplit(ksplit))
 }
 

@@ -4,12 +4,13 @@ use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
 use super::gpu::{rows_config, to_u32};
 use super::ops::same_dtype;
-use super::{Gemms, Gpu, GpuError, GpuView, GpuViewMut};
+use super::{Fp8View, Gemms, Gpu, GpuError, GpuView, GpuViewMut};
 use crate::{DType, Heads};
 
 use super::compile::{self, KernelFamilies};
 
-/// The entry points of the RoPE ops; the GEMV with RoPE in its epilogue is gemv.cu's.
+/// The entry points of the RoPE ops; the GEMVs with RoPE in their epilogue are gemv.cu's and
+/// fp8_gemv.cu's (loaded with the FP8 products).
 pub(crate) const KERNELS: &[KernelFamilies] = &[
     KernelFamilies {
         source: &compile::ROPE,
@@ -361,6 +362,84 @@ pub fn linear_qkv_rope_cache(
     // (whole 16-byte chunks, aligned: `gemv_fits`), q_out m rows of q_size, the caches whole
     // slots (each checked by the kernel), and every block's pairs lie in one head
     // (half % pairs == 0, head_dim = 2 * half).
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
+}
+
+/// Whether [`linear_fp8_qkv_rope_cache`] takes `m` rows of `x` through the projection `w`:
+/// where the tensor-core FP8 GEMV takes the product (1 to 4 rows of bf16 or f16 activations,
+/// blocks of 64 columns or more) and every dim of a head rotates, in pairs a tile of 8 fills.
+pub fn fp8_qkv_rope_cache_fits(x: GpuView<'_>, m: usize, w: Fp8View<'_>, heads: Heads, table: &GpuRopeTable) -> bool {
+    m > 0
+        && super::fp8::gemv_fits(x, m)
+        && super::fp8::takes_tensor_cores(x.dtype(), w)
+        && table.rotary_dim() == heads.head_dim
+        && table.half.is_multiple_of(8)
+}
+
+/// The qkv projection over FP8 weights and [`qkv_rope_cache`] in one kernel
+/// (`fp8_gemv_rope_cache` in kernels/fp8_gemv.cu; [`fp8_qkv_rope_cache_fits`] holds): `x`:
+/// `[m, k]` times `w`: `[(num_heads + 2 * num_kv_heads) * head_dim, k]` (no bias), rotated and
+/// written as [`qkv_rope_cache`] does, the same bits as the product into a buffer followed by it.
+pub fn linear_fp8_qkv_rope_cache(
+    gpu: &Gpu,
+    x: GpuView<'_>,
+    w: Fp8View<'_>,
+    rows: &QkvRows<'_, impl DevicePtr<u32>, impl DevicePtr<i64>>,
+    out: QkvOut<'_>,
+) -> Result<(), GpuError> {
+    let op = "linear_fp8_qkv_rope_cache";
+    let QkvRows { positions, slot_mapping, heads, table } = *rows;
+    let Heads { num_heads, num_kv_heads, head_dim } = heads;
+    let m = positions.len();
+    assert!(fp8_qkv_rope_cache_fits(x, m, w, heads, table), "{op}: the FP8 GEMV does not take this product");
+    let (q_size, kv_size) = (num_heads * head_dim, num_kv_heads * head_dim);
+    let n = q_size + 2 * kv_size;
+    let k = w.cols();
+    assert_eq!(w.rows(), n, "{op}: w is not [{n}, {k}]");
+    assert_eq!(x.len(), m * k, "{op}: x is not [{m}, {k}]");
+    assert_eq!(slot_mapping.len(), m, "{op}: {} slots for {m} positions", slot_mapping.len());
+    let QkvOut { q: q_out, k_cache, v_cache } = out;
+    assert_eq!(q_out.len(), m * q_size, "{op}: q_out is not [{m}, {q_size}]");
+    assert!(kv_size > 0 && k_cache.len().is_multiple_of(kv_size), "{op}: cache is not whole slots of {kv_size}");
+    assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
+    for dtype in [q_out.dtype(), k_cache.dtype(), v_cache.dtype()] {
+        same_dtype(op, x.dtype(), dtype);
+    }
+    let kernel = match m {
+        1 => "fp8_gemv_rope_cache_m1",
+        2 => "fp8_gemv_rope_cache_m2",
+        3 => "fp8_gemv_rope_cache_m3",
+        4 => "fp8_gemv_rope_cache_m4",
+        _ => unreachable!("the FP8 GEMV takes 1 to 4 rows"),
+    };
+    // A tile: 8 rotary pairs (16 rows of w); head_dim = 2 * half with half % 8 == 0, so n % 16 == 0.
+    let tiles = n / super::fp8::TC_TILE_ROWS;
+    let ksplit = super::fp8::tc_ksplit(tiles, k);
+    let (x_ptr, q_ptr, kc_ptr, vc_ptr) = (x.ptr(), q_out.ptr(), k_cache.ptr(), v_cache.ptr());
+    let (w_ptr, grid) = w.kernel_args();
+    let (pos_ptr, slots_ptr, freq_ptr) =
+        (gpu.index_ptr(positions), gpu.index_ptr(slot_mapping), gpu.index_ptr(&table.inv_freq));
+    let (k_u32, ksplit_u32) = (to_u32(op, "k", k), ksplit as u32);
+    let (heads, kv_heads, dim) = (
+        to_u32(op, "num_heads", num_heads),
+        to_u32(op, "num_kv_heads", num_kv_heads),
+        to_u32(op, "head_dim", head_dim),
+    );
+    let num_slots = (k_cache.len() / kv_size) as i64;
+    let warps = super::linear::GEMV_WARPS;
+    let cfg = LaunchConfig {
+        grid_dim: (to_u32(op, "blocks", tiles.div_ceil(warps / ksplit)), 1, 1),
+        block_dim: (warps as u32 * 32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut launch = gpu.launch_builder(kernel, x.dtype());
+    launch.arg(&x_ptr).arg(&w_ptr).arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&pos_ptr).arg(&slots_ptr);
+    launch.arg(&freq_ptr).arg(&table.long_start).arg(&k_u32).arg(&ksplit_u32).arg(&heads).arg(&kv_heads).arg(&dim);
+    launch.arg(&table.attention_scaling).arg(&num_slots).arg(&grid);
+    // SAFETY: the arguments match the kernel's parameters; x holds m rows of k (16-byte aligned),
+    // w n rows of k codes with their grid (blocks of 64 columns or more: the fit), q_out m rows of
+    // q_size, the caches whole slots (each checked by the kernel).
     unsafe { launch.launch(cfg) }?;
     Ok(())
 }

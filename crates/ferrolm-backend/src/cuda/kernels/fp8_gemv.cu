@@ -10,7 +10,7 @@
 // A warp takes a tile of 16 rows of w, the mma's A rows: rows 16 t .. 16 t + 15 for a plain
 // product (its outputs), or, for a gated one (w = [gate; up], [2 n, k]), gate rows 8 t .. 8 t + 7
 // as A rows 0..7 and the matching up rows as 8..15, so that a lane holds both halves of its
-// outputs. Rows past the matrix read row 0 and are never stored. k is taken in chunks of 64
+// outputs (and likewise both dims of 8 rotary pairs for the qkv projection with its rotation). Rows past the matrix read row 0 and are never stored. k is taken in chunks of 64
 // columns: lane (g, q) = (lane / 4, lane % 4) loads 16 codes (one 16-byte load) of A rows g and
 // g + 8 at columns 64 c + 16 q, and the 16 matching values of x row g (zeros for g >= m). Its
 // codes 4 s .. 4 s + 3 are the lane's k slots of the chunk's s-th mma: slots 2q, 2q + 1 take codes
@@ -33,11 +33,7 @@
 #ifndef FP8_GEMV_UNROLL
 #define FP8_GEMV_UNROLL 4
 #endif
-// An experiment (FERROLM_KERNEL_DEFINES="FP8_GEMV_STAGES=2"): a round's codes are loaded while
-// the round before is used, instead of after it.
-#ifndef FP8_GEMV_STAGES
-#define FP8_GEMV_STAGES 1
-#endif
+
 
 // Two codes (low 16 bits, the first in the low byte) as a pair of T (the first in the low half)
 // for mma16816: halves, or bf16 values times 2^-112 (FP8_GEMV_UNSCALE undoes it).
@@ -62,28 +58,6 @@ __device__ __forceinline__ u32 e4m3x2_to_mma(u32 two, __nv_bfloat16) {
 __device__ __forceinline__ float fp8_gemv_unscale(__half) { return 1.f; }
 __device__ __forceinline__ float fp8_gemv_unscale(__nv_bfloat16) { return 0x1p112f; }
 
-// The tile's rows of w that A rows g and g + 8 stand for, and whether their outputs exist.
-struct Fp8TileRows {
-    u32 row[2];
-    bool live;
-};
-
-template <int ACT> __device__ __forceinline__ Fp8TileRows fp8_tile_rows(u32 tile, u32 g, u32 n) {
-    Fp8TileRows t;
-    if constexpr (ACT == 0) {
-        // Plain: 16 outputs; each half of the tile lives on its own (checked at the store).
-        t.row[0] = tile * 16 + g;
-        t.row[1] = tile * 16 + g + 8;
-        t.live = true;
-    } else {
-        const u32 j = tile * 8 + g;
-        t.row[0] = j;
-        t.row[1] = n + j;
-        t.live = j < n;
-    }
-    return t;
-}
-
 // One chunk's four mma: d += A (codes of the lane's two rows, `a`) · B (x's 16 values, `xr`).
 template <typename T>
 __device__ __forceinline__ void fp8_gemv_chunk(const uint4 (&a)[2], const uint4 (&xr)[2], float (&d)[4]) {
@@ -97,27 +71,30 @@ __device__ __forceinline__ void fp8_gemv_chunk(const uint4 (&a)[2], const uint4 
     }
 }
 
-template <typename T, typename O, int M, int ACT>
-__device__ __forceinline__ void fp8_gemv_impl(const T* x, const unsigned char* w, O* y, u32 k, u32 n, u32 ksplit,
-                                              Fp8Grid grid) {
+// The tile's products: `acc` gets, for A rows g and g + 8 (rows `row[0]` and `row[1]` of w's
+// `rows`; one past them reads row 0), the sums with x rows 2q and 2q + 1: acc[0], acc[1] of A row
+// g, acc[2], acc[3] of A row g + 8, scaled. Returns whether this thread holds them (the first of
+// the tile's ksplit warps). Every thread of the block must call it (it synchronizes).
+template <typename T, int M>
+__device__ __forceinline__ bool fp8_gemv_tile(const T* x, const unsigned char* w, u32 k, u32 rows, u32 ksplit,
+                                              const Fp8Grid& grid, const u32 (&row)[2], float (&acc)[4]) {
     constexpr int U = FP8_GEMV_UNROLL;
     __shared__ float part_s[GEMV_WARPS][4][32];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
-    const u32 part = warp % ksplit, tile = blockIdx.x * (GEMV_WARPS / ksplit) + warp / ksplit;
-    const u32 rows = ACT == 0 ? n : 2 * n;
-    const Fp8TileRows t = fp8_tile_rows<ACT>(tile, g, n);
+    const u32 part = warp % ksplit;
     const unsigned char* wrow[2];
     const float* srow[2];
 #pragma unroll
     for (int h = 0; h < 2; h++) {
-        const u32 r = t.row[h] < rows ? t.row[h] : 0;
+        const u32 r = row[h] < rows ? row[h] : 0;
         wrow[h] = w + (u64)r * k + 16 * q;
         srow[h] = grid.row(r);
     }
     const T* xrow = x + (u64)(g < M ? g : 0) * k + 16 * q;
     const bool has_x = g < M, blocked = grid.col_shift < 31;
     const u32 full_chunks = k / 64, stride = ksplit;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 4; i++) acc[i] = 0.f;
     // x's 16 values for chunk c (zeros past k or the batch).
     auto load_x = [&](u32 c, bool valid, uint4 (&xr)[2]) {
         xr[0] = xr[1] = make_uint4(0, 0, 0, 0);
@@ -142,39 +119,28 @@ __device__ __forceinline__ void fp8_gemv_impl(const T* x, const unsigned char* w
             fp8_gemv_chunk<T>(a, xr, acc);
         }
     };
+    uint4 wraw[U][2];
     u32 c = part;
     bool full = c + stride * (U - 1) < full_chunks;
-    auto load_w = [&](uint4 (&dst)[U][2], u32 c0) {
+    auto load_w = [&]() {
 #pragma unroll
         for (int u = 0; u < U; u++) {
 #pragma unroll
-            for (int h = 0; h < 2; h++) dst[u][h] = *reinterpret_cast<const uint4*>(wrow[h] + (u64)(c0 + stride * u) * 64);
+            for (int h = 0; h < 2; h++) wraw[u][h] = *reinterpret_cast<const uint4*>(wrow[h] + (u64)(c + stride * u) * 64);
         }
     };
-    // A round: U chunks, their x loaded first, all in flight together.
-    auto round = [&](const uint4 (&a)[U][2], u32 c0) {
-        uint4 xr[U][2];
-#pragma unroll
-        for (int u = 0; u < U; u++) load_x(c0 + stride * u, true, xr[u]);
-#pragma unroll
-        for (int u = 0; u < U; u++) use(a[u], xr[u], c0 + stride * u);
-    };
-    uint4 wraw[FP8_GEMV_STAGES][U][2];
-    if (full) load_w(wraw[0], c);
+    if (full) load_w();
     pdl_enter();
     while (full) {
-        // With two stages the next round's codes are asked for before this round's maths.
+        // The round's x first, all in flight together.
+        uint4 xr[U][2];
 #pragma unroll
-        for (int st = 0; st < FP8_GEMV_STAGES; st++) {
-            const u32 next = c + stride * U;
-            const bool more = next + stride * (U - 1) < full_chunks;
-            if (FP8_GEMV_STAGES > 1 && more) load_w(wraw[(st + 1) % FP8_GEMV_STAGES], next);
-            round(wraw[st], c);
-            if (FP8_GEMV_STAGES == 1 && more) load_w(wraw[0], next);
-            c = next;
-            full = more;
-            if (!full) break;
-        }
+        for (int u = 0; u < U; u++) load_x(c + stride * u, true, xr[u]);
+#pragma unroll
+        for (int u = 0; u < U; u++) use(wraw[u], xr[u], c + stride * u);
+        c += stride * U;
+        full = c + stride * (U - 1) < full_chunks;
+        if (full) load_w();
     }
     // The last chunks, fewer than a round, one at a time; in the last (a partial chunk where
     // k % 64 != 0) lanes past k load nothing and add zeros.
@@ -189,37 +155,96 @@ __device__ __forceinline__ void fp8_gemv_impl(const T* x, const unsigned char* w
         use(a, xr, c);
     }
     const float unscale = fp8_gemv_unscale(T());
-    if (!blocked) {
-        const float s0 = srow[0][0] * unscale, s1 = srow[1][0] * unscale;
-        acc[0] *= s0;
-        acc[1] *= s0;
-        acc[2] *= s1;
-        acc[3] *= s1;
-    } else {
-#pragma unroll
-        for (int i = 0; i < 4; i++) acc[i] *= unscale;
-    }
+    const float s0 = blocked ? unscale : srow[0][0] * unscale, s1 = blocked ? unscale : srow[1][0] * unscale;
+    acc[0] *= s0;
+    acc[1] *= s0;
+    acc[2] *= s1;
+    acc[3] *= s1;
     // The parts meet: the first warp of the tile adds the others' accumulators.
 #pragma unroll
     for (int i = 0; i < 4; i++) part_s[warp][i][lane] = acc[i];
     __syncthreads();
-    if (part != 0) return;
+    if (part != 0) return false;
     for (u32 p = 1; p < ksplit; p++) {
 #pragma unroll
         for (int i = 0; i < 4; i++) acc[i] += part_s[warp + p][i][lane];
     }
-    // acc: (A row g, batch rows 2q and 2q + 1), then (A row g + 8, the same batch rows).
+    return true;
+}
+
+// Plain (ACT 0: 16 outputs a tile, rows 16 t + g and 16 t + g + 8) and gated products (gate rows
+// 8 t + g and their up rows n + 8 t + g, ACT 1: silu, 2: gelu_tanh, each rounded to T first).
+template <typename T, typename O, int M, int ACT>
+__device__ __forceinline__ void fp8_gemv_impl(const T* x, const unsigned char* w, O* y, u32 k, u32 n, u32 ksplit,
+                                              Fp8Grid grid) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    const u32 tile = blockIdx.x * (GEMV_WARPS / ksplit) + warp / ksplit;
+    const u32 row[2] = {ACT == 0 ? tile * 16 + g : tile * 8 + g, ACT == 0 ? tile * 16 + g + 8 : n + tile * 8 + g};
+    float acc[4];
+    if (!fp8_gemv_tile<T, M>(x, w, k, ACT == 0 ? n : 2 * n, ksplit, grid, row, acc)) return;
 #pragma unroll
     for (int b = 0; b < 2; b++) {
         const u32 r = 2 * q + b;
         if (r >= M) continue;
         if constexpr (ACT == 0) {
-            if (t.row[0] < n) y[(u64)r * n + t.row[0]] = from_float<O>(acc[b]);
-            if (t.row[1] < n) y[(u64)r * n + t.row[1]] = from_float<O>(acc[2 + b]);
-        } else if (t.live) {
+            if (row[0] < n) y[(u64)r * n + row[0]] = from_float<O>(acc[b]);
+            if (row[1] < n) y[(u64)r * n + row[1]] = from_float<O>(acc[2 + b]);
+        } else if (row[0] < n) {
             const float gate = to_float(from_float<T>(acc[b])), up = to_float(from_float<T>(acc[2 + b]));
-            y[(u64)r * n + t.row[0]] = from_float<O>(gated<ACT>(gate, up));
+            y[(u64)r * n + row[0]] = from_float<O>(gated<ACT>(gate, up));
         }
+    }
+}
+
+// The fused qkv projection with qkv_rope_cache (rope.cu) in its epilogue, as gemv.cu's
+// gemv_rope_cache: w is [(num_heads + 2 * num_kv_heads) * head_dim, k] and every dim of a head
+// rotates (head_dim = 2 * half, half % 8 == 0). Tile t takes 8 rotary pairs, dims i0 + g and
+// i0 + half + g of head (8 t) / half (i0 = 8 t % half) as A rows g and g + 8, so that a lane holds
+// both dims of its pairs; the sums are rounded to T and rotated by rope_pair, then q goes to q_out
+// [M, num_heads * head_dim], k and v to the caches at slot_mapping[r] (negative or past the
+// cache: not written). The same bits as fp8_gemv into qkv followed by qkv_rope_cache. Grid:
+// tiles = n / 16 over GEMV_WARPS / ksplit a block.
+template <typename T, int M>
+__device__ __forceinline__ void fp8_gemv_rope_impl(const T* x, const unsigned char* w, T* q_out, T* k_cache,
+                                                   T* v_cache, const u32* positions, const i64* slot_mapping,
+                                                   const float* inv_freq, u32 long_start, u32 k, u32 ksplit,
+                                                   u32 num_heads, u32 num_kv_heads, u32 head_dim,
+                                                   float attention_scaling, i64 num_slots, Fp8Grid grid) {
+    const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
+    const u32 tile = blockIdx.x * (GEMV_WARPS / ksplit) + warp / ksplit;
+    const u32 half = head_dim / 2, pair = tile * 8, head = pair / half, i = pair % half + g;
+    const u32 n = (num_heads + 2 * num_kv_heads) * head_dim;
+    const u32 row[2] = {head * head_dim + i, head * head_dim + half + i};
+    float acc[4];
+    if (!fp8_gemv_tile<T, M>(x, w, k, n, ksplit, grid, row, acc) || row[0] >= n) return;
+    const u32 q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+#pragma unroll
+    for (int b = 0; b < 2; b++) {
+        const u32 r = 2 * q + b;
+        if (r >= M) continue;
+        const float x0 = to_float(from_float<T>(acc[b])), x1 = to_float(from_float<T>(acc[2 + b]));
+        if (head >= num_heads + num_kv_heads) {
+            const i64 slot = slot_mapping[r];
+            if (slot < 0 || slot >= num_slots) continue;
+            T* dst = v_cache + (u64)slot * kv_size + (u64)(head - num_heads - num_kv_heads) * head_dim;
+            dst[i] = from_float<T>(x0);
+            dst[i + half] = from_float<T>(x1);
+            continue;
+        }
+        const u32 pos = positions[r];
+        const float* freq = inv_freq + (pos >= long_start ? half : 0);
+        float y0, y1;
+        rope_pair(x0, x1, pos, freq[i], attention_scaling, y0, y1);
+        T* dst;
+        if (head < num_heads) {
+            dst = q_out + (u64)r * q_size + (u64)head * head_dim;
+        } else {
+            const i64 slot = slot_mapping[r];
+            if (slot < 0 || slot >= num_slots) continue;
+            dst = k_cache + (u64)slot * kv_size + (u64)(head - num_heads) * head_dim;
+        }
+        dst[i] = from_float<T>(y0);
+        dst[i + half] = from_float<T>(y1);
     }
 }
 
@@ -239,6 +264,13 @@ __device__ __forceinline__ void fp8_gemv_impl(const T* x, const unsigned char* w
     extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) fp8_gemv_gelu_tanh_m##M##_##S( \
         const T* x, const unsigned char* w, T* y, u32 k, u32 n, u32 ksplit, Fp8Grid grid) { \
         fp8_gemv_impl<T, T, M, 2>(x, w, y, k, n, ksplit, grid); \
+    } \
+    extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32) fp8_gemv_rope_cache_m##M##_##S( \
+        const T* x, const unsigned char* w, T* q_out, T* k_cache, T* v_cache, const u32* positions, \
+        const i64* slot_mapping, const float* inv_freq, u32 long_start, u32 k, u32 ksplit, u32 num_heads, \
+        u32 num_kv_heads, u32 head_dim, float attention_scaling, i64 num_slots, Fp8Grid grid) { \
+        fp8_gemv_rope_impl<T, M>(x, w, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq, long_start, k, \
+                                 ksplit, num_heads, num_kv_heads, head_dim, attention_scaling, num_slots, grid); \
     }
 
 #define FP8_GEMV_M1(T, S) FP8_GEMV(T, S, 1)
