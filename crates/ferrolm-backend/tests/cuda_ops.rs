@@ -712,17 +712,18 @@ fn linear_qkv_rope_cache_equals_linear_then_qkv_rope_cache() -> Result<(), GpuEr
 }
 
 /// `linear_fp8_qkv_rope_cache` (the tensor-core FP8 GEMV with the rotation and cache write in
-/// its epilogue) gives the bits of `linear_fp8` into qkv followed by `qkv_rope_cache`, over row
-/// and 128-block scales, head sizes 128, 64 and 80 (5, 4 and 5 tiles of 8 pairs a head), k
-/// splits of 1 to 8 warps and k with a partial chunk; the fit declines f32 activations, a
-/// partial rotary dimension and blocks of 16 columns.
+/// its epilogue) gives the bits of `linear_fp8` into qkv followed by `qkv_rope_cache`, over
+/// every scale layout, head sizes 128, 64 and 80 (8, 4 and 5 tiles of 8 pairs a head), k splits
+/// of 1, 4 and 8 warps, k with a partial chunk, chunks left over after the rounds and a grid
+/// with tiles past the last; the fit declines f32 activations, a partial rotary dimension and
+/// blocks of 16 columns.
 #[test]
 fn linear_fp8_qkv_rope_cache_equals_linear_fp8_then_qkv_rope_cache() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
     let gemms = Gemms::new()?;
     let mut rng = rng(24);
     // (heads, kv_heads, head_dim, k)
-    let shapes = [(32, 8, 128, 4096), (8, 2, 64, 1040), (6, 2, 80, 8192), (4, 1, 64, 128)];
+    let shapes = [(32, 8, 128, 4096), (8, 2, 64, 1040), (6, 2, 80, 8192), (4, 1, 64, 128), (6, 2, 80, 384)];
     for (heads, kv_heads, dim, k) in shapes {
         let (q_size, kv_size) = (heads * dim, kv_heads * dim);
         let n = q_size + 2 * kv_size;
@@ -773,7 +774,8 @@ fn linear_fp8_qkv_rope_cache_equals_linear_fp8_then_qkv_rope_cache() -> Result<(
         }
         // A partial rotary dimension takes the unfused path.
         let partial = GpuRopeTable::new(&gpu, &inv_freq(dim / 2, 10000.0), None, 1.0)?;
-        let w = GpuFp8Matrix::new(&gpu, &fp8_layouts(&mut rng, n, k).swap_remove(1).1)?.expect("row scales");
+        let scales = (0..n).map(|_| rng.random_range(0.5f32..2.0) / 448.0).collect();
+        let w = GpuFp8Matrix::new(&gpu, &random_fp8(&mut rng, n, k, Fp8Scales::Rows(scales)))?.expect("row scales");
         let x = GpuTensor::from_f32(&gpu, &random_vec(&mut rng, k, 1.0), DType::BF16)?;
         assert!(!cuda::fp8_qkv_rope_cache_fits(x.view(), 1, w.view(), heads_of, &partial), "partial rotary: fits");
     }
@@ -2807,7 +2809,9 @@ fn fp8_layouts(rng: &mut ChaCha8Rng, rows: usize, cols: usize) -> Vec<(&'static 
 }
 
 /// `linear_fp8` against the CPU's product with the dequantized weights: the FP8 GEMV for 1 to 4
-/// rows (k in one or several rounds of chunks, narrow and wide matrices so k split or not), and
+/// rows (k in one or several rounds of chunks, narrow and wide matrices so k split or not; for
+/// the tensor-core kernel splits of 1, 2, 4 and 8 warps, a round with chunks left over, and k
+/// ending 16 and 48 columns into a chunk), and
 /// the dequantized matrix through cuBLAS for more (n is no multiple of 16, so no FP8 GEMM), with
 /// and without bias, into the activation dtype and into f32, over every scale layout. An odd n
 /// leaves the last of the paired GEMV's warps (2 to 4 rows) one row.
@@ -2816,7 +2820,8 @@ fn fp8_linear_matches_cpu_on_dequantized_weights() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
     let gemms = Gemms::new()?;
     let mut rng = rng(41);
-    for &(k, n) in &[(64, 130), (256, 131), (1040, 300), (4096, 4100)] {
+    let shapes = [(64, 130), (256, 131), (512, 130), (1040, 300), (1072, 300), (1536, 300), (4096, 4100), (8192, 130)];
+    for &(k, n) in &shapes {
         for (layout, w) in fp8_layouts(&mut rng, n, k) {
             let w_dev = GpuFp8Matrix::new(&gpu, &w)?.expect("the kernels take every layout under test");
             let w_f32 = w.dequantize().to_f32_vec();
@@ -2858,27 +2863,20 @@ fn fp8_linear_matches_cpu_on_dequantized_weights() -> Result<(), GpuError> {
                     }
                 }
             }
-            // The first rows only (an LM head's prefix).
+            // The first rows only (an LM head's prefix), into f32.
             let (m, rows) = (2, n / 2 + 1);
             let x = random_vec(&mut rng, m * k, 1.0);
-            let (x_dev, x_r) = upload(&gpu, &x, DType::F32)?;
-            let mut scratch = GpuTensor::uninit(&gpu, DType::F32, n * k)?;
-            let mut y = nan_tensor(&gpu, DType::F32, m * rows)?;
-            cuda::linear_fp8(
-                &gpu,
-                &gemms,
-                x_dev.view(),
-                m,
-                w_dev.view(),
-                rows,
-                None,
-                y.view_mut(),
-                &mut scratch,
-                None,
-            )?;
-            let mut want = vec![0.0; m * rows];
-            cpu::linear(&x_r, m, k, WeightView::F32(&w_f32[..rows * k]), rows, None, &mut want);
-            check(&format!("linear_fp8 {layout} first {rows} rows"), &y.to_f32_vec(&gpu)?, &want, 1e-4);
+            for (dtype, tol) in [(DType::F32, 1e-4), (DType::BF16, 1e-3)] {
+                let (x_dev, x_r) = upload(&gpu, &x, dtype)?;
+                let mut scratch = GpuTensor::uninit(&gpu, dtype, n * k)?;
+                let mut y = nan_tensor(&gpu, DType::F32, m * rows)?;
+                let (x_view, w_view) = (x_dev.view(), w_dev.view());
+                cuda::linear_fp8(&gpu, &gemms, x_view, m, w_view, rows, None, y.view_mut(), &mut scratch, None)?;
+                let mut want = vec![0.0; m * rows];
+                cpu::linear(&x_r, m, k, WeightView::F32(&w_f32[..rows * k]), rows, None, &mut want);
+                let what = format!("linear_fp8 {layout} {dtype:?} first {rows} rows");
+                check(&what, &y.to_f32_vec(&gpu)?, &want, tol);
+            }
         }
     }
     Ok(())

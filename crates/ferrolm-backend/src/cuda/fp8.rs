@@ -2,16 +2,17 @@
 //! scales ([`GpuFp8Matrix`], placed from [`crate::Fp8Matrix::stack`]'s one grid), and the
 //! product of activations with it.
 //!
-//! Up to [`GEMV_MAX_M`](super::linear) rows take an FP8 GEMV, which reads each weight once, as
-//! one byte, and computes with the activations as they are: for bf16 and f16 activations over
-//! blocks of 64 columns or more the tensor-core kernel (`fp8_gemv_*` in kernels/fp8_gemv.cu),
-//! else the GEMV kernel's FP8 form (`gemv_fp8_*` in kernels/gemv.cu). More rows of bf16 or f16 activations, where every row of the matrix
-//! has one scale (tensor or channel scales: cuBLASLt's outer-vector scaling), take an FP8 GEMM
-//! on the tensor cores: the activations quantized per token first (`fp8_quantize_rows`, vLLM's
-//! dynamic per-token scales), so that the product differs from the CPU's by that rounding too.
-//! Everything else (f32 activations, block scales, a shape cuBLASLt has no FP8 GEMM for)
-//! dequantizes the matrix into a scratch buffer in the activations' dtype (`fp8_dequantize`: the
-//! value the CPU computes with, rounded once to that dtype) and takes the dense GEMM.
+//! Up to [`GEMV_MAX_M`](super::linear) rows take an FP8 GEMV, which reads each weight once, as one
+//! byte, and computes with the activations as they are: for bf16 and f16 activations over blocks of
+//! 64 columns or more the tensor-core kernel (`fp8_gemv_*` in kernels/fp8_gemv.cu), else the GEMV
+//! kernel's FP8 form (`gemv_fp8_*` in kernels/gemv.cu). More rows of bf16 or f16 activations, where
+//! every row of the matrix has one scale (tensor or channel scales: cuBLASLt's outer-vector
+//! scaling), take an FP8 GEMM on the tensor cores: the activations quantized per token first
+//! (`fp8_quantize_rows`, vLLM's dynamic per-token scales), so that the product differs from the
+//! CPU's by that rounding too. Everything else (f32 activations, block scales, a shape cuBLASLt has
+//! no FP8 GEMM for) dequantizes the matrix into a scratch buffer in the activations' dtype
+//! (`fp8_dequantize`: the value the CPU computes with, rounded once to that dtype) and takes the
+//! dense GEMM.
 //!
 //! Invariants: `cols % 16 == 0` (a GEMV chunk is 16 codes) and the blocks are either a whole
 //! row wide or a power of two of at least 16 columns (a chunk lies in one block, found by a

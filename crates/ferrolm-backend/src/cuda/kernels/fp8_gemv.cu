@@ -1,32 +1,35 @@
 // The FP8-weight GEMV on tensor cores, for bf16 and f16 activations: y[m, n] = x[m, k] · w[n, k]^T
 // for m <= 4 rows of x, w being e4m3 codes with a grid of scales whose blocks are at least 64
-// columns wide (or whole rows). It computes what gemv.cu's Fp8Rows kernels compute (each weight
-// read once, as one byte; exact products of the codes' values and x, summed in f32), with far
-// fewer instructions a byte: there, every code is widened to f32 and multiplied on its own (about
-// 5.3 instructions a weight byte against 2.5 for a bf16 GEMV, too many to keep up with the
-// memory); here, codes become a pair of T in about two instructions and one mma.m16n8k16 takes 128
-// of them. The batch is the mma's n dimension (8 wide, m <= 4 used), so 1 to 4 rows cost the same.
+// columns wide (or whole rows). It takes the products gemv.cu's Fp8Rows kernels take (each weight
+// read once, as one byte; exact products of the codes' values and x, summed in f32, though in
+// another order and scaled per 64 columns rather than per 16), with far fewer instructions a byte:
+// there, every code is widened to f32 and multiplied on its own (about 5.3 instructions a weight
+// byte against 2.5 for a bf16 GEMV, too many to keep up with the memory); here, codes become a pair
+// of T in about two instructions and one mma.m16n8k16 takes 128 of them. The batch is the mma's n
+// dimension (8 wide, m <= 4 used), so 1 to 4 rows cost the same.
 //
-// A warp takes a tile of 16 rows of w, the mma's A rows: rows 16 t .. 16 t + 15 for a plain
-// product (its outputs), or, for a gated one (w = [gate; up], [2 n, k]), gate rows 8 t .. 8 t + 7
-// as A rows 0..7 and the matching up rows as 8..15, so that a lane holds both halves of its
-// outputs (and likewise both dims of 8 rotary pairs for the qkv projection with its rotation). Rows past the matrix read row 0 and are never stored. k is taken in chunks of 64
-// columns: lane (g, q) = (lane / 4, lane % 4) loads 16 codes (one 16-byte load) of A rows g and
-// g + 8 at columns 64 c + 16 q, and the 16 matching values of x row g (zeros for g >= m). Its
-// codes 4 s .. 4 s + 3 are the lane's k slots of the chunk's s-th mma: slots 2q, 2q + 1 take codes
-// 4s, 4s + 1, slots 2q + 8, 2q + 9 codes 4s + 2, 4s + 3 (the mma sums over k, so any order of k
-// does, as long as A and B agree); x's pairs are already in that order. A chunk lies in one
-// scale block (blocks of 64 columns or more start on a chunk): with blocks narrower than the row
-// the chunk's sums are scaled before they are added, else once at the end.
+// A warp takes a tile of 16 rows of w, the mma's A rows: rows 16 t .. 16 t + 15 for a plain product
+// (its outputs), or, for a gated one (w = [gate; up], [2 n, k]), gate rows 8 t .. 8 t + 7 as A rows
+// 0..7 and the matching up rows as 8..15, so that a lane holds both halves of its outputs (and
+// likewise both dims of 8 rotary pairs for the qkv projection with its rotation). Rows past the
+// matrix read row 0 and are never stored. k is taken in chunks of 64 columns: lane (g, q) = (lane /
+// 4, lane % 4) loads 16 codes (one 16-byte load) of A rows g and g + 8 at columns 64 c + 16 q, and
+// the 16 matching values of x row g (zeros for g >= m). Its codes 4 s .. 4 s + 3 are the lane's k
+// slots of the chunk's s-th mma: slots 2q, 2q + 1 take codes 4s, 4s + 1, slots 2q + 8, 2q + 9 codes
+// 4s + 2, 4s + 3 (the mma sums over k, so any order of k does, as long as A and B agree); x's pairs
+// are already in that order. A chunk lies in one scale block (blocks of 64 columns or more start on
+// a chunk): with blocks narrower than the row the chunk's sums are scaled before they are added,
+// else once at the end.
 //
-// Codes to T: cvt.rn.f16x2.e4m3x2 (sm_89 on; bit moves before) gives two exact halves; for bf16 the halves'
-// bits are moved down 3 places, which reads as the same value times 2^-112 (the bf16 exponent
-// bias is 112 above the half's; every e4m3 value is a normal half, so none is a bf16 subnormal),
-// and the sums are multiplied by 2^112 before the scale.
+// Codes to T: cvt.rn.f16x2.e4m3x2 (sm_89 on; bit moves before) gives two exact halves; for bf16
+// the halves' bits are moved down 3 places, which reads as the same value times 2^-112 (the bf16
+// exponent bias is 112 above the half's; every e4m3 value is a normal half, so none is a bf16
+// subnormal), and the sums are multiplied by 2^112 before the scale. A NaN code (quantizers
+// saturate, so none is expected) reads as a half NaN, or in bf16 as a finite 2^-112 multiple.
 //
 // ksplit warps (a power of two up to GEMV_WARPS) share a tile, warp part p taking chunks p,
-// p + ksplit, ...: each lane's first FP8_GEMV_UNROLL chunks are loaded before waiting on the kernel
-// before (weights depend on none), and the parts meet in shared memory. Grid: ceil(tiles /
+// p + ksplit, ...: where a lane has a full round, its first FP8_GEMV_UNROLL chunks are loaded
+// before waiting on the kernel before (weights depend on none); the parts meet in shared memory. Grid: ceil(tiles /
 // (GEMV_WARPS / ksplit)) blocks of GEMV_WARPS warps; needs k % 16 == 0 and 16-byte aligned x.
 
 // Chunks a lane loads before it uses them (32 bytes of codes each: its two rows).
@@ -93,6 +96,9 @@ __device__ __forceinline__ bool fp8_gemv_tile(const T* x, const unsigned char* w
     const T* xrow = x + (u64)(g < M ? g : 0) * k + 16 * q;
     const bool has_x = g < M, blocked = grid.col_shift < 31;
     const u32 full_chunks = k / 64, stride = ksplit;
+    // The mma sums are the values' times 1 / unscale (see e4m3x2_to_mma); brought back before
+    // the scale, so that no sum of a small output drops to a subnormal.
+    const float unscale = fp8_gemv_unscale(T());
 #pragma unroll
     for (int i = 0; i < 4; i++) acc[i] = 0.f;
     // x's 16 values for chunk c (zeros past k or the batch).
@@ -111,10 +117,10 @@ __device__ __forceinline__ bool fp8_gemv_tile(const T* x, const unsigned char* w
             fp8_gemv_chunk<T>(a, xr, d);
             const u32 b = (c * 64) >> grid.col_shift;
             const float s0 = srow[0][b], s1 = srow[1][b];
-            acc[0] = fmaf(d[0], s0, acc[0]);
-            acc[1] = fmaf(d[1], s0, acc[1]);
-            acc[2] = fmaf(d[2], s1, acc[2]);
-            acc[3] = fmaf(d[3], s1, acc[3]);
+            acc[0] = fmaf(d[0] * unscale, s0, acc[0]);
+            acc[1] = fmaf(d[1] * unscale, s0, acc[1]);
+            acc[2] = fmaf(d[2] * unscale, s1, acc[2]);
+            acc[3] = fmaf(d[3] * unscale, s1, acc[3]);
         } else {
             fp8_gemv_chunk<T>(a, xr, acc);
         }
@@ -126,7 +132,9 @@ __device__ __forceinline__ bool fp8_gemv_tile(const T* x, const unsigned char* w
 #pragma unroll
         for (int u = 0; u < U; u++) {
 #pragma unroll
-            for (int h = 0; h < 2; h++) wraw[u][h] = *reinterpret_cast<const uint4*>(wrow[h] + (u64)(c + stride * u) * 64);
+            for (int h = 0; h < 2; h++) {
+                wraw[u][h] = *reinterpret_cast<const uint4*>(wrow[h] + (u64)(c + stride * u) * 64);
+            }
         }
     };
     if (full) load_w();
@@ -154,12 +162,14 @@ __device__ __forceinline__ bool fp8_gemv_tile(const T* x, const unsigned char* w
         load_x(c, valid, xr);
         use(a, xr, c);
     }
-    const float unscale = fp8_gemv_unscale(T());
-    const float s0 = blocked ? unscale : srow[0][0] * unscale, s1 = blocked ? unscale : srow[1][0] * unscale;
-    acc[0] *= s0;
-    acc[1] *= s0;
-    acc[2] *= s1;
-    acc[3] *= s1;
+    if (!blocked) {
+        // (unscale first: exact, where a scale times 2^112 could overflow)
+        const float s0 = srow[0][0], s1 = srow[1][0];
+        acc[0] = acc[0] * unscale * s0;
+        acc[1] = acc[1] * unscale * s0;
+        acc[2] = acc[2] * unscale * s1;
+        acc[3] = acc[3] * unscale * s1;
+    }
     // The parts meet: the first warp of the tile adds the others' accumulators.
 #pragma unroll
     for (int i = 0; i < 4; i++) part_s[warp][i][lane] = acc[i];
