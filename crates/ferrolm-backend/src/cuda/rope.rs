@@ -2,7 +2,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, LaunchConfig};
 
-use super::gpu::{rows_config, to_u32};
+use super::gpu::{rows_config, to_u32, Launch};
 use super::ops::same_dtype;
 use super::{Fp8View, Gemms, Gpu, GpuError, GpuView, GpuViewMut};
 use crate::{DType, Heads};
@@ -311,13 +311,7 @@ pub fn linear_qkv_rope_cache(
     let k = w.len() / n;
     assert_eq!(x.len(), m * k, "{op}: x is not [{m}, {k}]");
     assert_eq!(slot_mapping.len(), m, "{op}: {} slots for {m} positions", slot_mapping.len());
-    let QkvOut { q: q_out, k_cache, v_cache } = out;
-    assert_eq!(q_out.len(), m * q_size, "{op}: q_out is not [{m}, {q_size}]");
-    assert!(kv_size > 0 && k_cache.len().is_multiple_of(kv_size), "{op}: cache is not whole slots of {kv_size}");
-    assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
-    for dtype in [w.dtype(), q_out.dtype(), k_cache.dtype(), v_cache.dtype()] {
-        same_dtype(op, x.dtype(), dtype);
-    }
+    same_dtype(op, x.dtype(), w.dtype());
     let ksplit = super::linear::gemv_ksplit(n, k);
     let pairs = super::linear::GEMV_WARPS / ksplit / 2;
     let fused = m > 0
@@ -330,8 +324,9 @@ pub fn linear_qkv_rope_cache(
         assert!(held >= m, "{op}: qkv holds {held} rows of {n}, not {m}");
         let mut qkv = qkv.rows(0..m, n);
         super::linear(gpu, gemms, x, m, k, w, n, None, qkv.reborrow())?;
-        return qkv_rope_cache(gpu, qkv.as_view(), rows, QkvOut { q: q_out, k_cache, v_cache });
+        return qkv_rope_cache(gpu, qkv.as_view(), rows, out);
     }
+    let args = RopeEpilogueArgs::new(gpu, op, x, rows, out, k, ksplit);
     let kernel = match m {
         1 => "gemv_rope_cache_m1",
         2 => "gemv_rope_cache_m2",
@@ -339,25 +334,15 @@ pub fn linear_qkv_rope_cache(
         4 => "gemv_rope_cache_m4",
         _ => unreachable!("gemv_fits admits 1..={} rows", super::linear::GEMV_MAX_M),
     };
-    let (x_ptr, w_ptr, q_ptr, kc_ptr, vc_ptr) = (x.ptr(), w.ptr(), q_out.ptr(), k_cache.ptr(), v_cache.ptr());
-    let (pos_ptr, slots_ptr, freq_ptr) =
-        (gpu.index_ptr(positions), gpu.index_ptr(slot_mapping), gpu.index_ptr(&table.inv_freq));
-    let (k_u32, ksplit_u32) = (to_u32(op, "k", k), ksplit as u32);
-    let (heads, kv_heads, dim) = (
-        to_u32(op, "num_heads", num_heads),
-        to_u32(op, "num_kv_heads", num_kv_heads),
-        to_u32(op, "head_dim", head_dim),
-    );
-    let num_slots = (k_cache.len() / kv_size) as i64;
+    let (x_ptr, w_ptr) = (x.ptr(), w.ptr());
     let cfg = LaunchConfig {
         grid_dim: (to_u32(op, "blocks", n / (2 * pairs)), 1, 1),
         block_dim: (super::linear::GEMV_WARPS as u32 * 32, 1, 1),
         shared_mem_bytes: 0,
     };
     let mut launch = gpu.launch_builder(kernel, x.dtype());
-    launch.arg(&x_ptr).arg(&w_ptr).arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&pos_ptr).arg(&slots_ptr);
-    launch.arg(&freq_ptr).arg(&table.long_start).arg(&k_u32).arg(&ksplit_u32).arg(&heads).arg(&kv_heads).arg(&dim);
-    launch.arg(&table.attention_scaling).arg(&num_slots);
+    launch.arg(&x_ptr).arg(&w_ptr);
+    args.push(&mut launch);
     // SAFETY: the arguments match the kernel's parameters; x holds m rows of k, w n rows of k
     // (whole 16-byte chunks, aligned: `gemv_fits`), q_out m rows of q_size, the caches whole
     // slots (each checked by the kernel), and every block's pairs lie in one head
@@ -389,7 +374,7 @@ pub fn linear_fp8_qkv_rope_cache(
     out: QkvOut<'_>,
 ) -> Result<(), GpuError> {
     let op = "linear_fp8_qkv_rope_cache";
-    let QkvRows { positions, slot_mapping, heads, table } = *rows;
+    let QkvRows { positions, heads, table, .. } = *rows;
     let Heads { num_heads, num_kv_heads, head_dim } = heads;
     let m = positions.len();
     assert!(fp8_qkv_rope_cache_fits(x, m, w, heads, table), "{op}: the FP8 GEMV does not take this product");
@@ -398,14 +383,6 @@ pub fn linear_fp8_qkv_rope_cache(
     let k = w.cols();
     assert_eq!(w.rows(), n, "{op}: w is not [{n}, {k}]");
     assert_eq!(x.len(), m * k, "{op}: x is not [{m}, {k}]");
-    assert_eq!(slot_mapping.len(), m, "{op}: {} slots for {m} positions", slot_mapping.len());
-    let QkvOut { q: q_out, k_cache, v_cache } = out;
-    assert_eq!(q_out.len(), m * q_size, "{op}: q_out is not [{m}, {q_size}]");
-    assert!(kv_size > 0 && k_cache.len().is_multiple_of(kv_size), "{op}: cache is not whole slots of {kv_size}");
-    assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
-    for dtype in [q_out.dtype(), k_cache.dtype(), v_cache.dtype()] {
-        same_dtype(op, x.dtype(), dtype);
-    }
     let kernel = match m {
         1 => "fp8_gemv_rope_cache_m1",
         2 => "fp8_gemv_rope_cache_m2",
@@ -416,17 +393,9 @@ pub fn linear_fp8_qkv_rope_cache(
     // A tile: 8 rotary pairs (16 rows of w); head_dim = 2 * half with half % 8 == 0, so n % 16 == 0.
     let tiles = n / super::fp8::TC_TILE_ROWS;
     let ksplit = super::fp8::tc_ksplit(tiles, k);
-    let (x_ptr, q_ptr, kc_ptr, vc_ptr) = (x.ptr(), q_out.ptr(), k_cache.ptr(), v_cache.ptr());
+    let args = RopeEpilogueArgs::new(gpu, op, x, rows, out, k, ksplit);
+    let x_ptr = x.ptr();
     let (w_ptr, grid) = w.kernel_args();
-    let (pos_ptr, slots_ptr, freq_ptr) =
-        (gpu.index_ptr(positions), gpu.index_ptr(slot_mapping), gpu.index_ptr(&table.inv_freq));
-    let (k_u32, ksplit_u32) = (to_u32(op, "k", k), ksplit as u32);
-    let (heads, kv_heads, dim) = (
-        to_u32(op, "num_heads", num_heads),
-        to_u32(op, "num_kv_heads", num_kv_heads),
-        to_u32(op, "head_dim", head_dim),
-    );
-    let num_slots = (k_cache.len() / kv_size) as i64;
     let warps = super::linear::GEMV_WARPS;
     let cfg = LaunchConfig {
         grid_dim: (to_u32(op, "blocks", tiles.div_ceil(warps / ksplit)), 1, 1),
@@ -434,12 +403,78 @@ pub fn linear_fp8_qkv_rope_cache(
         shared_mem_bytes: 0,
     };
     let mut launch = gpu.launch_builder(kernel, x.dtype());
-    launch.arg(&x_ptr).arg(&w_ptr).arg(&q_ptr).arg(&kc_ptr).arg(&vc_ptr).arg(&pos_ptr).arg(&slots_ptr);
-    launch.arg(&freq_ptr).arg(&table.long_start).arg(&k_u32).arg(&ksplit_u32).arg(&heads).arg(&kv_heads).arg(&dim);
-    launch.arg(&table.attention_scaling).arg(&num_slots).arg(&grid);
+    launch.arg(&x_ptr).arg(&w_ptr);
+    args.push(&mut launch);
+    launch.arg(&grid);
     // SAFETY: the arguments match the kernel's parameters; x holds m rows of k (16-byte aligned),
     // w n rows of k codes with their grid (blocks of 64 columns or more: the fit), q_out m rows of
     // q_size, the caches whole slots (each checked by the kernel).
     unsafe { launch.launch(cfg) }?;
     Ok(())
+}
+
+/// The arguments the GEMVs with RoPE in their epilogue (`gemv_rope_cache`, `fp8_gemv_rope_cache`)
+/// take after x and w, in their order, from the step's rows and the outputs (checked here).
+struct RopeEpilogueArgs {
+    q: u64,
+    k_cache: u64,
+    v_cache: u64,
+    positions: u64,
+    slot_mapping: u64,
+    inv_freq: u64,
+    long_start: u32,
+    k: u32,
+    ksplit: u32,
+    num_heads: u32,
+    num_kv_heads: u32,
+    head_dim: u32,
+    attention_scaling: f32,
+    num_slots: i64,
+}
+
+impl RopeEpilogueArgs {
+    fn new(
+        gpu: &Gpu,
+        op: &'static str,
+        x: GpuView<'_>,
+        rows: &QkvRows<'_, impl DevicePtr<u32>, impl DevicePtr<i64>>,
+        out: QkvOut<'_>,
+        k: usize,
+        ksplit: usize,
+    ) -> RopeEpilogueArgs {
+        let QkvRows { positions, slot_mapping, heads, table } = *rows;
+        let Heads { num_heads, num_kv_heads, head_dim } = heads;
+        let m = positions.len();
+        let (q_size, kv_size) = (num_heads * head_dim, num_kv_heads * head_dim);
+        assert_eq!(slot_mapping.len(), m, "{op}: {} slots for {m} positions", slot_mapping.len());
+        let QkvOut { q, k_cache, v_cache } = out;
+        assert_eq!(q.len(), m * q_size, "{op}: q_out is not [{m}, {q_size}]");
+        assert!(kv_size > 0 && k_cache.len().is_multiple_of(kv_size), "{op}: cache is not whole slots of {kv_size}");
+        assert_eq!(k_cache.len(), v_cache.len(), "{op}: k_cache and v_cache differ in size");
+        for dtype in [q.dtype(), k_cache.dtype(), v_cache.dtype()] {
+            same_dtype(op, x.dtype(), dtype);
+        }
+        RopeEpilogueArgs {
+            q: q.ptr(),
+            k_cache: k_cache.ptr(),
+            v_cache: v_cache.ptr(),
+            positions: gpu.index_ptr(positions),
+            slot_mapping: gpu.index_ptr(slot_mapping),
+            inv_freq: gpu.index_ptr(&table.inv_freq),
+            long_start: table.long_start,
+            k: to_u32(op, "k", k),
+            ksplit: ksplit as u32,
+            num_heads: to_u32(op, "num_heads", num_heads),
+            num_kv_heads: to_u32(op, "num_kv_heads", num_kv_heads),
+            head_dim: to_u32(op, "head_dim", head_dim),
+            attention_scaling: table.attention_scaling,
+            num_slots: (k_cache.len() / kv_size) as i64,
+        }
+    }
+
+    fn push<'a>(&'a self, launch: &mut Launch<'a>) {
+        launch.arg(&self.q).arg(&self.k_cache).arg(&self.v_cache).arg(&self.positions).arg(&self.slot_mapping);
+        launch.arg(&self.inv_freq).arg(&self.long_start).arg(&self.k).arg(&self.ksplit).arg(&self.num_heads);
+        launch.arg(&self.num_kv_heads).arg(&self.head_dim).arg(&self.attention_scaling).arg(&self.num_slots);
+    }
 }

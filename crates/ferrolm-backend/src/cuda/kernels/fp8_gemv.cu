@@ -212,49 +212,22 @@ __device__ __forceinline__ void fp8_gemv_impl(const T* x, const unsigned char* w
 // i0 + half + g of head (8 t) / half (i0 = 8 t % half) as A rows g and g + 8, so that a lane holds
 // both dims of its pairs; the sums are rounded to T and rotated by rope_pair, then q goes to q_out
 // [M, num_heads * head_dim], k and v to the caches at slot_mapping[r] (negative or past the
-// cache: not written). The same bits as fp8_gemv into qkv followed by qkv_rope_cache. Grid:
-// tiles = n / 16 over GEMV_WARPS / ksplit a block.
+// cache: not written; gemv.cu's qkv_rope_store). The same bits as fp8_gemv into qkv followed by
+// qkv_rope_cache. Grid: tiles = n / 16 over GEMV_WARPS / ksplit a block.
 template <typename T, int M>
-__device__ __forceinline__ void fp8_gemv_rope_impl(const T* x, const unsigned char* w, T* q_out, T* k_cache,
-                                                   T* v_cache, const u32* positions, const i64* slot_mapping,
-                                                   const float* inv_freq, u32 long_start, u32 k, u32 ksplit,
-                                                   u32 num_heads, u32 num_kv_heads, u32 head_dim,
-                                                   float attention_scaling, i64 num_slots, Fp8Grid grid) {
+__device__ __forceinline__ void fp8_gemv_rope_impl(const T* x, const unsigned char* w, const QkvRopeOut<T>& o, u32 k,
+                                                   u32 ksplit, Fp8Grid grid) {
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, q = lane & 3;
     const u32 tile = blockIdx.x * (GEMV_WARPS / ksplit) + warp / ksplit;
-    const u32 half = head_dim / 2, pair = tile * 8, head = pair / half, i = pair % half + g;
-    const u32 n = (num_heads + 2 * num_kv_heads) * head_dim;
-    const u32 row[2] = {head * head_dim + i, head * head_dim + half + i};
+    const u32 half = o.head_dim / 2, pair = tile * 8, head = pair / half, i = pair % half + g;
+    const u32 n = (o.num_heads + 2 * o.num_kv_heads) * o.head_dim;
+    const u32 row[2] = {head * o.head_dim + i, head * o.head_dim + half + i};
     float acc[4];
     if (!fp8_gemv_tile<T, M>(x, w, k, n, ksplit, grid, row, acc) || row[0] >= n) return;
-    const u32 q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
 #pragma unroll
     for (int b = 0; b < 2; b++) {
         const u32 r = 2 * q + b;
-        if (r >= M) continue;
-        const float x0 = to_float(from_float<T>(acc[b])), x1 = to_float(from_float<T>(acc[2 + b]));
-        if (head >= num_heads + num_kv_heads) {
-            const i64 slot = slot_mapping[r];
-            if (slot < 0 || slot >= num_slots) continue;
-            T* dst = v_cache + (u64)slot * kv_size + (u64)(head - num_heads - num_kv_heads) * head_dim;
-            dst[i] = from_float<T>(x0);
-            dst[i + half] = from_float<T>(x1);
-            continue;
-        }
-        const u32 pos = positions[r];
-        const float* freq = inv_freq + (pos >= long_start ? half : 0);
-        float y0, y1;
-        rope_pair(x0, x1, pos, freq[i], attention_scaling, y0, y1);
-        T* dst;
-        if (head < num_heads) {
-            dst = q_out + (u64)r * q_size + (u64)head * head_dim;
-        } else {
-            const i64 slot = slot_mapping[r];
-            if (slot < 0 || slot >= num_slots) continue;
-            dst = k_cache + (u64)slot * kv_size + (u64)(head - num_heads) * head_dim;
-        }
-        dst[i] = from_float<T>(y0);
-        dst[i + half] = from_float<T>(y1);
+        if (r < M) qkv_rope_store(o, r, head, i, to_float(from_float<T>(acc[b])), to_float(from_float<T>(acc[2 + b])));
     }
 }
 
@@ -279,8 +252,9 @@ __device__ __forceinline__ void fp8_gemv_rope_impl(const T* x, const unsigned ch
         const T* x, const unsigned char* w, T* q_out, T* k_cache, T* v_cache, const u32* positions, \
         const i64* slot_mapping, const float* inv_freq, u32 long_start, u32 k, u32 ksplit, u32 num_heads, \
         u32 num_kv_heads, u32 head_dim, float attention_scaling, i64 num_slots, Fp8Grid grid) { \
-        fp8_gemv_rope_impl<T, M>(x, w, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq, long_start, k, \
-                                 ksplit, num_heads, num_kv_heads, head_dim, attention_scaling, num_slots, grid); \
+        const QkvRopeOut<T> o{q_out,      k_cache,   v_cache,      positions, slot_mapping,      inv_freq, \
+                              long_start, num_heads, num_kv_heads, head_dim,  attention_scaling, num_slots}; \
+        fp8_gemv_rope_impl<T, M>(x, w, o, k, ksplit, grid); \
     }
 
 #define FP8_GEMV_M1(T, S) FP8_GEMV(T, S, 1)

@@ -278,6 +278,52 @@ __device__ __forceinline__ void gemv_impl(const WF& wf, const T* x, O* y, u32 k,
     }
 }
 
+// Where a GEMV with qkv_rope_cache (rope.cu) in its epilogue writes: q to q_out [M, num_heads *
+// head_dim], k and v to the caches [num_slots, num_kv_heads * head_dim] at slot_mapping[r]
+// (negative or past the cache: not written), every dim of a head rotated (head_dim = 2 * half).
+template <typename T> struct QkvRopeOut {
+    T* q_out;
+    T* k_cache;
+    T* v_cache;
+    const u32* positions;
+    const i64* slot_mapping;
+    const float* inv_freq;
+    u32 long_start, num_heads, num_kv_heads, head_dim;
+    float attention_scaling;
+    i64 num_slots;
+};
+
+// Row r's rotary pair i (dims i and i + half) of qkv head `head`, (x0, x1) rounded to T as the
+// qkv buffer of the unfused ops holds them: rotated by rope_pair (q and k) and stored, the bits
+// qkv_rope_cache gives.
+template <typename T>
+__device__ __forceinline__ void qkv_rope_store(const QkvRopeOut<T>& o, u32 r, u32 head, u32 i, float x0, float x1) {
+    const u32 half = o.head_dim / 2;
+    const u32 q_size = o.num_heads * o.head_dim, kv_size = o.num_kv_heads * o.head_dim;
+    if (head >= o.num_heads + o.num_kv_heads) {
+        const i64 slot = o.slot_mapping[r];
+        if (slot < 0 || slot >= o.num_slots) return;
+        T* dst = o.v_cache + (u64)slot * kv_size + (u64)(head - o.num_heads - o.num_kv_heads) * o.head_dim;
+        dst[i] = from_float<T>(x0);
+        dst[i + half] = from_float<T>(x1);
+        return;
+    }
+    const u32 pos = o.positions[r];
+    const float* freq = o.inv_freq + (pos >= o.long_start ? half : 0);
+    float y0, y1;
+    rope_pair(x0, x1, pos, freq[i], o.attention_scaling, y0, y1);
+    T* dst;
+    if (head < o.num_heads) {
+        dst = o.q_out + (u64)r * q_size + (u64)head * o.head_dim;
+    } else {
+        const i64 slot = o.slot_mapping[r];
+        if (slot < 0 || slot >= o.num_slots) return;
+        dst = o.k_cache + (u64)slot * kv_size + (u64)(head - o.num_heads) * o.head_dim;
+    }
+    dst[i] = from_float<T>(y0);
+    dst[i + half] = from_float<T>(y1);
+}
+
 // The fused qkv projection with qkv_rope_cache (rope.cu) in its epilogue: w is
 // [(num_heads + 2 * num_kv_heads) * head_dim, k] and every dim of a head rotates (head_dim =
 // 2 * half). Instead of the columns j..j + cpb - 1 (cpb = GEMV_WARPS / ksplit), a block takes
@@ -288,48 +334,21 @@ __device__ __forceinline__ void gemv_impl(const WF& wf, const T* x, O* y, u32 k,
 // rotation, as the qkv buffer of the unfused ops holds them, and rotated by rope_pair: the same
 // bits as linear followed by qkv_rope_cache. Grid: n / cpb blocks of GEMV_WARPS warps.
 template <typename T, int M>
-__device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, T* q_out, T* k_cache, T* v_cache,
-                                               const u32* positions, const i64* slot_mapping, const float* inv_freq,
-                                               u32 long_start, u32 k, u32 ksplit, u32 num_heads, u32 num_kv_heads,
-                                               u32 head_dim, float attention_scaling, i64 num_slots) {
+__device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, const QkvRopeOut<T>& o, u32 k, u32 ksplit) {
     __shared__ float vals_s[GEMV_WARPS][M];
     const u32 lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 half = head_dim / 2, pairs = GEMV_WARPS / ksplit / 2;
+    const u32 half = o.head_dim / 2, pairs = GEMV_WARPS / ksplit / 2;
     const u32 col = warp / ksplit, p = col % pairs, hi = col / pairs;
     const u32 g = blockIdx.x * pairs + p, head = g / half, i = g % half;
-    const u32 n = (num_heads + 2 * num_kv_heads) * head_dim;
-    const u32 j = head * head_dim + hi * half + i;
+    const u32 n = (o.num_heads + 2 * o.num_kv_heads) * o.head_dim;
+    const u32 j = head * o.head_dim + hi * half + i;
     float s[1];
     if (gemv_column<T, M, 1, false>(DenseRows<T>{w, k}, x, k, n, n, n, ksplit, j, s)) {
         vals_s[col][lane] = to_float(from_float<T>(s[0]));
     }
     __syncthreads();
     if (hi != 0 || warp % ksplit != 0 || lane >= M || j >= n) return;
-    const u32 r = lane;
-    const float x0 = vals_s[col][r], x1 = vals_s[col + pairs][r];
-    const u32 q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-    if (head >= num_heads + num_kv_heads) {
-        const i64 slot = slot_mapping[r];
-        if (slot < 0 || slot >= num_slots) return;
-        T* dst = v_cache + (u64)slot * kv_size + (u64)(head - num_heads - num_kv_heads) * head_dim;
-        dst[i] = from_float<T>(x0);
-        dst[i + half] = from_float<T>(x1);
-        return;
-    }
-    const u32 pos = positions[r];
-    const float* freq = inv_freq + (pos >= long_start ? half : 0);
-    float y0, y1;
-    rope_pair(x0, x1, pos, freq[i], attention_scaling, y0, y1);
-    T* dst;
-    if (head < num_heads) {
-        dst = q_out + (u64)r * q_size + (u64)head * head_dim;
-    } else {
-        const i64 slot = slot_mapping[r];
-        if (slot < 0 || slot >= num_slots) return;
-        dst = k_cache + (u64)slot * kv_size + (u64)(head - num_heads) * head_dim;
-    }
-    dst[i] = from_float<T>(y0);
-    dst[i + half] = from_float<T>(y1);
+    qkv_rope_store(o, lane, head, i, vals_s[col][lane], vals_s[col + pairs][lane]);
 }
 
 #define GEMV(T, S, M) \
@@ -353,8 +372,9 @@ __device__ __forceinline__ void gemv_rope_impl(const T* x, const T* w, T* q_out,
         const T* x, const T* w, T* q_out, T* k_cache, T* v_cache, const u32* positions, const i64* slot_mapping, \
         const float* inv_freq, u32 long_start, u32 k, u32 ksplit, u32 num_heads, u32 num_kv_heads, u32 head_dim, \
         float attention_scaling, i64 num_slots) { \
-        gemv_rope_impl<T, M>(x, w, q_out, k_cache, v_cache, positions, slot_mapping, inv_freq, long_start, k, ksplit, \
-                             num_heads, num_kv_heads, head_dim, attention_scaling, num_slots); \
+        const QkvRopeOut<T> o{q_out,      k_cache,   v_cache,      positions, slot_mapping,      inv_freq, \
+                              long_start, num_heads, num_kv_heads, head_dim,  attention_scaling, num_slots}; \
+        gemv_rope_impl<T, M>(x, w, o, k, ksplit); \
     }
 // The same products over FP8 weights: w holds e4m3 codes, `grid` their scales (Fp8Rows).
 #define GEMV_FP8(T, S, M) \
