@@ -15,7 +15,7 @@
 //! mixed step of 16 512-token prompts with 200 decodes at context 600 (the tensor-core kernel),
 //! the same with the decodes first as the scheduler orders them, and 384 decodes at context
 //! 1500 before 8 1000-token prompts (a mixed step of the 1000-request benchmark), and those
-//! prompts alone. Each is timed with
+//! prompts alone; then five of these over FP8 caches (`--kv-cache-dtype fp8`). Each is timed with
 //! CUDA events around one call, best of 20 after a warm-up, and again as the mean of 32
 //! back-to-back calls (one per layer, as a model step issues them, sharing one metadata and so
 //! one work list; best of 3 such runs). Small cases cycle through 32 layers' worth of K/V so that
@@ -25,7 +25,7 @@
 
 mod bench_support;
 
-use bench_support::{open_gpu, AttentionCase, CacheLayout, Heads, COMPACT, LAYERS, LLAMA_8B};
+use bench_support::{open_gpu, AttentionCase, CacheLayout, Heads, COMPACT, COMPACT_FP8, LAYERS, LLAMA_8B};
 use cudarc::driver::sys::CUevent_flags;
 use ferrolm_backend::cuda::{AttentionKernel, Gpu, GpuError};
 
@@ -33,7 +33,7 @@ const REPS: usize = 20;
 const ONE_KV_HEAD: Heads = Heads { query: 4, kv: 1 };
 /// As a server's cache holds them: each layer's blocks drawn from a cache twice the batch's
 /// size, and 16 such layers in turn.
-const SERVER_CACHE: CacheLayout = CacheLayout { spread: 2, layers: 16, random: false };
+const SERVER_CACHE: CacheLayout = CacheLayout { spread: 2, layers: 16, random: false, fp8: false };
 
 fn main() {
     let Some(gpu) = open_gpu() else { return };
@@ -45,6 +45,7 @@ fn main() {
     decodes_first.extend([(512, 512); 16]);
     let mut full_step = vec![(1500, 1); 384];
     full_step.extend([(1000, 1000); 8]);
+    let full_step_fp8 = full_step.clone();
     let cases = [
         ("decode batch 1, context 384", LLAMA_8B, COMPACT, vec![(384, 1)]),
         ("decode batch 1, context 4096", LLAMA_8B, COMPACT, vec![(4096, 1)]),
@@ -76,6 +77,12 @@ fn main() {
         // That step's prompts alone: with "decode batch 384, context 1500", what the mixed
         // step's one launch costs against a launch for each kind.
         ("prefill 8 x 1000", LLAMA_8B, COMPACT, vec![(1000, 1000); 8]),
+        // Over FP8 caches (`--kv-cache-dtype fp8`): half the bytes a key, converted on the way in.
+        ("FP8 cache: decode batch 1, context 384", LLAMA_8B, COMPACT_FP8, vec![(384, 1)]),
+        ("FP8 cache: decode batch 1, context 4096", LLAMA_8B, COMPACT_FP8, vec![(4096, 1)]),
+        ("FP8 cache: decode batch 512, context 1500", LLAMA_8B, COMPACT_FP8, vec![(1500, 1); 512]),
+        ("FP8 cache: prefill 2048 of one sequence", LLAMA_8B, COMPACT_FP8, vec![(2048, 2048)]),
+        ("FP8 cache: mixed 384 decodes @1500 + 8 x 1000 prefill", LLAMA_8B, COMPACT_FP8, full_step_fp8),
     ];
     // An argument keeps only the cases whose name holds it (e.g. to profile one).
     let only = std::env::args().nth(1).unwrap_or_default();
@@ -96,8 +103,9 @@ fn run_case(
 ) -> Result<(), GpuError> {
     let mut case = AttentionCase::new(gpu, heads, cache, requests)?;
     let decode_only = requests.iter().all(|&(_, q)| q == 1);
-    // Decodes also on the per-warp kernel's tensor-copy form, where the device has it (sm_90).
-    let tensor = decode_only && gpu.compute_capability().0 >= 9;
+    // Decodes also on the per-warp kernel's tensor-copy form, where the device has it (sm_90),
+    // over bf16 caches (FP8 caches take the block kernel).
+    let tensor = decode_only && !cache.fp8 && gpu.compute_capability().0 >= 9;
     let kernels = [AttentionKernel::Picked, AttentionKernel::General]
         .into_iter()
         .chain(tensor.then_some(AttentionKernel::TensorCopies));

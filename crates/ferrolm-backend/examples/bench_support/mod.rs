@@ -5,7 +5,8 @@
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
 use ferrolm_backend::cuda::{
-    AttentionKernel, AttentionWork, Gpu, GpuAttentionMetadata, GpuError, GpuOptions, GpuTensor, PagedAttention,
+    AttentionKernel, AttentionWork, Fp8Cache, Gpu, GpuAttentionMetadata, GpuError, GpuOptions, GpuTensor,
+    PagedAttention,
 };
 use ferrolm_backend::{DType, WeightView};
 use half::bf16;
@@ -103,16 +104,29 @@ pub const LLAMA_8B: Heads = Heads { query: 32, kv: 8 };
 /// Where a case's K/V blocks lie: `spread` times as many blocks as the case reads, of which it
 /// reads a random set, in `layers` caches used in turn (0: as many as keep a pass over them
 /// several times the L2), holding random values or zeros (which take as long to attend over
-/// and much less time to set up).
+/// and much less time to set up), in bf16 or as FP8 codes (`--kv-cache-dtype fp8`'s caches:
+/// one byte an element, read with a scale).
 #[derive(Clone, Copy)]
 pub struct CacheLayout {
     pub spread: usize,
     pub layers: usize,
     pub random: bool,
+    pub fp8: bool,
 }
 
-pub const COMPACT: CacheLayout = CacheLayout { spread: 1, layers: 0, random: true };
-pub const COMPACT_ZEROS: CacheLayout = CacheLayout { spread: 1, layers: 0, random: false };
+pub const COMPACT: CacheLayout = CacheLayout { spread: 1, layers: 0, random: true, fp8: false };
+pub const COMPACT_ZEROS: CacheLayout = CacheLayout { spread: 1, layers: 0, random: false, fp8: false };
+pub const COMPACT_FP8: CacheLayout = CacheLayout { fp8: true, ..COMPACT };
+
+/// The scale an FP8 case's caches are read with: random codes (up to 448) as values up to 1.
+const FP8_CACHE_SCALE: f32 = 1.0 / 448.0;
+
+/// One layer's K and V caches, `[num_blocks * BLOCK_SIZE, heads.kv * HEAD_DIM]` each.
+pub enum LayerCache {
+    Bf16(GpuTensor, GpuTensor),
+    /// e4m3 codes, read with [`FP8_CACHE_SCALE`].
+    Fp8(CudaSlice<u8>, CudaSlice<u8>),
+}
 
 /// One attention case: `(context length, query rows)` of each sequence, its buffers and its
 /// step's metadata buffers, apart so that a step's metadata can borrow the one while calls
@@ -132,8 +146,7 @@ pub struct AttentionBuffers {
     pub heads: Heads,
     pub q: GpuTensor,
     pub out: GpuTensor,
-    /// `[num_blocks * BLOCK_SIZE, heads.kv * HEAD_DIM]` K and V of each layer.
-    pub caches: Vec<(GpuTensor, GpuTensor)>,
+    pub caches: Vec<LayerCache>,
 }
 
 /// A case's attention metadata on the device and the host.
@@ -159,7 +172,7 @@ impl AttentionCase {
         let kv_width = heads.kv * HEAD_DIM;
         let blocks_per_seq = requests.iter().map(|&(s, _)| s.div_ceil(BLOCK_SIZE)).max().unwrap_or(0);
         let context: usize = requests.iter().map(|&(s, _)| s).sum();
-        let kv_bytes = context * kv_width * 2 * 2;
+        let kv_bytes = context * kv_width * 2 * if cache.fp8 { 1 } else { 2 };
         let read_blocks = requests.len() * blocks_per_seq;
         let num_blocks = read_blocks * cache.spread;
         let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
@@ -175,14 +188,28 @@ impl AttentionCase {
             0 => LAYERS,
             n => n,
         };
-        let mut layer_cache = || {
+        let mut bf16_cache = || {
             if cache.random {
                 random_tensor(gpu, DType::BF16, cache_len, &mut seed)
             } else {
                 GpuTensor::zeros(gpu, DType::BF16, cache_len)
             }
         };
-        let caches = (0..layers).map(|_| Ok((layer_cache()?, layer_cache()?))).collect::<Result<Vec<_>, GpuError>>()?;
+        let caches = if cache.fp8 {
+            // Random codes but the two NaNs (0x7f, 0xff), or zeros; the same in every layer.
+            let codes: Vec<u8> = if cache.random {
+                (0..cache_len).map(|i| (next_random(&mut (i as u64 + 1)) % 0x7f) as u8 | ((i as u8) << 7)).collect()
+            } else {
+                vec![0; cache_len]
+            };
+            (0..layers)
+                .map(|_| Ok(LayerCache::Fp8(gpu.upload(&codes)?, gpu.upload(&codes)?)))
+                .collect::<Result<Vec<_>, GpuError>>()?
+        } else {
+            (0..layers)
+                .map(|_| Ok(LayerCache::Bf16(bf16_cache()?, bf16_cache()?)))
+                .collect::<Result<Vec<_>, GpuError>>()?
+        };
         let tokens: usize = requests.iter().map(|&(_, q)| q).sum();
         let q = random_tensor(gpu, DType::BF16, tokens * heads.query * HEAD_DIM, &mut seed)?;
         let out = GpuTensor::zeros(gpu, DType::BF16, tokens * heads.query * HEAD_DIM)?;
@@ -236,10 +263,16 @@ impl AttentionBuffers {
         layer: usize,
         kernel: AttentionKernel,
     ) -> Result<(), GpuError> {
-        let (k_cache, v_cache) = &self.caches[layer % self.caches.len()];
         let Heads { query, kv } = self.heads;
         let heads = ferrolm_backend::Heads { num_heads: query, num_kv_heads: kv, head_dim: HEAD_DIM };
         let (q, out) = (self.q.view(), self.out.view_mut());
-        self.attention.run_on(kernel, gpu, q, k_cache.view(), v_cache.view(), meta, heads, out)
+        match &self.caches[layer % self.caches.len()] {
+            LayerCache::Bf16(k, v) => self.attention.run_on(kernel, gpu, q, k.view(), v.view(), meta, heads, out),
+            LayerCache::Fp8(k, v) => {
+                let k = Fp8Cache::new(gpu, k, k.len(), FP8_CACHE_SCALE);
+                let v = Fp8Cache::new(gpu, v, v.len(), FP8_CACHE_SCALE);
+                self.attention.run_fp8_on(kernel, gpu, q, k, v, meta, heads, out)
+            }
+        }
     }
 }
