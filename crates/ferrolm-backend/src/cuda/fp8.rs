@@ -420,7 +420,12 @@ pub(super) fn gemv(
 /// Whether the FP8 GEMV runs on the tensor cores (kernels/fp8_gemv.cu): for bf16 and f16
 /// activations, where a 64-column chunk lies in one scale block.
 pub(super) fn takes_tensor_cores(dtype: DType, w: Fp8View<'_>) -> bool {
-    dtype != DType::F32 && w.grid.col_shift >= TC_CHUNK.trailing_zeros()
+    tensor_cores_take(dtype, w.grid.col_shift)
+}
+
+/// [`takes_tensor_cores`] by the activations' dtype and the blocks' `col_shift`.
+fn tensor_cores_take(dtype: DType, col_shift: u32) -> bool {
+    dtype != DType::F32 && col_shift >= TC_CHUNK.trailing_zeros()
 }
 
 /// The tensor-core FP8 GEMV's chunk of columns (4 lanes of 16 codes) and a warp's tile of rows.
@@ -613,5 +618,37 @@ mod tests {
         assert_eq!(layout(&matrix(2, 64, blocks(2, 64, 1, 8))), None);
         assert_eq!(layout(&matrix(2, 96, blocks(2, 96, 1, 48))), None);
         assert_eq!(layout(&matrix(0, 64, Fp8Scales::Tensor(1.0))), None);
+    }
+
+    #[test]
+    fn the_tensor_core_gemv_takes_half_activations_over_blocks_of_64_columns_or_more() {
+        let shift = |m: &Fp8Matrix| layout(m).expect("a layout the kernels take").1;
+        let whole = shift(&matrix(3, 64, Fp8Scales::Rows(vec![1.0; 3])));
+        let wide = shift(&matrix(300, 1040, blocks(300, 1040, 128, 128)));
+        let narrowest = shift(&matrix(32, 256, blocks(32, 256, 16, 64)));
+        for s in [whole, wide, narrowest] {
+            assert!(tensor_cores_take(DType::BF16, s) && tensor_cores_take(DType::F16, s), "col_shift {s}");
+            assert!(!tensor_cores_take(DType::F32, s), "f32, col_shift {s}");
+        }
+        for bc in [16, 32] {
+            let s = shift(&matrix(4, 256, blocks(4, 256, 1, bc)));
+            assert!(!tensor_cores_take(DType::BF16, s), "blocks of {bc} columns");
+        }
+    }
+
+    #[test]
+    fn the_tensor_core_gemv_splits_k_toward_its_warps_in_whole_rounds() {
+        // Llama-3.1-8B's projections (16-row tiles; gate_up's gated tiles of 8 outputs, 28672 rows):
+        // qkv 384 tiles, o_proj 256, gate_up 1792, down 256 over k = 14336, the LM head 8016.
+        assert_eq!(tc_ksplit(6144 / 16, 4096), 4);
+        assert_eq!(tc_ksplit(4096 / 16, 4096), 8);
+        assert_eq!(tc_ksplit(28672 / 16, 4096), 1);
+        assert_eq!(tc_ksplit(4096 / 16, 14336), 8);
+        assert_eq!(tc_ksplit(128256 / 16, 4096), 1);
+        // Short rows leave each part at least a round of chunks: 512 columns are 8 chunks, two
+        // rounds, so 2 warps however few the tiles; under a round, one.
+        assert_eq!(tc_ksplit(9, 512), 2);
+        assert_eq!(tc_ksplit(9, 64), 1);
+        assert_eq!(tc_ksplit(1, 8192), 8);
     }
 }
