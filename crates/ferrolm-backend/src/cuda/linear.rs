@@ -168,12 +168,14 @@ fn linear_with(
         None
     };
     let (acc_ptr, acc_dtype) = scratch.as_ref().map_or((y.ptr(), y.dtype()), |buf| (gpu.index_ptr(buf), DType::F32));
+    if let Route::GemvSplit(ksplit) = route {
+        assert!(ksplit.is_power_of_two() && ksplit <= GEMV_WARPS, "ksplit {ksplit}: not a power of two up to 8");
+    }
     match (w, route) {
         (Weight::Dense(w), Route::Auto) if gemv_fits(x, m, k, w) => {
             gemv(gpu, x, m, k, w, n, gemv_ksplit(n, k), acc_ptr, acc_dtype)?
         }
         (Weight::Dense(w), Route::GemvSplit(ksplit)) => {
-            assert!(ksplit.is_power_of_two() && ksplit <= GEMV_WARPS, "ksplit {ksplit}: not a power of two up to 8");
             assert!(m <= GEMV_MAX_M && gemv_fits(x, m, k, w), "linear: the GEMV kernel does not take this product");
             gemv(gpu, x, m, k, w, n, ksplit, acc_ptr, acc_dtype)?
         }
@@ -182,13 +184,7 @@ fn linear_with(
             let to_f32 = acc_dtype == DType::F32 && x.dtype() != DType::F32;
             let epilogue = if to_f32 { Epilogue::ToF32 } else { Epilogue::Store };
             let ksplit = match route {
-                Route::GemvSplit(ksplit) => {
-                    assert!(
-                        ksplit.is_power_of_two() && ksplit <= GEMV_WARPS,
-                        "ksplit {ksplit}: not a power of two up to 8"
-                    );
-                    Some(ksplit)
-                }
+                Route::GemvSplit(ksplit) => Some(ksplit),
                 _ => None,
             };
             fp8::gemv(gpu, x, m, w, n, epilogue, ksplit, acc_ptr)?
@@ -303,10 +299,7 @@ pub fn linear_fp8_gemv_ksplit(
     y: GpuViewMut<'_>,
     scratch: &mut GpuTensor,
 ) -> Result<(), GpuError> {
-    assert!(
-        m <= GEMV_MAX_M && fp8::gemv_fits(x, m),
-        "linear_fp8_gemv_ksplit: the GEMV kernel does not take this product"
-    );
+    assert!(fp8::gemv_fits(x, m), "linear_fp8_gemv_ksplit: the GEMV kernel does not take this product");
     linear_with(gpu, gemms, x, m, w.cols(), Weight::Fp8(w, scratch, None), n, None, y, Route::GemvSplit(ksplit))
 }
 

@@ -265,24 +265,29 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const u32 (&a)[4], u32 b
 }
 
 // FP8 (e4m3: 1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no infinities, 0x7f and 0xff
-// NaN) codes as f32, exactly. On sm_89 and later one instruction converts two codes to two
-// halves (every e4m3 value is a half). Before, the bits are moved into a half's: the sign to bit
-// 15, exponent and mantissa to bits 7..13, which reads as the code's value times 2^-8 (normal
-// and subnormal alike, the exponent biases differing by 8), and the product by 256 is exact.
-// Both read a NaN code as a number (480, or a half NaN): codes come from quantizers that
-// saturate, and a scale multiplies every code.
-__device__ __forceinline__ float2 e4m3x2_to_float2(u32 two /* low 16 bits: the first code in the low byte */) {
+// NaN) codes as halves, exactly (every e4m3 value is a half), the bits of a __half2 (the first
+// code's in the low half). On sm_89 and later one instruction converts the two. Before, the bits
+// are moved into a half's: the sign to bit 15, exponent and mantissa to bits 7..13, which reads
+// as the code's value times 2^-8 (normal and subnormal alike, the exponent biases differing by
+// 8), and the product by 256 is exact. Both read a NaN code as a number (480, or a half NaN):
+// codes come from quantizers that saturate, and a scale multiplies every code.
+__device__ __forceinline__ u32 e4m3x2_to_half2(u32 two /* low 16 bits: the first code in the low byte */) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     u32 h;
-    const unsigned short pair = (unsigned short)two;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"(pair));
-    return __half22float2(*reinterpret_cast<const __half2*>(&h));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)two));
+    return h;
 #else
     const u32 t = __byte_perm(two, 0, 0x1404);  // the two codes in bytes 1 and 3, zeros below
     const u32 h = (t & 0x80008000u) | ((t & 0x7f007f00u) >> 1);
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
-    return make_float2(f.x * 256.f, f.y * 256.f);
+    const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&h), __float2half2_rn(256.f));
+    return *reinterpret_cast<const u32*>(&v);
 #endif
+}
+
+// The same two codes as f32, exactly.
+__device__ __forceinline__ float2 e4m3x2_to_float2(u32 two) {
+    const u32 h = e4m3x2_to_half2(two);
+    return __half22float2(*reinterpret_cast<const __half2*>(&h));
 }
 
 // N codes (N / 4 words, the first code in the lowest byte of the first word) as f32.

@@ -21,7 +21,7 @@
 // a chunk): with blocks narrower than the row the chunk's sums are scaled before they are added,
 // else once at the end.
 //
-// Codes to T: cvt.rn.f16x2.e4m3x2 (sm_89 on; bit moves before) gives two exact halves; for bf16
+// Codes to T: e4m3x2_to_half2 (common.cuh) gives two exact halves; for bf16
 // the halves' bits are moved down 3 places, which reads as the same value times 2^-112 (the bf16
 // exponent bias is 112 above the half's; every e4m3 value is a normal half, so none is a bf16
 // subnormal), and the sums are multiplied by 2^112 before the scale. A NaN code (quantizers
@@ -37,23 +37,10 @@
 #define FP8_GEMV_UNROLL 4
 #endif
 
-
 // Two codes (low 16 bits, the first in the low byte) as a pair of T (the first in the low half)
-// for mma16816: halves, or bf16 values times 2^-112 (FP8_GEMV_UNSCALE undoes it).
-__device__ __forceinline__ u32 e4m3x2_to_mma(u32 two, __half) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
-    u32 h;
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)two));
-    return h;
-#else
-    // The bits moved as common.cuh's e4m3x2_to_float2 moves them (the values times 2^-8), then
-    // multiplied by 256: exact, the smallest code being a half subnormal before.
-    const u32 t = __byte_perm(two, 0, 0x1404);
-    const u32 h = (t & 0x80008000u) | ((t & 0x7f007f00u) >> 1);
-    const __half2 v = __hmul2(*reinterpret_cast<const __half2*>(&h), __float2half2_rn(256.f));
-    return *reinterpret_cast<const u32*>(&v);
-#endif
-}
+// for mma16816: halves (common.cuh's e4m3x2_to_half2), or bf16 values times 2^-112
+// (fp8_gemv_unscale undoes it).
+__device__ __forceinline__ u32 e4m3x2_to_mma(u32 two, __half) { return e4m3x2_to_half2(two); }
 __device__ __forceinline__ u32 e4m3x2_to_mma(u32 two, __nv_bfloat16) {
     const u32 h = e4m3x2_to_mma(two, __half());
     return (h & 0x80008000u) | ((h & 0x7fff7fffu) >> 3);

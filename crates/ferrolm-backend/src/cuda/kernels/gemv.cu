@@ -17,8 +17,9 @@
 // with f32 activations or blocks narrower than 64 columns (bf16 and f16 activations otherwise
 // take fp8_gemv.cu's tensor-core kernel: the same products, summed in another order, with fewer
 // instructions), a lane's chunk being 16 codes (16 bytes, as 8 bf16) read with one load and
-// converted where they are used (Fp8Rows below); they need k % 16 == 0. A plain FP8 product of 2 to 4 rows of x
-// gives a warp two rows of w (gemv_impl): grid ceil(ceil(n / 2) / (GEMV_WARPS / ksplit)).
+// converted where they are used (Fp8Rows below); they need k % 16 == 0. A plain FP8 product of
+// 2 to 4 rows of x gives a warp two rows of w (gemv_impl): grid ceil(ceil(n / 2) / (GEMV_WARPS /
+// ksplit)).
 
 #define GEMV_WARPS 8
 // An experiment (FERROLM_KERNEL_DEFINES="GEMV_L2_PREFETCH=1"): before waiting on the kernel
