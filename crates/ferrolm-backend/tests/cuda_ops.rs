@@ -996,6 +996,8 @@ fn gpu_attention_capped(
 /// whole prefill, a deep decode, a chunk that ends a block, and a decode one past a block edge:
 /// 92 query rows over contexts from 1 to 1000.
 const MIXED: [(usize, usize); 8] = [(300, 37), (40, 0), (1, 1), (19, 19), (1000, 1), (64, 33), (17, 1), (5, 1)];
+/// A step's decodes first, as the scheduler orders them, then prompts (and a decode among them).
+const DECODES_FIRST: [(usize, usize); 6] = [(1000, 1), (17, 1), (1, 1), (300, 37), (5, 1), (64, 33)];
 /// Decodes only, at depths on and off block edges.
 const DECODES: [(usize, usize); 7] = [(1, 1), (16, 1), (17, 1), (100, 1), (1000, 1), (333, 1), (2, 1)];
 
@@ -3233,13 +3235,14 @@ fn reshape_and_cache_fp8_writes_the_cpus_codes() -> Result<(), GpuError> {
 /// decode kernel in bf16 and f16, the CUDA-core one in f32, their contexts split or not), mixed
 /// prefill and decode batches (the tensor-core prefill kernel in bf16 and f16), the decodes with
 /// a hint past one row (the same), and the general kernel on all of them, with GQA and a sliding
-/// window. The tensor-core kernels (the picked ones in bf16 and f16, but the CUDA-core decode of
-/// head size 256) convert each code to its value times the cache's scale rounded to the
-/// activations' dtype before their arithmetic: their reference is the CPU's attention over those
-/// values, and the dense kernels over them must give what they give. The others compute with
-/// the values in f32, as the CPU reads the codes. (A bf16 run against the f32 values differs by
-/// the rounding of each K/V value, which a short context's output, a sum of few values that
-/// cancel, can leave 10 % of itself.)
+/// window. The tensor-core prefill kernel (picked in bf16 and f16 past one row, but for a batch's
+/// leading decodes, which take the decode kernel) converts each code to its value times the
+/// cache's scale rounded to the activations' dtype before its arithmetic: its rows' reference is
+/// the CPU's attention over those values, and the dense kernels over them must give what it
+/// gives. The other kernels compute with the codes' values as the CPU reads them (the tensor-core
+/// decode kernel takes them as exact halves and applies the scales in f32), and are held to the
+/// CPU over the codes: a kernel that rounded each K/V value to bf16 would miss, since a short
+/// context's output, a sum of few values that cancel, can move by 10 % of itself.
 #[test]
 fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
@@ -3258,7 +3261,8 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
         Heads { num_heads: 2, num_kv_heads: 1, head_dim: 256 },
     ];
     for heads in all_heads {
-        for (requests, window) in [(&DECODES[..], None), (&MIXED[..], None), (&DECODES[..], Some(40))] {
+        let batches = [(&DECODES[..], None), (&MIXED[..], None), (&DECODES_FIRST[..], None), (&DECODES[..], Some(40))];
+        for (requests, window) in batches {
             for (dtype, tol) in DTYPES {
                 let batch = Batch::random(&mut rng, heads, requests, block_size, dtype);
                 // The caches as FP8 codes (NaN slots no request owns stay NaN codes, never read).
@@ -3303,17 +3307,17 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
                     attention.run_on(kernel, &gpu, q.view(), kd, vd, &gpu_meta, heads, dense.view_mut())?;
                     let got = out.to_f32_vec(&gpu)?;
                     assert!(got.iter().all(|x| x.is_finite()), "FP8 paged_attention: a value not finite");
-                    // Whether this run's kernel rounds the converted values to the dtype.
-                    let rounds = dtype != DType::F32
-                        && matches!(kernel, AttentionKernel::Picked)
-                        && (max_query_len > 1 || heads.head_dim != 256);
-                    let (vs_converted, _) = worst_relative_error(&got, &want_converted);
-                    let (vs_codes, _) = worst_relative_error(&got, &want);
-                    let vs_cpu = if rounds { vs_converted } else { vs_codes };
+                    // The rows (from the first) computed with the codes' values: all but where the
+                    // prefill kernel takes the batch, there the leading decodes only.
+                    let prefill = dtype != DType::F32 && kernel == PICKED && max_query_len > 1;
+                    let leading = batch.query_start_loc.windows(2).take_while(|w| w[1] - w[0] == 1).count();
+                    let exact = if prefill { leading * heads.num_heads * heads.head_dim } else { got.len() };
+                    let dense = dense.to_f32_vec(&gpu)?;
+                    let (vs_codes, _) = worst_relative_error(&got[..exact], &want[..exact]);
+                    let (vs_converted, _) = worst_relative_error(&got[exact..], &want_converted[exact..]);
                     // The same values through the dense kernels (where the FP8 kernel rounds them
-                    // as these hold them): the same arithmetic but for the decode's form (the
-                    // dense one may take the per-warp kernel), within an output rounding.
-                    let (vs_dense, _) = worst_relative_error(&got, &dense.to_f32_vec(&gpu)?);
+                    // as these hold them): the same arithmetic, within an output rounding.
+                    let (vs_dense, _) = worst_relative_error(&got[exact..], &dense[exact..]);
                     let dense_tol = match dtype {
                         DType::BF16 => 1.0 / 128.0,
                         DType::F16 => 1.0 / 1024.0,
@@ -3321,12 +3325,13 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
                     };
                     let what = format!(
                         "FP8 paged_attention {kernel:?} {dtype:?} {heads:?} window {window:?} hint {max_query_len}: \
-                         {vs_converted:.2e} from the CPU over the values rounded to the dtype, {vs_codes:.2e} over \
-                         them in f32 (its reference: {}), {vs_dense:.2e} from the dense kernels",
-                        if rounds { "rounded" } else { "f32" }
+                         {} rows over the codes in f32, {vs_codes:.2e} from the CPU; {} over them rounded to the \
+                         dtype, {vs_converted:.2e} from the CPU and {vs_dense:.2e} from the dense kernels",
+                        exact / (heads.num_heads * heads.head_dim),
+                        (got.len() - exact) / (heads.num_heads * heads.head_dim)
                     );
                     eprintln!("{what}");
-                    if vs_cpu > tol || (rounds && vs_dense > dense_tol) {
+                    if vs_codes > tol || vs_converted > tol || vs_dense > dense_tol {
                         failures.push(what);
                     }
                 }

@@ -10,8 +10,9 @@
 //! layer's K or V scale ([`Fp8Cache`], written by [`reshape_and_cache_fp8`]); its attention
 //! ([`PagedAttention::run_fp8`]) takes the tensor-core decode kernel's block form in bf16 and
 //! f16 (the CUDA-core one in f32, or for other head sizes) for decodes and the tensor-core
-//! prefill kernel (or the general one) otherwise, each in a form that reads codes: the per-warp
-//! decode forms read the activations' dtype only.
+//! prefill kernel (or the general one) otherwise, but for a mixed batch's leading decodes, which
+//! take the decode kernel; each in a form that reads codes: the per-warp decode forms read the
+//! activations' dtype only.
 //!
 //! Four kernels compute attention. Batches of decodes (`max_query_len <= 1`) take a decode
 //! kernel: one block per (token, KV head, context partition), K/V read once per GQA group, and,
@@ -209,6 +210,27 @@ pub struct GpuAttentionMetadata<'a> {
     /// Starts empty (`AttentionWork::default()`); filled by the first call that needs it, and
     /// shared by every layer's metadata of the step.
     pub work: &'a AttentionWork,
+}
+
+impl<'a> GpuAttentionMetadata<'a> {
+    /// The metadata of the first `n` requests alone, each of one query row, with `work` for their
+    /// work list.
+    fn leading<'b>(&'b self, n: usize, work: &'b AttentionWork) -> GpuAttentionMetadata<'b> {
+        GpuAttentionMetadata {
+            query_start_loc: self.query_start_loc.slice(..n + 1),
+            query_start_loc_host: &self.query_start_loc_host[..n + 1],
+            seq_lens: self.seq_lens.slice(..n),
+            block_tables: self.block_tables.slice(..n * self.max_blocks_per_seq),
+            max_query_len: 1,
+            work,
+            ..*self
+        }
+    }
+}
+
+/// How many requests from the first have one query row each.
+fn leading_decodes(query_start_loc: &[u32]) -> usize {
+    query_start_loc.windows(2).take_while(|w| w[1].checked_sub(w[0]) == Some(1)).count()
 }
 
 /// Writes each token's K and V into the paged cache at `slot_mapping[t]` (a negative slot is
@@ -571,7 +593,8 @@ impl PagedAttention {
                 }
                 // Decodes take the tensor-core decode kernel's block form in bf16/f16, else the
                 // CUDA-core one (`fp8_decode_kernel`); prefills the tensor-core prefill kernel
-                // where it has the head size; the general kernel the rest.
+                // where it has the head size, a mixed batch's leading decodes the decode kernel
+                // (`fp8_mixed`); the general kernel the rest.
                 let flash = flash_attention::kernel_for(gpu, head_dim, q, caches, &out);
                 return match route {
                     AttentionKernel::TensorCopies => Err(GpuError::Unsupported {
@@ -584,7 +607,7 @@ impl PagedAttention {
                         None => paged_general(gpu, operands, out),
                     },
                     _ => match flash {
-                        Some(kernel) => flash_attention::paged_flash(gpu, kernel, operands, out),
+                        Some(kernel) => self.fp8_mixed(gpu, kernel, operands, out),
                         None => paged_general(gpu, operands, out),
                     },
                 };
@@ -631,7 +654,7 @@ impl PagedAttention {
             let tensor = tensor.map_or(TensorCopies::Never, TensorCopies::WherePerWarp);
             self.paged_decode(gpu, kernel, tensor, operands, out)
         } else if let Some(kernel) = flash_attention::kernel_for(gpu, head_dim, q, caches, &out) {
-            flash_attention::paged_flash(gpu, kernel, operands, out)
+            flash_attention::paged_flash(gpu, kernel, operands, 0, out)
         } else {
             paged_general(gpu, operands, out)
         }
@@ -794,13 +817,12 @@ fn cache_tensor_map(cache: GpuView<'_>, num_kv_heads: usize, head_dim: usize) ->
 }
 
 /// Shared memory of a tensor-core decode block: its ring of K/V tiles (4 tiles for head size
-/// 64, 3 above; rows of `head_dim + 8` 2-byte elements), which the cross-warp merge of 16 rows'
-/// f32 states reuses at the end.
+/// 64, 3 above; rows of `head_dim + 8` 2-byte elements, or over FP8 caches of `head_dim + 16`
+/// codes), which the cross-warp merge of 16 rows' f32 states reuses at the end.
 fn decode_mma_shared_bytes(head_dim: usize, fp8: bool) -> usize {
     let stages = if head_dim <= 64 { 4 } else { 3 };
-    let tile = 2 * DECODE_MMA_TILE_KEYS * (head_dim + 8) * 2;
-    // FP8: one T tile, then the ring of unpadded codes.
-    let ring = if fp8 { tile + stages * 2 * DECODE_MMA_TILE_KEYS * head_dim } else { stages * tile };
+    let row = if fp8 { head_dim + 16 } else { (head_dim + 8) * 2 };
+    let ring = stages * 2 * DECODE_MMA_TILE_KEYS * row;
     let merge = 4 * (DECODE_THREADS / 32) * DECODE_MMA_HEADS * (head_dim + 2);
     ring.max(merge)
 }
@@ -854,6 +876,31 @@ fn shape_args(
 }
 
 impl PagedAttention {
+    /// A batch of prefill rows over FP8 caches on the tensor-core prefill kernel, but for its
+    /// leading requests of one row each (a step's decodes, which the scheduler puts first): those
+    /// take the FP8 decode kernel, which reads the codes at about the memory's rate, where the
+    /// prefill kernel converts each K/V tile for a decode's few query rows.
+    fn fp8_mixed(
+        &self,
+        gpu: &Gpu,
+        flash: &flash_attention::FlashKernel,
+        operands: &Operands<'_>,
+        mut out: GpuViewMut<'_>,
+    ) -> Result<(), GpuError> {
+        let Operands { q, caches, meta, heads } = *operands;
+        let decodes = leading_decodes(meta.query_start_loc_host);
+        let decode = if decodes > 0 { fp8_decode_kernel(gpu, heads.head_dim, q, caches, &out) } else { None };
+        let Some(decode) = decode else {
+            return flash_attention::paged_flash(gpu, flash, operands, 0, out);
+        };
+        flash_attention::paged_flash(gpu, flash, operands, decodes, out.reborrow())?;
+        let work = AttentionWork::default();
+        let meta = meta.leading(decodes, &work);
+        let token_width = heads.num_heads * heads.head_dim;
+        let operands = Operands { q: q.rows(0..decodes, token_width), caches, meta: &meta, heads };
+        self.paged_decode(gpu, decode, TensorCopies::Never, &operands, out.rows(0..decodes, token_width))
+    }
+
     fn paged_decode(
         &self,
         gpu: &Gpu,
@@ -1263,6 +1310,16 @@ mod tests {
     }
 
     #[test]
+    fn leading_decodes_counts_the_one_row_requests_before_any_other() {
+        assert_eq!(leading_decodes(&[0, 1, 2, 3]), 3);
+        assert_eq!(leading_decodes(&[0, 1, 2, 40, 41]), 2);
+        assert_eq!(leading_decodes(&[0, 37, 38]), 0);
+        // A request of no rows ends the run.
+        assert_eq!(leading_decodes(&[0, 1, 1, 2]), 1);
+        assert_eq!(leading_decodes(&[0]), 0);
+    }
+
+    #[test]
     fn tensor_core_decode_blocks_fit_two_per_sm() {
         // An H200 SM has 228 KiB of shared memory, 1 KiB of it reserved per block.
         for (head_dim, ..) in DECODE_MMA_KERNELS {
@@ -1273,7 +1330,9 @@ mod tests {
         }
         assert_eq!(decode_mma_shared_bytes(128, false), 104_448);
         assert_eq!(decode_mma_shared_bytes(64, false), 73_728);
-        // FP8: a padded T tile of K and V (2 x 64 x 136 x 2), then 3 stages of codes (3 x 2 x 64 x 128).
-        assert_eq!(decode_mma_shared_bytes(128, true), 34_816 + 49_152);
+        // FP8: 3 stages of K and V codes in rows padded to 144 bytes (3 x 2 x 64 x 144); at head
+        // size 64, 4 stages (4 x 2 x 64 x 80), above the merge's 4 x 4 x 16 x 66 f32.
+        assert_eq!(decode_mma_shared_bytes(128, true), 55_296);
+        assert_eq!(decode_mma_shared_bytes(64, true), 40_960);
     }
 }

@@ -104,12 +104,12 @@ impl TileRows {
     }
 }
 
-/// `[num_items, 2]`: (request, first query row) of each tile of `tokens_per_tile` rows, no
-/// tile crossing into the next request. A chunk's last tiles see the most keys, so they come
-/// first: the short ones then fill the end of the launch.
-fn work_items(query_start_loc: &[u32], tokens_per_tile: usize) -> Vec<u32> {
+/// `[num_items, 2]`: (request, first query row) of each tile of `tokens_per_tile` rows of the
+/// requests from `first_request` on, no tile crossing into the next request. A chunk's last tiles
+/// see the most keys, so they come first: the short ones then fill the end of the launch.
+fn work_items(query_start_loc: &[u32], tokens_per_tile: usize, first_request: usize) -> Vec<u32> {
     let mut items = Vec::new();
-    for (r, w) in query_start_loc.windows(2).enumerate() {
+    for (r, w) in query_start_loc.windows(2).enumerate().skip(first_request) {
         for first in (w[0]..w[1]).step_by(tokens_per_tile).rev() {
             items.extend([r as u32, first]);
         }
@@ -133,6 +133,8 @@ fn fast_divisor(d: u32) -> (u32, u32) {
 /// The work list of one step on the device.
 struct WorkList {
     tokens_per_tile: usize,
+    /// The requests before it are not in the list (another kernel takes them).
+    first_request: usize,
     num_items: usize,
     /// `[num_items, 2]`, or `None` when no request has more than one row: item `r` is then
     /// request `r`, found by the kernel without a list, so that a batch of decodes uploads
@@ -141,14 +143,21 @@ struct WorkList {
 }
 
 impl WorkList {
-    fn new(gpu: &Gpu, query_start_loc: &[u32], tokens_per_tile: usize) -> Result<WorkList, GpuError> {
+    fn new(
+        gpu: &Gpu,
+        query_start_loc: &[u32],
+        tokens_per_tile: usize,
+        first_request: usize,
+    ) -> Result<WorkList, GpuError> {
         assert!(query_start_loc.windows(2).all(|w| w[0] <= w[1]), "paged_attention: query_start_loc_host decreases");
-        if query_start_loc.windows(2).all(|w| w[1] - w[0] <= 1) {
+        if first_request == 0 && query_start_loc.windows(2).all(|w| w[1] - w[0] <= 1) {
             let num_items = query_start_loc.len() - 1;
-            return Ok(WorkList { tokens_per_tile, num_items, items: None });
+            return Ok(WorkList { tokens_per_tile, first_request, num_items, items: None });
         }
-        let items = work_items(query_start_loc, tokens_per_tile);
-        Ok(WorkList { tokens_per_tile, num_items: items.len() / 2, items: Some(gpu.upload(&items)?) })
+        let items = work_items(query_start_loc, tokens_per_tile, first_request);
+        let num_items = items.len() / 2;
+        let items = if items.is_empty() { None } else { Some(gpu.upload(&items)?) };
+        Ok(WorkList { tokens_per_tile, first_request, num_items, items })
     }
 }
 
@@ -188,11 +197,13 @@ pub(crate) fn kernel_for(
     FlashKernel::find(q.dtype(), head_dim).filter(|k| aligned && k.shared_bytes() <= gpu.max_shared_per_block())
 }
 
-/// [`super::PagedAttention::run`] on `kernel`; the arguments are already checked.
+/// [`super::PagedAttention::run`] on `kernel` for the requests from `first_request` on (their rows
+/// of `out`; the earlier requests' rows are left as they are); the arguments are already checked.
 pub(crate) fn paged_flash(
     gpu: &Gpu,
     kernel: &FlashKernel,
     operands: &Operands<'_>,
+    first_request: usize,
     out: GpuViewMut<'_>,
 ) -> Result<(), GpuError> {
     let Operands { q, caches, meta, heads } = *operands;
@@ -208,8 +219,8 @@ pub(crate) fn paged_flash(
 
     let mut fresh = None;
     let list = match meta.work.list.get() {
-        Some(list) if list.tokens_per_tile == rows.tokens_per_tile => list,
-        _ => fresh.insert(WorkList::new(gpu, qsl, rows.tokens_per_tile)?),
+        Some(list) if list.tokens_per_tile == rows.tokens_per_tile && list.first_request == first_request => list,
+        _ => fresh.insert(WorkList::new(gpu, qsl, rows.tokens_per_tile, first_request)?),
     };
     if list.num_items == 0 {
         return Ok(());
@@ -302,13 +313,13 @@ mod tests {
     fn work_items_tile_each_request_last_tile_first() {
         // Rows 0..5 (a chunk of 5), none, 5..6 (a decode), 6..22 (16 rows).
         let qsl = [0, 5, 5, 6, 22];
-        assert_eq!(work_items(&qsl, 4), vec![0, 4, 0, 0, 2, 5, 3, 18, 3, 14, 3, 10, 3, 6]);
-        assert_eq!(work_items(&qsl, 64), vec![0, 0, 2, 5, 3, 6]);
-        assert!(work_items(&[0], 16).is_empty());
+        assert_eq!(work_items(&qsl, 4, 0), vec![0, 4, 0, 0, 2, 5, 3, 18, 3, 14, 3, 10, 3, 6]);
+        assert_eq!(work_items(&qsl, 64, 0), vec![0, 0, 2, 5, 3, 6]);
+        assert!(work_items(&[0], 16, 0).is_empty());
         // Every row in exactly one tile of its own request.
         for tpt in [1, 2, 3, 8, 21, 64] {
             let mut covered = vec![0; 22];
-            for item in work_items(&qsl, tpt).chunks(2) {
+            for item in work_items(&qsl, tpt, 0).chunks(2) {
                 let (r, first) = (item[0] as usize, item[1]);
                 let end = first.saturating_add(tpt as u32).min(qsl[r + 1]);
                 assert!(qsl[r] <= first && first < qsl[r + 1]);
@@ -316,6 +327,9 @@ mod tests {
             }
             assert!(covered.iter().all(|&c| c == 1), "tokens_per_tile {tpt}: {covered:?}");
         }
+        // From request 2 on: requests 0 and 1 have no tile.
+        assert_eq!(work_items(&qsl, 4, 2), vec![2, 5, 3, 18, 3, 14, 3, 10, 3, 6]);
+        assert!(work_items(&qsl, 4, 4).is_empty());
     }
 
     #[test]

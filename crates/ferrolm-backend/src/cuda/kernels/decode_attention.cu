@@ -17,10 +17,12 @@
 // (`decode_store`), which also writes the output or the partition's partial result.
 //
 // Over an FP8 cache (`paged_decode_mma_fp8kv_d{D}`, the block kernel only) the ring holds the
-// tiles' codes instead (D bytes a row, copied 16 at a time), and each tile is converted, code
-// times the cache's scale rounded once to T, into one padded T tile that the same maths reads:
-// the ring keeps its copies in flight, the conversion costs a pass through shared memory and a
-// barrier per tile.
+// tiles' codes (rows of D bytes padded to D + 16) and each warp builds its mma fragments from
+// them in registers (`decode_mma_codes`): no pass through shared memory converts them, and the
+// block meets at one barrier a tile, as over dense caches. Those mma run in f16 whatever T is:
+// every code is an exact half, Q's rows are scaled by a power of two into the half's range, and
+// the cache's scales are applied in f32 (K's with the softmax scale, V's to the sums); P is a
+// half and its residual, as over dense caches.
 
 #define DM_WARPS 4
 #define DM_THREADS (DM_WARPS * 32)
@@ -83,40 +85,23 @@ __device__ __forceinline__ void decode_load_keys(T* k_s, const DecodeKv<T>& kv, 
     }
 }
 
-// Copies KEYS keys' FP8 codes from k0 into a ring slot (K rows, then V rows at codes_s + KEYS * D,
-// D bytes each, unpadded) with THREADS threads, this one `thread`; zero-filled as
-// decode_load_keys.
+// Bytes per row of a ring slot of FP8 codes: D codes and 16 bytes of padding, so that the lanes
+// of a fragment load (decode_mma_codes) hit distinct banks.
+template <int D> struct CodeRow { static constexpr int BYTES = D + 16; };
+
+// Copies KEYS keys' FP8 codes from k0 into a ring slot (K rows, then V rows at codes_s + KEYS *
+// CodeRow<D>::BYTES) with THREADS threads, this one `thread`; zero-filled as decode_load_keys.
 template <int D, int KEYS, int THREADS>
 __device__ __forceinline__ void decode_load_codes(unsigned char* codes_s, const DecodeKv<unsigned char>& kv, u32 k0,
                                                   u32 end, u32 thread) {
-    constexpr u32 CH = D / 16;  // 16-code chunks per row
-    unsigned char* v_s = codes_s + KEYS * D;
+    constexpr u32 CH = D / 16, SB = CodeRow<D>::BYTES;  // 16-code chunks per row
+    unsigned char* v_s = codes_s + KEYS * SB;
     for (u32 e = thread; e < KEYS * CH; e += THREADS) {
         const u32 j = e / CH, c = e % CH, key = k0 + j;
         const long long at_slot = key < end ? decode_slot(kv.table, key, kv.block_size, kv.num_blocks) : -1;
         const u64 at = at_slot < 0 ? 0 : (u64)at_slot * kv.kv_width + kv.col0 + c * 16;
-        cp_async16(smem_addr(codes_s + j * D + c * 16), kv.k_cache + at, at_slot >= 0);
-        cp_async16(smem_addr(v_s + j * D + c * 16), kv.v_cache + at, at_slot >= 0);
-    }
-}
-
-// Converts a ring slot of KEYS keys' codes (as decode_load_codes lays them) into a T tile of
-// padded rows (K rows, then V rows at tile + KEYS * (D + 8)), each value code times its scale.
-template <typename T, int D, int KEYS, int THREADS>
-__device__ __forceinline__ void decode_convert_codes(T* tile, const unsigned char* codes_s, float k_scale,
-                                                     float v_scale, u32 thread) {
-    constexpr u32 STRIDE = D + 8, CH = D / 8;  // 8-code pieces per row
-#pragma unroll
-    for (int kv = 0; kv < 2; kv++) {
-        const unsigned char* src = codes_s + kv * KEYS * D;
-        T* dst = tile + kv * KEYS * STRIDE;
-        const float scale = kv == 0 ? k_scale : v_scale;
-        for (u32 e = thread; e < KEYS * CH; e += THREADS) {
-            const u32 j = e / CH, c = e % CH;
-            float x[8];
-            e4m3x8_to_float(*reinterpret_cast<const uint2*>(src + j * D + c * 8), x);
-            *reinterpret_cast<uint4*>(dst + j * STRIDE + c * 8) = pack8_scaled<T>(x, scale);
-        }
+        cp_async16(smem_addr(codes_s + j * SB + c * 16), kv.k_cache + at, at_slot >= 0);
+        cp_async16(smem_addr(v_s + j * SB + c * 16), kv.v_cache + at, at_slot >= 0);
     }
 }
 
@@ -147,6 +132,46 @@ template <typename T, bool SWIZZLED> __device__ __forceinline__ u32 tile_step(u3
     return row + ks * 16 * sizeof(T);
 }
 
+// The online-softmax step of a warp's 16 keys from key0: S's accumulators `s` (keys at or past
+// `end` masked) times scale_lo (the lane's row gid) or scale_hi (gid + 8), in base 2, soft-capped;
+// O rescaled where a row's maximum moved; P as the A fragment of the 16 keys in T, each weight
+// rounded once (`p`) plus its residual (`p_rest`): one rounding alone leaves a sum of values that
+// cancel far from the exact one.
+template <typename T, int D>
+__device__ __forceinline__ void decode_softmax_keys(float (&s)[2][4], u32 key0, u32 end, u32 tig, float scale_lo,
+                                                    float scale_hi, float cap_log2, float (&o)[D / 8][4], float& m_lo,
+                                                    float& m_hi, float& l_lo, float& l_hi, u32 (&p)[4],
+                                                    u32 (&p_rest)[4]) {
+    float mx_lo = NEG_INF, mx_hi = NEG_INF;
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const u32 key = key0 + nt * 8 + tig * 2 + (i & 1);
+            s[nt][i] = key < end ? soft_cap(s[nt][i] * (i < 2 ? scale_lo : scale_hi), cap_log2) : NEG_INF;
+        }
+        mx_lo = fmaxf(mx_lo, fmaxf(s[nt][0], s[nt][1]));
+        mx_hi = fmaxf(mx_hi, fmaxf(s[nt][2], s[nt][3]));
+    }
+    float alpha_lo, alpha_hi;
+    softmax_step(s, mx_lo, mx_hi, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi);
+    // Once the maxima settle most tiles leave them as they are: skip the rescale then.
+    if (__any_sync(0xffffffffu, alpha_lo != 1.f || alpha_hi != 1.f)) {
+#pragma unroll
+        for (int dt = 0; dt < D / 8; dt++) {
+            o[dt][0] *= alpha_lo;
+            o[dt][1] *= alpha_lo;
+            o[dt][2] *= alpha_hi;
+            o[dt][3] *= alpha_hi;
+        }
+    }
+    // S's accumulators of key tiles 0 and 1 are the A fragment of the warp's 16 keys.
+    p[0] = split2(s[0][0], s[0][1], p_rest[0], T());
+    p[1] = split2(s[0][2], s[0][3], p_rest[1], T());
+    p[2] = split2(s[1][0], s[1][1], p_rest[2], T());
+    p[3] = split2(s[1][2], s[1][3], p_rest[3], T());
+}
+
 // A warp's 16 keys from key0 (those at or past `end` masked): S = Q K^T from the K rows at
 // shared address kb, the online-softmax step on the lane's state, then O += P V from the V rows
 // at vb (kb and vb with the lane's ldmatrix offsets applied, kx and vx their swizzle: see
@@ -170,35 +195,8 @@ __device__ __forceinline__ void decode_mma_keys(u32 kb, u32 vb, u32 kx, u32 vx, 
         mma16816(s[0], qf[ks], b[0], b[1], T());
         mma16816(s[1], qf[ks], b[2], b[3], T());
     }
-    float mx_lo = NEG_INF, mx_hi = NEG_INF;
-#pragma unroll
-    for (int nt = 0; nt < 2; nt++) {
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const u32 key = key0 + nt * 8 + tig * 2 + (i & 1);
-            s[nt][i] = key < end ? soft_cap(s[nt][i] * scale_log2, cap_log2) : NEG_INF;
-        }
-        mx_lo = fmaxf(mx_lo, fmaxf(s[nt][0], s[nt][1]));
-        mx_hi = fmaxf(mx_hi, fmaxf(s[nt][2], s[nt][3]));
-    }
-    float alpha_lo, alpha_hi;
-    softmax_step(s, mx_lo, mx_hi, m_lo, m_hi, l_lo, l_hi, alpha_lo, alpha_hi);
-    // Once the maxima settle most tiles leave them as they are: skip the rescale then.
-    if (__any_sync(0xffffffffu, alpha_lo != 1.f || alpha_hi != 1.f)) {
-#pragma unroll
-        for (int dt = 0; dt < D / 8; dt++) {
-            o[dt][0] *= alpha_lo;
-            o[dt][1] *= alpha_lo;
-            o[dt][2] *= alpha_hi;
-            o[dt][3] *= alpha_hi;
-        }
-    }
-    // S's accumulators of key tiles 0 and 1 are the A fragment of the warp's 16 keys.
     u32 p[4], p_rest[4];
-    p[0] = split2(s[0][0], s[0][1], p_rest[0], T());
-    p[1] = split2(s[0][2], s[0][3], p_rest[1], T());
-    p[2] = split2(s[1][0], s[1][1], p_rest[2], T());
-    p[3] = split2(s[1][2], s[1][3], p_rest[3], T());
+    decode_softmax_keys<T, D>(s, key0, end, tig, scale_log2, scale_log2, cap_log2, o, m_lo, m_hi, l_lo, l_hi, p, p_rest);
 #pragma unroll
     for (int np = 0; np < D / 16; np++) {
         // Keys 0..15, dims 16 np..16 np + 15, transposed: b0, b1 of dim tiles 2 np, 2 np + 1.
@@ -211,10 +209,163 @@ __device__ __forceinline__ void decode_mma_keys(u32 kb, u32 vb, u32 kx, u32 vx, 
     }
 }
 
+// Over FP8 caches (see the top): the mma take the codes as halves in an order of K's dims and V's
+// columns that lets each lane load whole words of its rows.
+//
+// S = Q K^T: the sums run over dims, so any order of them does as long as Q's fragments follow it.
+// Lane (gid, tig) loads R = D / 4 codes of its key's row, dims tig R .. tig R + R - 1; in k step s
+// its slots 2 tig, 2 tig + 1 take dims tig R + 4 s, + 1 and slots 2 tig + 8, + 9 dims tig R + 4 s + 2,
+// + 3 (the low and high halves of its word s).
+//
+// O += P V: the sums run over keys, which stay in order (P is S's accumulators); the columns are
+// dims, and column n of column tile j stands for dim W (n + 8 (j / W)) + j % W, W being the
+// widest power of two up to 16 dividing D / 8: lane (gid, tig) loads W codes of rows 2 tig,
+// 2 tig + 1, 2 tig + 8 and 2 tig + 9 from dim W (gid + 8 jj) for each jj, and a byte permute pairs
+// rows 2 tig and 2 tig + 1 (2 tig + 8 and 2 tig + 9) of one dim, the B fragment's two halves.
+template <int D> struct CodeFragments {
+    static constexpr int R = D / 4;  // K codes a lane loads per key
+    static constexpr int DT = D / 8;
+    static constexpr int W = DT % 16 == 0 ? 16 : DT % 8 == 0 ? 8 : DT % 4 == 0 ? 4 : 2;
+    // The dim of O's column n of column tile j.
+    static __device__ __forceinline__ u32 dim(u32 j, u32 n) { return W * (n + 8 * (j / W)) + j % W; }
+};
+
+// N codes (N a multiple of 4) from a shared address aligned to the widest access N allows, as
+// words (the first code in the lowest byte).
+template <int N> __device__ __forceinline__ void load_code_words(const unsigned char* p, u32 (&w)[N / 4]) {
+    static_assert(N % 4 == 0, "whole words");
+    if constexpr (N % 16 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 16; i++) {
+            const uint4 v = reinterpret_cast<const uint4*>(p)[i];
+            w[4 * i] = v.x, w[4 * i + 1] = v.y, w[4 * i + 2] = v.z, w[4 * i + 3] = v.w;
+        }
+    } else if constexpr (N % 8 == 0) {
+#pragma unroll
+        for (int i = 0; i < N / 8; i++) {
+            const uint2 v = reinterpret_cast<const uint2*>(p)[i];
+            w[2 * i] = v.x, w[2 * i + 1] = v.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < N / 4; i++) w[i] = reinterpret_cast<const u32*>(p)[i];
+    }
+}
+
+// W codes of a row for the V fragments: W / 4 words, or one word holding 2 codes in its low half.
+template <int W> __device__ __forceinline__ void load_code_group(const unsigned char* p, u32 (&w)[W >= 4 ? W / 4 : 1]) {
+    if constexpr (W >= 4) {
+        load_code_words<W>(p, w);
+    } else {
+        w[0] = *reinterpret_cast<const unsigned short*>(p);
+    }
+}
+
+// The power of two that takes a row whose largest magnitude is `mx` into [2^14, 2^15) (within a
+// normal f32), so that its values are halves as exact as T's; 1 for a zero row (or one not finite,
+// which stays what it is).
+__device__ __forceinline__ float half_range_factor(float mx) {
+    if (!(mx > 0.f) || !isfinite(mx)) return 1.f;
+    const int e = (int)((__float_as_uint(mx) >> 23) & 0xffu) - 127;
+    const int k = min(max(14 - e, -126), 127);
+    return __uint_as_float((u32)(k + 127) << 23);
+}
+
+// Q's A fragments in halves for decode_mma_codes: the lane's rows (heads gid and gid + 8 of the
+// block's, at `q_row`; zeros past nh) each times its half_range_factor, in the dim order of the K
+// words. Returns the rows' factors.
+template <typename T, int D>
+__device__ __forceinline__ float2 load_q_fragments_f16(const T* q_row, u32 gid, u32 tig, bool has_lo, bool has_hi,
+                                                       u32 (&qf)[D / 16][4]) {
+    constexpr int R = CodeFragments<D>::R;
+    const T* q_lo = q_row + gid * D + tig * R;
+    const T* q_hi = q_lo + 8 * D;
+    float lo[R], hi[R], mx_lo = 0.f, mx_hi = 0.f;
+#pragma unroll
+    for (int i = 0; i < R; i += 2) {
+        const u32 a = has_lo ? load_pair(q_lo + i) : 0u, b = has_hi ? load_pair(q_hi + i) : 0u;
+        const float2 fa = pair_to_float2(*reinterpret_cast<const typename Pair2<T>::type*>(&a));
+        const float2 fb = pair_to_float2(*reinterpret_cast<const typename Pair2<T>::type*>(&b));
+        lo[i] = fa.x, lo[i + 1] = fa.y, hi[i] = fb.x, hi[i + 1] = fb.y;
+        mx_lo = fmaxf(mx_lo, fmaxf(fabsf(fa.x), fabsf(fa.y)));
+        mx_hi = fmaxf(mx_hi, fmaxf(fabsf(fb.x), fabsf(fb.y)));
+    }
+    // The quad's four lanes hold the row between them.
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 1));
+    mx_lo = fmaxf(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, 2));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 1));
+    mx_hi = fmaxf(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, 2));
+    const float f_lo = half_range_factor(mx_lo), f_hi = half_range_factor(mx_hi);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ks++) {
+        qf[ks][0] = pack2(lo[4 * ks] * f_lo, lo[4 * ks + 1] * f_lo, __half());
+        qf[ks][1] = pack2(hi[4 * ks] * f_hi, hi[4 * ks + 1] * f_hi, __half());
+        qf[ks][2] = pack2(lo[4 * ks + 2] * f_lo, lo[4 * ks + 3] * f_lo, __half());
+        qf[ks][3] = pack2(hi[4 * ks + 2] * f_hi, hi[4 * ks + 3] * f_hi, __half());
+    }
+    return make_float2(f_lo, f_hi);
+}
+
+// decode_mma_keys over FP8 codes: a warp's 16 keys from key0 at k_rows and v_rows (ring rows of
+// CodeRow<D>::BYTES), Q's fragments from load_q_fragments_f16, scores times scale_lo or
+// scale_hi (the softmax scale in base 2, K's cache scale and 1 / the row's factor). O's columns
+// are in CodeFragments' order and its sums in code units (times V's scale later).
+template <int D>
+__device__ __forceinline__ void decode_mma_codes(const unsigned char* k_rows, const unsigned char* v_rows, u32 key0,
+                                                 u32 end, u32 gid, u32 tig, float scale_lo, float scale_hi,
+                                                 float cap_log2, const u32 (&qf)[D / 16][4], float (&o)[D / 8][4],
+                                                 float& m_lo, float& m_hi, float& l_lo, float& l_hi) {
+    using F = CodeFragments<D>;
+    constexpr int SB = CodeRow<D>::BYTES, R = F::R, W = F::W, WORDS = W >= 4 ? W / 4 : 1;
+    float s[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; nt++) {
+#pragma unroll
+        for (int i = 0; i < 4; i++) s[nt][i] = 0.f;
+        // Key 8 nt + gid, dims tig R ..: word ks is k step ks's b0 (low half) and b1 (high half).
+        u32 kw[R / 4];
+        load_code_words<R>(k_rows + (nt * 8 + gid) * SB + tig * R, kw);
+#pragma unroll
+        for (int ks = 0; ks < D / 16; ks++) {
+            mma16816(s[nt], qf[ks], e4m3x2_to_half2(kw[ks]), e4m3x2_to_half2(kw[ks] >> 16), __half());
+        }
+    }
+    // P in halves and their residuals, as over dense caches.
+    u32 p[4], p_rest[4];
+    decode_softmax_keys<__half, D>(s, key0, end, tig, scale_lo, scale_hi, cap_log2, o, m_lo, m_hi, l_lo, l_hi, p,
+                                   p_rest);
+#pragma unroll
+    for (int jj = 0; jj < D / 8 / W; jj++) {
+        const unsigned char* at = v_rows + W * (gid + 8 * jj) + 2 * tig * SB;
+        u32 r0[WORDS], r1[WORDS], r8[WORDS], r9[WORDS];
+        load_code_group<W>(at, r0);
+        load_code_group<W>(at + SB, r1);
+        load_code_group<W>(at + 8 * SB, r8);
+        load_code_group<W>(at + 9 * SB, r9);
+#pragma unroll
+        for (int i = 0; i < WORDS; i++) {
+            // Dims 4 i, 4 i + 1 of the group (bytes 0, 1 of each word), then 4 i + 2, 4 i + 3.
+#pragma unroll
+            for (int h = 0; h < (W >= 4 ? 2 : 1); h++) {
+                const u32 sel = h == 0 ? 0x5140u : 0x7362u;
+                const u32 lo = __byte_perm(r0[i], r1[i], sel), hi = __byte_perm(r8[i], r9[i], sel);
+                const int j = jj * W + 4 * i + 2 * h;
+                const u32 b0 = e4m3x2_to_half2(lo), b1 = e4m3x2_to_half2(hi);
+                const u32 c0 = e4m3x2_to_half2(lo >> 16), c1 = e4m3x2_to_half2(hi >> 16);
+                mma16816(o[j], p, b0, b1, __half());
+                mma16816(o[j + 1], p, c0, c1, __half());
+                mma16816(o[j], p_rest, b0, b1, __half());
+                mma16816(o[j + 1], p_rest, c0, c1, __half());
+            }
+        }
+    }
+}
+
 // Arguments as paged_decode_impl's (attention.cu); head_dim is D. Grid: (T * num_kv_heads *
 // head_chunks, num_parts) with head_chunks = ceil(group / DM_ROWS), head blocks fastest.
-// Shared memory: the ring, DM_STAGES * 2 * DM_TILE_KEYS * (D + 8) elements of T; after the
-// loop the same bytes hold red_s [DM_WARPS, DM_ROWS, D] and ml_s [DM_WARPS, DM_ROWS, 2] (f32).
+// Shared memory: the ring, DM_STAGES * 2 * DM_TILE_KEYS * (D + 8) elements of T (over FP8 caches
+// DM_STAGES * 2 * DM_TILE_KEYS * (D + 16) codes); after the loop the same bytes hold red_s
+// [DM_WARPS, DM_ROWS, D] and ml_s [DM_WARPS, DM_ROWS, 2] (f32).
 template <typename T, typename C, int D>
 __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, const C* __restrict__ k_cache,
                                                       const C* __restrict__ v_cache, T* __restrict__ out,
@@ -232,11 +383,11 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
     constexpr int KSTEPS = D / 16;             // k steps of Q K^T
     constexpr int DT = D / 8;                  // 8-wide column tiles of O
     static_assert(D % 16 == 0, "mma tiles");
+    // FP8: a slot holds the tile's K then V codes, rows of CodeRow<D>::BYTES.
+    constexpr int CODE_SLOT = 2 * DM_TILE_KEYS * CodeRow<D>::BYTES;
     extern __shared__ uint4 dm_smem[];
-    // FP8: the T tile (K then V: 2 * TILE elements) first, then the ring of codes (STAGES slots
-    // of 2 * DM_TILE_KEYS * D bytes), as `decode_mma_shared_bytes` sizes it.
     T* ring = reinterpret_cast<T*>(dm_smem);
-    unsigned char* code_ring = reinterpret_cast<unsigned char*>(ring + 2 * TILE);
+    unsigned char* code_ring = reinterpret_cast<unsigned char*>(dm_smem);
     float* red_s = reinterpret_cast<float*>(dm_smem);
     float* ml_s = red_s + DM_WARPS * DM_ROWS * D;
 
@@ -260,8 +411,8 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
 
     auto load_tile = [&](u32 tile, u32 slot) {
         if constexpr (FP8) {
-            decode_load_codes<D, DM_TILE_KEYS, DM_THREADS>(code_ring + slot * 2 * DM_TILE_KEYS * D, kv,
-                                                           start + tile * DM_TILE_KEYS, end, tid);
+            decode_load_codes<D, DM_TILE_KEYS, DM_THREADS>(code_ring + slot * CODE_SLOT, kv, start + tile * DM_TILE_KEYS,
+                                                           end, tid);
         } else {
             decode_load_keys<T, D, DM_TILE_KEYS, DM_THREADS>(ring + slot * 2 * TILE, kv, start + tile * DM_TILE_KEYS,
                                                              end, tid);
@@ -281,8 +432,17 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
     const u32 gid = lane >> 2, tig = lane & 3;
     const bool has_lo = gid < nh, has_hi = gid + 8 < nh;
     u32 qf[KSTEPS][4];
-    load_q_fragments<T, D>(q + ((u64)t * num_heads + head0) * D, gid, tig, has_lo, has_hi, qf);
+    const T* q_row = q + ((u64)t * num_heads + head0) * D;
     const float scale_log2 = scale * 1.4426950408889634f, cap_log2 = softcap * 1.4426950408889634f;
+    // FP8: Q in halves, each row times its factor f; its scores times k_scale / f.
+    float scale_lo = scale_log2, scale_hi = scale_log2;
+    if constexpr (FP8) {
+        const float2 f = load_q_fragments_f16<T, D>(q_row, gid, tig, has_lo, has_hi, qf);
+        scale_lo = scale_log2 * k_scale / f.x;
+        scale_hi = scale_log2 * k_scale / f.y;
+    } else {
+        load_q_fragments<T, D>(q_row, gid, tig, has_lo, has_hi, qf);
+    }
 
     float o[DT][4];
 #pragma unroll
@@ -306,20 +466,18 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
         if (next < num_tiles) load_tile(next, next % STAGES);
         cp_async_commit();
 
-        // FP8: this tile's codes into the T tile, which every warp finished with before the
-        // barrier above.
-        const T* kv_tile = ring + (tile % STAGES) * 2 * TILE;
-        if constexpr (FP8) {
-            decode_convert_codes<T, D, DM_TILE_KEYS, DM_THREADS>(
-                ring, code_ring + (tile % STAGES) * 2 * DM_TILE_KEYS * D, k_scale, v_scale, tid);
-            __syncthreads();
-            kv_tile = ring;
-        }
         const u32 key0 = start + tile * DM_TILE_KEYS + warp * DM_KEYS;
         if (key0 >= end) continue;  // warp-uniform: none of this warp's keys in the partition
-        const u32 kb = smem_addr(kv_tile) + k_lane;
-        const u32 vb = smem_addr(kv_tile + TILE) + v_lane;
-        decode_mma_keys<T, D>(kb, vb, 0, 0, key0, end, tig, scale_log2, cap_log2, qf, o, m_lo, m_hi, l_lo, l_hi);
+        if constexpr (FP8) {
+            const unsigned char* k_rows = code_ring + (tile % STAGES) * CODE_SLOT + warp * DM_KEYS * CodeRow<D>::BYTES;
+            decode_mma_codes<D>(k_rows, k_rows + DM_TILE_KEYS * CodeRow<D>::BYTES, key0, end, gid, tig, scale_lo,
+                                scale_hi, cap_log2, qf, o, m_lo, m_hi, l_lo, l_hi);
+        } else {
+            const T* kv_tile = ring + (tile % STAGES) * 2 * TILE;
+            const u32 kb = smem_addr(kv_tile) + k_lane;
+            const u32 vb = smem_addr(kv_tile + TILE) + v_lane;
+            decode_mma_keys<T, D>(kb, vb, 0, 0, key0, end, tig, scale_log2, cap_log2, qf, o, m_lo, m_hi, l_lo, l_hi);
+        }
     }
     // Every copy has landed and every warp is done with the ring before red_s reuses it.
     cp_async_wait<0>();
@@ -331,11 +489,15 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
     l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
     float* red_w = red_s + warp * DM_ROWS * D;
     float* ml_w = ml_s + warp * DM_ROWS * 2;
+    // The column of o[dt][0] (o[dt][1] is the next) and its dim: in order over dense caches; over
+    // FP8 ones in CodeFragments' order, the sums in code units.
+    const float o_scale = FP8 ? v_scale : 1.f;
+    auto dim = [&](int dt, u32 c) { return FP8 ? CodeFragments<D>::dim(dt, tig * 2 + c) : dt * 8 + tig * 2 + c; };
     if (has_lo) {
 #pragma unroll
         for (int dt = 0; dt < DT; dt++) {
-            red_w[gid * D + dt * 8 + tig * 2] = o[dt][0];
-            red_w[gid * D + dt * 8 + tig * 2 + 1] = o[dt][1];
+            red_w[gid * D + dim(dt, 0)] = o[dt][0] * o_scale;
+            red_w[gid * D + dim(dt, 1)] = o[dt][1] * o_scale;
         }
         if (tig == 0) {
             ml_w[gid * 2] = m_lo;
@@ -345,8 +507,8 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
     if (has_hi) {
 #pragma unroll
         for (int dt = 0; dt < DT; dt++) {
-            red_w[(gid + 8) * D + dt * 8 + tig * 2] = o[dt][2];
-            red_w[(gid + 8) * D + dt * 8 + tig * 2 + 1] = o[dt][3];
+            red_w[(gid + 8) * D + dim(dt, 0)] = o[dt][2] * o_scale;
+            red_w[(gid + 8) * D + dim(dt, 1)] = o[dt][3] * o_scale;
         }
         if (tig == 0) {
             ml_w[(gid + 8) * 2] = m_hi;
@@ -601,7 +763,8 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
 #endif
 
 // One kernel per (head_dim, dtype): paged_decode_mma_d{D}_{bf16,f16}, with the decode kernel's
-// parameters (head_dim unused: it is D).
+// parameters (head_dim unused: it is D); the FP8 form (a ring of codes, 55 KiB at head size 128)
+// fits three blocks an SM, by its registers too.
 #define PAGED_DECODE_MMA(T, S, D) \
     extern "C" __global__ void __launch_bounds__(DM_THREADS, 2) paged_decode_mma_d##D##_##S( \
         const T* q, const T* k_cache, const T* v_cache, T* out, float* part_out, float* part_ml, u32* counters, \
@@ -612,7 +775,7 @@ __device__ __forceinline__ void paged_decode_mma_warp_impl(const T* __restrict__
                                        seq_lens, block_tables, num_reqs, num_heads, num_kv_heads, max_blocks_per_seq, \
                                        block_size, num_blocks, window, scale, softcap, part_len, 1.f, 1.f); \
     } \
-    extern "C" __global__ void __launch_bounds__(DM_THREADS, 2) paged_decode_mma_fp8kv_d##D##_##S( \
+    extern "C" __global__ void __launch_bounds__(DM_THREADS, 3) paged_decode_mma_fp8kv_d##D##_##S( \
         const T* q, const unsigned char* k_cache, const unsigned char* v_cache, T* out, float* part_out, \
         float* part_ml, u32* counters, const u32* query_start_loc, const u32* seq_lens, const u32* block_tables, \
         u32 num_reqs, u32 num_heads, u32 num_kv_heads, u32 head_dim, u32 max_blocks_per_seq, u32 block_size, \
