@@ -3234,8 +3234,10 @@ fn reshape_and_cache_fp8_writes_the_cpus_codes() -> Result<(), GpuError> {
 /// Attention over FP8 caches against the CPU's over the same codes: decodes (the tensor-core
 /// decode kernel in bf16 and f16, the CUDA-core one in f32, their contexts split or not), mixed
 /// prefill and decode batches (the tensor-core prefill kernel in bf16 and f16), the decodes with
-/// a hint past one row (the same), and the general kernel on all of them, with GQA and a sliding
-/// window. The tensor-core prefill kernel (picked in bf16 and f16 past one row, but for a batch's
+/// a hint past one row (the decode kernels too: a batch's leading one-row requests take them),
+/// and the general kernel on all of them, with GQA (up to 12 query heads a KV head: the decode
+/// kernel's second 8 rows) and a sliding window. Query heads differ in size by factors of 16, so
+/// that the decode kernel's per-row scaling of Q into halves differs from row to row. The tensor-core prefill kernel (picked in bf16 and f16 past one row, but for a batch's
 /// leading decodes, which take the decode kernel) converts each code to its value times the
 /// cache's scale rounded to the activations' dtype before its arithmetic: its rows' reference is
 /// the CPU's attention over those values, and the dense kernels over them must give what it
@@ -3251,20 +3253,27 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
     let scales = (0.004f32, 0.006f32);
     let attention = PagedAttention::new(&gpu)?;
     let mut failures = Vec::new();
-    // Head sizes of every kernel form: 128 and 64 (all tensor-core), 80 (tensor-core decode with
-    // uneven loads; no CUDA-core decode), 256 (CUDA-core decode, the prefill kernel's Q in shared
-    // memory).
+    // Head sizes of every kernel form: 128 and 64 (all tensor-core), 80 and 96 (tensor-core decode
+    // with loads of 2 and 4 codes; no CUDA-core decode), 256 (CUDA-core decode, the prefill
+    // kernel's Q in shared memory).
     let all_heads = [
         Heads { num_heads: 8, num_kv_heads: 2, head_dim: 128 },
         Heads { num_heads: 4, num_kv_heads: 4, head_dim: 64 },
         Heads { num_heads: 4, num_kv_heads: 2, head_dim: 80 },
+        Heads { num_heads: 12, num_kv_heads: 1, head_dim: 96 },
         Heads { num_heads: 2, num_kv_heads: 1, head_dim: 256 },
     ];
     for heads in all_heads {
         let batches = [(&DECODES[..], None), (&MIXED[..], None), (&DECODES_FIRST[..], None), (&DECODES[..], Some(40))];
         for (requests, window) in batches {
             for (dtype, tol) in DTYPES {
-                let batch = Batch::random(&mut rng, heads, requests, block_size, dtype);
+                let mut batch = Batch::random(&mut rng, heads, requests, block_size, dtype);
+                // Query heads of three sizes (powers of two apart: the values stay the dtype's).
+                let head_dim = heads.head_dim;
+                for (i, row) in batch.q.chunks_mut(head_dim).enumerate() {
+                    let factor = [0.0625f32, 1.0, 16.0][i % heads.num_heads % 3];
+                    row.iter_mut().for_each(|x| *x *= factor);
+                }
                 // The caches as FP8 codes (NaN slots no request owns stay NaN codes, never read).
                 let encode = |values: &[f32], scale: f32| -> Vec<u8> {
                     values.iter().map(|&x| ferrolm_backend::fp8::f32_to_e4m3(x / scale)).collect()
@@ -3288,7 +3297,7 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
                 let (kv, vv) = (cpu::KvView::F32(&k_vals), cpu::KvView::F32(&v_vals));
                 let want_converted = cpu_attention_over(&batch, heads, block_size, window, None, kv, vv);
                 let (k_conv, v_conv) = (upload(&gpu, &k_vals, dtype)?.0, upload(&gpu, &v_vals, dtype)?.0);
-                // The batch's own hint, and (decodes) a hint past 1, which takes the general kernel.
+                // The batch's own hint, and (decodes) a hint past 1.
                 let hints = if batch.max_query_len <= 1 { vec![1, 2] } else { vec![batch.max_query_len] };
                 let runs = hints.into_iter().flat_map(|hint| [(PICKED, hint), (AttentionKernel::General, hint)]);
                 for (kernel, max_query_len) in runs {

@@ -216,6 +216,7 @@ impl<'a> GpuAttentionMetadata<'a> {
     /// The metadata of the first `n` requests alone, each of one query row, with `work` for their
     /// work list.
     fn leading<'b>(&'b self, n: usize, work: &'b AttentionWork) -> GpuAttentionMetadata<'b> {
+        debug_assert_eq!(leading_decodes(&self.query_start_loc_host[..n + 1]), n, "not {n} one-row requests first");
         GpuAttentionMetadata {
             query_start_loc: self.query_start_loc.slice(..n + 1),
             query_start_loc_host: &self.query_start_loc_host[..n + 1],
@@ -818,12 +819,14 @@ fn cache_tensor_map(cache: GpuView<'_>, num_kv_heads: usize, head_dim: usize) ->
 
 /// Shared memory of a tensor-core decode block: its ring of K/V tiles (4 tiles for head size
 /// 64, 3 above; rows of `head_dim + 8` 2-byte elements, or over FP8 caches of `head_dim + 16`
-/// codes), which the cross-warp merge of 16 rows' f32 states reuses at the end.
+/// codes), which the cross-warp merge of 16 rows' f32 states reuses at the end (over FP8 caches
+/// rows of `head_dim + head_dim / 32`, skewed against bank conflicts).
 fn decode_mma_shared_bytes(head_dim: usize, fp8: bool) -> usize {
     let stages = if head_dim <= 64 { 4 } else { 3 };
     let row = if fp8 { head_dim + 16 } else { (head_dim + 8) * 2 };
     let ring = stages * 2 * DECODE_MMA_TILE_KEYS * row;
-    let merge = 4 * (DECODE_THREADS / 32) * DECODE_MMA_HEADS * (head_dim + 2);
+    let red_row = if fp8 { head_dim + head_dim / 32 } else { head_dim };
+    let merge = 4 * (DECODE_THREADS / 32) * DECODE_MMA_HEADS * (red_row + 2);
     ring.max(merge)
 }
 
@@ -1327,11 +1330,13 @@ mod tests {
                 let bytes = decode_mma_shared_bytes(head_dim, fp8);
                 assert!(2 * (bytes + 1024) <= 228 * 1024, "head_dim {head_dim} fp8 {fp8}");
             }
+            // The FP8 form's launch bounds ask for three (its registers allow them).
+            assert!(3 * (decode_mma_shared_bytes(head_dim, true) + 1024) <= 228 * 1024, "head_dim {head_dim}");
         }
         assert_eq!(decode_mma_shared_bytes(128, false), 104_448);
         assert_eq!(decode_mma_shared_bytes(64, false), 73_728);
         // FP8: 3 stages of K and V codes in rows padded to 144 bytes (3 x 2 x 64 x 144); at head
-        // size 64, 4 stages (4 x 2 x 64 x 80), above the merge's 4 x 4 x 16 x 66 f32.
+        // size 64, 4 stages (4 x 2 x 64 x 80), above the merge's 4 x 4 x 16 x 68 f32.
         assert_eq!(decode_mma_shared_bytes(128, true), 55_296);
         assert_eq!(decode_mma_shared_bytes(64, true), 40_960);
     }

@@ -138,7 +138,8 @@ struct WorkList {
     num_items: usize,
     /// `[num_items, 2]`, or `None` when no request has more than one row: item `r` is then
     /// request `r`, found by the kernel without a list, so that a batch of decodes uploads
-    /// nothing (and can be captured in a graph).
+    /// nothing (and can be captured in a graph). Also `None` for an empty list (`num_items` 0,
+    /// nothing launched).
     items: Option<CudaSlice<u32>>,
 }
 

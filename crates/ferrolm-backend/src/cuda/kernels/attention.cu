@@ -460,10 +460,13 @@ __device__ __forceinline__ void decode_empty_partition(const DecodeWork& w, floa
 // sum), for its nh heads, then writes the normalized output (one partition) or the partition's
 // partial result, and with several partitions lets the last block merge them (`decode_finish`,
 // which reuses red_s). Every thread calls this after red_s and ml_s are written and synced.
-template <typename T, int WARPS, int ROWS>
+// SKEW 1: red_s's rows are D + D / 32 floats and element d of a row lies at d + d / 32
+// (`decode_red_at`), for writers whose lanes would otherwise hit one bank.
+template <typename T, int WARPS, int ROWS, int SKEW = 0>
 __device__ __forceinline__ void decode_store(float* red_s, const float* ml_s, T* out, float* part_out,
                                              float* part_ml, u32* counters, u32 t, u32 head0, u32 nh,
                                              u32 num_heads, u32 D, u32 part, u32 num_parts) {
+    const u32 red_row = D + SKEW * (D / 32);
     for (u32 e = threadIdx.x; e < nh * D; e += blockDim.x) {
         const u32 g = e / D, d = e % D;
         float mx = NEG_INF;
@@ -473,7 +476,7 @@ __device__ __forceinline__ void decode_store(float* red_s, const float* ml_s, T*
 #pragma unroll
         for (int w = 0; w < WARPS; w++) {
             const float a = merge_scale(ml_s[(w * ROWS + g) * 2], mx);
-            o += a * red_s[(w * ROWS + g) * D + d];
+            o += a * red_s[(w * ROWS + g) * red_row + d + SKEW * (d / 32)];
             sum += a * ml_s[(w * ROWS + g) * 2 + 1];
         }
         const u64 row = (u64)t * num_heads + head0 + g;

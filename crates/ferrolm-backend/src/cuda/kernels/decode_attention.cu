@@ -33,7 +33,8 @@
 #define DM_TILE_KEYS (DM_WARPS * DM_KEYS)
 
 // Tiles in the ring: 4 for head_dim 64 (72 KiB, three blocks per SM), 3 above (up to 102 KiB
-// at 128: two blocks per SM, four tiles of each in flight).
+// at 128: two blocks per SM, four tiles of each in flight); over FP8 caches 40 KiB at 64 and 55
+// KiB at 128 (three blocks per SM).
 template <int D> struct DecodeMmaStages { static constexpr int value = D <= 64 ? 4 : 3; };
 
 // The per-warp kernel's K/V rows come in by bulk copies on sm_90 and later (DM_BULK=0, through
@@ -86,7 +87,8 @@ __device__ __forceinline__ void decode_load_keys(T* k_s, const DecodeKv<T>& kv, 
 }
 
 // Bytes per row of a ring slot of FP8 codes: D codes and 16 bytes of padding, so that the lanes
-// of a fragment load (decode_mma_codes) hit distinct banks.
+// of a fragment load (decode_mma_codes) hit distinct banks at head size 128 (two lanes share one
+// in some loads of the other sizes).
 template <int D> struct CodeRow { static constexpr int BYTES = D + 16; };
 
 // Copies KEYS keys' FP8 codes from k0 into a ring slot (K rows, then V rows at codes_s + KEYS *
@@ -365,7 +367,8 @@ __device__ __forceinline__ void decode_mma_codes(const unsigned char* k_rows, co
 // head_chunks, num_parts) with head_chunks = ceil(group / DM_ROWS), head blocks fastest.
 // Shared memory: the ring, DM_STAGES * 2 * DM_TILE_KEYS * (D + 8) elements of T (over FP8 caches
 // DM_STAGES * 2 * DM_TILE_KEYS * (D + 16) codes); after the loop the same bytes hold red_s
-// [DM_WARPS, DM_ROWS, D] and ml_s [DM_WARPS, DM_ROWS, 2] (f32).
+// [DM_WARPS, DM_ROWS, D] (over FP8 caches rows of D + D / 32, skewed) and ml_s [DM_WARPS,
+// DM_ROWS, 2] (f32).
 template <typename T, typename C, int D>
 __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, const C* __restrict__ k_cache,
                                                       const C* __restrict__ v_cache, T* __restrict__ out,
@@ -388,8 +391,10 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
     extern __shared__ uint4 dm_smem[];
     T* ring = reinterpret_cast<T*>(dm_smem);
     unsigned char* code_ring = reinterpret_cast<unsigned char*>(dm_smem);
+    // The merge's rows of O: over FP8 caches skewed by a float every 32 (see the stores below).
+    constexpr int SKEW = FP8 ? 1 : 0, RED_ROW = D + SKEW * (D / 32);
     float* red_s = reinterpret_cast<float*>(dm_smem);
-    float* ml_s = red_s + DM_WARPS * DM_ROWS * D;
+    float* ml_s = red_s + DM_WARPS * DM_ROWS * RED_ROW;
 
     const u32 tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const DecodeWork work =
@@ -487,17 +492,22 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
     l_lo += __shfl_xor_sync(0xffffffffu, l_lo, 2);
     l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 1);
     l_hi += __shfl_xor_sync(0xffffffffu, l_hi, 2);
-    float* red_w = red_s + warp * DM_ROWS * D;
+    float* red_w = red_s + warp * DM_ROWS * RED_ROW;
     float* ml_w = ml_s + warp * DM_ROWS * 2;
-    // The column of o[dt][0] (o[dt][1] is the next) and its dim: in order over dense caches; over
-    // FP8 ones in CodeFragments' order, the sums in code units.
+    // Where o[dt][c] goes in its row: column 2 tig + c of tile dt, in order over dense caches;
+    // over FP8 ones in CodeFragments' order (its sums in code units), where one (dt, c) is 32
+    // floats apart from lane to lane, so each 32 floats of a row move by one (SKEW): a store's
+    // lanes then hit distinct banks at head size 128 instead of one.
     const float o_scale = FP8 ? v_scale : 1.f;
-    auto dim = [&](int dt, u32 c) { return FP8 ? CodeFragments<D>::dim(dt, tig * 2 + c) : dt * 8 + tig * 2 + c; };
+    auto at = [&](int dt, u32 c) {
+        const u32 d = FP8 ? CodeFragments<D>::dim(dt, tig * 2 + c) : dt * 8 + tig * 2 + c;
+        return d + SKEW * (d / 32);
+    };
     if (has_lo) {
 #pragma unroll
         for (int dt = 0; dt < DT; dt++) {
-            red_w[gid * D + dim(dt, 0)] = o[dt][0] * o_scale;
-            red_w[gid * D + dim(dt, 1)] = o[dt][1] * o_scale;
+            red_w[gid * RED_ROW + at(dt, 0)] = o[dt][0] * o_scale;
+            red_w[gid * RED_ROW + at(dt, 1)] = o[dt][1] * o_scale;
         }
         if (tig == 0) {
             ml_w[gid * 2] = m_lo;
@@ -507,8 +517,8 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
     if (has_hi) {
 #pragma unroll
         for (int dt = 0; dt < DT; dt++) {
-            red_w[(gid + 8) * D + dim(dt, 0)] = o[dt][2] * o_scale;
-            red_w[(gid + 8) * D + dim(dt, 1)] = o[dt][3] * o_scale;
+            red_w[(gid + 8) * RED_ROW + at(dt, 0)] = o[dt][2] * o_scale;
+            red_w[(gid + 8) * RED_ROW + at(dt, 1)] = o[dt][3] * o_scale;
         }
         if (tig == 0) {
             ml_w[(gid + 8) * 2] = m_hi;
@@ -516,7 +526,7 @@ __device__ __forceinline__ void paged_decode_mma_impl(const T* __restrict__ q, c
         }
     }
     __syncthreads();
-    decode_store<T, DM_WARPS, DM_ROWS>(red_s, ml_s, out, part_out, part_ml, counters, t, head0, nh, num_heads, D,
+    decode_store<T, DM_WARPS, DM_ROWS, SKEW>(red_s, ml_s, out, part_out, part_ml, counters, t, head0, nh, num_heads, D,
                                        part, num_parts);
 }
 
