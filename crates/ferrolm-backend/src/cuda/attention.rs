@@ -229,8 +229,12 @@ impl<'a> GpuAttentionMetadata<'a> {
     }
 }
 
-/// How many requests from the first have one query row each.
+/// How many requests from the first have one query row each, rows 0, 1, ... of the batch (none
+/// if the first request's rows do not start at row 0).
 fn leading_decodes(query_start_loc: &[u32]) -> usize {
+    if query_start_loc.first() != Some(&0) {
+        return 0;
+    }
     query_start_loc.windows(2).take_while(|w| w[1].checked_sub(w[0]) == Some(1)).count()
 }
 
@@ -1320,6 +1324,7 @@ mod tests {
         // A request of no rows ends the run.
         assert_eq!(leading_decodes(&[0, 1, 1, 2]), 1);
         assert_eq!(leading_decodes(&[0]), 0);
+        assert_eq!(leading_decodes(&[3, 4, 5]), 0);
     }
 
     #[test]
