@@ -3237,11 +3237,12 @@ fn reshape_and_cache_fp8_writes_the_cpus_codes() -> Result<(), GpuError> {
 /// a hint past one row (the decode kernels too: a batch's leading one-row requests take them),
 /// and the general kernel on all of them, with GQA (up to 12 query heads a KV head: the decode
 /// kernel's second 8 rows) and a sliding window. Query heads differ in size by factors of 16, so
-/// that the decode kernel's per-row scaling of Q into halves differs from row to row. The tensor-core prefill kernel (picked in bf16 and f16 past one row, but for a batch's
-/// leading decodes, which take the decode kernel) converts each code to its value times the
-/// cache's scale rounded to the activations' dtype before its arithmetic: its rows' reference is
-/// the CPU's attention over those values, and the dense kernels over them must give what it
-/// gives. The other kernels compute with the codes' values as the CPU reads them (the tensor-core
+/// that the decode kernel's per-row scaling of Q into halves differs from row to row.
+///
+/// The tensor-core prefill kernel (picked in bf16 and f16 past one row, but for a batch's leading
+/// decodes, which take the decode kernel) converts each code to its value times the cache's scale
+/// rounded to the activations' dtype before its arithmetic: its rows' reference is the CPU's
+/// attention over those values, and the dense kernels over them must give what it gives. The other kernels compute with the codes' values as the CPU reads them (the tensor-core
 /// decode kernel takes them as exact halves and applies the scales in f32), and are held to the
 /// CPU over the codes: a kernel that rounded each K/V value to bf16 would miss, since a short
 /// context's output, a sum of few values that cancel, can move by 10 % of itself.
@@ -3269,8 +3270,7 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
             for (dtype, tol) in DTYPES {
                 let mut batch = Batch::random(&mut rng, heads, requests, block_size, dtype);
                 // Query heads of three sizes (powers of two apart: the values stay the dtype's).
-                let head_dim = heads.head_dim;
-                for (i, row) in batch.q.chunks_mut(head_dim).enumerate() {
+                for (i, row) in batch.q.chunks_mut(heads.head_dim).enumerate() {
                     let factor = [0.0625f32, 1.0, 16.0][i % heads.num_heads % 3];
                     row.iter_mut().for_each(|x| *x *= factor);
                 }
@@ -3297,6 +3297,9 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
                 let (kv, vv) = (cpu::KvView::F32(&k_vals), cpu::KvView::F32(&v_vals));
                 let want_converted = cpu_attention_over(&batch, heads, block_size, window, None, kv, vv);
                 let (k_conv, v_conv) = (upload(&gpu, &k_vals, dtype)?.0, upload(&gpu, &v_vals, dtype)?.0);
+                // The leading one-row requests' output values, which the decode kernels take.
+                let token_width = heads.num_heads * heads.head_dim;
+                let leading = batch.query_start_loc.windows(2).take_while(|w| w[1] - w[0] == 1).count() * token_width;
                 // The batch's own hint, and (decodes) a hint past 1.
                 let hints = if batch.max_query_len <= 1 { vec![1, 2] } else { vec![batch.max_query_len] };
                 let runs = hints.into_iter().flat_map(|hint| [(PICKED, hint), (AttentionKernel::General, hint)]);
@@ -3319,8 +3322,7 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
                     // The rows (from the first) computed with the codes' values: all but where the
                     // prefill kernel takes the batch, there the leading decodes only.
                     let prefill = dtype != DType::F32 && kernel == PICKED && max_query_len > 1;
-                    let leading = batch.query_start_loc.windows(2).take_while(|w| w[1] - w[0] == 1).count();
-                    let exact = if prefill { leading * heads.num_heads * heads.head_dim } else { got.len() };
+                    let exact = if prefill { leading } else { got.len() };
                     let dense = dense.to_f32_vec(&gpu)?;
                     let (vs_codes, _) = worst_relative_error(&got[..exact], &want[..exact]);
                     let (vs_converted, _) = worst_relative_error(&got[exact..], &want_converted[exact..]);
@@ -3336,8 +3338,8 @@ fn paged_attention_over_fp8_caches_matches_cpu() -> Result<(), GpuError> {
                         "FP8 paged_attention {kernel:?} {dtype:?} {heads:?} window {window:?} hint {max_query_len}: \
                          {} rows over the codes in f32, {vs_codes:.2e} from the CPU; {} over them rounded to the \
                          dtype, {vs_converted:.2e} from the CPU and {vs_dense:.2e} from the dense kernels",
-                        exact / (heads.num_heads * heads.head_dim),
-                        (got.len() - exact) / (heads.num_heads * heads.head_dim)
+                        exact / token_width,
+                        (got.len() - exact) / token_width
                     );
                     eprintln!("{what}");
                     if vs_codes > tol || vs_converted > tol || vs_dense > dense_tol {
