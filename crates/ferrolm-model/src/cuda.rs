@@ -163,8 +163,9 @@ impl CudaRunner {
         });
         for t in &fp8_report {
             let Fp8GemmShape { m, n, k, .. } = t.shape;
-            let (heuristic_us, best_us, candidates) = (t.heuristic_us, t.best_us, t.candidates);
-            tracing::debug!(m, n, k, heuristic_us, best_us, candidates, "FP8 GEMM tuned");
+            let (heuristic_us, best_us, candidates, fast) =
+                (t.heuristic_us, t.best_us, t.candidates, t.fast_accumulation);
+            tracing::debug!(m, n, k, heuristic_us, best_us, candidates, fast, "FP8 GEMM tuned");
         }
         let (fp8_before, fp8_after) = fp8_report
             .iter()

@@ -109,6 +109,11 @@ pub struct GpuArgs {
     #[arg(long, env = "FERROLM_GEMM_TUNE", action = ArgAction::Set, value_parser = BoolishValueParser::new(),
           default_value_t = true, value_name = "BOOL")]
     pub gemm_tune: bool,
+    /// FP8 GEMMs accumulate without promoting the tensor cores' running sums to f32 (cuBLASLt's
+    /// fast accumulation, as FP8 inference engines run them; false keeps the promotions).
+    #[arg(long, env = "FERROLM_FP8_FAST_ACCUM", action = ArgAction::Set,
+          value_parser = BoolishValueParser::new(), default_value_t = true, value_name = "BOOL")]
+    pub fp8_fast_accum: bool,
 }
 
 #[cfg(feature = "cuda")]
@@ -119,6 +124,7 @@ impl GpuArgs {
             decode_warp_items: self.decode_warp_items,
             decode_tensor_copies: self.decode_tensor_copies,
             kernel_defines: self.kernel_defines.iter().filter(|d| !d.is_empty()).cloned().collect(),
+            fp8_fast_accumulation: self.fp8_fast_accum,
         }
     }
 }

@@ -11,9 +11,17 @@
 //! of their exact shape when there is one, and `cublasGemmEx` otherwise, so an untuned shape
 //! runs as before.
 //!
-//! Plans keep every reduction in f32, as the GEMMs through `cublasGemmEx` do (split-k partial
-//! products are never summed in the bf16/f16 output type), and use the `Gpu`'s fixed cuBLAS
-//! workspace, so that a captured graph's GEMMs allocate nothing.
+//! Plans sum split-k partial products in f32 only, as the GEMMs through `cublasGemmEx` do
+//! (never in the bf16/f16 output type), and use the `Gpu`'s fixed cuBLAS workspace, so that a
+//! captured graph's GEMMs allocate nothing.
+//!
+//! Within one FP8 GEMM, the plans take cuBLASLt's fast accumulation where the `Gpu`'s options ask for it (the default,
+//! [`super::GpuOptions::fp8_fast_accumulation`]), as FP8 inference engines run their GEMMs: the
+//! tensor cores' running sums of FP8 products are then never promoted to f32 along k. NVIDIA
+//! does not document what those sums keep; DeepSeek-V3's report measured about 14 bits on
+//! Hopper. `fp8_gemm_matches_cpu_on_quantized_activations` holds both modes to one bound, and
+//! `docs/PERFORMANCE.md` gives what each costs. A shape whose fast plan cuBLASLt declines takes
+//! the promoting one.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -49,7 +57,8 @@ pub struct GemmShape {
 
 /// One FP8 GEMM: `out[m, n] = (sx · qx[m, k]) · (sw · qw[n, k])^T`, the operands e4m3 codes
 /// scaled per row (`sx[m]` per token, `sw[n]` per output feature: cuBLASLt's outer-vector
-/// scaling), accumulated in f32, `out` in `output`.
+/// scaling), accumulated by the tensor cores (see the module's note on fast accumulation), `out`
+/// in `output`.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub struct Fp8GemmShape {
     pub m: usize,
@@ -83,6 +92,8 @@ pub struct Fp8GemmTuning {
     pub best_us: f32,
     /// Candidates cuBLASLt offered (and that ran).
     pub candidates: usize,
+    /// Whether the plan accumulates without promotions to f32 (cuBLASLt's fast accumulation).
+    pub fast_accumulation: bool,
 }
 
 /// The descriptors of one shape's cuBLASLt GEMM and the algorithm chosen for it.
@@ -94,6 +105,8 @@ struct Plan {
     algo: Option<sys::cublasLtMatmulAlgo_t>,
     /// Chosen by timing ([`Gemms::tune_fp8`]), so kept when the FP8 plans start over.
     tuned: bool,
+    /// An FP8 plan with cuBLASLt's fast accumulation.
+    fast_accumulation: bool,
 }
 
 impl Plan {
@@ -101,7 +114,7 @@ impl Plan {
     /// created if a later step fails.
     fn around(desc: sys::cublasLtMatmulDesc_t) -> Plan {
         let null = std::ptr::null_mut();
-        Plan { desc, a: null, b: null, d: null, algo: None, tuned: false }
+        Plan { desc, a: null, b: null, d: null, algo: None, tuned: false, fast_accumulation: false }
     }
 
     /// The descriptors of `shape` (no algorithm yet). Column-major, as `cublasGemmEx` is
@@ -127,16 +140,18 @@ impl Plan {
     }
 
     /// The descriptors of an FP8 GEMM, as [`Plan::new`]'s (`W` transposed: the layout cuBLASLt's
-    /// FP8 GEMMs require), with both operands scaled by a vector along their rows. The scale
-    /// pointers are set per call ([`Plan::set_fp8_scales`]).
-    fn fp8(shape: Fp8GemmShape) -> Result<Plan, GpuError> {
+    /// FP8 GEMMs require), with both operands scaled by a vector along their rows, and with fast
+    /// accumulation or without. The scale pointers are set per call ([`Plan::set_fp8_scales`]).
+    fn fp8(shape: Fp8GemmShape, fast_accumulation: bool) -> Result<Plan, GpuError> {
         let Fp8GemmShape { m, n, k, output } = shape;
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)?;
         let mut plan = Plan::around(desc);
+        plan.fast_accumulation = fast_accumulation;
         let (transpose, keep): (i32, i32) = (1, 0);
         let outer = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as u32;
-        // SAFETY: the descriptor is live; the transposes are i32, the scale modes u32, as
-        // cuBLASLt documents.
+        let fast = i8::from(fast_accumulation);
+        // SAFETY: the descriptor is live; the transposes are i32, the scale modes u32 and the
+        // fast-accumulation flag i8, as cuBLASLt documents.
         unsafe {
             use sys::cublasLtMatmulDescAttributes_t as Desc;
             let ((t, t_len), (n_op, n_len), (o, o_len)) = (attribute(&transpose), attribute(&keep), attribute(&outer));
@@ -144,6 +159,8 @@ impl Plan {
             lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_TRANSB, n_op, n_len)?;
             lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, o, o_len)?;
             lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, o, o_len)?;
+            let (f, f_len) = attribute(&fast);
+            lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_FAST_ACCUM, f, f_len)?;
         }
         let (e4m3, dim) = (sys::cudaDataType::CUDA_R_8F_E4M3, |v: usize| v as u64);
         plan.a = lt::create_matrix_layout(e4m3, dim(k), dim(n), k as i64)?;
@@ -265,7 +282,8 @@ impl Plan {
 
 impl Drop for Plan {
     fn drop(&mut self) {
-        // SAFETY: each descriptor was created by `Plan::new` (or is null) and is freed once.
+        // SAFETY: each descriptor was created by `Plan::new` or `Plan::fp8` (or is null) and is
+        // freed once.
         unsafe {
             for layout in [self.a, self.b, self.d] {
                 if !layout.is_null() {
@@ -352,18 +370,17 @@ impl Gemms {
             plans.retain(|_, plan| plan.as_ref().is_some_and(|p| p.tuned));
         }
         let plan = plans.entry(shape).or_insert_with(|| {
-            let (workspace, workspace_bytes) = gpu.blas_workspace();
-            let planned = Plan::fp8(shape).and_then(|mut plan| {
-                // The heuristic takes vector scales only with their pointers set: any valid
-                // device address stands in until `run_fp8` sets the call's.
-                // SAFETY: an FP8 plan; the workspace outlives the lookup.
-                unsafe { plan.set_fp8_scales(workspace, workspace) }?;
-                plan.algo = plan.candidates(self.handle, 1, workspace_bytes)?.into_iter().next();
-                Ok(plan)
-            });
-            match planned {
-                Ok(plan) if plan.algo.is_some() => Some(plan),
-                Ok(_) => None,
+            let (workspace, _) = gpu.blas_workspace();
+            // The heuristic takes vector scales only with their pointers set: any valid device
+            // address stands in until `run_fp8` sets the call's.
+            // SAFETY: the workspace lives as long as the `Gpu`; the kept plan holds its address
+            // as scales only until `run_fp8` sets the call's, before every run.
+            match unsafe { self.fp8_candidates(gpu, shape, 1, workspace, workspace) } {
+                Ok(Some((mut plan, algos))) => {
+                    plan.algo = algos.into_iter().next();
+                    Some(plan)
+                }
+                Ok(None) => None,
                 Err(e) => {
                     tracing::debug!(?shape, error = %e, "no FP8 GEMM from cuBLASLt");
                     None
@@ -371,6 +388,41 @@ impl Gemms {
             }
         });
         plan.is_some()
+    }
+
+    /// An FP8 plan of `shape` with its scales at `w_scales` and `x_scales`, and up to `count` of
+    /// its algorithms, cuBLASLt's preferred first: with fast accumulation where `gpu`'s options
+    /// ask for it and cuBLASLt has one, else with promotions. `None` where cuBLASLt offers no
+    /// algorithm; an error where it declines the promoting plan (it declines a shape either
+    /// way), the fast plan's decline only logged.
+    ///
+    /// # Safety
+    /// The scale pointers must stay valid while the plan runs with them.
+    unsafe fn fp8_candidates(
+        &self,
+        gpu: &Gpu,
+        shape: Fp8GemmShape,
+        count: usize,
+        w_scales: u64,
+        x_scales: u64,
+    ) -> Result<Option<(Plan, Vec<sys::cublasLtMatmulAlgo_t>)>, GpuError> {
+        let (_, workspace_bytes) = gpu.blas_workspace();
+        let modes: &[bool] = if gpu.options().fp8_fast_accumulation { &[true, false] } else { &[false] };
+        for &fast in modes {
+            let planned = Plan::fp8(shape, fast).and_then(|plan| {
+                // SAFETY: an FP8 plan; the caller vouches for the scales.
+                unsafe { plan.set_fp8_scales(w_scales, x_scales) }?;
+                let algos = plan.candidates(self.handle, count, workspace_bytes)?;
+                Ok((plan, algos))
+            });
+            match planned {
+                Ok((plan, algos)) if !algos.is_empty() => return Ok(Some((plan, algos))),
+                Ok(_) => {}
+                Err(e) if fast => tracing::debug!(?shape, error = %e, "no fast-accumulation FP8 GEMM from cuBLASLt"),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(None)
     }
 
     /// `shape`'s FP8 GEMM ([`Fp8GemmShape`]) on `gpu`'s stream; [`Self::fp8_supported`] said yes.
@@ -423,16 +475,13 @@ impl Gemms {
         let x_scales = GpuTensor::from_f32(gpu, &vec![1.0; m], DType::F32)?;
         let out = GpuTensor::zeros(gpu, output, m * n)?;
         let (x_ptr, x_scales_ptr, out_ptr) = (gpu.index_ptr(&x), x_scales.view().ptr(), out.view().ptr());
-        let (_, workspace_bytes) = gpu.blas_workspace();
-        let planned = Plan::fp8(shape).and_then(|plan| {
-            // SAFETY: an FP8 plan; the scales outlive its runs here (synchronized below).
-            unsafe { plan.set_fp8_scales(w_scales, x_scales_ptr) }?;
-            let algos = plan.candidates(self.handle, CANDIDATES, workspace_bytes)?;
-            Ok((plan, algos))
-        });
-        // cuBLASLt declining the shape (an error, as `fp8_supported` counts it) leaves it untuned.
+        // SAFETY: the scales outlive the plan's runs here (synchronized below).
+        let planned = unsafe { self.fp8_candidates(gpu, shape, CANDIDATES, w_scales, x_scales_ptr) };
+        // cuBLASLt declining the shape (an error or no algorithm, as `fp8_supported` counts them)
+        // leaves it untuned.
         let (mut plan, algos) = match planned {
-            Ok(planned) => planned,
+            Ok(Some(planned)) => planned,
+            Ok(None) => return Ok(None),
             Err(e) => {
                 tracing::debug!(?shape, error = %e, "no FP8 GEMM from cuBLASLt to tune");
                 return Ok(None);
@@ -453,8 +502,9 @@ impl Gemms {
         let candidates = timed.len();
         let Some((_, best_us, algo)) = timed.into_iter().min_by(|a, b| a.1.total_cmp(&b.1)) else { return Ok(None) };
         (plan.algo, plan.tuned) = (Some(algo), true);
+        let fast_accumulation = plan.fast_accumulation;
         self.fp8_plans.lock().unwrap_or_else(|e| e.into_inner()).insert(shape, Some(plan));
-        Ok(Some(Fp8GemmTuning { shape, heuristic_us, best_us, candidates }))
+        Ok(Some(Fp8GemmTuning { shape, heuristic_us, best_us, candidates, fast_accumulation }))
     }
 
     /// Forgets every tuned plan: GEMMs go back to `cublasGemmEx` (to compare the two).

@@ -59,6 +59,10 @@ pub struct GpuOptions {
     /// `NAME=VALUE` preprocessor definitions every kernel module is compiled with (kernel
     /// variants for experiments; part of the compile cache's key).
     pub kernel_defines: Vec<String>,
+    /// FP8 GEMMs take cuBLASLt's fast accumulation where it has it: the tensor cores' running
+    /// sums are never promoted to f32 along k (see `gemm_tune`'s module note); off keeps the
+    /// promotions.
+    pub fp8_fast_accumulation: bool,
 }
 
 impl Default for GpuOptions {
@@ -68,6 +72,7 @@ impl Default for GpuOptions {
             decode_warp_items: true,
             decode_tensor_copies: false,
             kernel_defines: Vec::new(),
+            fp8_fast_accumulation: true,
         }
     }
 }

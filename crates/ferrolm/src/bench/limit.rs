@@ -278,8 +278,15 @@ impl GemmRate {
 
 /// Times one layer's projections of `config` at `rows` rows on `device` (`weights` the dtype
 /// of the weights: on the GPU also of the activations; on the CPU activations are f32), and on
-/// the GPU in FP8 too where the run's projections take FP8 GEMMs.
-pub fn measure_gemm_rate(device: Device, config: &ModelConfig, weights: DType, rows: usize) -> Result<GemmRate> {
+/// the GPU in FP8 too where the run's projections take FP8 GEMMs (with fast accumulation or
+/// not, as the run's `--fp8-fast-accum`).
+pub fn measure_gemm_rate(
+    device: Device,
+    config: &ModelConfig,
+    weights: DType,
+    rows: usize,
+    fp8_fast_accumulation: bool,
+) -> Result<GemmRate> {
     let rows = rows.max(1);
     let (seconds, rows) = match device {
         Device::Cpu => {
@@ -297,7 +304,7 @@ pub fn measure_gemm_rate(device: Device, config: &ModelConfig, weights: DType, r
         device == Device::Cuda && weights != DType::F32 && config.quantization.is_some_and(|q| q.scales_whole_rows());
     let projection_rate = if fp8 {
         let projections = fp8_projections(config);
-        flops(&projections) / gpu_fp8_projection_seconds(&projections, weights, rows)?
+        flops(&projections) / gpu_fp8_projection_seconds(&projections, weights, rows, fp8_fast_accumulation)?
     } else {
         compute_dtype_rate
     };
@@ -389,21 +396,33 @@ fn gpu_projection_seconds(projections: &[(usize, usize)], dtype: DType, rows: us
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu_fp8_projection_seconds(_projections: &[(usize, usize)], _dtype: DType, _rows: usize) -> Result<f64> {
+fn gpu_fp8_projection_seconds(
+    _projections: &[(usize, usize)],
+    _dtype: DType,
+    _rows: usize,
+    _fast_accumulation: bool,
+) -> Result<f64> {
     anyhow::bail!("this build of ferrolm has no CUDA backend (build with `--features cuda`)")
 }
 
 /// The sum over `projections` (`(out, in)`), quantized per row to e4m3, of their FP8 GEMMs' time
-/// with the fastest cuBLASLt algorithm (`cuda::tune_fp8_gemms`), `dtype` activations, in seconds;
+/// with the fastest cuBLASLt algorithm (`cuda::tune_fp8_gemms`, with fast accumulation or not),
+/// `dtype` activations, in seconds;
 /// a projection the FP8 GEMM does not take (as the engine then dequantizes it) at its
 /// time in the compute dtype.
 #[cfg(feature = "cuda")]
-fn gpu_fp8_projection_seconds(projections: &[(usize, usize)], dtype: DType, rows: usize) -> Result<f64> {
+fn gpu_fp8_projection_seconds(
+    projections: &[(usize, usize)],
+    dtype: DType,
+    rows: usize,
+    fast_accumulation: bool,
+) -> Result<f64> {
     use anyhow::Context;
-    use ferrolm_backend::cuda::{self, Gemms, Gpu, GpuFp8Matrix};
+    use ferrolm_backend::cuda::{self, Gemms, Gpu, GpuFp8Matrix, GpuOptions};
     use ferrolm_backend::{Fp8Matrix, HostTensor};
 
-    let gpu = Gpu::new(0, &Default::default()).context("cannot measure the GPU's FP8 GEMM rate")?;
+    let options = GpuOptions { fp8_fast_accumulation: fast_accumulation, ..Default::default() };
+    let gpu = Gpu::new(0, &options).context("cannot measure the GPU's FP8 GEMM rate")?;
     let gemms = Gemms::new()?;
     let mut seconds = 0.0f64;
     for (i, &(n, k)) in projections.iter().enumerate() {
@@ -642,11 +661,11 @@ mod tests {
     fn cpu_gemm_rate_is_measured_on_the_projections_in_each_dtype() -> Result<()> {
         let c = config(None);
         for dtype in [DType::F32, DType::F16, DType::BF16] {
-            let rate = measure_gemm_rate(Device::Cpu, &c, dtype, 8192)?;
+            let rate = measure_gemm_rate(Device::Cpu, &c, dtype, 8192, true)?;
             assert_eq!(rate.rows, CPU_PROBE_ROWS, "{dtype:?}");
             assert!(rate.flops_per_s.is_finite() && rate.flops_per_s > 0.0, "{dtype:?}: {rate:?}");
         }
-        assert_eq!(measure_gemm_rate(Device::Cpu, &c, DType::BF16, 3)?.rows, 3);
+        assert_eq!(measure_gemm_rate(Device::Cpu, &c, DType::BF16, 3, true)?.rows, 3);
         Ok(())
     }
 }

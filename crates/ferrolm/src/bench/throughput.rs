@@ -118,7 +118,13 @@ fn measure_limit(
     // The GPU multiplies in the engine's dtype; the CPU in f32 from the stored weights.
     let weights = if device == Device::Cpu { model.dtype } else { model.activation_dtype };
     eprintln!("measuring {device:?} GEMM rate ({} rows)...", caps.max_num_batched_tokens);
-    let rate = limit::measure_gemm_rate(device, &model.config, weights, caps.max_num_batched_tokens)?;
+    let rate = limit::measure_gemm_rate(
+        device,
+        &model.config,
+        weights,
+        caps.max_num_batched_tokens,
+        engine.gpu.fp8_fast_accum,
+    )?;
     let output_tokens = timings.iter().map(|t| t.output_len).sum();
     let limit = ThroughputLimit::of(&work, &rate, &bandwidth, output_tokens, output_throughput);
     Ok(MeasuredLimit { work, rate, bandwidth, limit })
