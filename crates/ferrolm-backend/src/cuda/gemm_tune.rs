@@ -19,8 +19,8 @@
 //! [`super::GpuOptions::fp8_fast_accumulation`]), as FP8 inference engines run their GEMMs: the
 //! tensor cores' running sums of FP8 products are then never promoted to f32 along k. NVIDIA
 //! does not document what those sums keep; DeepSeek-V3's report measured about 14 bits on
-//! Hopper. `fp8_gemm_matches_cpu_on_quantized_activations` holds both modes to one bound, and
-//! `docs/PERFORMANCE.md` gives what each costs. A shape whose fast plan cuBLASLt declines takes
+//! Hopper. `fp8_gemm_matches_cpu_on_quantized_activations` holds each mode to its bound, and
+//! `docs/PERFORMANCE.md` gives what each costs and measures. A shape whose fast plan cuBLASLt declines takes
 //! the promoting one.
 
 use std::collections::HashMap;
