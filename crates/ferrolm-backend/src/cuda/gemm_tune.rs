@@ -15,13 +15,13 @@
 //! (never in the bf16/f16 output type), and use the `Gpu`'s fixed cuBLAS workspace, so that a
 //! captured graph's GEMMs allocate nothing.
 //!
-//! Within one FP8 GEMM, the plans take cuBLASLt's fast accumulation where the `Gpu`'s options ask for it (the default,
-//! [`super::GpuOptions::fp8_fast_accumulation`]), as FP8 inference engines run their GEMMs: the
-//! tensor cores' running sums of FP8 products are then never promoted to f32 along k. NVIDIA
-//! does not document what those sums keep; DeepSeek-V3's report measured about 14 bits on
+//! Within one FP8 GEMM, the plans take cuBLASLt's fast accumulation where the `Gpu`'s options ask
+//! for it (the default, [`super::GpuOptions::fp8_fast_accumulation`]), as FP8 inference engines run
+//! their GEMMs: the tensor cores' running sums of FP8 products are then never promoted to f32 along
+//! k. NVIDIA does not document what those sums keep; DeepSeek-V3's report measured about 14 bits on
 //! Hopper. `fp8_gemm_matches_cpu_on_quantized_activations` holds each mode to its bound, and
-//! `docs/PERFORMANCE.md` gives what each costs and measures. A shape whose fast plan cuBLASLt declines takes
-//! the promoting one.
+//! `docs/PERFORMANCE.md` gives what each costs and measures. A shape whose fast plan cuBLASLt
+//! declines takes the promoting one.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
