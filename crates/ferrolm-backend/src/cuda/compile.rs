@@ -435,8 +435,9 @@ mod tests {
             // The GEMV's experiments compile where asked for (the L2 prefetch shows), and only there.
             let both = vec!["GEMV_L2_PREFETCH=1".to_string(), "GEMV_TAIL_ROUND=1".to_string()];
             for (defines, prefetches) in [(Vec::new(), false), (both, true)] {
-                for dtype in [DType::BF16, DType::F32] {
-                    let unit = Unit { source: &GEMV, dtype };
+                let units = [(&GEMV, DType::BF16), (&GEMV, DType::F32), (&FP8_GEMV, DType::BF16), (&FP8_GEMV, DType::F16)];
+                for (source, dtype) in units {
+                    let unit = Unit { source, dtype };
                     let target = Target { capability, defines: defines.clone() };
                     let Image::Ptx(ptx) = compile(unit, &target, Output::Ptx, false).expect("PTX").image else {
                         panic!("{unit}: not PTX")
