@@ -36,6 +36,13 @@
 #ifndef FP8_GEMV_UNROLL
 #define FP8_GEMV_UNROLL 4
 #endif
+// An experiment (FERROLM_KERNEL_DEFINES="FP8_GEMV_AHEAD=N"): each warp asks the L2 for its
+// chunks N rounds ahead of the round it loads (the rounds up to N before the wait), so that more
+// bytes are in flight than a round of registers holds, without the second register stage that
+// ptxas serialized. Off (0) by default until measured.
+#ifndef FP8_GEMV_AHEAD
+#define FP8_GEMV_AHEAD 0
+#endif
 // GEMV_L2_PREFETCH (gemv.cu's experiment) here: matrices of codes up to this size are asked of
 // the L2 whole before the wait (fp8_gemv_prefetch).
 #ifndef FP8_GEMV_L2_PREFETCH_MAX_BYTES
@@ -147,10 +154,26 @@ __device__ __forceinline__ bool fp8_gemv_tile(const T* x, const unsigned char* w
             }
         }
     };
+    // FP8_GEMV_AHEAD: the L2 is asked for the round of chunks from c0, lane (g, q) taking the
+    // round's chunks q, q + 4, ... of its two rows, a line each.
+    auto prefetch_round = [&](u32 c0) {
+        for (u32 u = q; u < U; u += 4) {
+            const u32 cc = c0 + stride * u;
+            if (cc < full_chunks) {
+#pragma unroll
+                for (int h = 0; h < 2; h++) prefetch_l2(wrow[h] - 16 * q + (u64)cc * 64);
+            }
+        }
+    };
     if (full) load_w();
+    if constexpr (FP8_GEMV_AHEAD > 0) {
+#pragma unroll
+        for (int r = 1; r <= FP8_GEMV_AHEAD; r++) prefetch_round(c + stride * U * r);
+    }
     if constexpr (GEMV_L2_PREFETCH != 0) fp8_gemv_prefetch(w, (u64)rows * k);
     pdl_enter();
     while (full) {
+        if constexpr (FP8_GEMV_AHEAD > 0) prefetch_round(c + stride * U * (FP8_GEMV_AHEAD + 1));
         // The round's x first, all in flight together.
         uint4 xr[U][2];
 #pragma unroll
