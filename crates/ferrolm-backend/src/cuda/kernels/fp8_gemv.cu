@@ -36,36 +36,6 @@
 #ifndef FP8_GEMV_UNROLL
 #define FP8_GEMV_UNROLL 4
 #endif
-// An experiment (FERROLM_KERNEL_DEFINES="FP8_GEMV_AHEAD=N"): each warp asks the L2 for its
-// chunks N rounds ahead of the round it loads (the rounds up to N before the wait), so that more
-// bytes are in flight than a round of registers holds, without the second register stage that
-// ptxas serialized. Off (0) by default until measured.
-#ifndef FP8_GEMV_AHEAD
-#define FP8_GEMV_AHEAD 0
-#endif
-// GEMV_L2_PREFETCH (gemv.cu's experiment) here: matrices of codes up to this size are asked of
-// the L2 whole before the wait (fp8_gemv_prefetch).
-#ifndef FP8_GEMV_L2_PREFETCH_MAX_BYTES
-#define FP8_GEMV_L2_PREFETCH_MAX_BYTES (32u << 20)
-#endif
-
-// GEMV_L2_PREFETCH: the blocks of the first wave (as if each SM held two; %nsmid bounds the SM
-// ids) ask the L2 for the matrix's `bytes` of codes, one prefetch per 128-byte line, the lines
-// dealt out over their threads in turn. Called before the wait, it lets a projection after a
-// short kernel (o_proj after attention, qkv after a norm) read while that kernel runs, where
-// otherwise each lane has only its first round in flight. Blind to which tile reads which line,
-// so it serves the plain, gated and rotary layouts alike.
-__device__ __forceinline__ void fp8_gemv_prefetch(const unsigned char* w, u64 bytes) {
-    if (bytes > FP8_GEMV_L2_PREFETCH_MAX_BYTES) return;
-    u32 num_sms;
-    asm("mov.u32 %0, %%nsmid;" : "=r"(num_sms));
-    const u32 blocks = min(gridDim.x, 2 * num_sms);
-    if (blockIdx.x >= blocks) return;
-    const u64 threads = (u64)blocks * blockDim.x;
-    for (u64 at = ((u64)blockIdx.x * blockDim.x + threadIdx.x) * 128; at < bytes; at += threads * 128) {
-        prefetch_l2(w + at);
-    }
-}
 
 // Two codes (low 16 bits, the first in the low byte) as a pair of T (the first in the low half)
 // for mma16816: halves (common.cuh's e4m3x2_to_half2), or bf16 values times 2^-112
@@ -154,26 +124,9 @@ __device__ __forceinline__ bool fp8_gemv_tile(const T* x, const unsigned char* w
             }
         }
     };
-    // FP8_GEMV_AHEAD: the L2 is asked for the round of chunks from c0, lane (g, q) taking the
-    // round's chunks q, q + 4, ... of its two rows, a line each.
-    auto prefetch_round = [&](u32 c0) {
-        for (u32 u = q; u < U; u += 4) {
-            const u32 cc = c0 + stride * u;
-            if (cc < full_chunks) {
-#pragma unroll
-                for (int h = 0; h < 2; h++) prefetch_l2(wrow[h] - 16 * q + (u64)cc * 64);
-            }
-        }
-    };
     if (full) load_w();
-    if constexpr (FP8_GEMV_AHEAD > 0) {
-#pragma unroll
-        for (int r = 1; r <= FP8_GEMV_AHEAD; r++) prefetch_round(c + stride * U * r);
-    }
-    if constexpr (GEMV_L2_PREFETCH != 0) fp8_gemv_prefetch(w, (u64)rows * k);
     pdl_enter();
     while (full) {
-        if constexpr (FP8_GEMV_AHEAD > 0) prefetch_round(c + stride * U * (FP8_GEMV_AHEAD + 1));
         // The round's x first, all in flight together.
         uint4 xr[U][2];
 #pragma unroll
