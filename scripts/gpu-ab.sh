@@ -15,7 +15,9 @@
 # FP8 rows: l8b-fp8 and ttft-fp8 (the rows above with --quantization fp8), t1000-512-fp8 (with
 # --kv-cache-dtype fp8 too). BASE_ROW=bf16 runs each row without its -fp8 on the base side, so that
 # one build's FP8 rows meet its bf16 ones: `BASE_ROW=bf16 scripts/gpu-ab.sh DIR DIR l8b-fp8
-# ttft-fp8 t1000-512-fp8`.
+# ttft-fp8 t1000-512-fp8`. t1000-768-fp8 and t1000-1000-fp8: the FP8 row with 768 or all 1000
+# requests at a time (the FP8 cache holds twice the tokens; on an H100 the 1000 do not all fit and
+# some are preempted), against it: `BASE_ROW=t1000-512-fp8 scripts/gpu-ab.sh DIR DIR t1000-1000-fp8`.
 # NEW_ENV ("NAME=VALUE ...") is set for the new side's runs only, to compare a switch on one
 # build: `NEW_ENV=FERROLM_DECODE_TENSOR_COPIES=1 BASE_ROW=t1000-512 scripts/gpu-ab.sh DIR DIR
 # t1000-512`.
@@ -51,6 +53,9 @@ row_args() { # row -> the bench arguments
         l8b-fp8) echo latency "${L8B[@]}" "${DECODE[@]}" --quantization fp8 ;;
         ttft-fp8) echo "$(row_args ttft)" --quantization fp8 ;;
         t1000-512-fp8) echo "$(row_args t1000-512)" --quantization fp8 --kv-cache-dtype fp8 ;;
+        t1000-768-fp8 | t1000-1000-fp8) n=${1#t1000-}; echo throughput "${L8B[@]}" --num-prompts 1000 --input-len 1000 \
+            --output-len 1000 --max-num-seqs "${n%-fp8}" --max-num-batched-tokens 8192 --kv-cache-fraction 1.0 \
+            --quantization fp8 --kv-cache-dtype fp8 ;;
         q30b) echo latency "${Q30B[@]}" "${DECODE[@]}" ;;
         mixtral) echo latency --model-config bench-configs/mixtral-8x7b.json "${DECODE[@]}" ;;
         gemma2) echo latency --model-config bench-configs/gemma-2-9b.json "${DECODE[@]}" ;;
