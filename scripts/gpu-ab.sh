@@ -16,8 +16,9 @@
 # --kv-cache-dtype fp8 too). BASE_ROW=bf16 runs each row without its -fp8 on the base side, so that
 # one build's FP8 rows meet its bf16 ones: `BASE_ROW=bf16 scripts/gpu-ab.sh DIR DIR l8b-fp8
 # ttft-fp8 t1000-512-fp8`. t1000-768-fp8 and t1000-1000-fp8: the FP8 row with 768 or all 1000
-# requests at a time (the FP8 cache holds twice the tokens; on an H100 the 1000 do not all fit and
-# some are preempted), against it: `BASE_ROW=t1000-512-fp8 scripts/gpu-ab.sh DIR DIR t1000-1000-fp8`.
+# requests at a time (768 x 2000 tokens of FP8 cache fit on an H200, not on an H100, where both
+# rows preempt); they have no bf16 row, so compare them with the 512 one:
+# `BASE_ROW=t1000-512-fp8 scripts/gpu-ab.sh DIR DIR t1000-768-fp8 t1000-1000-fp8`.
 # NEW_ENV ("NAME=VALUE ...") is set for the new side's runs only, to compare a switch on one
 # build: `NEW_ENV=FERROLM_DECODE_TENSOR_COPIES=1 BASE_ROW=t1000-512 scripts/gpu-ab.sh DIR DIR
 # t1000-512`.

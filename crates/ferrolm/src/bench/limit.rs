@@ -43,9 +43,9 @@ use super::report::Table;
 const CPU_PROBE_ROWS: usize = 256;
 /// Timed passes over the projections on the CPU, at least; the fastest counts.
 const CPU_PROBE_PASSES: usize = 3;
-/// Seconds the CPU's timed passes take together, at least: a small model's pass takes about a
-/// millisecond, and the fastest of three such passes on a busy machine can be well below the
-/// rate the model then reaches, putting a run above its limit.
+/// Seconds the CPU's timed passes take together, at least: the demo model's pass at a few dozen
+/// rows takes about a millisecond, and the rate from the fastest of three such passes on a busy
+/// machine came out well below the rate the model then reached, putting a run above its limit.
 const CPU_PROBE_SECONDS: f64 = 0.2;
 /// Timed passes on the CPU at most, however short each.
 const CPU_PROBE_MAX_PASSES: usize = 1000;
