@@ -5,6 +5,7 @@
 //! cargo build --release -p ferrolm-backend --features cuda,bench-internals --example gemv_bench
 //! target/release/examples/gemv_bench        # or `gemv_bench fp8`: the FP8 rows alone
 //! target/release/examples/gemv_bench fp8-ksplit   # the FP8 GEMV at each split of k
+//! target/release/examples/gemv_bench fp8-blocks   # the FP8 GEMM by each scale layout
 //! ```
 //!
 //! Each shape's weights are cycled through in enough copies that one pass is several times the
@@ -48,6 +49,7 @@ fn main() {
     match std::env::args().nth(1).as_deref() {
         Some("fp8") => return fp8_section(&gpu, &gemms, &shapes),
         Some("fp8-ksplit") => return fp8_ksplit_section(&gpu, &gemms, &shapes),
+        Some("fp8-blocks") => return fp8_blocks_section(&gpu, &gemms, &shapes),
         _ => {}
     }
     println!("{:<34} {:>3} {:>10} {:>10} {:>10} {:>10}", "shape (n x k)", "m", "gemv us", "GB/s", "cublas us", "GB/s");
@@ -178,9 +180,90 @@ fn fp8_ksplit_section(gpu: &Gpu, gemms: &Gemms, shapes: &[(&str, usize, usize)])
     }
 }
 
+/// The 8B's projections with FP8 weights past the GEMV's rows, TFLOP/s (tuned), by the weights'
+/// scales: one a row (the FP8 GEMM, activations per token), 128 x 128 blocks (the block GEMM,
+/// activations per token and 128 columns), and 128 x 64 blocks, which no FP8 GEMM takes (the
+/// matrix dequantized to bf16 per call, then cuBLAS).
+fn fp8_blocks_section(gpu: &Gpu, gemms: &Gemms, shapes: &[(&str, usize, usize)]) {
+    println!();
+    let ms = [8, 33, 64, 256, 2048];
+    println!(
+        "{:<44} {:>8} {:>8} {:>8} {:>8} {:>8}",
+        "FP8 TFLOP/s (n x k), scales", "m8", "m33", "m64", "m256", "m2048"
+    );
+    let layouts: [(&str, ScalesOf); 3] = [
+        ("rows", |n, _| Fp8Scales::Rows((0..n).map(|i| (1 + i % 7) as f32 / 448.0).collect())),
+        ("128 x 128", |n, k| block_scales(n, k, 128)),
+        ("128 x 64 (dequantized)", |n, k| block_scales(n, k, 64)),
+    ];
+    for &(name, n, k) in shapes.iter().filter(|&&(name, n, _)| name.starts_with("8b") && n != 128256) {
+        for (layout, scales) in layouts {
+            let rates = fp8_scaled_weights(gpu, n, k, scales(n, k)).and_then(|weights| {
+                let gemm_rows: Vec<usize> = ms.to_vec();
+                cuda::tune_fp8_gemms(gpu, gemms, weights[0].view(), n, &gemm_rows, DType::BF16)?;
+                fp8_gemm_rates(gpu, gemms, &weights, n, k, &ms)
+            });
+            match rates {
+                Ok(r) => println!(
+                    "{:<44} {:>8.0} {:>8.0} {:>8.0} {:>8.0} {:>8.0}",
+                    format!("{name} ({n} x {k}), {layout}"),
+                    r[0],
+                    r[1],
+                    r[2],
+                    r[3],
+                    r[4]
+                ),
+                Err(e) => eprintln!("{name} FP8 {layout}: {e}"),
+            }
+        }
+    }
+}
+
+/// The scales of an `[n, k]` matrix.
+type ScalesOf = fn(usize, usize) -> Fp8Scales;
+
+/// A grid of `128 x block_cols` block scales over `[n, k]`.
+fn block_scales(n: usize, k: usize, block_cols: usize) -> Fp8Scales {
+    let scales = (0..n.div_ceil(128) * k.div_ceil(block_cols)).map(|i| (1 + i % 7) as f32 / 448.0).collect();
+    Fp8Scales::Blocks { block_rows: 128, block_cols, scales }
+}
+
+/// TFLOP/s of `linear_fp8` over `weights` (copies of one `[n, k]` matrix) at each of `ms` rows,
+/// with a scratch that holds the matrix dequantized.
+fn fp8_gemm_rates(
+    gpu: &Gpu,
+    gemms: &Gemms,
+    weights: &[GpuFp8Matrix],
+    n: usize,
+    k: usize,
+    ms: &[usize],
+) -> Result<Vec<f64>, GpuError> {
+    let copies = weights.len();
+    let largest = ms.iter().copied().max().unwrap_or(1);
+    let x = random_tensor(gpu, DType::BF16, largest * k, &mut 0x2545_f491_4f6c_dd1d_u64)?;
+    let mut y = GpuTensor::zeros(gpu, DType::BF16, largest * n)?;
+    let mut scratch = GpuTensor::zeros(gpu, DType::BF16, (n * k).max(largest * k) + largest * 128 + 16)?;
+    ms.iter()
+        .map(|&m| {
+            let t = best_mean(gpu, copies, |i| {
+                let (x, w, y) = (x.slice(0..m * k), weights[i % copies].view(), y.slice_mut(0..m * n));
+                cuda::linear_fp8(gpu, gemms, x, m, w, n, None, y, &mut scratch, None)
+            })?;
+            Ok(2.0 * (m * n * k) as f64 / t / 1e12)
+        })
+        .collect()
+}
+
 /// Copies of a random `[n, k]` FP8 matrix with row scales, enough that a pass over them is
 /// several times the L2 cache.
 fn fp8_weights(gpu: &Gpu, n: usize, k: usize) -> Result<Vec<GpuFp8Matrix>, GpuError> {
+    let scales = Fp8Scales::Rows((0..n).map(|i| (1 + i % 7) as f32 / 448.0).collect());
+    fp8_scaled_weights(gpu, n, k, scales)
+}
+
+/// Copies of a random `[n, k]` FP8 matrix with `scales`, enough that a pass over them is several
+/// times the L2 cache.
+fn fp8_scaled_weights(gpu: &Gpu, n: usize, k: usize, scales: Fp8Scales) -> Result<Vec<GpuFp8Matrix>, GpuError> {
     let copies = WORKING_SET.div_ceil(n * k).clamp(1, 16);
     // Codes of magnitude below 0x7e (no NaN), either sign; the copies hold the same values in
     // distinct memory.
@@ -190,9 +273,8 @@ fn fp8_weights(gpu: &Gpu, n: usize, k: usize) -> Result<Vec<GpuFp8Matrix>, GpuEr
             ((h >> 40) % 0x7e) as u8 | ((h >> 32) as u8 & 0x80)
         })
         .collect();
-    let scales = (0..n).map(|i| (1 + i % 7) as f32 / 448.0).collect();
-    let w = Fp8Matrix::new(n, k, codes, Fp8Scales::Rows(scales)).expect("codes and scales of the shape");
-    (0..copies).map(|_| GpuFp8Matrix::new(gpu, &w).map(|m| m.expect("row scales and whole chunks"))).collect()
+    let w = Fp8Matrix::new(n, k, codes, scales).expect("codes and scales of the shape");
+    (0..copies).map(|_| GpuFp8Matrix::new(gpu, &w).map(|m| m.expect("scales the kernels take"))).collect()
 }
 
 /// GB/s of codes of the FP8 GEMV at `m` rows with k split over 1, 2, 4 and 8 warps, then at

@@ -54,6 +54,22 @@ pub enum Fp8Scales {
     Blocks { block_rows: usize, block_cols: usize, scales: Vec<f32> },
 }
 
+/// How the GPU's FP8 GEMM (the product of more rows than its FP8 GEMV takes) scales its two
+/// operands, which its inputs are quantized to match (see [`Fp8Matrix::gemm_scaling`]).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Fp8GemmScaling {
+    /// One scale per row of the weights (a tensor's or a channel's), the activations quantized
+    /// per token.
+    Rows,
+    /// The weights' [`GEMM_BLOCK`]-square blocks (the block-wise `fp8` checkpoints'), the
+    /// activations quantized per token and [`GEMM_BLOCK`] columns (DeepSeek-V3's scheme).
+    Blocks,
+}
+
+/// The side of the weight blocks, and the width of the activation groups, of
+/// [`Fp8GemmScaling::Blocks`].
+pub const GEMM_BLOCK: usize = 128;
+
 /// A `[rows, cols]` matrix of e4m3 codes and its scales.
 #[derive(Clone, Debug)]
 pub struct Fp8Matrix {
@@ -122,6 +138,42 @@ impl Fp8Matrix {
         Fp8Matrix { rows, cols, codes, scales: Fp8Scales::Rows(scales) }
     }
 
+    /// Quantization in blocks of `block_rows x block_cols` (the last of a row or column partial),
+    /// as the block-wise `fp8` checkpoints are quantized (128 x 128), and as the FP8 GEMM over
+    /// such weights quantizes its activations (1 x 128: per token and 128 columns): each block's
+    /// scale is `max(amax / 448, MIN_SCALE)` and its codes `e4m3(w / scale)`, in f32, as
+    /// [`Self::quantize_rows`] quantizes a row.
+    pub fn quantize_blocks(w: &HostTensor, block_rows: usize, block_cols: usize) -> Fp8Matrix {
+        let [rows, cols] = w.shape() else { panic!("Fp8Matrix::quantize_blocks: a matrix of shape {:?}", w.shape()) };
+        let (rows, cols) = (*rows, *cols);
+        assert!(block_rows > 0 && block_cols > 0, "Fp8Matrix::quantize_blocks: blocks of {block_rows} x {block_cols}");
+        let values = w.to_f32_vec();
+        let grid_cols = cols.div_ceil(block_cols);
+        // Each block row's amax per block column, then its scales.
+        let mut scales = vec![0.0f32; rows.div_ceil(block_rows) * grid_cols];
+        scales.par_chunks_mut(grid_cols.max(1)).enumerate().for_each(|(br, scales)| {
+            let block = &values[br * block_rows * cols..((br + 1) * block_rows).min(rows) * cols];
+            for row in block.chunks(cols.max(1)) {
+                for (s, piece) in scales.iter_mut().zip(row.chunks(block_cols)) {
+                    *s = piece.iter().fold(*s, |m, x| m.max(x.abs()));
+                }
+            }
+            for s in scales.iter_mut() {
+                *s = (*s / E4M3_MAX).max(MIN_SCALE);
+            }
+        });
+        let mut codes = vec![0u8; rows * cols];
+        codes.par_chunks_mut(cols.max(1)).zip(values.par_chunks(cols.max(1))).enumerate().for_each(
+            |(r, (codes, row))| {
+                let scales = &scales[(r / block_rows) * grid_cols..];
+                for (c, (code, &x)) in codes.iter_mut().zip(row).enumerate() {
+                    *code = f32_to_e4m3(x / scales[c / block_cols]);
+                }
+            },
+        );
+        Fp8Matrix { rows, cols, codes, scales: Fp8Scales::Blocks { block_rows, block_cols, scales } }
+    }
+
     pub fn rows(&self) -> usize {
         self.rows
     }
@@ -159,6 +211,33 @@ impl Fp8Matrix {
             Fp8Scales::Tensor(s) => (rows, cols, std::slice::from_ref(s)),
             Fp8Scales::Rows(s) => (1, cols, s),
             Fp8Scales::Blocks { block_rows, block_cols, scales } => (*block_rows, *block_cols, scales),
+        }
+    }
+
+    /// How an FP8 GEMM scales its product with this matrix (as stacked for the device), if one
+    /// takes it: columns in whole 16-code chunks, and one scale per row, or blocks of
+    /// [`GEMM_BLOCK`] x [`GEMM_BLOCK`] over whole blocks of columns. The GPU also needs its
+    /// activations in bf16 or f16, a multiple of 16 output features, and cuBLASLt to offer the
+    /// GEMM.
+    pub fn gemm_scaling(&self) -> Option<Fp8GemmScaling> {
+        let (block_rows, block_cols, _) = self.scale_grid();
+        if !self.cols.is_multiple_of(16) {
+            None
+        } else if block_cols >= self.cols {
+            Some(Fp8GemmScaling::Rows)
+        } else if (block_rows, block_cols) == (GEMM_BLOCK, GEMM_BLOCK) && self.cols.is_multiple_of(GEMM_BLOCK) {
+            Some(Fp8GemmScaling::Blocks)
+        } else {
+            None
+        }
+    }
+
+    /// Activations `x` (`[m, k]`) quantized as an FP8 GEMM of `scaling` quantizes them: per token,
+    /// or per token and [`GEMM_BLOCK`] columns.
+    pub fn quantize_inputs(x: &HostTensor, scaling: Fp8GemmScaling) -> Fp8Matrix {
+        match scaling {
+            Fp8GemmScaling::Rows => Fp8Matrix::quantize_rows(x),
+            Fp8GemmScaling::Blocks => Fp8Matrix::quantize_blocks(x, 1, GEMM_BLOCK),
         }
     }
 
@@ -311,6 +390,39 @@ mod tests {
             }
         }
         assert!(back[cols..2 * cols].iter().all(|&x| x == 0.0));
+    }
+
+    #[test]
+    fn quantizing_blocks_quantizes_each_block_as_a_row_of_its_own() {
+        // 5 x 20 in blocks of 2 x 8: block rows of 2, 2 and 1, block columns of 8, 8 and 4.
+        let (rows, cols, br, bc) = (5, 20, 2, 8);
+        let mut values: Vec<f32> = (0..rows * cols).map(|i| ((i * 7919 % 1000) as f32 - 500.0) / 37.0).collect();
+        values[..8].fill(0.0); // block (0, 0) zero in its first row only
+        for r in 0..2 {
+            values[r * cols + 8..r * cols + 16].fill(0.0); // block (0, 1) all zero
+        }
+        let q = Fp8Matrix::quantize_blocks(&HostTensor::from_f32(vec![rows, cols], values.clone()), br, bc);
+        let Fp8Scales::Blocks { block_rows: 2, block_cols: 8, scales } = q.scales() else { panic!("{:?}", q.scales()) };
+        assert_eq!(scales.len(), 3 * 3);
+        for (b, &scale) in scales.iter().enumerate() {
+            let (r0, c0) = ((b / 3) * br, (b % 3) * bc);
+            // The block's elements, quantized as one row would be: the same scale and codes.
+            let block: Vec<f32> = (r0..(r0 + br).min(rows))
+                .flat_map(|r| values[r * cols + c0..r * cols + (c0 + bc).min(cols)].to_vec())
+                .collect();
+            let as_row = Fp8Matrix::quantize_rows(&HostTensor::from_f32(vec![1, block.len()], block));
+            assert_eq!(scale.to_bits(), as_row.scale(0, 0).to_bits(), "block {b}");
+            let codes: Vec<u8> = (r0..(r0 + br).min(rows))
+                .flat_map(|r| q.codes()[r * cols + c0..r * cols + (c0 + bc).min(cols)].to_vec())
+                .collect();
+            assert_eq!(codes, as_row.codes(), "block {b}");
+        }
+        assert_eq!(scales[1], MIN_SCALE);
+        // Blocks of one row as wide as the matrix are the rows' quantization.
+        let w = HostTensor::from_f32(vec![rows, cols], values);
+        let (whole, per_row) = (Fp8Matrix::quantize_blocks(&w, 1, cols), Fp8Matrix::quantize_rows(&w));
+        assert_eq!(whole.codes(), per_row.codes());
+        assert_eq!(whole.dequantize().to_f32_vec(), per_row.dequantize().to_f32_vec());
     }
 
     #[test]

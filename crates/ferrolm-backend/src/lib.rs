@@ -23,7 +23,7 @@ pub use device::{
     unfused_attention_input, AttentionInput, Device, Experts, GatedActivation, Heads, KvCacheDtype, KvScales,
     LayerAttention, Linear, MatrixUse, MoeInput, MoeShape, Precision, RopeFrequencies, Shaped,
 };
-pub use fp8::{Fp8Matrix, Fp8Scales};
+pub use fp8::{Fp8GemmScaling, Fp8Matrix, Fp8Scales};
 pub use host::{HostTensor, SharedBytes};
 
 use half::{bf16, f16};

@@ -12,7 +12,7 @@ use ferrolm_backend::cuda::{
     self, AttentionKernel, CudaSlice, Gemms, Gpu, GpuAttentionMetadata, GpuError, GpuFp8Matrix, GpuOptions,
     GpuRopeTable, GpuRowCodes, GpuTensor, PagedAttention, QkNorms, QkvOut, QkvRows,
 };
-use ferrolm_backend::{DType, Fp8Matrix, Fp8Scales, Heads, HostTensor, WeightView};
+use ferrolm_backend::{DType, Fp8GemmScaling, Fp8Matrix, Fp8Scales, Heads, HostTensor, WeightView};
 use half::{bf16, f16};
 use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
@@ -2937,11 +2937,13 @@ fn fp8_linear_gated_matches_fp8_linear_then_activation() -> Result<(), GpuError>
 }
 
 /// More rows of bf16 or f16 activations over a matrix of one scale per row take cuBLASLt's FP8
-/// GEMM, the activations quantized per token first: against the CPU's product of the
-/// dequantized weights with the activations quantized the same way (amax / 448 per row, codes
-/// rounded to nearest even), which `crate::fp8` computes on the host. With and without bias,
-/// into the activation dtype and f32, over all the rows and over the first half (an LM head's
-/// prefix), and as the gate/up projection with its activation after it.
+/// GEMM, the activations quantized per token first (per token and 128 columns beside weights in
+/// 128 x 128 blocks): against the CPU's product of the dequantized weights with the activations
+/// quantized the same way (amax / 448 per row or group, codes rounded to nearest even), which
+/// `crate::fp8` computes on the host. With and without bias, into the activation dtype and f32,
+/// over all the rows and over the first half (an LM head's prefix), and as the gate/up
+/// projection with its activation after it. Row counts that are no multiple of 4 take the
+/// block GEMM's padding.
 #[test]
 fn fp8_gemm_matches_cpu_on_quantized_activations() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
@@ -2965,7 +2967,10 @@ fn fp8_gemm_cases(gpu: &Gpu, failures: &mut Vec<String>) -> Result<(), GpuError>
     let why = "(fails where cuBLASLt has no FP8 GEMM and the weights are dequantized instead)";
     for &(k, n) in &[(256, 128), (4096, 1024)] {
         let layouts = fp8_layouts(&mut rng, n, k);
-        for (layout, w) in layouts.into_iter().filter(|(l, _)| matches!(*l, "tensor" | "rows")) {
+        for (layout, w) in layouts.into_iter().filter(|(l, _)| matches!(*l, "tensor" | "rows" | "blocks")) {
+            let scaling = w.gemm_scaling().expect("an FP8 GEMM takes every layout under test");
+            // Block scales always promote (see gemm_tune.rs).
+            let fast = fast && scaling == Fp8GemmScaling::Rows;
             let w_dev = GpuFp8Matrix::new(gpu, &w)?.expect("the kernels take every layout under test");
             let w_f32 = w.dequantize().to_f32_vec();
             let bias = random_vec(&mut rng, n, 1.0);
@@ -2974,8 +2979,9 @@ fn fp8_gemm_cases(gpu: &Gpu, failures: &mut Vec<String>) -> Result<(), GpuError>
                 let x = random_vec(&mut rng, m * k, 1.0);
                 for (dtype, tol) in DTYPES.into_iter().filter(|(d, _)| *d != DType::F32) {
                     let (x_dev, x_r) = upload(gpu, &x, dtype)?;
-                    let x_q =
-                        Fp8Matrix::quantize_rows(&HostTensor::from_f32(vec![m, k], x_r)).dequantize().to_f32_vec();
+                    let x_q = Fp8Matrix::quantize_inputs(&HostTensor::from_f32(vec![m, k], x_r), scaling)
+                        .dequantize()
+                        .to_f32_vec();
                     let mut scratch = GpuTensor::uninit(gpu, dtype, n * k + m * k)?;
                     // Σ |x_i w_i| of each output: what the tensor cores' FP8 accumulation errs by
                     // a fraction of (it keeps fewer bits than f32 between promotions).
@@ -2990,6 +2996,7 @@ fn fp8_gemm_cases(gpu: &Gpu, failures: &mut Vec<String>) -> Result<(), GpuError>
                                 let report = cuda::tune_fp8_gemms(gpu, &gemms, w_dev.view(), rows, &[m], output)?;
                                 assert_eq!(report.len(), 1, "FP8 GEMM {layout} m={m} rows={rows}: not tuned {why}");
                                 assert!(fast || !report[0].fast_accumulation, "fast accumulation where it is off");
+                                assert_eq!(report[0].shape.scaling, scaling, "FP8 GEMM {layout}: tuned as {scaling:?}");
                             }
                         }
                         for with_bias in [false, true] {

@@ -19,7 +19,7 @@ use crate::device::{
     Device, GatedActivation, KvCacheDtype, KvScales, LayerAttention, Linear, MoeInput, MoeShape, Precision,
     RopeFrequencies, Shaped,
 };
-use crate::{DType, Fp8Matrix, HostTensor, MatrixUse};
+use crate::{DType, Fp8GemmScaling, Fp8Matrix, HostTensor, MatrixUse};
 
 /// The CPU as a [`Device`]. How it computes with an FP8 projection's inputs is set when the
 /// projection's matrix is placed ([`Device::fp8_matrix`]): a model loaded by
@@ -36,12 +36,13 @@ pub enum Fp8Inputs {
     /// As they are: the exact product with the dequantized weights.
     #[default]
     Exact,
-    /// Quantized per token to e4m3 (each row's `amax / 448`, as [`Fp8Matrix::quantize_rows`]
-    /// quantizes a matrix) in steps of more than this many rows, for the matrices a linear op
-    /// reads whose stacked scales are one per row and whose columns (k) are a multiple of 16,
-    /// where the product's output features (n) are a multiple of 16 too: what the GPU does in
-    /// bf16 and f16 beyond its FP8 GEMV (`cuda::GEMV_MAX_M` rows), where its FP8 GEMM takes the
-    /// product. Not modelled: the GPU's fallbacks to a dequantized copy where cuBLASLt has no
+    /// Quantized to e4m3 in steps of more than this many rows, for the matrices a linear op
+    /// reads that an FP8 GEMM takes ([`Fp8Matrix::gemm_scaling`]), where the product's output
+    /// features (n) are a multiple of 16 too: per token (each row's `amax / 448`, as
+    /// [`Fp8Matrix::quantize_rows`] quantizes a matrix) beside weights of one scale a row, per
+    /// token and 128 columns beside 128 x 128 blocks. What the GPU does in bf16 and f16 beyond
+    /// its FP8 GEMV (`cuda::GEMV_MAX_M` rows), where its FP8 GEMM takes the product. Not
+    /// modelled: the GPU's fallbacks to a dequantized copy where cuBLASLt has no
     /// FP8 GEMM for a shape, or where a step's codes need more bytes than the FP8 scratch holds
     /// (sized for the largest FP8 matrix dequantized; on the tiny test models, steps of about
     /// 240 tokens; the tests' steps are smaller).
@@ -65,8 +66,9 @@ impl Cpu {
 #[derive(Debug)]
 pub struct CpuMatrix {
     values: HostTensor,
-    /// Steps of more rows than this quantize their inputs per token ([`Fp8Inputs::PerTokenBeyond`]).
-    quantize_inputs_beyond: Option<usize>,
+    /// Steps of more rows than this quantize their inputs as an FP8 GEMM of that scaling does
+    /// ([`Fp8Inputs::PerTokenBeyond`]).
+    quantize_inputs_beyond: Option<(usize, Fp8GemmScaling)>,
 }
 
 impl CpuMatrix {
@@ -75,12 +77,13 @@ impl CpuMatrix {
         &self.values
     }
 
-    /// `x`: `[m, k]`, as this matrix's product computes with it: quantized per token in steps of
-    /// more rows than its bound with `n` output features a multiple of 16, else as it is.
+    /// `x`: `[m, k]`, as this matrix's product computes with it: quantized as its FP8 GEMM does
+    /// in steps of more rows than its bound with `n` output features a multiple of 16, else as
+    /// it is.
     fn input<'x>(&self, x: &'x [f32], m: usize, k: usize, n: usize) -> Cow<'x, [f32]> {
         match self.quantize_inputs_beyond {
-            Some(rows) if m > rows && n.is_multiple_of(16) => {
-                let q = Fp8Matrix::quantize_rows(&HostTensor::from_f32(vec![m, k], x.to_vec()));
+            Some((rows, scaling)) if m > rows && n.is_multiple_of(16) => {
+                let q = Fp8Matrix::quantize_inputs(&HostTensor::from_f32(vec![m, k], x.to_vec()), scaling);
                 Cow::Owned(q.dequantize().to_f32_vec())
             }
             _ => Cow::Borrowed(x),
@@ -194,13 +197,11 @@ impl Device for Cpu {
 
     fn fp8_matrix(&self, parts: Vec<Fp8Matrix>, usage: MatrixUse) -> Result<CpuMatrix, Infallible> {
         // The matrix as the GPU places it (one grid of scales for the stacked parts, the same
-        // values): its FP8 GEMM takes one scale per row (outer-vector scaling) and whole
-        // 16-column chunks.
+        // values), whose grid decides whether its FP8 GEMM takes the product.
         let stacked = Fp8Matrix::stack(parts).unwrap_or_else(|e| panic!("fp8_matrix: {e}"));
         let quantize_inputs_beyond = match self.fp8_inputs {
             Fp8Inputs::PerTokenBeyond(rows) if usage == MatrixUse::Linear => {
-                let cols = stacked.cols();
-                (cols.is_multiple_of(16) && stacked.scale_grid().1 >= cols).then_some(rows)
+                stacked.gemm_scaling().map(|scaling| (rows, scaling))
             }
             _ => None,
         };
@@ -444,10 +445,15 @@ mod tests {
         y.as_slice().to_vec()
     }
 
-    /// The exact product of `x` (or of its per-token e4m3 values) with `w`'s values.
-    fn reference(w: &Fp8Matrix, x: &[f32], m: usize, quantized: bool) -> Vec<f32> {
+    /// The exact product of `x` (or of its e4m3 values as a GEMM of `quantized` quantizes them)
+    /// with `w`'s values.
+    fn reference(w: &Fp8Matrix, x: &[f32], m: usize, quantized: Option<Fp8GemmScaling>) -> Vec<f32> {
         let x_t = HostTensor::from_f32(vec![m, w.cols()], x.to_vec());
-        let x = if quantized { Fp8Matrix::quantize_rows(&x_t).dequantize() } else { x_t }.to_f32_vec();
+        let x = match quantized {
+            Some(scaling) => Fp8Matrix::quantize_inputs(&x_t, scaling).dequantize(),
+            None => x_t,
+        }
+        .to_f32_vec();
         let mut y = vec![0.0; m * w.rows()];
         crate::cpu::linear(&x, m, w.cols(), w.dequantize().view(), w.rows(), None, &mut y);
         y
@@ -456,13 +462,15 @@ mod tests {
     #[test]
     fn fp8_inputs_are_quantized_per_token_only_where_the_gpu_quantizes_them() {
         let mut rng = rng(5);
-        let (rows, cols) = (32, 64);
+        let (rows, cols) = (32, 256);
         let values = HostTensor::from_f32(vec![rows, cols], random_vec(&mut rng, rows * cols, 1.0));
         let per_row = Fp8Matrix::quantize_rows(&values);
         let codes = per_row.codes().to_vec();
         let tensor = Fp8Matrix::new(rows, cols, codes.clone(), Fp8Scales::Tensor(0.01)).unwrap();
-        let blocks = Fp8Scales::Blocks { block_rows: 16, block_cols: 32, scales: vec![0.01, 0.02, 0.03, 0.04] };
-        let blocks = Fp8Matrix::new(rows, cols, codes, blocks).unwrap();
+        let blocks = Fp8Scales::Blocks { block_rows: 16, block_cols: 128, scales: vec![0.01, 0.02, 0.03, 0.04] };
+        let blocks = Fp8Matrix::new(rows, cols, codes.clone(), blocks).unwrap();
+        let square = Fp8Scales::Blocks { block_rows: 128, block_cols: 128, scales: vec![0.01, 0.02] };
+        let square = Fp8Matrix::new(rows, cols, codes, square).unwrap();
         let narrow =
             Fp8Matrix::quantize_rows(&HostTensor::from_f32(vec![24, cols], values.to_f32_vec()[..24 * cols].to_vec()));
         let emulating = Cpu::with_fp8_inputs(Fp8Inputs::PerTokenBeyond(4));
@@ -473,17 +481,23 @@ mod tests {
                 .enumerate()
                 .map(|(i, v)| v * (1 + i / cols) as f32)
                 .collect();
+            let beyond = |scaling| (m > 4).then_some(scaling);
             for (what, w, quantizes) in [
-                ("row scales", &per_row, m > 4),
-                ("a tensor scale", &tensor, m > 4),
-                ("block scales", &blocks, false),
-                ("24 output features", &narrow, false),
+                ("row scales", &per_row, beyond(Fp8GemmScaling::Rows)),
+                ("a tensor scale", &tensor, beyond(Fp8GemmScaling::Rows)),
+                ("128 x 128 blocks", &square, beyond(Fp8GemmScaling::Blocks)),
+                ("16 x 128 blocks", &blocks, None),
+                ("24 output features", &narrow, None),
             ] {
                 let want = reference(w, &x, m, quantizes);
                 assert_eq!(product(emulating, w, &x, m), want, "{what}, m = {m}");
-                assert_eq!(product(Cpu::default(), w, &x, m), reference(w, &x, m, false), "{what}, m = {m}: exact");
-                if quantizes {
-                    assert_ne!(want, reference(w, &x, m, false), "{what}, m = {m}: the quantization shows");
+                assert_eq!(product(Cpu::default(), w, &x, m), reference(w, &x, m, None), "{what}, m = {m}: exact");
+                if quantizes.is_some() {
+                    assert_ne!(want, reference(w, &x, m, None), "{what}, m = {m}: the quantization shows");
+                }
+                if quantizes == Some(Fp8GemmScaling::Blocks) {
+                    let per_token = reference(w, &x, m, Some(Fp8GemmScaling::Rows));
+                    assert_ne!(want, per_token, "{what}, m = {m}: quantized per 128 columns, not per token");
                 }
             }
         }
@@ -505,10 +519,24 @@ mod tests {
         };
         // Parts of a tensor scale and of row scales stack to one scale a row: quantized.
         let mixed = vec![part(3, 32, Fp8Scales::Tensor(0.5)), part(2, 32, Fp8Scales::Rows(vec![1.0, 2.0]))];
-        assert_eq!(beyond(mixed, MatrixUse::Linear), Some(4));
+        assert_eq!(beyond(mixed, MatrixUse::Linear), Some((4, Fp8GemmScaling::Rows)));
         // A row part beside blocks 16 wide: the stacked grid is 16 wide, as the GPU keeps it.
         let narrow = vec![part(2, 32, Fp8Scales::Rows(vec![1.0, 2.0])), part(2, 32, blocks(2, 32, 16))];
         assert_eq!(beyond(narrow, MatrixUse::Linear), None);
+        // Parts of 128 x 128 blocks, each ending on a block row (q, k, v): quantized per 128
+        // columns; one ending inside a block row stacks to blocks of one row, which no GEMM takes.
+        let square = |rows: usize, cols: usize| Fp8Scales::Blocks {
+            block_rows: 128,
+            block_cols: 128,
+            scales: vec![0.5; rows.div_ceil(128) * cols.div_ceil(128)],
+        };
+        let qkv =
+            vec![part(256, 384, square(256, 384)), part(128, 384, square(128, 384)), part(64, 384, square(64, 384))];
+        assert_eq!(beyond(qkv, MatrixUse::Linear), Some((4, Fp8GemmScaling::Blocks)));
+        let ragged = vec![part(64, 384, square(64, 384)), part(128, 384, square(128, 384))];
+        assert_eq!(beyond(ragged, MatrixUse::Linear), None);
+        // Blocks of 128 over columns that are no whole number of them.
+        assert_eq!(beyond(vec![part(128, 320, square(128, 320))], MatrixUse::Linear), None);
         // Columns no multiple of 16; experts and embeddings (dense on the GPU).
         assert_eq!(beyond(vec![part(2, 24, Fp8Scales::Tensor(0.5))], MatrixUse::Linear), None);
         assert_eq!(beyond(vec![part(2, 32, Fp8Scales::Tensor(0.5))], MatrixUse::Experts), None);
@@ -534,7 +562,7 @@ mod tests {
         for (n, quantized) in [(32, true), (24, false)] {
             let mut y = CpuTensor::zeros(m, n);
             let Ok(()) = cpu.linear_prefix(&x_t, &linear, &mut y);
-            let want = reference(&w, &x, m, quantized);
+            let want = reference(&w, &x, m, quantized.then_some(Fp8GemmScaling::Rows));
             let want: Vec<f32> = (0..m).flat_map(|r| want[r * rows..r * rows + n].to_vec()).collect();
             assert_eq!(y.as_slice(), want.as_slice(), "prefix of {n}");
         }

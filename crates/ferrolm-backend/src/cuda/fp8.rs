@@ -5,14 +5,16 @@
 //! Up to [`GEMV_MAX_M`](super::linear) rows take an FP8 GEMV, which reads each weight once, as one
 //! byte, and computes with the activations as they are: for bf16 and f16 activations over blocks of
 //! 64 columns or more the tensor-core kernel (`fp8_gemv_*` in kernels/fp8_gemv.cu), else the GEMV
-//! kernel's FP8 form (`gemv_fp8_*` in kernels/gemv.cu). More rows of bf16 or f16 activations, where
-//! every row of the matrix has one scale (tensor or channel scales: cuBLASLt's outer-vector
-//! scaling), take an FP8 GEMM on the tensor cores: the activations quantized per token first
-//! (`fp8_quantize_rows`, vLLM's dynamic per-token scales), so that the product differs from the
-//! CPU's by that rounding too. Everything else (f32 activations, block scales, a shape cuBLASLt has
-//! no FP8 GEMM for) dequantizes the matrix into a scratch buffer in the activations' dtype
-//! (`fp8_dequantize`: the value the CPU computes with, rounded once to that dtype) and takes the
-//! dense GEMM.
+//! kernel's FP8 form (`gemv_fp8_*` in kernels/gemv.cu). More rows of bf16 or f16 activations take
+//! an FP8 GEMM on the tensor cores where the matrix's scales are of a form cuBLASLt scales by
+//! ([`Fp8Matrix::gemm_scaling`]): one scale per row (tensor or channel scales: its outer-vector
+//! scaling), the activations quantized per token first (`fp8_quantize_rows`, vLLM's dynamic
+//! per-token scales); or 128 x 128 blocks (the block-wise `fp8` checkpoints': its BLK128x128
+//! scaling), the activations quantized per token and 128 columns (`fp8_quantize_groups`,
+//! DeepSeek-V3's scheme). The product then differs from the CPU's by that rounding too.
+//! Everything else (f32 activations, other blocks, a shape cuBLASLt has no FP8 GEMM for)
+//! dequantizes the matrix into a scratch buffer in the activations' dtype (`fp8_dequantize`: the
+//! value the CPU computes with, rounded once to that dtype) and takes the dense GEMM.
 //!
 //! Invariants: `cols % 16 == 0` (a GEMV chunk is 16 codes) and the blocks are either a whole
 //! row wide or a power of two of at least 16 columns (a chunk lies in one block, found by a
@@ -20,13 +22,14 @@
 
 use std::marker::PhantomData;
 
-use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig};
+use cudarc::driver::{result as driver, CudaSlice, DeviceRepr, LaunchConfig};
 
 use super::compile::{self, KernelFamilies};
 use super::gemm_tune::{Fp8GemmShape, Fp8GemmTuning, Gemms};
 use super::gpu::to_u32;
 use super::{Gpu, GpuError, GpuTensor, GpuView, GpuViewMut};
-use crate::{DType, Fp8Matrix};
+use crate::fp8::GEMM_BLOCK;
+use crate::{DType, Fp8GemmScaling, Fp8Matrix};
 
 /// The entry points of the FP8 products.
 pub(crate) const KERNELS: &[KernelFamilies] = &[
@@ -78,7 +81,11 @@ pub(crate) const KERNELS: &[KernelFamilies] = &[
         ],
         large_shared: false,
     },
-    KernelFamilies { source: &compile::FP8, names: &["fp8_dequantize", "fp8_quantize_rows"], large_shared: false },
+    KernelFamilies {
+        source: &compile::FP8,
+        names: &["fp8_dequantize", "fp8_quantize_rows", "fp8_quantize_groups"],
+        large_shared: false,
+    },
 ];
 
 /// Codes a GEMV chunk holds: the columns must be whole chunks.
@@ -93,8 +100,11 @@ pub struct GpuFp8Matrix {
     codes_ptr: u64,
     /// f32 `[ceil(rows / block_rows), grid_cols]`
     scales: GpuTensor,
-    /// f32 `[rows]`: each row's one scale, where the blocks span the rows (the FP8 GEMM's).
-    row_scales: Option<GpuTensor>,
+    /// The scales as the FP8 GEMM reads them, where one takes the matrix
+    /// ([`Fp8Matrix::gemm_scaling`]), laid out as [`Fp8GemmShape`] says for their scaling: f32
+    /// `[rows]`, each row's one scale, where the blocks span the rows; the padded grid of
+    /// 128 x 128 blocks.
+    gemm_scales: Option<(GpuTensor, Fp8GemmScaling)>,
     rows: usize,
     cols: usize,
     block_rows: usize,
@@ -125,14 +135,18 @@ impl GpuFp8Matrix {
         let Some((block_rows, col_shift, grid_cols)) = layout(m) else { return Ok(None) };
         let (_, _, scales) = m.scale_grid();
         let codes = gpu.upload(m.codes())?;
-        let row_scales = if col_shift == WHOLE_ROW_SHIFT {
-            let per_row: Vec<f32> = (0..m.rows()).map(|r| scales[r / block_rows]).collect();
-            Some(GpuTensor::from_f32(gpu, &per_row, DType::F32)?)
-        } else {
-            None
-        };
+        let gemm_scales = m
+            .gemm_scaling()
+            .map(|scaling| {
+                let values: Vec<f32> = match scaling {
+                    Fp8GemmScaling::Rows => (0..m.rows()).map(|r| scales[r / block_rows]).collect(),
+                    Fp8GemmScaling::Blocks => gemm_block_scales(m.rows(), m.cols(), scales),
+                };
+                GpuTensor::from_f32(gpu, &values, DType::F32).map(|t| (t, scaling))
+            })
+            .transpose()?;
         Ok(Some(GpuFp8Matrix {
-            row_scales,
+            gemm_scales,
             codes_ptr: gpu.index_ptr(&codes),
             _codes: codes,
             scales: GpuTensor::from_f32(gpu, scales, DType::F32)?,
@@ -156,14 +170,14 @@ impl GpuFp8Matrix {
     pub fn size_in_bytes(&self) -> usize {
         self.rows * self.cols
             + self.scales.size_in_bytes()
-            + self.row_scales.as_ref().map_or(0, GpuTensor::size_in_bytes)
+            + self.gemm_scales.as_ref().map_or(0, |(s, _)| s.size_in_bytes())
     }
 
     pub fn view(&self) -> Fp8View<'_> {
         Fp8View {
             codes: self.codes_ptr,
             grid: self.grid(),
-            row_scales: self.row_scales.as_ref().map(|s| s.view().ptr()),
+            gemm_scales: self.gemm_scales.as_ref().map(|(s, scaling)| (s.view().ptr(), *scaling)),
             rows: self.rows,
             cols: self.cols,
             _matrix: PhantomData,
@@ -179,6 +193,20 @@ impl GpuFp8Matrix {
             _pad: 0,
         }
     }
+}
+
+/// A `[rows, cols]` matrix's grid of 128 x 128 block scales (`[ceil(rows / 128), L]`, row-major,
+/// `L = cols / 128`) as the FP8 GEMM reads it: each block row's `L` scales padded with zeros to a
+/// multiple of 4 (see [`Fp8GemmShape`]). A prefix of the rows reads the first block rows.
+fn gemm_block_scales(rows: usize, cols: usize, grid: &[f32]) -> Vec<f32> {
+    let (block_rows, grid_cols) = (rows.div_ceil(GEMM_BLOCK), cols.div_ceil(GEMM_BLOCK));
+    debug_assert_eq!(grid.len(), block_rows * grid_cols);
+    let stride = grid_cols.next_multiple_of(4);
+    let mut out = vec![0.0; block_rows * stride];
+    for (padded, row) in out.chunks_mut(stride).zip(grid.chunks(grid_cols)) {
+        padded[..grid_cols].copy_from_slice(row);
+    }
+    out
 }
 
 /// `(block_rows, col_shift, grid_cols)` of `m`'s scale grid where the kernels take it.
@@ -205,7 +233,7 @@ fn layout(m: &Fp8Matrix) -> Option<(usize, u32, usize)> {
 pub struct Fp8View<'a> {
     codes: u64,
     grid: Fp8Grid,
-    row_scales: Option<u64>,
+    gemm_scales: Option<(u64, Fp8GemmScaling)>,
     rows: usize,
     cols: usize,
     _matrix: PhantomData<&'a GpuFp8Matrix>,
@@ -229,6 +257,12 @@ impl Fp8View<'_> {
 
     pub fn cols(&self) -> usize {
         self.cols
+    }
+
+    /// The weights' scales as an FP8 GEMM reads them, and how they scale, where one takes the
+    /// matrix.
+    fn gemm_scales(&self) -> Option<(u64, Fp8GemmScaling)> {
+        self.gemm_scales
     }
 }
 
@@ -508,17 +542,61 @@ fn launch_quantize_rows(gpu: &Gpu, x: GpuView<'_>, m: usize, k: usize, codes: Ro
 }
 
 /// Bytes of the quantized activations at the start of the scratch buffer: `[m, k]` codes, then
-/// (16-byte aligned) `[m]` f32 scales.
-fn quantized_bytes(m: usize, k: usize) -> (usize, usize) {
+/// (16-byte aligned) `scales` f32 scales: where they start, and where they end.
+fn quantized_bytes(m: usize, k: usize, scales: usize) -> (usize, usize) {
     let scales_at = (m * k).next_multiple_of(16);
-    (scales_at, scales_at + 4 * m)
+    (scales_at, scales_at + 4 * scales)
+}
+
+/// The rows an FP8 GEMM of `m` rows of `k` over weights scaled by `scaling` runs, and the scales
+/// of its quantized activations: 128 x 128 blocks take the activations' scales per token and
+/// 128 columns, and the tokens in multiples of 4 (cuBLASLt's VEC128 layout), the rows past `m`
+/// zeros whose outputs are dropped.
+fn gemm_rows(m: usize, k: usize, scaling: Fp8GemmScaling) -> (usize, usize) {
+    match scaling {
+        Fp8GemmScaling::Rows => (m, m),
+        Fp8GemmScaling::Blocks => {
+            let rows = m.next_multiple_of(4);
+            (rows, rows * k.div_ceil(GEMM_BLOCK))
+        }
+    }
+}
+
+/// `codes` = `x`'s `m` rows of `k` quantized per token and 128 columns (`fp8_quantize_groups`),
+/// with `rows - m` rows of zeros after them; k % 128 == 0.
+fn launch_quantize_groups(
+    gpu: &Gpu,
+    x: GpuView<'_>,
+    m: usize,
+    rows: usize,
+    k: usize,
+    codes: RowCodesArg,
+) -> Result<(), GpuError> {
+    let op = "fp8_quantize_groups";
+    debug_assert!(k.is_multiple_of(GEMM_BLOCK) && rows >= m);
+    let warps = rows * (k / GEMM_BLOCK);
+    if warps == 0 {
+        return Ok(());
+    }
+    let (x_ptr, m_u32, rows_u32, k_u32) = (x.ptr(), to_u32(op, "m", m), to_u32(op, "rows", rows), to_u32(op, "k", k));
+    let mut launch = gpu.launch_builder(op, x.dtype());
+    launch.arg(&x_ptr).arg(&m_u32).arg(&rows_u32).arg(&k_u32).arg(&codes.codes).arg(&codes.scales);
+    let cfg = LaunchConfig {
+        grid_dim: (to_u32(op, "blocks", warps.div_ceil(8)), 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    // SAFETY: the arguments match the kernel's parameters; x holds m rows of k, and `codes` room
+    // for `rows` rows of k codes and `rows * k / 128` scales (the scratch's size, checked).
+    unsafe { launch.launch(cfg) }?;
+    Ok(())
 }
 
 /// `out[m, n] = x[m, k] · w^T` through an FP8 GEMM (see the module's doc), reading `x_codes`
-/// where the op that wrote `x` also wrote its codes, else quantizing `x` into `scratch` first;
-/// `false`, with nothing issued, where that GEMM does not take the product (f32 activations,
-/// block scales, unaligned operands, too small a scratch, or no cuBLASLt algorithm for the
-/// shape).
+/// where the op that wrote `x` also wrote its codes and the weights have a scale a row, else
+/// quantizing `x` into `scratch` first; `false`, with nothing issued, where that GEMM does not
+/// take the product (f32 activations, weights scaled otherwise, unaligned operands, too small a
+/// scratch, or no cuBLASLt algorithm for the shape).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gemm(
     gpu: &Gpu,
@@ -536,14 +614,17 @@ pub(super) fn gemm(
     if let Some(c) = &x_codes {
         assert!(c.rows == m && c.cols == k, "linear: FP8 codes of [{}, {}] for x of [{m}, {k}]", c.rows, c.cols);
     }
-    let (scales_at, bytes) = quantized_bytes(m, k);
-    let Some(w_scales) = w.row_scales else { return Ok(false) };
+    let Some((w_scales, scaling)) = w.gemm_scales() else { return Ok(false) };
+    // A kernel's codes of x are per token.
+    let x_codes = x_codes.filter(|_| scaling == Fp8GemmScaling::Rows);
+    let (rows, x_scales) = gemm_rows(m, k, scaling);
+    let (scales_at, bytes) = quantized_bytes(rows, k, x_scales);
     let fits = x.dtype() != DType::F32
         && n.is_multiple_of(16)
         && out_ptr.is_multiple_of(16)
         && (x_codes.is_some() || bytes <= scratch.size_in_bytes())
-        && u32::try_from(m).is_ok();
-    let shape = Fp8GemmShape { m, n, k, output: out_dtype };
+        && u32::try_from(rows).is_ok();
+    let shape = Fp8GemmShape { m: rows, n, k, output: out_dtype, scaling };
     if !fits || !gemms.fp8_supported(gpu, shape) {
         return Ok(false);
     }
@@ -552,21 +633,40 @@ pub(super) fn gemm(
         None => {
             let codes = scratch.view_mut().ptr();
             let arg = RowCodesArg { codes, scales: codes + scales_at as u64 };
-            launch_quantize_rows(gpu, x, m, k, arg)?;
+            match scaling {
+                Fp8GemmScaling::Rows => launch_quantize_rows(gpu, x, m, k, arg)?,
+                Fp8GemmScaling::Blocks => launch_quantize_groups(gpu, x, m, rows, k, arg)?,
+            }
             arg
         }
     };
-    // SAFETY: the weights hold at least n rows of k codes (n <= w.rows) and n row scales; the
-    // activations' m rows of codes and scales were written (by the op that wrote x, or just
-    // above); out holds m rows of n in `out_dtype`; all 16-byte aligned (allocations, k % 16 ==
+    // Padding rows: the product into a buffer of its own (freed in stream order), its first m
+    // rows copied out.
+    let padded = if rows == m {
+        None
+    } else {
+        // SAFETY: the GEMM below writes all of it before the copy reads it.
+        Some(unsafe { gpu.stream().alloc::<u8>(rows * n * out_dtype.size_in_bytes()) }?)
+    };
+    let d_ptr = padded.as_ref().map_or(out_ptr, |buf| gpu.index_ptr(buf));
+    // SAFETY: the weights hold at least n rows of k codes (n <= w.rows) and their scales in the
+    // layout of `scaling` (a prefix of the rows reads the first of them); the activations' `rows`
+    // rows of codes and their scales were written (by the op that wrote x, or just above); the
+    // output holds `rows` rows of n in `out_dtype`; all 16-byte aligned (allocations, k % 16 ==
     // 0, and the checks above).
-    unsafe { gemms.run_fp8(gpu, shape, w.codes, w_scales, codes.codes, codes.scales, out_ptr) }?;
+    unsafe { gemms.run_fp8(gpu, shape, w.codes, w_scales, codes.codes, codes.scales, d_ptr) }?;
+    if padded.is_some() {
+        let bytes = m * n * out_dtype.size_in_bytes();
+        // SAFETY: the two buffers are distinct live device memory of at least `bytes` bytes (out
+        // holds m rows of n, the padded product `rows`), in stream order after the GEMM.
+        unsafe { driver::memcpy_dtod_async(out_ptr, d_ptr, bytes, gpu.raw_stream()?) }?;
+    }
     Ok(true)
 }
 
 /// Times cuBLASLt's FP8 GEMMs of `w`'s first `n` rows at each row count of `ms`, into `output`,
 /// and keeps the fastest algorithm per shape ([`Gemms::tune_fp8`]). A matrix the FP8 GEMM does
-/// not take (block scales, `n` not a multiple of 16) gives nothing.
+/// not take (scales it does not scale by, `n` not a multiple of 16) gives nothing.
 pub fn tune_gemms(
     gpu: &Gpu,
     gemms: &Gemms,
@@ -575,16 +675,20 @@ pub fn tune_gemms(
     ms: &[usize],
     output: DType,
 ) -> Result<Vec<Fp8GemmTuning>, GpuError> {
-    let Some(w_scales) = w.row_scales else { return Ok(Vec::new()) };
+    let Some((w_scales, scaling)) = w.gemm_scales() else { return Ok(Vec::new()) };
     assert!(n <= w.rows, "tune_gemms: {n} rows of an FP8 matrix of {}", w.rows);
     if !n.is_multiple_of(16) {
         return Ok(Vec::new());
     }
+    // The rows each GEMM runs, once each (blocks pad the rows to a multiple of 4).
+    let mut rows: Vec<usize> = ms.iter().filter(|&&m| m > 0).map(|&m| gemm_rows(m, w.cols, scaling).0).collect();
+    rows.sort_unstable();
+    rows.dedup();
     let mut report = Vec::new();
-    for &m in ms.iter().filter(|&&m| m > 0) {
-        let shape = Fp8GemmShape { m, n, k: w.cols, output };
-        // SAFETY: the matrix holds at least n rows of k codes and their n row scales, 16-byte
-        // aligned allocations; n % 16 == 0 (checked).
+    for m in rows {
+        let shape = Fp8GemmShape { m, n, k: w.cols, output, scaling };
+        // SAFETY: the matrix holds at least n rows of k codes and their scales in the layout of
+        // `scaling`, 16-byte aligned allocations; n % 16 == 0 (checked).
         report.extend(unsafe { gemms.tune_fp8(gpu, shape, w.codes, w_scales) }?);
     }
     Ok(report)
@@ -601,6 +705,30 @@ mod tests {
 
     fn blocks(rows: usize, cols: usize, br: usize, bc: usize) -> Fp8Scales {
         Fp8Scales::Blocks { block_rows: br, block_cols: bc, scales: vec![1.0; rows.div_ceil(br) * cols.div_ceil(bc)] }
+    }
+
+    #[test]
+    fn block_scales_are_padded_to_four_per_block_row() {
+        // 300 rows of 640 columns: 3 block rows (the last partial) of 5 blocks, padded to 8.
+        let grid: Vec<f32> = (1..=15).map(|i| i as f32).collect();
+        let padded = gemm_block_scales(300, 640, &grid);
+        let mut want = vec![0.0; 3 * 8];
+        for (r, row) in grid.chunks(5).enumerate() {
+            want[r * 8..r * 8 + 5].copy_from_slice(row);
+        }
+        assert_eq!(padded, want);
+        // Four blocks a row need no padding: the checkpoint's grid as it is.
+        let grid: Vec<f32> = (1..=8).map(|i| i as f32).collect();
+        assert_eq!(gemm_block_scales(256, 512, &grid), grid);
+    }
+
+    #[test]
+    fn block_gemms_pad_the_tokens_to_a_multiple_of_four() {
+        assert_eq!(gemm_rows(5, 256, Fp8GemmScaling::Rows), (5, 5));
+        assert_eq!(gemm_rows(5, 256, Fp8GemmScaling::Blocks), (8, 16));
+        assert_eq!(gemm_rows(64, 4096, Fp8GemmScaling::Blocks), (64, 64 * 32));
+        assert_eq!(quantized_bytes(5, 256, 16), (1280, 1344));
+        assert_eq!(quantized_bytes(3, 20, 3), (64, 76));
     }
 
     #[test]

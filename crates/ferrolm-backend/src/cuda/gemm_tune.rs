@@ -21,7 +21,9 @@
 //! k. NVIDIA does not document what those sums keep; DeepSeek-V3's report measured about 14 bits on
 //! Hopper. `fp8_gemm_matches_cpu_on_quantized_activations` holds each mode to its bound, and
 //! `docs/PERFORMANCE.md` gives what each costs and measures. A shape whose fast plan cuBLASLt
-//! declines takes the promoting one.
+//! declines takes the promoting one. GEMMs over 128 x 128 weight blocks always promote: cuBLASLt
+//! applies their scales between blocks of k, and PyTorch, the reference user of these modes,
+//! declines fast accumulation with them.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -34,7 +36,8 @@ use cudarc::cublaslt::sys;
 use super::gpu::Gpu;
 use super::tensor::{GpuTensor, GpuView};
 use super::GpuError;
-use crate::DType;
+use crate::fp8::GEMM_BLOCK;
+use crate::{DType, Fp8GemmScaling};
 
 /// cuBLASLt algorithms timed per shape, in cuBLASLt's order of preference.
 pub(crate) const CANDIDATES: usize = 8;
@@ -56,15 +59,21 @@ pub struct GemmShape {
 }
 
 /// One FP8 GEMM: `out[m, n] = (sx · qx[m, k]) · (sw · qw[n, k])^T`, the operands e4m3 codes
-/// scaled per row (`sx[m]` per token, `sw[n]` per output feature: cuBLASLt's outer-vector
-/// scaling), accumulated by the tensor cores (see the module's note on fast accumulation), `out`
-/// in `output`.
+/// with their scales, accumulated by the tensor cores (see the module's note on fast
+/// accumulation), `out` in `output`. The scales, by `scaling`:
+/// - [`Fp8GemmScaling::Rows`]: `sx[m]` per token, `sw[n]` per output feature (cuBLASLt's
+///   outer-vector scaling).
+/// - [`Fp8GemmScaling::Blocks`]: `sw` per 128 x 128 block, f32 `[ceil(n / 128), L4]` with
+///   `L4 = ceil(k / 128)` rounded up to a multiple of 4, the padding zeros (cuBLASLt's
+///   BLK128x128_32F: "K-major", the stride between block rows a multiple of 4); `sx` per token
+///   and 128 columns, f32 `[k / 128, m]`, tokens fastest (VEC128_32F); m and n multiples of 4.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub struct Fp8GemmShape {
     pub m: usize,
     pub n: usize,
     pub k: usize,
     pub output: DType,
+    pub scaling: Fp8GemmScaling,
 }
 
 /// What tuning measured for one shape.
@@ -140,25 +149,35 @@ impl Plan {
     }
 
     /// The descriptors of an FP8 GEMM, as [`Plan::new`]'s (`W` transposed: the layout cuBLASLt's
-    /// FP8 GEMMs require), with both operands scaled by a vector along their rows, and with fast
+    /// FP8 GEMMs require), with the operands scaled as `shape.scaling` says, and with fast
     /// accumulation or without. The scale pointers are set per call ([`Plan::set_fp8_scales`]).
     fn fp8(shape: Fp8GemmShape, fast_accumulation: bool) -> Result<Plan, GpuError> {
-        let Fp8GemmShape { m, n, k, output } = shape;
+        let Fp8GemmShape { m, n, k, output, scaling } = shape;
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)?;
         let mut plan = Plan::around(desc);
         plan.fast_accumulation = fast_accumulation;
         let (transpose, keep): (i32, i32) = (1, 0);
-        let outer = sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as u32;
+        use sys::cublasLtMatmulMatrixScale_t as Scale;
+        let (w_mode, x_mode) = match scaling {
+            Fp8GemmScaling::Rows => {
+                (Scale::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F, Scale::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F)
+            }
+            Fp8GemmScaling::Blocks => {
+                (Scale::CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F, Scale::CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F)
+            }
+        };
+        let (w_mode, x_mode) = (w_mode as u32, x_mode as u32);
         let fast = i8::from(fast_accumulation);
         // SAFETY: the descriptor is live; the transposes are i32, the scale modes u32 and the
         // fast-accumulation flag i8, as cuBLASLt documents.
         unsafe {
             use sys::cublasLtMatmulDescAttributes_t as Desc;
-            let ((t, t_len), (n_op, n_len), (o, o_len)) = (attribute(&transpose), attribute(&keep), attribute(&outer));
+            let ((t, t_len), (n_op, n_len)) = (attribute(&transpose), attribute(&keep));
+            let ((wm, wm_len), (xm, xm_len)) = (attribute(&w_mode), attribute(&x_mode));
             lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_TRANSA, t, t_len)?;
             lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_TRANSB, n_op, n_len)?;
-            lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, o, o_len)?;
-            lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, o, o_len)?;
+            lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, wm, wm_len)?;
+            lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, xm, xm_len)?;
             let (f, f_len) = attribute(&fast);
             lt::set_matmul_desc_attribute(plan.desc, Desc::CUBLASLT_MATMUL_DESC_FAST_ACCUM, f, f_len)?;
         }
@@ -169,7 +188,8 @@ impl Plan {
         Ok(plan)
     }
 
-    /// Points an FP8 plan's scales at `w_scales` (`[n]` f32) and `x_scales` (`[m]` f32).
+    /// Points an FP8 plan's scales at `w_scales` and `x_scales` (f32, laid out as its
+    /// [`Fp8GemmShape::scaling`] says).
     ///
     /// # Safety
     /// The plan is an FP8 one; the pointers must stay valid until its GEMM has run.
@@ -407,7 +427,8 @@ impl Gemms {
         x_scales: u64,
     ) -> Result<Option<(Plan, Vec<sys::cublasLtMatmulAlgo_t>)>, GpuError> {
         let (_, workspace_bytes) = gpu.blas_workspace();
-        let modes: &[bool] = if gpu.options().fp8_fast_accumulation { &[true, false] } else { &[false] };
+        let fast = gpu.options().fp8_fast_accumulation && shape.scaling == Fp8GemmScaling::Rows;
+        let modes: &[bool] = if fast { &[true, false] } else { &[false] };
         for &fast in modes {
             let planned = Plan::fp8(shape, fast).and_then(|plan| {
                 // SAFETY: an FP8 plan; the caller vouches for the scales.
@@ -428,8 +449,9 @@ impl Gemms {
     /// `shape`'s FP8 GEMM ([`Fp8GemmShape`]) on `gpu`'s stream; [`Self::fp8_supported`] said yes.
     ///
     /// # Safety
-    /// `w` (`[n, k]` e4m3), `w_scales` (`[n]` f32), `x` (`[m, k]` e4m3), `x_scales` (`[m]` f32)
-    /// and `out` (`[m, n]` of `shape.output`) must be valid device buffers, 16-byte aligned.
+    /// `w` (`[n, k]` e4m3), `x` (`[m, k]` e4m3), their scales (f32, as [`Fp8GemmShape`] lays
+    /// them out for its scaling) and `out` (`[m, n]` of `shape.output`) must be valid device
+    /// buffers, 16-byte aligned.
     #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn run_fp8(
         &self,
@@ -453,14 +475,14 @@ impl Gemms {
     }
 
     /// Times up to [`CANDIDATES`] cuBLASLt FP8 algorithms on `shape` with the weights `w` and
-    /// their row scales `w_scales` (activations of spread codes and unit scales), and keeps the
+    /// their scales `w_scales` (activations of spread codes and unit scales), and keeps the
     /// fastest as the shape's plan, where an untuned shape takes cuBLASLt's preferred one.
     /// `None` where cuBLASLt offers none. Synchronizes the stream: call it outside graph
     /// capture.
     ///
     /// # Safety
-    /// `w` (`[n, k]` e4m3) and `w_scales` (`[n]` f32) must be valid device buffers, 16-byte
-    /// aligned, and `shape.n` a multiple of 16.
+    /// `w` (`[n, k]` e4m3) and `w_scales` (f32, as [`Fp8GemmShape`] lays them out for its
+    /// scaling) must be valid device buffers, 16-byte aligned, and `shape.n` a multiple of 16.
     pub(crate) unsafe fn tune_fp8(
         &self,
         gpu: &Gpu,
@@ -468,11 +490,15 @@ impl Gemms {
         w: u64,
         w_scales: u64,
     ) -> Result<Option<Fp8GemmTuning>, GpuError> {
-        let Fp8GemmShape { m, n, k, output } = shape;
+        let Fp8GemmShape { m, n, k, output, scaling } = shape;
         // Codes of small values of both signs (zeros would time faster than real data).
         let x_host: Vec<u8> = (0..m * k).map(|i| (i.wrapping_mul(2_654_435_761) >> 9) as u8 & 0xb7).collect();
         let x = gpu.upload(&x_host)?;
-        let x_scales = GpuTensor::from_f32(gpu, &vec![1.0; m], DType::F32)?;
+        let x_scale_count = match scaling {
+            Fp8GemmScaling::Rows => m,
+            Fp8GemmScaling::Blocks => m * k.div_ceil(GEMM_BLOCK),
+        };
+        let x_scales = GpuTensor::from_f32(gpu, &vec![1.0; x_scale_count], DType::F32)?;
         let out = GpuTensor::zeros(gpu, output, m * n)?;
         let (x_ptr, x_scales_ptr, out_ptr) = (gpu.index_ptr(&x), x_scales.view().ptr(), out.view().ptr());
         // SAFETY: the scales outlive the plan's runs here (synchronized below).
