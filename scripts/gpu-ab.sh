@@ -19,6 +19,10 @@
 # requests at a time (768 x 2000 tokens of FP8 cache fit on an H200, not on an H100, where both
 # rows preempt); they have no bf16 row, so compare them with the 512 one:
 # `BASE_ROW=t1000-512-fp8 scripts/gpu-ab.sh DIR DIR t1000-768-fp8 t1000-1000-fp8`.
+# Qwen3-8B in FP8 at 64 requests of 512 + 256 (decode GEMMs of 64 rows): q8b-t64-fp8 (its bf16
+# config with --quantization fp8: a scale a row) and q8b-t64-fp8blk (its FP8 checkpoint's config:
+# 128 x 128 blocks, as Qwen3-8B-FP8 ships), one build: `BASE_ROW=q8b-t64-fp8 scripts/gpu-ab.sh
+# DIR DIR q8b-t64-fp8blk`.
 # NEW_ENV ("NAME=VALUE ...") is set for the new side's runs only, to compare a switch on one
 # build: `NEW_ENV=FERROLM_DECODE_TENSOR_COPIES=1 BASE_ROW=t1000-512 scripts/gpu-ab.sh DIR DIR
 # t1000-512`.
@@ -57,6 +61,10 @@ row_args() { # row -> the bench arguments
         t1000-768-fp8 | t1000-1000-fp8) n=${1#t1000-}; echo throughput "${L8B[@]}" --num-prompts 1000 --input-len 1000 \
             --output-len 1000 --max-num-seqs "${n%-fp8}" --max-num-batched-tokens 8192 --kv-cache-fraction 1.0 \
             --quantization fp8 --kv-cache-dtype fp8 ;;
+        q8b-t64-fp8 | q8b-t64-fp8blk) config=qwen3-8b; quant=(--quantization fp8)
+            [ "$1" = q8b-t64-fp8blk ] && config=qwen3-8b-fp8 quant=()
+            echo throughput --model-config "bench-configs/$config.json" --num-prompts 64 --input-len 512 \
+                --output-len 256 --max-num-seqs 64 --max-num-batched-tokens 8192 "${quant[@]}" ;;
         q30b) echo latency "${Q30B[@]}" "${DECODE[@]}" ;;
         mixtral) echo latency --model-config bench-configs/mixtral-8x7b.json "${DECODE[@]}" ;;
         gemma2) echo latency --model-config bench-configs/gemma-2-9b.json "${DECODE[@]}" ;;

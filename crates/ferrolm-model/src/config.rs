@@ -396,7 +396,7 @@ impl ModelConfig {
     /// stored quantization is refused, as it cannot be quantized again.
     pub fn quantize_at_load(&mut self) -> Result<(), ModelError> {
         match self.quantization {
-            None => self.quantization = Some(Quantization::Fp8AtLoad),
+            None => self.quantization = Some(Quantization::FP8_AT_LOAD),
             Some(Quantization::Checkpoint(c)) if c.method == "fp8" => {}
             Some(Quantization::Checkpoint(c)) => {
                 return Err(ModelError::UnsupportedQuantization(format!(
@@ -405,7 +405,7 @@ impl ModelConfig {
                     c.method
                 )))
             }
-            Some(Quantization::Fp8AtLoad) => {}
+            Some(Quantization::Fp8AtLoad(_)) => {}
         }
         Ok(())
     }

@@ -172,7 +172,7 @@ fn quantizing_a_quantized_checkpoint_again_is_refused() {
     config.quantize_at_load().expect("an fp8 checkpoint keeps its own scheme");
     let mut config = ferrolm_model::ModelConfig::from_dir(&fixture("llama3_gqa")).expect("config");
     config.quantize_at_load().expect("bf16");
-    assert_eq!(config.quantization, Some(ferrolm_model::config::Quantization::Fp8AtLoad));
+    assert_eq!(config.quantization, Some(ferrolm_model::config::Quantization::FP8_AT_LOAD));
 }
 
 /// `fixture` with scalar f32 tensors `extra` added in a second shard (an index names both files).

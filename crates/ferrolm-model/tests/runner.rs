@@ -1023,8 +1023,8 @@ fn fp8_on_the_gpu_gives_the_cpus_tokens() {
     let lens: Vec<usize> = (0..6).map(|i| 4 + (i * 5) % 17).collect();
     let variants = [
         ("FP8 KV cache", KvCacheDtype::Fp8, None),
-        ("FP8 weights", KvCacheDtype::Auto, Some(Quantization::Fp8AtLoad)),
-        ("both", KvCacheDtype::Fp8, Some(Quantization::Fp8AtLoad)),
+        ("FP8 weights", KvCacheDtype::Auto, Some(Quantization::FP8_AT_LOAD)),
+        ("both", KvCacheDtype::Fp8, Some(Quantization::FP8_AT_LOAD)),
     ];
     let mut failures = Vec::new();
     for (variant, kv_cache_dtype, quantization) in variants {

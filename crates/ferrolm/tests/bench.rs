@@ -219,6 +219,25 @@ fn latency_with_dummy_weights() {
     assert_eq!(num(&v["model"], "weight_bytes"), weight_bytes);
 }
 
+/// An FP8 checkpoint's config stands, with random weights, for its projections quantized at load
+/// in the checkpoint's own blocks.
+#[test]
+fn dummy_weights_of_a_block_fp8_config_are_quantized_in_its_blocks() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let path = tiny_config(dir.path());
+    let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("JSON");
+    config["quantization_config"] = json!({"quant_method": "fp8", "weight_block_size": [32, 32]});
+    std::fs::write(&path, config.to_string()).expect("write config");
+    let args = format!(
+        "latency --model-config {} --dummy-weights --input-len 16 --output-len 4 --num-iters 2 \
+         --bandwidth-buffer-mb 32 --bandwidth-repetitions 2",
+        path.display()
+    );
+    let v = bench_json(dir.path(), &args);
+    check_latency(&v);
+    assert_eq!(v["model"]["quantization"], "fp8 at load in 32 x 32 blocks");
+}
+
 /// `bench-configs/NAME` cut down to 2 layers of hidden 64 (4 heads of 16 over 2 KV heads), 8
 /// experts of 32 with 2 a token, a 512-token vocabulary, its other keys (the family, the
 /// routing flags, RoPE) kept: random weights of it build in milliseconds.

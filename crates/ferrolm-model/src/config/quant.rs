@@ -56,25 +56,38 @@ pub struct Fp8Checkpoint {
 pub enum Quantization {
     /// The checkpoint's own FP8 weights.
     Checkpoint(Fp8Checkpoint),
-    /// `--quantization fp8`: each projection of the attention and the MLPs (experts included,
-    /// routers, embeddings and the LM head not) quantized per output row at load, inputs scaled
-    /// per token.
-    Fp8AtLoad,
+    /// Each projection of the attention and the MLPs (experts included, routers, embeddings and
+    /// the LM head not) quantized at load, scaled as given: per output row for
+    /// `--quantization fp8` ([`Quantization::FP8_AT_LOAD`]), inputs scaled per token; in an FP8
+    /// checkpoint's own blocks for `bench --dummy-weights` of its config (random weights are
+    /// drawn in a float dtype), so that the benchmark runs the checkpoint's kernels.
+    Fp8AtLoad(WeightScaling),
 }
 
 impl Quantization {
+    /// `--quantization fp8`: per output row.
+    pub const FP8_AT_LOAD: Quantization = Quantization::Fp8AtLoad(WeightScaling::Channel);
+
     /// The checkpoint's scheme, if it stores FP8 weights.
     pub fn checkpoint(&self) -> Option<&Fp8Checkpoint> {
         match self {
             Quantization::Checkpoint(c) => Some(c),
-            Quantization::Fp8AtLoad => None,
+            Quantization::Fp8AtLoad(_) => None,
+        }
+    }
+
+    /// How the quantized weights are scaled.
+    pub fn weights(&self) -> WeightScaling {
+        match self {
+            Quantization::Checkpoint(c) => c.weights,
+            Quantization::Fp8AtLoad(scaling) => *scaling,
         }
     }
 
     /// Whether each row of a quantized weight has one scale (a tensor's or a channel's), as the
     /// FP8 GEMMs over per-token-quantized inputs take them (block scales do not).
     pub fn scales_whole_rows(&self) -> bool {
-        self.checkpoint().is_none_or(|c| !matches!(c.weights, WeightScaling::Block { .. }))
+        !matches!(self.weights(), WeightScaling::Block { .. })
     }
 }
 
@@ -290,7 +303,8 @@ mod tests {
         assert!(parsed(&group(fp8("tensor"), fp8("tensor"))).scales_whole_rows());
         let qwen = json!({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}});
         assert!(!parsed(&qwen).scales_whole_rows());
-        assert!(Quantization::Fp8AtLoad.scales_whole_rows());
+        assert!(Quantization::FP8_AT_LOAD.scales_whole_rows());
+        assert!(!Quantization::Fp8AtLoad(WeightScaling::Block { rows: 128, cols: 128 }).scales_whole_rows());
     }
 
     #[test]

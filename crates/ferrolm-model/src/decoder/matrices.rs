@@ -77,8 +77,16 @@ where
                 names()
             )));
         }
-        if role.quantized_at_load() && self.cfg.quantization == Some(Quantization::Fp8AtLoad) {
-            let parts = weights.iter().map(Fp8Matrix::quantize_rows).collect();
+        if let (true, Some(Quantization::Fp8AtLoad(scaling))) = (role.quantized_at_load(), self.cfg.quantization) {
+            let quantize = |w: &HostTensor| match scaling {
+                WeightScaling::Channel => Fp8Matrix::quantize_rows(w),
+                WeightScaling::Block { rows, cols } => Fp8Matrix::quantize_blocks(w, rows, cols),
+                WeightScaling::Tensor => {
+                    let [rows, cols] = w.shape() else { unreachable!("a matrix part is 2-D") };
+                    Fp8Matrix::quantize_blocks(w, *rows, *cols)
+                }
+            };
+            let parts = weights.iter().map(quantize).collect();
             return Ok(self.dev.fp8_matrix(parts, role.usage())?);
         }
         Ok(self.dev.matrix(weights)?)

@@ -31,6 +31,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use ferrolm_backend::{DType, WeightView};
+use ferrolm_model::config::quant::WeightScaling;
 use ferrolm_model::config::{ModelConfig, MoeConfig};
 use half::{bf16, f16};
 use serde_json::{Map, Value};
@@ -305,16 +306,24 @@ pub fn measure_gemm_rate(
         2.0 * rows as f64 * projections.iter().map(|&(n, k)| n * k).sum::<usize>() as f64
     };
     let compute_dtype_rate = flops(&layer_projections(config)) / seconds;
-    // The FP8 GEMM takes bf16/f16 activations and weights with a scale per row.
-    let fp8 =
-        device == Device::Cuda && weights != DType::F32 && config.quantization.is_some_and(|q| q.scales_whole_rows());
-    let projection_rate = if fp8 {
-        let projections = fp8_projections(config);
-        flops(&projections) / gpu_fp8_projection_seconds(&projections, weights, rows, fp8_fast_accumulation)?
-    } else {
-        compute_dtype_rate
+    // The FP8 GEMMs take bf16/f16 activations, and weights scaled as the run's are (a projection
+    // whose scales they do not take priced in the compute dtype, below).
+    let fp8 = config.quantization.filter(|_| device == Device::Cuda && weights != DType::F32);
+    let projection_rate = match fp8 {
+        Some(q) => {
+            let projections = fp8_projections(config);
+            let probe =
+                Fp8Probe { dtype: weights, rows, fast_accumulation: fp8_fast_accumulation, scaling: q.weights() };
+            flops(&projections) / gpu_fp8_projection_seconds(&projections, probe)?
+        }
+        None => compute_dtype_rate,
     };
-    Ok(GemmRate { flops_per_s: projection_rate, compute_dtype_flops_per_s: compute_dtype_rate, fp8, rows })
+    Ok(GemmRate {
+        flops_per_s: projection_rate,
+        compute_dtype_flops_per_s: compute_dtype_rate,
+        fp8: fp8.is_some(),
+        rows,
+    })
 }
 
 /// Values in [-1, 1), spread (zeros multiply faster than data, on some hardware).
@@ -406,39 +415,44 @@ fn gpu_projection_seconds(projections: &[(usize, usize)], dtype: DType, rows: us
     Ok(micros as f64 / 1e6)
 }
 
-#[cfg(not(feature = "cuda"))]
-fn gpu_fp8_projection_seconds(
-    _projections: &[(usize, usize)],
-    _dtype: DType,
-    _rows: usize,
-    _fast_accumulation: bool,
-) -> Result<f64> {
-    anyhow::bail!("this build of ferrolm has no CUDA backend (build with `--features cuda`)")
-}
-
-/// The sum over `projections` (`(out, in)`), quantized per row to e4m3, of their FP8 GEMMs' time
-/// with the fastest cuBLASLt algorithm (`cuda::tune_fp8_gemms`, with fast accumulation or not),
-/// `dtype` activations, in seconds;
-/// a projection the FP8 GEMM does not take (as the engine then dequantizes it) at its
-/// time in the compute dtype.
-#[cfg(feature = "cuda")]
-fn gpu_fp8_projection_seconds(
-    projections: &[(usize, usize)],
+/// How the FP8 probe runs: `dtype` activations, `rows` of them, with fast accumulation or not,
+/// the weights quantized as the run's are scaled.
+#[derive(Clone, Copy, Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct Fp8Probe {
     dtype: DType,
     rows: usize,
     fast_accumulation: bool,
-) -> Result<f64> {
+    scaling: WeightScaling,
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu_fp8_projection_seconds(_projections: &[(usize, usize)], _probe: Fp8Probe) -> Result<f64> {
+    anyhow::bail!("this build of ferrolm has no CUDA backend (build with `--features cuda`)")
+}
+
+/// The sum over `projections` (`(out, in)`), quantized to e4m3 as `probe.scaling` says (per
+/// row for tensor and channel scales, in the run's blocks), of their FP8 GEMMs' time with the
+/// fastest cuBLASLt algorithm (`cuda::tune_fp8_gemms`), in seconds; a projection the FP8 GEMM
+/// does not take (as the engine then dequantizes it) at its time in the compute dtype.
+#[cfg(feature = "cuda")]
+fn gpu_fp8_projection_seconds(projections: &[(usize, usize)], probe: Fp8Probe) -> Result<f64> {
     use anyhow::Context;
     use ferrolm_backend::cuda::{self, Gemms, Gpu, GpuFp8Matrix, GpuOptions};
     use ferrolm_backend::{Fp8Matrix, HostTensor};
 
+    let Fp8Probe { dtype, rows, fast_accumulation, scaling } = probe;
     let options = GpuOptions { fp8_fast_accumulation: fast_accumulation, ..Default::default() };
     let gpu = Gpu::new(0, &options).context("cannot measure the GPU's FP8 GEMM rate")?;
     let gemms = Gemms::new()?;
     let mut seconds = 0.0f64;
     for (i, &(n, k)) in projections.iter().enumerate() {
         let values = HostTensor::from_f32(vec![n, k], probe_values(n * k, i).collect());
-        let tuned = match GpuFp8Matrix::new(&gpu, &Fp8Matrix::quantize_rows(&values))? {
+        let quantized = match scaling {
+            WeightScaling::Block { rows, cols } => Fp8Matrix::quantize_blocks(&values, rows, cols),
+            WeightScaling::Tensor | WeightScaling::Channel => Fp8Matrix::quantize_rows(&values),
+        };
+        let tuned = match GpuFp8Matrix::new(&gpu, &quantized)? {
             Some(w) => cuda::tune_fp8_gemms(&gpu, &gemms, w.view(), n, &[rows], dtype)?.first().map(|t| t.best_us),
             None => None,
         };

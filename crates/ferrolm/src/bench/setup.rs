@@ -10,6 +10,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use ferrolm_backend::{DType, KvCacheDtype};
 use ferrolm_engine::EngineHandle;
+use ferrolm_model::config::quant::WeightScaling;
 use ferrolm_model::config::Quantization;
 use ferrolm_model::{GenerationConfig, ModelConfig, WeightSource};
 use ferrolm_tokenizer::Tokenizer;
@@ -133,7 +134,10 @@ impl BenchModel {
             "dtype": dtype_name(self.dtype),
             "quantization": c.quantization.map(|q| match q {
                 Quantization::Checkpoint(scheme) => format!("{} checkpoint", scheme.method),
-                Quantization::Fp8AtLoad => "fp8 at load".into(),
+                Quantization::Fp8AtLoad(WeightScaling::Block { rows, cols }) => {
+                    format!("fp8 at load in {rows} x {cols} blocks")
+                }
+                Quantization::Fp8AtLoad(_) => "fp8 at load".into(),
             }),
             "kv_cache_dtype": match c.kv_cache_dtype {
                 KvCacheDtype::Auto => dtype_name(self.activation_dtype),
@@ -191,9 +195,9 @@ pub fn load(args: &ModelArgs, max_pending: usize, longest: usize) -> Result<(Eng
     };
 
     // Random weights are drawn in a float dtype: an FP8 checkpoint's config stands for its
-    // projections quantized at load.
-    if args.dummy_weights && config.quantization.as_ref().is_some_and(|q| q.checkpoint().is_some()) {
-        config.quantization = Some(Quantization::Fp8AtLoad);
+    // projections quantized at load, scaled as the checkpoint scales them.
+    if let Some(Quantization::Checkpoint(scheme)) = config.quantization.filter(|_| args.dummy_weights) {
+        config.quantization = Some(Quantization::Fp8AtLoad(scheme.weights));
     }
     let weights = if args.dummy_weights {
         WeightSource::random(engine_args.dtype().unwrap_or(config.dtype), args.weight_seed)
