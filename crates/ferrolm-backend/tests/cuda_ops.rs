@@ -2965,7 +2965,8 @@ fn fp8_gemm_cases(gpu: &Gpu, failures: &mut Vec<String>) -> Result<(), GpuError>
     let mut rng = rng(47);
     // The message of a mismatch: the likeliest cause is a GEMM that did not run in FP8.
     let why = "(fails where cuBLASLt has no FP8 GEMM and the weights are dequantized instead)";
-    for &(k, n) in &[(256, 128), (4096, 1024)] {
+    // 640 columns: 5 blocks of 128, their scales padded to 8 a block row, over 2 block rows.
+    for &(k, n) in &[(256, 128), (640, 256), (4096, 1024)] {
         let layouts = fp8_layouts(&mut rng, n, k);
         for (layout, w) in layouts.into_iter().filter(|(l, _)| matches!(*l, "tensor" | "rows" | "blocks")) {
             let scaling = w.gemm_scaling().expect("an FP8 GEMM takes every layout under test");
@@ -2976,7 +2977,13 @@ fn fp8_gemm_cases(gpu: &Gpu, failures: &mut Vec<String>) -> Result<(), GpuError>
             let bias = random_vec(&mut rng, n, 1.0);
             let bias_dev = GpuTensor::from_f32(gpu, &bias, DType::F32)?;
             for &m in &[5, 64, 130] {
-                let x = random_vec(&mut rng, m * k, 1.0);
+                // Magnitudes that differ by token and by 128 columns, so that each group of a
+                // token has a scale of its own (a scale read from the wrong group shows).
+                let x: Vec<f32> = random_vec(&mut rng, m * k, 1.0)
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| v * (1 + (i / k + 3 * (i % k / 128)) % 7) as f32)
+                    .collect();
                 for (dtype, tol) in DTYPES.into_iter().filter(|(d, _)| *d != DType::F32) {
                     let (x_dev, x_r) = upload(gpu, &x, dtype)?;
                     let x_q = Fp8Matrix::quantize_inputs(&HostTensor::from_f32(vec![m, k], x_r), scaling)

@@ -46,13 +46,13 @@ pub enum Fp8Inputs {
     /// FP8 GEMM for a shape, or where a step's codes need more bytes than the FP8 scratch holds
     /// (sized for the largest FP8 matrix dequantized; on the tiny test models, steps of about
     /// 240 tokens; the tests' steps are smaller).
-    PerTokenBeyond(usize),
+    QuantizedBeyond(usize),
 }
 
 impl Fp8Inputs {
-    /// What the CUDA backend does in bf16 and f16: per token beyond its FP8 GEMV's 4 rows
+    /// What the CUDA backend does in bf16 and f16: quantized beyond its FP8 GEMV's 4 rows
     /// (`cuda::GEMV_MAX_M`, which a check there keeps equal to this).
-    pub const GPU: Fp8Inputs = Fp8Inputs::PerTokenBeyond(4);
+    pub const GPU: Fp8Inputs = Fp8Inputs::QuantizedBeyond(4);
 }
 
 impl Cpu {
@@ -67,7 +67,7 @@ impl Cpu {
 pub struct CpuMatrix {
     values: HostTensor,
     /// Steps of more rows than this quantize their inputs as an FP8 GEMM of that scaling does
-    /// ([`Fp8Inputs::PerTokenBeyond`]).
+    /// ([`Fp8Inputs::QuantizedBeyond`]).
     quantize_inputs_beyond: Option<(usize, Fp8GemmScaling)>,
 }
 
@@ -200,7 +200,7 @@ impl Device for Cpu {
         // values), whose grid decides whether its FP8 GEMM takes the product.
         let stacked = Fp8Matrix::stack(parts).unwrap_or_else(|e| panic!("fp8_matrix: {e}"));
         let quantize_inputs_beyond = match self.fp8_inputs {
-            Fp8Inputs::PerTokenBeyond(rows) if usage == MatrixUse::Linear => {
+            Fp8Inputs::QuantizedBeyond(rows) if usage == MatrixUse::Linear => {
                 stacked.gemm_scaling().map(|scaling| (rows, scaling))
             }
             _ => None,
@@ -473,7 +473,7 @@ mod tests {
         let square = Fp8Matrix::new(rows, cols, codes, square).unwrap();
         let narrow =
             Fp8Matrix::quantize_rows(&HostTensor::from_f32(vec![24, cols], values.to_f32_vec()[..24 * cols].to_vec()));
-        let emulating = Cpu::with_fp8_inputs(Fp8Inputs::PerTokenBeyond(4));
+        let emulating = Cpu::with_fp8_inputs(Fp8Inputs::QuantizedBeyond(4));
         for m in [1, 4, 5, 9] {
             // Rows of different magnitudes, so that each takes its own scale.
             let x: Vec<f32> = random_vec(&mut rng, m * cols, 1.0)

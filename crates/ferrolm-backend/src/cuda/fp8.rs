@@ -233,6 +233,7 @@ fn layout(m: &Fp8Matrix) -> Option<(usize, u32, usize)> {
 pub struct Fp8View<'a> {
     codes: u64,
     grid: Fp8Grid,
+    /// The scales as an FP8 GEMM reads them, and how they scale, where one takes the matrix.
     gemm_scales: Option<(u64, Fp8GemmScaling)>,
     rows: usize,
     cols: usize,
@@ -257,12 +258,6 @@ impl Fp8View<'_> {
 
     pub fn cols(&self) -> usize {
         self.cols
-    }
-
-    /// The weights' scales as an FP8 GEMM reads them, and how they scale, where one takes the
-    /// matrix.
-    fn gemm_scales(&self) -> Option<(u64, Fp8GemmScaling)> {
-        self.gemm_scales
     }
 }
 
@@ -614,7 +609,7 @@ pub(super) fn gemm(
     if let Some(c) = &x_codes {
         assert!(c.rows == m && c.cols == k, "linear: FP8 codes of [{}, {}] for x of [{m}, {k}]", c.rows, c.cols);
     }
-    let Some((w_scales, scaling)) = w.gemm_scales() else { return Ok(false) };
+    let Some((w_scales, scaling)) = w.gemm_scales else { return Ok(false) };
     // A kernel's codes of x are per token.
     let x_codes = x_codes.filter(|_| scaling == Fp8GemmScaling::Rows);
     let (rows, x_scales) = gemm_rows(m, k, scaling);
@@ -675,7 +670,7 @@ pub fn tune_gemms(
     ms: &[usize],
     output: DType,
 ) -> Result<Vec<Fp8GemmTuning>, GpuError> {
-    let Some((w_scales, scaling)) = w.gemm_scales() else { return Ok(Vec::new()) };
+    let Some((w_scales, scaling)) = w.gemm_scales else { return Ok(Vec::new()) };
     assert!(n <= w.rows, "tune_gemms: {n} rows of an FP8 matrix of {}", w.rows);
     if !n.is_multiple_of(16) {
         return Ok(Vec::new());

@@ -395,7 +395,7 @@ impl Gemms {
             // address stands in until `run_fp8` sets the call's.
             // SAFETY: the workspace lives as long as the `Gpu`; the kept plan holds its address
             // as scales only until `run_fp8` sets the call's, before every run.
-            match unsafe { self.fp8_candidates(gpu, shape, 1, workspace, workspace) } {
+            let plan = match unsafe { self.fp8_candidates(gpu, shape, 1, workspace, workspace) } {
                 Ok(Some((mut plan, algos))) => {
                     plan.algo = algos.into_iter().next();
                     Some(plan)
@@ -405,7 +405,14 @@ impl Gemms {
                     tracing::debug!(?shape, error = %e, "no FP8 GEMM from cuBLASLt");
                     None
                 }
+            };
+            if plan.is_none() && shape.scaling == Fp8GemmScaling::Blocks {
+                // Block scaling needs cuBLASLt 12.9 or later on compute capability 9.0: without
+                // it each such product dequantizes its matrix, which is worth saying (once a
+                // shape).
+                tracing::info!(?shape, "no FP8 GEMM over 128 x 128 blocks from cuBLASLt: the matrix is dequantized");
             }
+            plan
         });
         plan.is_some()
     }

@@ -61,7 +61,7 @@ pub struct GpuOptions {
     pub kernel_defines: Vec<String>,
     /// FP8 GEMMs take cuBLASLt's fast accumulation where it has it: the tensor cores' running
     /// sums are never promoted to f32 along k (see `gemm_tune`'s module note); off keeps the
-    /// promotions.
+    /// promotions. GEMMs over 128 x 128 weight blocks promote either way.
     pub fp8_fast_accumulation: bool,
 }
 

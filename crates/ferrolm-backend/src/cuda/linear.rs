@@ -42,7 +42,7 @@ pub(crate) const KERNELS: &[KernelFamilies] = &[
 /// Most rows of `x` the GEMV kernel takes (it is instantiated for 1 to 4); more go to cuBLAS.
 pub const GEMV_MAX_M: usize = 4;
 // The CPU's reference of the GPU's FP8 products quantizes their inputs beyond as many rows.
-const _: () = assert!(matches!(crate::cpu::Fp8Inputs::GPU, crate::cpu::Fp8Inputs::PerTokenBeyond(GEMV_MAX_M)));
+const _: () = assert!(matches!(crate::cpu::Fp8Inputs::GPU, crate::cpu::Fp8Inputs::QuantizedBeyond(GEMV_MAX_M)));
 /// Warps (output columns) per GEMV block (`GEMV_WARPS`).
 pub(super) const GEMV_WARPS: usize = 8;
 

@@ -85,7 +85,9 @@ impl Quantization {
     }
 
     /// Whether each row of a quantized weight has one scale (a tensor's or a channel's), as the
-    /// FP8 GEMMs over per-token-quantized inputs take them (block scales do not).
+    /// FP8 GEMMs over per-token-quantized inputs take them: the inputs whose codes the kernels
+    /// that write them may keep (a GEMM over 128 x 128 blocks quantizes its own, per 128
+    /// columns).
     pub fn scales_whole_rows(&self) -> bool {
         !matches!(self.weights(), WeightScaling::Block { .. })
     }

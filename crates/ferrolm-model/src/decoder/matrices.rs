@@ -80,7 +80,9 @@ where
         if let (true, Some(Quantization::Fp8AtLoad(scaling))) = (role.quantized_at_load(), self.cfg.quantization) {
             let quantize = |w: &HostTensor| match scaling {
                 WeightScaling::Channel => Fp8Matrix::quantize_rows(w),
-                WeightScaling::Block { rows, cols } => Fp8Matrix::quantize_blocks(w, rows, cols),
+                WeightScaling::Block { rows: block_rows, cols: block_cols } => {
+                    Fp8Matrix::quantize_blocks(w, block_rows, block_cols)
+                }
                 WeightScaling::Tensor => {
                     let [rows, cols] = w.shape() else { unreachable!("a matrix part is 2-D") };
                     Fp8Matrix::quantize_blocks(w, *rows, *cols)

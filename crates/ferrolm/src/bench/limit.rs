@@ -13,8 +13,8 @@
 //! The GEMM rate is measured on the model's own projections at the engine's largest step
 //! (`--max-num-batched-tokens` rows): on a GPU through the backend's GEMMs with the fastest
 //! cuBLASLt algorithm for each shape, on the CPU through the CPU backend's `linear`. Where a GPU
-//! run's projections take FP8 GEMMs (FP8 weights with a scale per row), the layers' projections
-//! are priced at the FP8 GEMMs' rate, measured on them (one that the FP8 GEMM does not take at
+//! run's projections take FP8 GEMMs (FP8 weights with a scale per row or per 128 x 128 block),
+//! the layers' projections are priced at the FP8 GEMMs' rate, measured on them (one that the FP8 GEMM does not take at
 //! its time in the compute dtype, as the engine dequantizes it), and the rest at the compute
 //! dtype's (bf16/f16) rate: the attention's arithmetic (its kernels compute in bf16/f16
 //! whatever the cache holds), the LM head, and a MoE model's routers and routed experts (placed
@@ -308,22 +308,18 @@ pub fn measure_gemm_rate(
     let compute_dtype_rate = flops(&layer_projections(config)) / seconds;
     // The FP8 GEMMs take bf16/f16 activations, and weights scaled as the run's are (a projection
     // whose scales they do not take priced in the compute dtype, below).
-    let fp8 = config.quantization.filter(|_| device == Device::Cuda && weights != DType::F32);
-    let projection_rate = match fp8 {
+    let quantized = config.quantization.filter(|_| device == Device::Cuda && weights != DType::F32);
+    let (projection_rate, fp8) = match quantized {
         Some(q) => {
             let projections = fp8_projections(config);
             let probe =
                 Fp8Probe { dtype: weights, rows, fast_accumulation: fp8_fast_accumulation, scaling: q.weights() };
-            flops(&projections) / gpu_fp8_projection_seconds(&projections, probe)?
+            let (seconds, fp8) = gpu_fp8_projection_seconds(&projections, probe)?;
+            (flops(&projections) / seconds, fp8)
         }
-        None => compute_dtype_rate,
+        None => (compute_dtype_rate, false),
     };
-    Ok(GemmRate {
-        flops_per_s: projection_rate,
-        compute_dtype_flops_per_s: compute_dtype_rate,
-        fp8: fp8.is_some(),
-        rows,
-    })
+    Ok(GemmRate { flops_per_s: projection_rate, compute_dtype_flops_per_s: compute_dtype_rate, fp8, rows })
 }
 
 /// Values in [-1, 1), spread (zeros multiply faster than data, on some hardware).
@@ -427,16 +423,17 @@ struct Fp8Probe {
 }
 
 #[cfg(not(feature = "cuda"))]
-fn gpu_fp8_projection_seconds(_projections: &[(usize, usize)], _probe: Fp8Probe) -> Result<f64> {
+fn gpu_fp8_projection_seconds(_projections: &[(usize, usize)], _probe: Fp8Probe) -> Result<(f64, bool)> {
     anyhow::bail!("this build of ferrolm has no CUDA backend (build with `--features cuda`)")
 }
 
 /// The sum over `projections` (`(out, in)`), quantized to e4m3 as `probe.scaling` says (per
 /// row for tensor and channel scales, in the run's blocks), of their FP8 GEMMs' time with the
 /// fastest cuBLASLt algorithm (`cuda::tune_fp8_gemms`), in seconds; a projection the FP8 GEMM
-/// does not take (as the engine then dequantizes it) at its time in the compute dtype.
+/// does not take (as the engine then dequantizes it) at its time in the compute dtype. With
+/// whether any projection took an FP8 GEMM.
 #[cfg(feature = "cuda")]
-fn gpu_fp8_projection_seconds(projections: &[(usize, usize)], probe: Fp8Probe) -> Result<f64> {
+fn gpu_fp8_projection_seconds(projections: &[(usize, usize)], probe: Fp8Probe) -> Result<(f64, bool)> {
     use anyhow::Context;
     use ferrolm_backend::cuda::{self, Gemms, Gpu, GpuFp8Matrix, GpuOptions};
     use ferrolm_backend::{Fp8Matrix, HostTensor};
@@ -445,23 +442,26 @@ fn gpu_fp8_projection_seconds(projections: &[(usize, usize)], probe: Fp8Probe) -
     let options = GpuOptions { fp8_fast_accumulation: fast_accumulation, ..Default::default() };
     let gpu = Gpu::new(0, &options).context("cannot measure the GPU's FP8 GEMM rate")?;
     let gemms = Gemms::new()?;
-    let mut seconds = 0.0f64;
+    let (mut seconds, mut fp8) = (0.0f64, false);
     for (i, &(n, k)) in projections.iter().enumerate() {
         let values = HostTensor::from_f32(vec![n, k], probe_values(n * k, i).collect());
         let quantized = match scaling {
-            WeightScaling::Block { rows, cols } => Fp8Matrix::quantize_blocks(&values, rows, cols),
+            WeightScaling::Block { rows: block_rows, cols: block_cols } => {
+                Fp8Matrix::quantize_blocks(&values, block_rows, block_cols)
+            }
             WeightScaling::Tensor | WeightScaling::Channel => Fp8Matrix::quantize_rows(&values),
         };
         let tuned = match GpuFp8Matrix::new(&gpu, &quantized)? {
             Some(w) => cuda::tune_fp8_gemms(&gpu, &gemms, w.view(), n, &[rows], dtype)?.first().map(|t| t.best_us),
             None => None,
         };
+        fp8 |= tuned.is_some();
         seconds += match tuned {
             Some(us) => f64::from(us) / 1e6,
             None => gpu_projection_seconds(&[(n, k)], dtype, rows)?,
         };
     }
-    Ok(seconds)
+    Ok((seconds, fp8))
 }
 
 /// A run's limits at the measured ceilings, and how close the run came.

@@ -48,10 +48,9 @@ __device__ __forceinline__ void quantize_group(const T* x, u32 m, u32 rows, u32 
     float v[4] = {0.f, 0.f, 0.f, 0.f}, amax = 0.f;
     if (r < m) {
 #pragma unroll
-        for (int i = 0; i < 4; i++) {
-            v[i] = to_float(x[at + i]);
-            amax = fmaxf(amax, fabsf(v[i]));
-        }
+        for (int i = 0; i < 4; i++) v[i] = to_float(x[at + i]);
+#pragma unroll
+        for (int i = 0; i < 4; i++) amax = fmaxf(amax, fabsf(v[i]));
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
