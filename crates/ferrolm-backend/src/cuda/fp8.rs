@@ -543,17 +543,41 @@ fn quantized_bytes(m: usize, k: usize, scales: usize) -> (usize, usize) {
     (scales_at, scales_at + 4 * scales)
 }
 
-/// The rows an FP8 GEMM of `m` rows of `k` over weights scaled by `scaling` runs, and the scales
-/// of its quantized activations: 128 x 128 blocks take the activations' scales per token and
-/// 128 columns, and the tokens in multiples of 4 (cuBLASLt's VEC128 layout), the rows past `m`
-/// zeros whose outputs are dropped.
-fn gemm_rows(m: usize, k: usize, scaling: Fp8GemmScaling) -> (usize, usize) {
+/// Most rows a block GEMM pads through a buffer of its own: past it, the rows up to the last
+/// multiple of 4 go straight to the output and only the rest through that buffer (at a second
+/// read of the weights, small beside a GEMM of this many rows), so that the buffer stays small.
+const PADDED_GEMM_ROWS: usize = 64;
+
+/// A run of an FP8 GEMM's rows: `rows` rows of x from row `first`, run as a GEMM of
+/// `gemm_rows`; where those are more, the rows past x's are zeros and the product goes through
+/// a buffer of its own, its first `rows` rows copied out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct GemmPart {
+    first: usize,
+    rows: usize,
+    gemm_rows: usize,
+}
+
+/// The runs an FP8 GEMM of `m` rows over weights scaled by `scaling` takes: one of all the rows,
+/// except that blocks take their activations' scales per token and 128 columns with the tokens
+/// a multiple of 4 (cuBLASLt's VEC128 layout), padded as [`PADDED_GEMM_ROWS`] says.
+fn gemm_parts(m: usize, scaling: Fp8GemmScaling) -> Vec<GemmPart> {
+    let (whole, tail) = (m - m % 4, m % 4);
     match scaling {
-        Fp8GemmScaling::Rows => (m, m),
-        Fp8GemmScaling::Blocks => {
-            let rows = m.next_multiple_of(4);
-            (rows, rows * k.div_ceil(GEMM_BLOCK))
-        }
+        Fp8GemmScaling::Blocks if tail != 0 && m > PADDED_GEMM_ROWS => vec![
+            GemmPart { first: 0, rows: whole, gemm_rows: whole },
+            GemmPart { first: whole, rows: tail, gemm_rows: 4 },
+        ],
+        Fp8GemmScaling::Blocks => vec![GemmPart { first: 0, rows: m, gemm_rows: m.next_multiple_of(4) }],
+        Fp8GemmScaling::Rows => vec![GemmPart { first: 0, rows: m, gemm_rows: m }],
+    }
+}
+
+/// The activations' scales of a GEMM of `rows` rows of `k`.
+fn scale_count(rows: usize, k: usize, scaling: Fp8GemmScaling) -> usize {
+    match scaling {
+        Fp8GemmScaling::Rows => rows,
+        Fp8GemmScaling::Blocks => rows * k.div_ceil(GEMM_BLOCK),
     }
 }
 
@@ -612,49 +636,61 @@ pub(super) fn gemm(
     let Some((w_scales, scaling)) = w.gemm_scales else { return Ok(false) };
     // A kernel's codes of x are per token.
     let x_codes = x_codes.filter(|_| scaling == Fp8GemmScaling::Rows);
-    let (rows, x_scales) = gemm_rows(m, k, scaling);
-    let (scales_at, bytes) = quantized_bytes(rows, k, x_scales);
+    let parts = gemm_parts(m, scaling);
+    // Each part's codes, then its scales, in the scratch one after the other (16-byte aligned).
+    let mut at = Vec::with_capacity(parts.len());
+    let mut bytes = 0;
+    for part in &parts {
+        let (scales_at, end) = quantized_bytes(part.gemm_rows, k, scale_count(part.gemm_rows, k, scaling));
+        at.push((bytes, bytes + scales_at));
+        bytes = (bytes + end).next_multiple_of(16);
+    }
+    let shape = |part: &GemmPart| Fp8GemmShape { m: part.gemm_rows, n, k, output: out_dtype, scaling };
     let fits = x.dtype() != DType::F32
         && n.is_multiple_of(16)
         && out_ptr.is_multiple_of(16)
         && (x_codes.is_some() || bytes <= scratch.size_in_bytes())
-        && u32::try_from(rows).is_ok();
-    let shape = Fp8GemmShape { m: rows, n, k, output: out_dtype, scaling };
-    if !fits || !gemms.fp8_supported(gpu, shape) {
+        && u32::try_from(m.next_multiple_of(4)).is_ok();
+    if !fits || !parts.iter().all(|part| gemms.fp8_supported(gpu, shape(part))) {
         return Ok(false);
     }
-    let codes = match x_codes {
-        Some(c) => c.arg,
-        None => {
-            let codes = scratch.view_mut().ptr();
-            let arg = RowCodesArg { codes, scales: codes + scales_at as u64 };
-            match scaling {
-                Fp8GemmScaling::Rows => launch_quantize_rows(gpu, x, m, k, arg)?,
-                Fp8GemmScaling::Blocks => launch_quantize_groups(gpu, x, m, rows, k, arg)?,
+    let (scratch_ptr, elem) = (scratch.view_mut().ptr(), out_dtype.size_in_bytes());
+    for (part, &(codes_at, scales_at)) in parts.iter().zip(&at) {
+        let codes = match x_codes {
+            Some(c) => c.arg,
+            None => {
+                let arg = RowCodesArg { codes: scratch_ptr + codes_at as u64, scales: scratch_ptr + scales_at as u64 };
+                let x = x.slice(part.first * k..(part.first + part.rows) * k);
+                match scaling {
+                    Fp8GemmScaling::Rows => launch_quantize_rows(gpu, x, part.rows, k, arg)?,
+                    Fp8GemmScaling::Blocks => launch_quantize_groups(gpu, x, part.rows, part.gemm_rows, k, arg)?,
+                }
+                arg
             }
-            arg
+        };
+        let out = out_ptr + (part.first * n * elem) as u64;
+        // Padding rows: the product into a buffer of its own (freed in stream order), its
+        // first rows copied out.
+        let padded = if part.gemm_rows == part.rows {
+            None
+        } else {
+            // SAFETY: the GEMM below writes all of it before the copy reads it.
+            Some(unsafe { gpu.stream().alloc::<u8>(part.gemm_rows * n * elem) }?)
+        };
+        let d_ptr = padded.as_ref().map_or(out, |buf| gpu.index_ptr(buf));
+        // SAFETY: the weights hold at least n rows of k codes (n <= w.rows) and their scales in
+        // the layout of `scaling` (a prefix of the rows reads the first of them); the part's
+        // `gemm_rows` rows of codes and their scales were written (by the op that wrote x, or
+        // just above); the output holds `gemm_rows` rows of n in `out_dtype` from `d_ptr`; all
+        // 16-byte aligned (allocations, k % 16 == 0, the offsets, and the checks above).
+        unsafe { gemms.run_fp8(gpu, shape(part), w.codes, w_scales, codes.codes, codes.scales, d_ptr) }?;
+        if padded.is_some() {
+            let bytes = part.rows * n * elem;
+            // SAFETY: the two buffers are distinct live device memory of at least `bytes` bytes
+            // (out holds the part's rows of n, the padded product more), in stream order after
+            // the GEMM.
+            unsafe { driver::memcpy_dtod_async(out, d_ptr, bytes, gpu.raw_stream()?) }?;
         }
-    };
-    // Padding rows: the product into a buffer of its own (freed in stream order), its first m
-    // rows copied out.
-    let padded = if rows == m {
-        None
-    } else {
-        // SAFETY: the GEMM below writes all of it before the copy reads it.
-        Some(unsafe { gpu.stream().alloc::<u8>(rows * n * out_dtype.size_in_bytes()) }?)
-    };
-    let d_ptr = padded.as_ref().map_or(out_ptr, |buf| gpu.index_ptr(buf));
-    // SAFETY: the weights hold at least n rows of k codes (n <= w.rows) and their scales in the
-    // layout of `scaling` (a prefix of the rows reads the first of them); the activations' `rows`
-    // rows of codes and their scales were written (by the op that wrote x, or just above); the
-    // output holds `rows` rows of n in `out_dtype`; all 16-byte aligned (allocations, k % 16 ==
-    // 0, and the checks above).
-    unsafe { gemms.run_fp8(gpu, shape, w.codes, w_scales, codes.codes, codes.scales, d_ptr) }?;
-    if padded.is_some() {
-        let bytes = m * n * out_dtype.size_in_bytes();
-        // SAFETY: the two buffers are distinct live device memory of at least `bytes` bytes (out
-        // holds m rows of n, the padded product `rows`), in stream order after the GEMM.
-        unsafe { driver::memcpy_dtod_async(out_ptr, d_ptr, bytes, gpu.raw_stream()?) }?;
     }
     Ok(true)
 }
@@ -676,7 +712,8 @@ pub fn tune_gemms(
         return Ok(Vec::new());
     }
     // The rows each GEMM runs, once each (blocks pad the rows to a multiple of 4).
-    let mut rows: Vec<usize> = ms.iter().filter(|&&m| m > 0).map(|&m| gemm_rows(m, w.cols, scaling).0).collect();
+    let mut rows: Vec<usize> =
+        ms.iter().filter(|&&m| m > 0).flat_map(|&m| gemm_parts(m, scaling)).map(|part| part.gemm_rows).collect();
     rows.sort_unstable();
     rows.dedup();
     let mut report = Vec::new();
@@ -719,9 +756,16 @@ mod tests {
 
     #[test]
     fn block_gemms_pad_the_tokens_to_a_multiple_of_four() {
-        assert_eq!(gemm_rows(5, 256, Fp8GemmScaling::Rows), (5, 5));
-        assert_eq!(gemm_rows(5, 256, Fp8GemmScaling::Blocks), (8, 16));
-        assert_eq!(gemm_rows(64, 4096, Fp8GemmScaling::Blocks), (64, 64 * 32));
+        let part = |first, rows, gemm_rows| GemmPart { first, rows, gemm_rows };
+        assert_eq!(gemm_parts(5, Fp8GemmScaling::Rows), [part(0, 5, 5)]);
+        assert_eq!(gemm_parts(8191, Fp8GemmScaling::Rows), [part(0, 8191, 8191)]);
+        // Blocks: a multiple of 4 as it is; a few rows padded whole; more, only the last ones.
+        assert_eq!(gemm_parts(64, Fp8GemmScaling::Blocks), [part(0, 64, 64)]);
+        assert_eq!(gemm_parts(5, Fp8GemmScaling::Blocks), [part(0, 5, 8)]);
+        assert_eq!(gemm_parts(63, Fp8GemmScaling::Blocks), [part(0, 63, 64)]);
+        assert_eq!(gemm_parts(130, Fp8GemmScaling::Blocks), [part(0, 128, 128), part(128, 2, 4)]);
+        assert_eq!(scale_count(8, 256, Fp8GemmScaling::Blocks), 16);
+        assert_eq!(scale_count(8, 256, Fp8GemmScaling::Rows), 8);
         assert_eq!(quantized_bytes(5, 256, 16), (1280, 1344));
         assert_eq!(quantized_bytes(3, 20, 3), (64, 76));
     }
