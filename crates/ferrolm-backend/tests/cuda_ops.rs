@@ -2948,11 +2948,12 @@ fn fp8_linear_gated_matches_fp8_linear_then_activation() -> Result<(), GpuError>
 fn fp8_gemm_matches_cpu_on_quantized_activations() -> Result<(), GpuError> {
     let Some(gpu) = gpu_or_skip() else { return Ok(()) };
     let mut failures = Vec::new();
-    // With cuBLASLt's fast accumulation (the default options'), then with its promotions to f32.
+    // With cuBLASLt's fast accumulation (the default options'), then with its promotions to f32
+    // and the GEMM over 128 x 128 blocks (off by default).
     fp8_gemm_cases(&gpu, &mut failures)?;
     drop(gpu);
-    let promoting = Gpu::new(0, &GpuOptions { fp8_fast_accumulation: false, ..Default::default() })?;
-    fp8_gemm_cases(&promoting, &mut failures)?;
+    let options = GpuOptions { fp8_fast_accumulation: false, fp8_block_gemm: true, ..Default::default() };
+    fp8_gemm_cases(&Gpu::new(0, &options)?, &mut failures)?;
     assert!(failures.is_empty(), "{} cases out of bounds:\n{}", failures.len(), failures.join("\n"));
     Ok(())
 }
@@ -2973,6 +2974,13 @@ fn fp8_gemm_cases(gpu: &Gpu, failures: &mut Vec<String>) -> Result<(), GpuError>
             // Block scales always promote (see gemm_tune.rs).
             let fast = fast && scaling == Fp8GemmScaling::Rows;
             let w_dev = GpuFp8Matrix::new(gpu, &w)?.expect("the kernels take every layout under test");
+            if scaling == Fp8GemmScaling::Blocks && !gpu.options().fp8_block_gemm {
+                // Off: no block GEMM to tune (the matrix is dequantized, as
+                // `fp8_linear_matches_cpu_on_dequantized_weights` checks).
+                let report = cuda::tune_fp8_gemms(gpu, &gemms, w_dev.view(), n, &[64], DType::BF16)?;
+                assert!(report.is_empty(), "FP8 GEMM {layout}: a block GEMM tuned with the option off");
+                continue;
+            }
             let w_f32 = w.dequantize().to_f32_vec();
             let bias = random_vec(&mut rng, n, 1.0);
             let bias_dev = GpuTensor::from_f32(gpu, &bias, DType::F32)?;

@@ -114,6 +114,12 @@ pub struct GpuArgs {
     #[arg(long, env = "FERROLM_FP8_FAST_ACCUM", action = ArgAction::Set,
           value_parser = BoolishValueParser::new(), default_value_t = true, value_name = "BOOL")]
     pub fp8_fast_accum: bool,
+    /// FP8 weights in 128 x 128 blocks (Qwen3's FP8 checkpoints) take cuBLASLt's block-scaled FP8
+    /// GEMM beyond 4 rows a step, their inputs quantized per token and 128 columns (false, the
+    /// default for now, runs such products over a dequantized copy of the weights).
+    #[arg(long, env = "FERROLM_FP8_BLOCK_GEMM", action = ArgAction::Set,
+          value_parser = BoolishValueParser::new(), default_value_t = false, value_name = "BOOL")]
+    pub fp8_block_gemm: bool,
 }
 
 #[cfg(feature = "cuda")]
@@ -125,6 +131,7 @@ impl GpuArgs {
             decode_tensor_copies: self.decode_tensor_copies,
             kernel_defines: self.kernel_defines.iter().filter(|d| !d.is_empty()).cloned().collect(),
             fp8_fast_accumulation: self.fp8_fast_accum,
+            fp8_block_gemm: self.fp8_block_gemm,
         }
     }
 }

@@ -135,8 +135,10 @@ impl GpuFp8Matrix {
         let Some((block_rows, col_shift, grid_cols)) = layout(m) else { return Ok(None) };
         let (_, _, scales) = m.scale_grid();
         let codes = gpu.upload(m.codes())?;
+        let block_gemm = gpu.options().fp8_block_gemm;
         let gemm_scales = m
             .gemm_scaling()
+            .filter(|&scaling| scaling == Fp8GemmScaling::Rows || block_gemm)
             .map(|scaling| {
                 let values: Vec<f32> = match scaling {
                     Fp8GemmScaling::Rows => (0..m.rows()).map(|r| scales[r / block_rows]).collect(),

@@ -63,6 +63,10 @@ pub struct GpuOptions {
     /// sums are never promoted to f32 along k (see `gemm_tune`'s module note); off keeps the
     /// promotions. GEMMs over 128 x 128 weight blocks promote either way.
     pub fp8_fast_accumulation: bool,
+    /// FP8 matrices in 128 x 128 blocks take cuBLASLt's block-scaled FP8 GEMM beyond the FP8
+    /// GEMV's rows (their inputs quantized per token and 128 columns); off, the default while
+    /// that GEMM has yet to be checked against the CPU on a GPU, they take a dequantized copy.
+    pub fp8_block_gemm: bool,
 }
 
 impl Default for GpuOptions {
@@ -73,6 +77,7 @@ impl Default for GpuOptions {
             decode_tensor_copies: false,
             kernel_defines: Vec::new(),
             fp8_fast_accumulation: true,
+            fp8_block_gemm: false,
         }
     }
 }

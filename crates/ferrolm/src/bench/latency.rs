@@ -211,8 +211,8 @@ impl TtftLimit {
         let weights = if device == Device::Cpu { model.dtype } else { model.activation_dtype };
         let rows = args.input_len.min(budget);
         eprintln!("measuring {device:?} GEMM rate ({rows} rows)...");
-        let rate =
-            limit::measure_gemm_rate(device, &model.config, weights, rows, args.model.engine.gpu.fp8_fast_accum)?;
+        let switches = limit::Fp8Switches::of(&args.model.engine.gpu);
+        let rate = limit::measure_gemm_rate(device, &model.config, weights, rows, switches)?;
         // One output token: the limit in tokens per second is one over the prefill's seconds.
         let prefill = ThroughputLimit::of(&work, &rate, bw, 1, 1000.0 / median_ms);
         Ok(TtftLimit { rate, work, ms: 1000.0 / prefill.in_sequence, fraction: prefill.fraction_in_sequence })

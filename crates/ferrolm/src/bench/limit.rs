@@ -38,6 +38,7 @@ use serde_json::{Map, Value};
 
 use super::bandwidth::{Bandwidth, Device};
 use super::report::Table;
+use crate::loader::GpuArgs;
 
 /// Rows of the CPU's GEMM probe at most (the rate is flat beyond a few hundred rows, and a CPU
 /// takes seconds per projection of a 7B model there).
@@ -285,14 +286,13 @@ impl GemmRate {
 
 /// Times one layer's projections of `config` at `rows` rows on `device` (`weights` the dtype
 /// of the weights: on the GPU also of the activations; on the CPU activations are f32), and on
-/// the GPU in FP8 too where the run's projections take FP8 GEMMs (with fast accumulation or
-/// not, as the run's `--fp8-fast-accum`).
+/// the GPU in FP8 too where the run's projections take FP8 GEMMs (as the run's `switches` say).
 pub fn measure_gemm_rate(
     device: Device,
     config: &ModelConfig,
     weights: DType,
     rows: usize,
-    fp8_fast_accumulation: bool,
+    switches: Fp8Switches,
 ) -> Result<GemmRate> {
     let rows = rows.max(1);
     let (seconds, rows) = match device {
@@ -312,8 +312,7 @@ pub fn measure_gemm_rate(
     let (projection_rate, fp8) = match quantized {
         Some(q) => {
             let projections = fp8_projections(config);
-            let probe =
-                Fp8Probe { dtype: weights, rows, fast_accumulation: fp8_fast_accumulation, scaling: q.weights() };
+            let probe = Fp8Probe { dtype: weights, rows, switches, scaling: q.weights() };
             let (seconds, fp8) = gpu_fp8_projection_seconds(&projections, probe)?;
             (flops(&projections) / seconds, fp8)
         }
@@ -411,14 +410,27 @@ fn gpu_projection_seconds(projections: &[(usize, usize)], dtype: DType, rows: us
     Ok(micros as f64 / 1e6)
 }
 
-/// How the FP8 probe runs: `dtype` activations, `rows` of them, with fast accumulation or not,
-/// the weights quantized as the run's are scaled.
+/// The run's switches of its FP8 GEMMs (`--fp8-fast-accum`, `--fp8-block-gemm`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Fp8Switches {
+    pub fast_accumulation: bool,
+    pub block_gemm: bool,
+}
+
+impl Fp8Switches {
+    pub fn of(gpu: &GpuArgs) -> Fp8Switches {
+        Fp8Switches { fast_accumulation: gpu.fp8_fast_accum, block_gemm: gpu.fp8_block_gemm }
+    }
+}
+
+/// How the FP8 probe runs: `dtype` activations, `rows` of them, with the run's switches, the
+/// weights quantized as the run's are scaled.
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 struct Fp8Probe {
     dtype: DType,
     rows: usize,
-    fast_accumulation: bool,
+    switches: Fp8Switches,
     scaling: WeightScaling,
 }
 
@@ -438,8 +450,12 @@ fn gpu_fp8_projection_seconds(projections: &[(usize, usize)], probe: Fp8Probe) -
     use ferrolm_backend::cuda::{self, Gemms, Gpu, GpuFp8Matrix, GpuOptions};
     use ferrolm_backend::{Fp8Matrix, HostTensor};
 
-    let Fp8Probe { dtype, rows, fast_accumulation, scaling } = probe;
-    let options = GpuOptions { fp8_fast_accumulation: fast_accumulation, ..Default::default() };
+    let Fp8Probe { dtype, rows, switches, scaling } = probe;
+    let options = GpuOptions {
+        fp8_fast_accumulation: switches.fast_accumulation,
+        fp8_block_gemm: switches.block_gemm,
+        ..Default::default()
+    };
     let gpu = Gpu::new(0, &options).context("cannot measure the GPU's FP8 GEMM rate")?;
     let gemms = Gemms::new()?;
     let (mut seconds, mut fp8) = (0.0f64, false);
@@ -682,15 +698,17 @@ mod tests {
         assert_eq!(fp8.overlapped, 62.0 / 25.0);
     }
 
+    const SWITCHES: Fp8Switches = Fp8Switches { fast_accumulation: true, block_gemm: false };
+
     #[test]
     fn cpu_gemm_rate_is_measured_on_the_projections_in_each_dtype() -> Result<()> {
         let c = config(None);
         for dtype in [DType::F32, DType::F16, DType::BF16] {
-            let rate = measure_gemm_rate(Device::Cpu, &c, dtype, 8192, true)?;
+            let rate = measure_gemm_rate(Device::Cpu, &c, dtype, 8192, SWITCHES)?;
             assert_eq!(rate.rows, CPU_PROBE_ROWS, "{dtype:?}");
             assert!(rate.flops_per_s.is_finite() && rate.flops_per_s > 0.0, "{dtype:?}: {rate:?}");
         }
-        assert_eq!(measure_gemm_rate(Device::Cpu, &c, DType::BF16, 3, true)?.rows, 3);
+        assert_eq!(measure_gemm_rate(Device::Cpu, &c, DType::BF16, 3, SWITCHES)?.rows, 3);
         Ok(())
     }
 }

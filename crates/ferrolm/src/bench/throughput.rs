@@ -123,7 +123,7 @@ fn measure_limit(
         &model.config,
         weights,
         caps.max_num_batched_tokens,
-        engine.gpu.fp8_fast_accum,
+        limit::Fp8Switches::of(&engine.gpu),
     )?;
     let output_tokens = timings.iter().map(|t| t.output_len).sum();
     let limit = ThroughputLimit::of(&work, &rate, &bandwidth, output_tokens, output_throughput);
