@@ -5,7 +5,7 @@
 //! cargo build --release -p ferrolm-backend --features cuda,bench-internals --example gemv_bench
 //! target/release/examples/gemv_bench        # or `gemv_bench fp8`: the FP8 rows alone
 //! target/release/examples/gemv_bench fp8-ksplit   # the FP8 GEMV at each split of k
-//! target/release/examples/gemv_bench fp8-blocks   # the FP8 GEMM by each scale layout
+//! FERROLM_FP8_BLOCK_GEMM=1 target/release/examples/gemv_bench fp8-blocks   # by scale layout
 //! ```
 //!
 //! Each shape's weights are cycled through in enough copies that one pass is several times the
@@ -186,6 +186,9 @@ fn fp8_ksplit_section(gpu: &Gpu, gemms: &Gemms, shapes: &[(&str, usize, usize)])
 /// matrix dequantized to bf16 per call, then cuBLAS).
 fn fp8_blocks_section(gpu: &Gpu, gemms: &Gemms, shapes: &[(&str, usize, usize)]) {
     println!();
+    if !gpu.options().fp8_block_gemm {
+        println!("FERROLM_FP8_BLOCK_GEMM is off: the 128 x 128 rows take the dequantized copy too");
+    }
     let ms = [8, 33, 64, 256, 2048];
     println!(
         "{:<44} {:>8} {:>8} {:>8} {:>8} {:>8}",

@@ -43,8 +43,8 @@ pub enum Fp8Inputs {
     /// token and 128 columns beside 128 x 128 blocks. What the GPU does in bf16 and f16 beyond
     /// its FP8 GEMV (`cuda::GEMV_MAX_M` rows), where its FP8 GEMM takes the product (over
     /// blocks, with `GpuOptions::fp8_block_gemm`). Not modelled: the GPU's fallbacks to a
-    /// dequantized copy where that option is off (blocks then compute exactly on the GPU as
-    /// here by default; no test model has blocks of 128 over a wider matrix), where cuBLASLt
+    /// dequantized copy where that option is off (its default: block inputs then stay
+    /// unquantized on the GPU; no test model has blocks of 128 over a wider matrix), where cuBLASLt
     /// has no FP8 GEMM for a shape, or where a step's codes need more bytes than the FP8
     /// scratch holds (sized for the largest FP8 matrix dequantized; on the tiny test models,
     /// steps of about 240 tokens; the tests' steps are smaller).

@@ -641,11 +641,12 @@ pub(super) fn gemm(
     let parts = gemm_parts(m, scaling);
     // Each part's codes, then its scales, in the scratch one after the other (16-byte aligned).
     let mut at = Vec::with_capacity(parts.len());
-    let mut bytes = 0;
+    let mut bytes = 0usize;
     for part in &parts {
+        let start = bytes.next_multiple_of(16);
         let (scales_at, end) = quantized_bytes(part.gemm_rows, k, scale_count(part.gemm_rows, k, scaling));
-        at.push((bytes, bytes + scales_at));
-        bytes = (bytes + end).next_multiple_of(16);
+        at.push((start, start + scales_at));
+        bytes = start + end;
     }
     let shape = |part: &GemmPart| Fp8GemmShape { m: part.gemm_rows, n, k, output: out_dtype, scaling };
     let fits = x.dtype() != DType::F32
@@ -653,11 +654,12 @@ pub(super) fn gemm(
         && out_ptr.is_multiple_of(16)
         && (x_codes.is_some() || bytes <= scratch.size_in_bytes())
         && u32::try_from(m.next_multiple_of(4)).is_ok();
-    if !fits || !parts.iter().all(|part| gemms.fp8_supported(gpu, shape(part))) {
+    let shapes: Vec<Fp8GemmShape> = parts.iter().map(shape).collect();
+    if !fits || !gemms.fp8_supported(gpu, &shapes) {
         return Ok(false);
     }
     let (scratch_ptr, elem) = (scratch.view_mut().ptr(), out_dtype.size_in_bytes());
-    for (part, &(codes_at, scales_at)) in parts.iter().zip(&at) {
+    for (i, (part, &(codes_at, scales_at))) in parts.iter().zip(&at).enumerate() {
         let codes = match x_codes {
             Some(c) => c.arg,
             None => {
@@ -685,7 +687,7 @@ pub(super) fn gemm(
         // `gemm_rows` rows of codes and their scales were written (by the op that wrote x, or
         // just above); the output holds `gemm_rows` rows of n in `out_dtype` from `d_ptr`; all
         // 16-byte aligned (allocations, k % 16 == 0, the offsets, and the checks above).
-        unsafe { gemms.run_fp8(gpu, shape(part), w.codes, w_scales, codes.codes, codes.scales, d_ptr) }?;
+        unsafe { gemms.run_fp8(gpu, shapes[i], w.codes, w_scales, codes.codes, codes.scales, d_ptr) }?;
         if padded.is_some() {
             let bytes = part.rows * n * elem;
             // SAFETY: the two buffers are distinct live device memory of at least `bytes` bytes
@@ -698,8 +700,10 @@ pub(super) fn gemm(
 }
 
 /// Times cuBLASLt's FP8 GEMMs of `w`'s first `n` rows at each row count of `ms`, into `output`,
-/// and keeps the fastest algorithm per shape ([`Gemms::tune_fp8`]). A matrix the FP8 GEMM does
-/// not take (scales it does not scale by, `n` not a multiple of 16) gives nothing.
+/// and keeps the fastest algorithm per shape ([`Gemms::tune_fp8`]): the GEMMs a product of that
+/// many rows runs (over blocks, one padded to a multiple of 4 rows, or past 64 rows two: the
+/// rows to the last multiple of 4, and 4), each shape once, fewest rows first. A matrix the FP8
+/// GEMM does not take (scales it does not scale by, `n` not a multiple of 16) gives nothing.
 pub fn tune_gemms(
     gpu: &Gpu,
     gemms: &Gemms,

@@ -380,15 +380,22 @@ impl Gemms {
         unsafe { cublas_gemm(gpu, shape, w_ptr, x_ptr, out_ptr) }
     }
 
-    /// Whether cuBLASLt has an FP8 GEMM of `shape` on this device (its heuristic's first
-    /// algorithm, asked once per shape and remembered; an error on the way counts as none).
-    pub(crate) fn fp8_supported(&self, gpu: &Gpu, shape: Fp8GemmShape) -> bool {
+    /// Whether cuBLASLt has an FP8 GEMM of each of `shapes` on this device (its heuristic's
+    /// first algorithm, asked once per shape and remembered; an error on the way counts as
+    /// none). The plans of all of them are kept until the next call, for [`Self::run_fp8`].
+    pub(crate) fn fp8_supported(&self, gpu: &Gpu, shapes: &[Fp8GemmShape]) -> bool {
         let mut plans = self.fp8_plans.lock().unwrap_or_else(|e| e.into_inner());
-        if plans.len() >= MAX_FP8_PLANS && !plans.contains_key(&shape) {
+        let new = shapes.iter().filter(|shape| !plans.contains_key(shape)).count();
+        if new > 0 && plans.len() + new > MAX_FP8_PLANS {
             // Prompt chunks bring any number of row counts: start over rather than grow, keeping
             // what tuning chose (a few shapes per decode batch it was given).
             plans.retain(|_, plan| plan.as_ref().is_some_and(|p| p.tuned));
         }
+        shapes.iter().all(|&shape| self.fp8_plan(gpu, &mut plans, shape))
+    }
+
+    /// `shape`'s entry of `plans`, asked of cuBLASLt where it has none: whether it has a plan.
+    fn fp8_plan(&self, gpu: &Gpu, plans: &mut HashMap<Fp8GemmShape, Option<Plan>>, shape: Fp8GemmShape) -> bool {
         let plan = plans.entry(shape).or_insert_with(|| {
             let (workspace, _) = gpu.blas_workspace();
             // The heuristic takes vector scales only with their pointers set: any valid device
@@ -471,7 +478,7 @@ impl Gemms {
         out: u64,
     ) -> Result<(), GpuError> {
         let plans = self.fp8_plans.lock().unwrap_or_else(|e| e.into_inner());
-        let plan = plans.get(&shape).and_then(Option::as_ref).expect("run_fp8 after fp8_supported said yes");
+        let plan = plans.get(&shape).and_then(Option::as_ref).expect("run_fp8 after fp8_supported said yes of it");
         let algo = plan.algo.as_ref().expect("an FP8 plan is kept with its algorithm");
         // SAFETY: as the caller vouches; the scales are set and used under the lock, in stream
         // order.

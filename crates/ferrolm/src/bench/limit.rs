@@ -467,8 +467,14 @@ fn gpu_fp8_projection_seconds(projections: &[(usize, usize)], probe: Fp8Probe) -
             }
             WeightScaling::Tensor | WeightScaling::Channel => Fp8Matrix::quantize_rows(&values),
         };
+        // The GEMMs of `rows` rows (over blocks, up to two: see `cuda::tune_fp8_gemms`); none
+        // where any is missing, as the engine then dequantizes the matrix.
         let tuned = match GpuFp8Matrix::new(&gpu, &quantized)? {
-            Some(w) => cuda::tune_fp8_gemms(&gpu, &gemms, w.view(), n, &[rows], dtype)?.first().map(|t| t.best_us),
+            Some(w) => {
+                let report = cuda::tune_fp8_gemms(&gpu, &gemms, w.view(), n, &[rows], dtype)?;
+                let covered = report.iter().map(|t| t.shape.m).sum::<usize>() >= rows;
+                covered.then(|| report.iter().map(|t| t.best_us).sum::<f32>())
+            }
             None => None,
         };
         fp8 |= tuned.is_some();
