@@ -121,28 +121,16 @@ impl Fp8Matrix {
     /// Per-row quantization, as `--quantization fp8` quantizes a checkpoint's matrix: row `r`'s
     /// scale is `max(amax_r / 448, MIN_SCALE)` and its codes `e4m3(w / scale)`, in f32.
     pub fn quantize_rows(w: &HostTensor) -> Fp8Matrix {
-        let [rows, cols] = w.shape() else { panic!("Fp8Matrix::quantize_rows: a matrix of shape {:?}", w.shape()) };
-        let (rows, cols) = (*rows, *cols);
-        let values = w.to_f32_vec();
-        let mut codes = vec![0u8; rows * cols];
-        let mut scales = vec![0.0f32; rows];
-        codes.par_chunks_mut(cols.max(1)).zip(values.par_chunks(cols.max(1))).zip(scales.par_iter_mut()).for_each(
-            |((codes, row), scale)| {
-                let amax = row.iter().fold(0.0f32, |m, x| m.max(x.abs()));
-                *scale = (amax / E4M3_MAX).max(MIN_SCALE);
-                for (code, &x) in codes.iter_mut().zip(row) {
-                    *code = f32_to_e4m3(x / *scale);
-                }
-            },
-        );
+        let [_, cols] = w.shape() else { panic!("Fp8Matrix::quantize_rows: a matrix of shape {:?}", w.shape()) };
+        let Fp8Matrix { rows, cols, codes, scales } = Fp8Matrix::quantize_blocks(w, 1, (*cols).max(1));
+        let Fp8Scales::Blocks { scales, .. } = scales else { unreachable!("quantize_blocks gives blocks") };
         Fp8Matrix { rows, cols, codes, scales: Fp8Scales::Rows(scales) }
     }
 
     /// Quantization in blocks of `block_rows x block_cols` (the last of a row or column partial),
     /// as the block-wise `fp8` checkpoints are quantized (128 x 128), and as the FP8 GEMM over
     /// such weights quantizes its activations (1 x 128: per token and 128 columns): each block's
-    /// scale is `max(amax / 448, MIN_SCALE)` and its codes `e4m3(w / scale)`, in f32, as
-    /// [`Self::quantize_rows`] quantizes a row.
+    /// scale is `max(amax / 448, MIN_SCALE)` and its codes `e4m3(w / scale)`, in f32.
     pub fn quantize_blocks(w: &HostTensor, block_rows: usize, block_cols: usize) -> Fp8Matrix {
         let [rows, cols] = w.shape() else { panic!("Fp8Matrix::quantize_blocks: a matrix of shape {:?}", w.shape()) };
         let (rows, cols) = (*rows, *cols);

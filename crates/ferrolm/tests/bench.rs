@@ -228,14 +228,21 @@ fn dummy_weights_of_a_block_fp8_config_are_quantized_in_its_blocks() {
     let mut config: Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("JSON");
     config["quantization_config"] = json!({"quant_method": "fp8", "weight_block_size": [32, 32]});
     std::fs::write(&path, config.to_string()).expect("write config");
-    let args = format!(
-        "latency --model-config {} --dummy-weights --input-len 16 --output-len 4 --num-iters 2 \
-         --bandwidth-buffer-mb 32 --bandwidth-repetitions 2",
-        path.display()
-    );
-    let v = bench_json(dir.path(), &args);
-    check_latency(&v);
+    let v = dummy_latency(dir.path(), &path, 16);
     assert_eq!(v["model"]["quantization"], "fp8 at load in 32 x 32 blocks");
+}
+
+/// `bench latency` of `input_len` + 4 tokens (two iterations) over random weights of `config`,
+/// its result checked as every latency result is.
+fn dummy_latency(dir: &Path, config: &Path, input_len: usize) -> Value {
+    let args = format!(
+        "latency --model-config {} --dummy-weights --input-len {input_len} --output-len 4 --num-iters 2 \
+         --bandwidth-buffer-mb 32 --bandwidth-repetitions 2",
+        config.display()
+    );
+    let v = bench_json(dir, &args);
+    check_latency(&v);
+    v
 }
 
 /// `bench-configs/NAME` cut down to 2 layers of hidden 64 (4 heads of 16 over 2 KV heads), 8
@@ -287,13 +294,7 @@ fn moe_work_counts_the_experts_tokens_pick() {
         let per_step = 2.0 * (2.0 * (12288.0 + 512.0 + experts * 6144.0) + 512.0 * 64.0 + 64.0);
         assert_close(num(&v, "weight_read_bytes"), 16.0 * per_step, "weight read bytes");
 
-        let args = format!(
-            "latency --model-config {} --dummy-weights --input-len 8 --output-len 4 --num-iters 2 \
-             --bandwidth-buffer-mb 32 --bandwidth-repetitions 2",
-            config.display()
-        );
-        let v = bench_json(dir.path(), &args);
-        check_latency(&v);
+        let v = dummy_latency(dir.path(), &config, 8);
         let per_token = 2.0 * (2.0 * active + 512.0 * 64.0 + 64.0);
         assert_eq!(num(&v, "weight_bytes_per_token"), per_token, "{name}");
         assert_eq!(num(&v["model"], "active_matrix_elements_per_token") * 2.0, per_token, "{name}");

@@ -575,14 +575,6 @@ fn gemm_parts(m: usize, scaling: Fp8GemmScaling) -> Vec<GemmPart> {
     }
 }
 
-/// The activations' scales of a GEMM of `rows` rows of `k`.
-fn scale_count(rows: usize, k: usize, scaling: Fp8GemmScaling) -> usize {
-    match scaling {
-        Fp8GemmScaling::Rows => rows,
-        Fp8GemmScaling::Blocks => rows * k.div_ceil(GEMM_BLOCK),
-    }
-}
-
 /// `codes` = `x`'s `m` rows of `k` quantized per token and 128 columns (`fp8_quantize_groups`),
 /// with `rows - m` rows of zeros after them; k % 128 == 0.
 fn launch_quantize_groups(
@@ -639,22 +631,22 @@ pub(super) fn gemm(
     // A kernel's codes of x are per token.
     let x_codes = x_codes.filter(|_| scaling == Fp8GemmScaling::Rows);
     let parts = gemm_parts(m, scaling);
+    let shapes: Vec<Fp8GemmShape> =
+        parts.iter().map(|part| Fp8GemmShape { m: part.gemm_rows, n, k, output: out_dtype, scaling }).collect();
     // Each part's codes, then its scales, in the scratch one after the other (16-byte aligned).
     let mut at = Vec::with_capacity(parts.len());
     let mut bytes = 0usize;
-    for part in &parts {
+    for shape in &shapes {
         let start = bytes.next_multiple_of(16);
-        let (scales_at, end) = quantized_bytes(part.gemm_rows, k, scale_count(part.gemm_rows, k, scaling));
+        let (scales_at, end) = quantized_bytes(shape.m, k, shape.x_scales());
         at.push((start, start + scales_at));
         bytes = start + end;
     }
-    let shape = |part: &GemmPart| Fp8GemmShape { m: part.gemm_rows, n, k, output: out_dtype, scaling };
     let fits = x.dtype() != DType::F32
         && n.is_multiple_of(16)
         && out_ptr.is_multiple_of(16)
         && (x_codes.is_some() || bytes <= scratch.size_in_bytes())
         && u32::try_from(m.next_multiple_of(4)).is_ok();
-    let shapes: Vec<Fp8GemmShape> = parts.iter().map(shape).collect();
     if !fits || !gemms.fp8_supported(gpu, &shapes) {
         return Ok(false);
     }
@@ -770,8 +762,9 @@ mod tests {
         assert_eq!(gemm_parts(5, Fp8GemmScaling::Blocks), [part(0, 5, 8)]);
         assert_eq!(gemm_parts(63, Fp8GemmScaling::Blocks), [part(0, 63, 64)]);
         assert_eq!(gemm_parts(130, Fp8GemmScaling::Blocks), [part(0, 128, 128), part(128, 2, 4)]);
-        assert_eq!(scale_count(8, 256, Fp8GemmScaling::Blocks), 16);
-        assert_eq!(scale_count(8, 256, Fp8GemmScaling::Rows), 8);
+        let shape = |scaling| Fp8GemmShape { m: 8, n: 16, k: 256, output: DType::BF16, scaling };
+        assert_eq!(shape(Fp8GemmScaling::Blocks).x_scales(), 16);
+        assert_eq!(shape(Fp8GemmScaling::Rows).x_scales(), 8);
         assert_eq!(quantized_bytes(5, 256, 16), (1280, 1344));
         assert_eq!(quantized_bytes(3, 20, 3), (64, 76));
     }

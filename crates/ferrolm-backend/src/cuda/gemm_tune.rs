@@ -76,6 +76,16 @@ pub struct Fp8GemmShape {
     pub scaling: Fp8GemmScaling,
 }
 
+impl Fp8GemmShape {
+    /// The activations' scales: one per token, or per token and 128 columns.
+    pub(crate) fn x_scales(&self) -> usize {
+        match self.scaling {
+            Fp8GemmScaling::Rows => self.m,
+            Fp8GemmScaling::Blocks => self.m * self.k.div_ceil(GEMM_BLOCK),
+        }
+    }
+}
+
 /// What tuning measured for one shape.
 #[derive(Clone, Debug)]
 pub struct GemmTuning {
@@ -504,15 +514,11 @@ impl Gemms {
         w: u64,
         w_scales: u64,
     ) -> Result<Option<Fp8GemmTuning>, GpuError> {
-        let Fp8GemmShape { m, n, k, output, scaling } = shape;
+        let Fp8GemmShape { m, n, k, output, .. } = shape;
         // Codes of small values of both signs (zeros would time faster than real data).
         let x_host: Vec<u8> = (0..m * k).map(|i| (i.wrapping_mul(2_654_435_761) >> 9) as u8 & 0xb7).collect();
         let x = gpu.upload(&x_host)?;
-        let x_scale_count = match scaling {
-            Fp8GemmScaling::Rows => m,
-            Fp8GemmScaling::Blocks => m * k.div_ceil(GEMM_BLOCK),
-        };
-        let x_scales = GpuTensor::from_f32(gpu, &vec![1.0; x_scale_count], DType::F32)?;
+        let x_scales = GpuTensor::from_f32(gpu, &vec![1.0; shape.x_scales()], DType::F32)?;
         let out = GpuTensor::zeros(gpu, output, m * n)?;
         let (x_ptr, x_scales_ptr, out_ptr) = (gpu.index_ptr(&x), x_scales.view().ptr(), out.view().ptr());
         // SAFETY: the scales outlive the plan's runs here (synchronized below).
