@@ -22,8 +22,9 @@
 # Qwen3-8B in FP8 at 64 requests of 512 + 256 (decode GEMMs of 64 rows): q8b-t64-fp8 (its bf16
 # config with --quantization fp8: a scale a row) and q8b-t64-fp8blk (its FP8 checkpoint's config:
 # 128 x 128 blocks, as Qwen3-8B-FP8 ships). The block GEMM against the dequantized copy, one
-# build: `NEW_ENV=FERROLM_FP8_BLOCK_GEMM=1 BASE_ROW=q8b-t64-fp8blk scripts/gpu-ab.sh DIR DIR
-# q8b-t64-fp8blk`; against a scale a row: the same with `BASE_ROW=q8b-t64-fp8`.
+# build: `FERROLM_FP8_BLOCK_GEMM=0 NEW_ENV=FERROLM_FP8_BLOCK_GEMM=1 BASE_ROW=q8b-t64-fp8blk
+# scripts/gpu-ab.sh DIR DIR q8b-t64-fp8blk`; against a scale a row: `BASE_ROW=q8b-t64-fp8
+# scripts/gpu-ab.sh DIR DIR q8b-t64-fp8blk`.
 # NEW_ENV ("NAME=VALUE ...") is set for the new side's runs only, to compare a switch on one
 # build: `NEW_ENV=FERROLM_DECODE_TENSOR_COPIES=1 BASE_ROW=t1000-512 scripts/gpu-ab.sh DIR DIR
 # t1000-512`.

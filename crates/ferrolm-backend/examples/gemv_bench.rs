@@ -5,7 +5,7 @@
 //! cargo build --release -p ferrolm-backend --features cuda,bench-internals --example gemv_bench
 //! target/release/examples/gemv_bench        # or `gemv_bench fp8`: the FP8 rows alone
 //! target/release/examples/gemv_bench fp8-ksplit   # the FP8 GEMV at each split of k
-//! FERROLM_FP8_BLOCK_GEMM=1 target/release/examples/gemv_bench fp8-blocks   # by scale layout
+//! target/release/examples/gemv_bench fp8-blocks   # by scale layout
 //! ```
 //!
 //! Each shape's weights are cycled through in enough copies that one pass is several times the

@@ -13,7 +13,7 @@ use half::bf16;
 
 /// The server's defaults, with the switches the server takes from its command line read from
 /// the same environment variables (`FERROLM_PDL=0`, `FERROLM_DECODE_WARP_ITEMS=0`,
-/// `FERROLM_DECODE_TENSOR_COPIES=1`, `FERROLM_FP8_FAST_ACCUM=0`, `FERROLM_FP8_BLOCK_GEMM=1`,
+/// `FERROLM_DECODE_TENSOR_COPIES=1`, `FERROLM_FP8_FAST_ACCUM=0`, `FERROLM_FP8_BLOCK_GEMM=0`,
 /// `FERROLM_KERNEL_DEFINES="NAME=VALUE ..."`), so that one bench binary compares the variants.
 pub fn gpu_options() -> GpuOptions {
     let set = |name: &str, default: bool| std::env::var(name).map_or(default, |v| !matches!(v.as_str(), "0" | "false"));
@@ -24,7 +24,7 @@ pub fn gpu_options() -> GpuOptions {
         decode_tensor_copies: set("FERROLM_DECODE_TENSOR_COPIES", false),
         kernel_defines: defines.split_whitespace().map(str::to_string).collect(),
         fp8_fast_accumulation: set("FERROLM_FP8_FAST_ACCUM", true),
-        fp8_block_gemm: set("FERROLM_FP8_BLOCK_GEMM", false),
+        fp8_block_gemm: set("FERROLM_FP8_BLOCK_GEMM", true),
     }
 }
 

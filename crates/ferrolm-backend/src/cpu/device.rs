@@ -42,12 +42,12 @@ pub enum Fp8Inputs {
     /// [`Fp8Matrix::quantize_rows`] quantizes a matrix) beside weights of one scale a row, per
     /// token and 128 columns beside 128 x 128 blocks. What the GPU does in bf16 and f16 beyond
     /// its FP8 GEMV (`cuda::GEMV_MAX_M` rows), where its FP8 GEMM takes the product (over
-    /// blocks, with `GpuOptions::fp8_block_gemm`). Not modelled: the GPU's fallbacks to a
-    /// dequantized copy where that option is off (its default: block inputs then stay
-    /// unquantized on the GPU; no test model has blocks of 128 over a wider matrix), where cuBLASLt
-    /// has no FP8 GEMM for a shape, or where a step's codes need more bytes than the FP8
-    /// scratch holds (sized for the largest FP8 matrix dequantized; on the tiny test models,
-    /// steps of about 240 tokens; the tests' steps are smaller).
+    /// blocks, with `GpuOptions::fp8_block_gemm`, the default). Not modelled: the GPU's fallbacks
+    /// to a dequantized copy where that option is off (block inputs then stay unquantized on the
+    /// GPU; no test model has blocks of 128 over a wider matrix), where cuBLASLt has no FP8
+    /// GEMM for a shape, or where a step's codes need more bytes than the FP8 scratch holds
+    /// (sized for the largest FP8 matrix dequantized; on the tiny test models, steps of about
+    /// 240 tokens; the tests' steps are smaller).
     QuantizedBeyond(usize),
 }
 

@@ -64,8 +64,8 @@ pub struct GpuOptions {
     /// promotions. GEMMs over 128 x 128 weight blocks promote either way.
     pub fp8_fast_accumulation: bool,
     /// FP8 matrices in 128 x 128 blocks take cuBLASLt's block-scaled FP8 GEMM beyond the FP8
-    /// GEMV's rows (their inputs quantized per token and 128 columns); off, the default while
-    /// that GEMM has yet to be checked against the CPU on a GPU, they take a dequantized copy.
+    /// GEMV's rows (their inputs quantized per token and 128 columns; the default); off, they
+    /// take a copy dequantized to the compute dtype on every call.
     pub fp8_block_gemm: bool,
 }
 
@@ -77,7 +77,7 @@ impl Default for GpuOptions {
             decode_tensor_copies: false,
             kernel_defines: Vec::new(),
             fp8_fast_accumulation: true,
-            fp8_block_gemm: false,
+            fp8_block_gemm: true,
         }
     }
 }
