@@ -651,7 +651,7 @@ pub(super) fn gemm(
         return Ok(false);
     }
     let (scratch_ptr, elem) = (scratch.view_mut().ptr(), out_dtype.size_in_bytes());
-    for (i, (part, &(codes_at, scales_at))) in parts.iter().zip(&at).enumerate() {
+    for ((part, &shape), &(codes_at, scales_at)) in parts.iter().zip(&shapes).zip(&at) {
         let codes = match x_codes {
             Some(c) => c.arg,
             None => {
@@ -679,7 +679,7 @@ pub(super) fn gemm(
         // `gemm_rows` rows of codes and their scales were written (by the op that wrote x, or
         // just above); the output holds `gemm_rows` rows of n in `out_dtype` from `d_ptr`; all
         // 16-byte aligned (allocations, k % 16 == 0, the offsets, and the checks above).
-        unsafe { gemms.run_fp8(gpu, shapes[i], w.codes, w_scales, codes.codes, codes.scales, d_ptr) }?;
+        unsafe { gemms.run_fp8(gpu, shape, w.codes, w_scales, codes.codes, codes.scales, d_ptr) }?;
         if padded.is_some() {
             let bytes = part.rows * n * elem;
             // SAFETY: the two buffers are distinct live device memory of at least `bytes` bytes
